@@ -1,1 +1,1804 @@
+//! Black-box test harness for Sluice.
+//!
+//! Spawns the real `sluice` and `mock-llm` binaries (built beforehand by `cargo build
+//! --workspace`) on port 0, and talks to them over plain `std::net::TcpStream` with a tiny,
+//! strict HTTP/1.1 client. Every socket read has a timeout, every spawned process is killed when
+//! its guard is dropped (and, as a safety net, when the test process dies), so no test can hang
+//! or leak a process.
+//!
+//! A typical test is one setup line per process:
+//!
+//! ```ignore
+//! let mock = Mock::start(&["--inter-token-ms", "50"]);
+//! let gw = Sluice::start(&Config::one_cluster(&mock).timeout("header_read_ms", 300));
+//! let resp = gw.post("/v1/chat/completions", r#"{"model":"gpt-4o","messages":[]}"#);
+//! ```
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use serde_json::{json, Value};
+
+/// Default timeout for any single socket read or write done by the client.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a binary may take to print its startup line.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------------
+// Binaries, drivers, temp dirs
+// ---------------------------------------------------------------------------------------------
+
+/// The cargo target profile directory holding the built binaries (`target/debug`).
+pub fn bin_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("CARGO_TARGET_DIR") {
+        let p = PathBuf::from(dir).join("debug");
+        if p.join("sluice").exists() {
+            return p;
+        }
+    }
+    // current_exe = target/debug/deps/<test>-<hash>
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent().map(Path::to_path_buf);
+    while let Some(d) = dir {
+        if d.join("sluice").is_file() || d.join("mock-llm").is_file() {
+            return d;
+        }
+        dir = d.parent().map(Path::to_path_buf);
+    }
+    // Fall back to the conventional location: two levels up from the test executable.
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_path_buf()
+}
+
+/// Path of a workspace binary (`sluice`, `mock-llm`); panics with a hint when it is missing.
+pub fn bin(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(
+        p.is_file(),
+        "{} not found; run `cargo build --workspace` before the tests",
+        p.display()
+    );
+    p
+}
+
+/// The workspace root (the parent of `tests/`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// Whether this run forces monoio's legacy (epoll) driver (`SLUICE_TEST_DRIVER=legacy`).
+pub fn legacy_driver() -> bool {
+    std::env::var("SLUICE_TEST_DRIVER").is_ok_and(|v| v.eq_ignore_ascii_case("legacy"))
+}
+
+/// The driver name the startup line must report in this run.
+pub fn expected_driver() -> &'static str {
+    if legacy_driver() {
+        "legacy"
+    } else {
+        "io_uring"
+    }
+}
+
+static UNIQUE: AtomicU64 = AtomicU64::new(0);
+
+/// A temporary directory under `std::env::temp_dir()`, removed on drop.
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let path = std::env::temp_dir().join(format!(
+            "sluice-test-{tag}-{}-{}-{nanos}",
+            std::process::id(),
+            UNIQUE.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir { path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Write `contents` to `name` inside the directory and return the full path.
+    pub fn write(&self, name: &str, contents: impl AsRef<[u8]>) -> PathBuf {
+        let p = self.path.join(name);
+        std::fs::write(&p, contents).expect("write temp file");
+        p
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Make the child die with the test process even if the test is killed before its guards drop.
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+fn kill_child(child: &mut Child) {
+    if let Ok(None) = child.try_wait() {
+        let _ = child.kill();
+    }
+    let _ = child.wait();
+}
+
+/// Poll `cond` every 10 ms until it holds or `within` passes; returns whether it held.
+pub fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A port on 127.0.0.1 that was free a moment ago and has nothing listening on it now.
+pub fn dead_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    drop(l);
+    port
+}
+
+// ---------------------------------------------------------------------------------------------
+// mock-llm
+// ---------------------------------------------------------------------------------------------
+
+/// A running `mock-llm`. Killed on drop; it also exits when its stdin (held here) closes.
+pub struct Mock {
+    child: Child,
+    _stdin: ChildStdin,
+    pub addr: SocketAddr,
+    tls: bool,
+}
+
+impl Mock {
+    /// Start a plain-HTTP mock with extra flags (e.g. `&["--inter-token-ms", "50"]`).
+    pub fn start(args: &[&str]) -> Mock {
+        Self::spawn(args, false)
+    }
+
+    /// Start an HTTPS mock with the given PEM certificate chain and key.
+    pub fn start_tls(cert: &Path, key: &Path, args: &[&str]) -> Mock {
+        let mut all: Vec<&str> = args.to_vec();
+        let cert = cert.to_str().expect("utf-8 path");
+        let key = key.to_str().expect("utf-8 path");
+        all.extend_from_slice(&["--tls-cert", cert, "--tls-key", key]);
+        Self::spawn(&all, true)
+    }
+
+    fn spawn(args: &[&str], tls: bool) -> Mock {
+        let mut cmd = Command::new(bin("mock-llm"));
+        cmd.args(["--listen", "127.0.0.1:0", "--exit-on-stdin-eof"])
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        die_with_parent(&mut cmd);
+        let mut child = cmd.spawn().expect("spawn mock-llm");
+        let stdin = child.stdin.take().expect("mock stdin");
+        let stdout = child.stdout.take().expect("mock stdout");
+        let (tx, rx) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            let mut reader = BufReader::new(stdout);
+            let mut line = String::new();
+            // Forward the first line, then keep draining so the mock never blocks on stdout.
+            while let Ok(n) = reader.read_line(&mut line) {
+                if n == 0 {
+                    break;
+                }
+                let _ = tx.send(line.trim_end().to_string());
+                line.clear();
+            }
+        });
+        let line = match rx.recv_timeout(STARTUP_TIMEOUT) {
+            Ok(l) => l,
+            Err(e) => {
+                kill_child(&mut child);
+                panic!("mock-llm did not print its listening line: {e}");
+            }
+        };
+        let addr = line
+            .strip_prefix("mock-llm listening on ")
+            .and_then(|a| a.trim().parse::<SocketAddr>().ok())
+            .unwrap_or_else(|| panic!("unexpected mock-llm startup line: {line:?}"));
+        Mock {
+            child,
+            _stdin: stdin,
+            addr,
+            tls,
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// The base_url a cluster uses for this mock (`http://127.0.0.1:P/v1`, or
+    /// `https://localhost:P/v1` for a TLS mock).
+    pub fn base_url(&self) -> String {
+        if self.tls {
+            format!("https://localhost:{}/v1", self.port())
+        } else {
+            format!("http://{}/v1", self.addr)
+        }
+    }
+
+    /// `GET /_mock/stats` on a fresh connection (plain-HTTP mocks only).
+    pub fn stats(&self) -> Value {
+        assert!(!self.tls, "stats() needs a plain-HTTP mock");
+        let mut c = Conn::open(self.addr);
+        c.send(
+            &Req::get("/_mock/stats")
+                .header("Connection", "close")
+                .build(),
+        );
+        let r = c.read_response();
+        assert_eq!(r.status, 200, "mock stats: {}", r.text());
+        r.json()
+    }
+
+    /// One counter from `/_mock/stats`.
+    pub fn stat(&self, key: &str) -> u64 {
+        let s = self.stats();
+        s.get(key)
+            .and_then(Value::as_u64)
+            .unwrap_or_else(|| panic!("mock stats lack {key}: {s}"))
+    }
+
+    /// A keep-alive connection to the mock for reading stats without opening new connections
+    /// between readings (so `connections_accepted` deltas count only other clients).
+    pub fn stats_probe(&self) -> StatsProbe {
+        assert!(!self.tls, "stats_probe() needs a plain-HTTP mock");
+        StatsProbe {
+            conn: Conn::open(self.addr),
+        }
+    }
+
+    /// A [`RequestCounter`] starting now.
+    pub fn request_counter(&self) -> RequestCounter {
+        let mut probe = self.stats_probe();
+        let a = probe.stat("requests");
+        let b = probe.stat("requests");
+        RequestCounter {
+            probe,
+            last: b,
+            self_cost: b - a,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Mock {
+    fn drop(&mut self) {
+        kill_child(&mut self.child);
+    }
+}
+
+/// Counts the requests the mock received from others (not the probe's own stats requests).
+pub struct RequestCounter {
+    probe: StatsProbe,
+    last: u64,
+    self_cost: u64,
+}
+
+impl RequestCounter {
+    /// Requests the mock received since the counter was made (or last asked).
+    pub fn delta(&mut self) -> u64 {
+        let now = self.probe.stat("requests");
+        let d = now - self.last - self.self_cost;
+        self.last = now;
+        d
+    }
+}
+
+/// See [`Mock::stats_probe`].
+pub struct StatsProbe {
+    conn: Conn,
+}
+
+impl StatsProbe {
+    pub fn stats(&mut self) -> Value {
+        self.conn.send(&Req::get("/_mock/stats").build());
+        let r = self.conn.read_response();
+        assert_eq!(r.status, 200, "mock stats: {}", r.text());
+        assert!(
+            !r.header_has_token("connection", "close"),
+            "mock closes its stats connection; a probe needs keep-alive"
+        );
+        r.json()
+    }
+
+    pub fn stat(&mut self, key: &str) -> u64 {
+        let s = self.stats();
+        s.get(key)
+            .and_then(Value::as_u64)
+            .unwrap_or_else(|| panic!("mock stats lack {key}: {s}"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Config builder
+// ---------------------------------------------------------------------------------------------
+
+/// One `[clusters.NAME]` table.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    pub name: String,
+    pub backends: Vec<(String, u32)>,
+    pub model_map: Vec<(String, String)>,
+    pub credential: Option<(String, String)>,
+    pub ca_file: Option<String>,
+}
+
+impl Cluster {
+    pub fn new(name: &str, base_urls: &[&str]) -> Cluster {
+        Cluster {
+            name: name.to_string(),
+            backends: base_urls.iter().map(|u| (u.to_string(), 1)).collect(),
+            model_map: Vec::new(),
+            credential: None,
+            ca_file: None,
+        }
+    }
+}
+
+/// Builds a Sluice TOML config (format: `conf/sluice.toml`) plus the environment the process
+/// gets. Defaults: `listen = 127.0.0.1:0`, one worker, no pinning.
+#[derive(Clone, Debug)]
+pub struct Config {
+    sections: BTreeMap<String, Vec<(String, String)>>,
+    clusters: Vec<Cluster>,
+    routes: Vec<(String, String)>,
+    env: Vec<(String, String)>,
+    raw: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Quote a string as a TOML basic string.
+pub fn toml_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                let _ = write!(out, "\\u{:04X}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+impl Config {
+    /// No clusters, no routes.
+    pub fn new() -> Config {
+        let mut c = Config {
+            sections: BTreeMap::new(),
+            clusters: Vec::new(),
+            routes: Vec::new(),
+            env: Vec::new(),
+            raw: String::new(),
+        };
+        c = c
+            .set("server", "listen", &toml_str("127.0.0.1:0"))
+            .set("server", "workers", "1")
+            .set("server", "pin_workers", "false");
+        c
+    }
+
+    /// Cluster `main` with the mock as its one backend, and the route `gpt-4o` -> `main`.
+    pub fn one_cluster(mock: &Mock) -> Config {
+        Self::backend_url(&mock.base_url())
+    }
+
+    /// Cluster `main` with `base_url` as its one backend, and the route `gpt-4o` -> `main`.
+    pub fn backend_url(base_url: &str) -> Config {
+        Config::new()
+            .cluster(Cluster::new("main", &[base_url]))
+            .route("gpt-4o", "main")
+    }
+
+    /// Set `key = raw_value` in `[section]` (the value is raw TOML: quote strings yourself, or
+    /// use [`toml_str`]). Replaces an earlier value of the same key.
+    pub fn set(mut self, section: &str, key: &str, raw_value: &str) -> Config {
+        let entries = self.sections.entry(section.to_string()).or_default();
+        entries.retain(|(k, _)| k != key);
+        entries.push((key.to_string(), raw_value.to_string()));
+        self
+    }
+
+    /// `[timeouts] key = ms`.
+    pub fn timeout(self, key: &str, ms: u64) -> Config {
+        self.set("timeouts", key, &ms.to_string())
+    }
+
+    /// `[http] key = value`.
+    pub fn http(self, key: &str, value: u64) -> Config {
+        self.set("http", key, &value.to_string())
+    }
+
+    /// `[upstream] key = value`.
+    pub fn upstream(self, key: &str, value: u64) -> Config {
+        self.set("upstream", key, &value.to_string())
+    }
+
+    pub fn workers(self, n: u32) -> Config {
+        self.set("server", "workers", &n.to_string())
+    }
+
+    pub fn listen(self, addr: &str) -> Config {
+        self.set("server", "listen", &toml_str(addr))
+    }
+
+    pub fn cluster(mut self, cluster: Cluster) -> Config {
+        self.clusters.push(cluster);
+        self
+    }
+
+    /// `[[routes]] model = MODEL, cluster = CLUSTER`, appended in order.
+    pub fn route(mut self, model: &str, cluster: &str) -> Config {
+        self.routes.push((model.to_string(), cluster.to_string()));
+        self
+    }
+
+    fn first_cluster(&mut self) -> &mut Cluster {
+        self.clusters
+            .first_mut()
+            .expect("config has no cluster yet")
+    }
+
+    /// Map `from` to `to` in the first cluster, adding the route `from` -> that cluster unless
+    /// a route for exactly `from` exists already.
+    pub fn map(mut self, from: &str, to: &str) -> Config {
+        let c = self.first_cluster();
+        c.model_map.push((from.to_string(), to.to_string()));
+        let name = c.name.clone();
+        if !self.routes.iter().any(|(m, _)| m == from) {
+            self.routes.push((from.to_string(), name));
+        }
+        self
+    }
+
+    /// `credential = { env = ENV, header = HEADER }` on the first cluster.
+    pub fn credential(mut self, env: &str, header: &str) -> Config {
+        self.first_cluster().credential = Some((env.to_string(), header.to_string()));
+        self
+    }
+
+    /// `ca_file = PATH` on the first cluster.
+    pub fn ca_file(mut self, path: &Path) -> Config {
+        self.first_cluster().ca_file = Some(path.to_str().expect("utf-8 path").to_string());
+        self
+    }
+
+    /// An environment variable for the spawned sluice.
+    pub fn env(mut self, key: &str, value: &str) -> Config {
+        self.env.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// Raw TOML appended to the end of the file.
+    pub fn raw(mut self, toml: &str) -> Config {
+        self.raw.push_str(toml);
+        self.raw.push('\n');
+        self
+    }
+
+    pub fn to_toml(&self) -> String {
+        let mut out = String::new();
+        for (section, entries) in &self.sections {
+            let _ = writeln!(out, "[{section}]");
+            for (k, v) in entries {
+                let _ = writeln!(out, "{k} = {v}");
+            }
+            out.push('\n');
+        }
+        for c in &self.clusters {
+            let _ = writeln!(out, "[clusters.{}]", c.name);
+            let backends: Vec<String> = c
+                .backends
+                .iter()
+                .map(|(u, w)| format!("{{ base_url = {}, weight = {w} }}", toml_str(u)))
+                .collect();
+            let _ = writeln!(out, "backends = [{}]", backends.join(", "));
+            if !c.model_map.is_empty() {
+                let m: Vec<String> = c
+                    .model_map
+                    .iter()
+                    .map(|(a, b)| format!("{} = {}", toml_str(a), toml_str(b)))
+                    .collect();
+                let _ = writeln!(out, "model_map = {{ {} }}", m.join(", "));
+            }
+            if let Some((env, header)) = &c.credential {
+                let _ = writeln!(
+                    out,
+                    "credential = {{ env = {}, header = {} }}",
+                    toml_str(env),
+                    toml_str(header)
+                );
+            }
+            if let Some(ca) = &c.ca_file {
+                let _ = writeln!(out, "ca_file = {}", toml_str(ca));
+            }
+            out.push('\n');
+        }
+        for (model, cluster) in &self.routes {
+            let _ = writeln!(
+                out,
+                "[[routes]]\nmodel = {}\ncluster = {}\n",
+                toml_str(model),
+                toml_str(cluster)
+            );
+        }
+        out.push_str(&self.raw);
+        out
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// sluice
+// ---------------------------------------------------------------------------------------------
+
+/// The parsed startup line `sluice: listening on ADDR (workers=N, driver=D)`.
+#[derive(Clone, Debug)]
+pub struct Startup {
+    pub line: String,
+    pub addr: SocketAddr,
+    pub workers: u32,
+    pub driver: String,
+}
+
+impl Startup {
+    pub fn parse(line: &str) -> Option<Startup> {
+        let rest = line.trim().strip_prefix("sluice: listening on ")?;
+        let (addr, rest) = rest.split_once(' ')?;
+        let addr = addr.parse().ok()?;
+        let inner = rest.trim().strip_prefix('(')?.strip_suffix(')')?;
+        let mut workers = None;
+        let mut driver = None;
+        for part in inner.split(',') {
+            let (k, v) = part.trim().split_once('=')?;
+            match k {
+                "workers" => workers = v.parse().ok(),
+                "driver" => driver = Some(v.to_string()),
+                _ => {}
+            }
+        }
+        Some(Startup {
+            line: line.trim().to_string(),
+            addr,
+            workers: workers?,
+            driver: driver?,
+        })
+    }
+}
+
+/// A sluice that exited (or never said it was listening) during startup.
+#[derive(Debug)]
+pub struct StartFailure {
+    /// The exit status code, `None` if it was still running (and was killed) or died by signal.
+    pub code: Option<i32>,
+    pub exited: bool,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+/// A running sluice. Killed on drop.
+pub struct Sluice {
+    child: Child,
+    pub addr: SocketAddr,
+    pub startup: Startup,
+    stderr: Arc<Mutex<Vec<String>>>,
+    _dir: TempDir,
+    pub config_path: PathBuf,
+}
+
+fn sluice_command(config: &Config, path: &Path) -> Command {
+    let mut cmd = Command::new(bin("sluice"));
+    cmd.arg("--config").arg(path);
+    cmd.env_remove("MONOIO_FORCE_LEGACY_DRIVER");
+    if legacy_driver() {
+        cmd.env("MONOIO_FORCE_LEGACY_DRIVER", "1");
+    }
+    for (k, v) in &config.env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+impl Sluice {
+    /// Start sluice with `config`; panics (with its stderr) if it does not come up.
+    pub fn start(config: &Config) -> Sluice {
+        match Self::try_start(config) {
+            Ok(s) => s,
+            Err(f) => panic!(
+                "sluice did not start (exit code {:?}) with config:\n{}\n--- stderr ---\n{}",
+                f.code,
+                config.to_toml(),
+                f.stderr
+            ),
+        }
+    }
+
+    /// Start sluice; `Err` if it exits (or stays silent for [`STARTUP_TIMEOUT`]) before printing
+    /// its listening line.
+    pub fn try_start(config: &Config) -> Result<Sluice, StartFailure> {
+        Self::try_start_within(config, STARTUP_TIMEOUT)
+    }
+
+    pub fn try_start_within(config: &Config, within: Duration) -> Result<Sluice, StartFailure> {
+        let dir = TempDir::new("sluice");
+        let config_path = dir.write("sluice.toml", config.to_toml());
+        let mut cmd = sluice_command(config, &config_path);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        die_with_parent(&mut cmd);
+        let started = Instant::now();
+        let mut child = cmd.spawn().expect("spawn sluice");
+        let stderr_pipe = child.stderr.take().expect("sluice stderr");
+        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let (tx, rx) = mpsc::channel::<Startup>();
+        {
+            let lines = Arc::clone(&lines);
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stderr_pipe);
+                let mut buf = Vec::new();
+                loop {
+                    buf.clear();
+                    match reader.read_until(b'\n', &mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => {
+                            let line = String::from_utf8_lossy(&buf).trim_end().to_string();
+                            if let Some(s) = Startup::parse(&line) {
+                                let _ = tx.send(s);
+                            }
+                            lines.lock().unwrap().push(line);
+                        }
+                    }
+                }
+                // tx drops here: the receiver learns that stderr closed.
+            });
+        }
+        let fail = |child: &mut Child, lines: &Arc<Mutex<Vec<String>>>| {
+            let exited = matches!(child.try_wait(), Ok(Some(_)));
+            let status = if exited {
+                child.wait().ok()
+            } else {
+                kill_child(child);
+                None
+            };
+            // Give the reader thread a moment to collect the last lines.
+            std::thread::sleep(Duration::from_millis(50));
+            StartFailure {
+                code: status.and_then(|s| s.code()),
+                exited,
+                stderr: lines.lock().unwrap().join("\n"),
+                elapsed: started.elapsed(),
+            }
+        };
+        match rx.recv_timeout(within) {
+            Ok(startup) => Ok(Sluice {
+                child,
+                addr: startup.addr,
+                startup,
+                stderr: lines,
+                _dir: dir,
+                config_path,
+            }),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                // stderr closed: the process is exiting; wait briefly for its status.
+                let _ = wait_until(Duration::from_secs(5), || {
+                    matches!(child.try_wait(), Ok(Some(_)))
+                });
+                Err(fail(&mut child, &lines))
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(fail(&mut child, &lines)),
+        }
+    }
+
+    /// Run `sluice check --config FILE` on this config.
+    pub fn check(config: &Config) -> Output {
+        let dir = TempDir::new("check");
+        let path = dir.write("sluice.toml", config.to_toml());
+        Self::check_file(&path, &config.env)
+    }
+
+    /// Run `sluice check --config PATH` (with extra environment).
+    pub fn check_file(path: &Path, env: &[(String, String)]) -> Output {
+        let mut cmd = Command::new(bin("sluice"));
+        cmd.arg("check").arg("--config").arg(path);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.stdin(Stdio::null());
+        die_with_parent(&mut cmd);
+        // `check` must be quick; guard against a hang anyway.
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn sluice check");
+        let mut out = child.stdout.take().expect("stdout");
+        let mut err = child.stderr.take().expect("stderr");
+        let t_out = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = out.read_to_end(&mut v);
+            v
+        });
+        let t_err = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = err.read_to_end(&mut v);
+            v
+        });
+        let done = wait_until(Duration::from_secs(20), || {
+            matches!(child.try_wait(), Ok(Some(_)))
+        });
+        if !done {
+            kill_child(&mut child);
+            panic!("`sluice check` did not exit within 20 s");
+        }
+        let status = child.wait().expect("wait");
+        Output {
+            status,
+            stdout: t_out.join().unwrap_or_default(),
+            stderr: t_err.join().unwrap_or_default(),
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Number of open file descriptors of the sluice process (entries of /proc/PID/fd).
+    pub fn fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|d| d.count())
+            .expect("read /proc/PID/fd")
+    }
+
+    /// Everything sluice wrote to stderr so far.
+    pub fn stderr_text(&self) -> String {
+        self.stderr.lock().unwrap().join("\n")
+    }
+
+    /// A new client connection.
+    pub fn conn(&self) -> Conn {
+        Conn::open(self.addr)
+    }
+
+    /// Send one request on a fresh connection and read the response.
+    pub fn request(&self, req: &Req) -> Response {
+        let mut c = self.conn();
+        c.send(&req.build());
+        c.read_response_to(&req.method)
+    }
+
+    /// `POST path` with a JSON body on a fresh connection.
+    pub fn post(&self, path: &str, body: &str) -> Response {
+        self.request(&Req::post(path, body))
+    }
+
+    /// `GET path` on a fresh connection.
+    pub fn get(&self, path: &str) -> Response {
+        self.request(&Req::get(path))
+    }
+
+    /// `POST /v1/chat/completions` with `body` on a fresh connection.
+    pub fn chat(&self, body: &str) -> Response {
+        self.post("/v1/chat/completions", body)
+    }
+}
+
+impl Drop for Sluice {
+    fn drop(&mut self) {
+        kill_child(&mut self.child);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP/1.1 client
+// ---------------------------------------------------------------------------------------------
+
+/// A request builder producing raw bytes. Adds `Host` and `Content-Length` unless told not to.
+#[derive(Clone, Debug)]
+pub struct Req {
+    pub method: String,
+    pub target: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    auto_host: bool,
+    auto_length: bool,
+}
+
+impl Req {
+    pub fn new(method: &str, target: &str) -> Req {
+        Req {
+            method: method.to_string(),
+            target: target.to_string(),
+            headers: Vec::new(),
+            body: Vec::new(),
+            auto_host: true,
+            auto_length: true,
+        }
+    }
+
+    pub fn get(target: &str) -> Req {
+        Req::new("GET", target)
+    }
+
+    /// A POST with a JSON body.
+    pub fn post(target: &str, body: &str) -> Req {
+        Req::new("POST", target)
+            .header("Content-Type", "application/json")
+            .body(body.as_bytes())
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> Req {
+        self.headers.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    pub fn body(mut self, body: &[u8]) -> Req {
+        self.body = body.to_vec();
+        self
+    }
+
+    /// Do not add a `Host` header.
+    pub fn no_host(mut self) -> Req {
+        self.auto_host = false;
+        self
+    }
+
+    /// Do not add a `Content-Length` header (set framing headers yourself).
+    pub fn no_length(mut self) -> Req {
+        self.auto_length = false;
+        self
+    }
+
+    /// The request head only (ends with the blank line).
+    pub fn build_head(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(format!("{} {} HTTP/1.1\r\n", self.method, self.target).as_bytes());
+        if self.auto_host {
+            out.extend_from_slice(b"Host: sluice.test\r\n");
+        }
+        for (k, v) in &self.headers {
+            out.extend_from_slice(k.as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(v.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        if self.auto_length && (!self.body.is_empty() || self.method == "POST") {
+            out.extend_from_slice(format!("Content-Length: {}\r\n", self.body.len()).as_bytes());
+        }
+        out.extend_from_slice(b"\r\n");
+        out
+    }
+
+    /// Head and body.
+    pub fn build(&self) -> Vec<u8> {
+        let mut out = self.build_head();
+        out.extend_from_slice(&self.body);
+        out
+    }
+}
+
+/// Encode `parts` as a chunked body, including the last chunk and final CRLF.
+pub fn chunked(parts: &[&[u8]]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for p in parts {
+        out.extend_from_slice(format!("{:x}\r\n", p.len()).as_bytes());
+        out.extend_from_slice(p);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"0\r\n\r\n");
+    out
+}
+
+/// A response head.
+#[derive(Clone, Debug)]
+pub struct Head {
+    pub version: String,
+    pub status: u16,
+    pub reason: String,
+    pub headers: Vec<(String, String)>,
+    /// When the end of the head arrived.
+    pub at: Instant,
+}
+
+impl Head {
+    /// The first value of header `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        header_in(&self.headers, name)
+    }
+
+    /// All values of header `name`.
+    pub fn headers_named(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+}
+
+fn header_in<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_str())
+}
+
+/// How a response body was delimited.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// No body by definition (HEAD, 1xx, 204, 304).
+    None,
+    Length(u64),
+    Chunked,
+    /// Read until the connection closed.
+    Close,
+}
+
+/// How reading the body ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BodyEnd {
+    /// The framing said the body was complete (or a close-delimited body reached EOF).
+    Complete,
+    /// The connection closed (EOF) before the framing said the body was complete.
+    Truncated,
+    /// The connection was reset before the body was complete.
+    Reset,
+    /// A read timed out before the body was complete.
+    Timeout,
+    /// The body's framing was invalid (the string says how).
+    Malformed(String),
+}
+
+/// A piece of body data (a chunk's data, or one read's worth for non-chunked bodies) and when
+/// its last byte arrived.
+#[derive(Clone, Debug)]
+pub struct Piece {
+    pub at: Instant,
+    pub data: Vec<u8>,
+}
+
+/// A full response.
+#[derive(Clone, Debug)]
+pub struct Response {
+    pub version: String,
+    pub status: u16,
+    pub reason: String,
+    pub headers: Vec<(String, String)>,
+    pub head_at: Instant,
+    pub framing: Framing,
+    pub body: Vec<u8>,
+    pub pieces: Vec<Piece>,
+    pub trailers: Vec<(String, String)>,
+    pub end: BodyEnd,
+}
+
+impl Response {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        header_in(&self.headers, name)
+    }
+
+    /// Whether header `name` holds the comma-separated token `token` (case-insensitive).
+    pub fn header_has_token(&self, name: &str, token: &str) -> bool {
+        self.headers
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case(name))
+            .any(|(_, v)| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The body as JSON; panics with the body when it is not.
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "response body is not JSON ({e}); status {}; body: {:?}",
+                self.status,
+                self.text()
+            )
+        })
+    }
+
+    /// The raw head + body as text, for assertion messages and secret scans.
+    pub fn dump(&self) -> String {
+        let mut s = format!("{} {} {}\n", self.version, self.status, self.reason);
+        for (k, v) in &self.headers {
+            let _ = writeln!(s, "{k}: {v}");
+        }
+        s.push('\n');
+        s.push_str(&self.text());
+        for (k, v) in &self.trailers {
+            let _ = write!(s, "\n{k}: {v}");
+        }
+        s
+    }
+
+    /// Server-sent events in the body, each stamped with the arrival of its last byte.
+    pub fn sse_events(&self) -> Vec<SseEvent> {
+        parse_sse(&self.pieces)
+    }
+}
+
+/// Outcome of waiting for the peer to close.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CloseState {
+    /// Orderly close (read returned 0).
+    Eof,
+    /// Connection reset.
+    Reset,
+    /// Nothing arrived and the connection stayed open until the deadline.
+    Open,
+    /// The peer sent more bytes (shown lossily).
+    Data(String),
+}
+
+impl CloseState {
+    pub fn is_closed(&self) -> bool {
+        matches!(self, CloseState::Eof | CloseState::Reset)
+    }
+}
+
+#[derive(Debug)]
+pub enum ReadError {
+    /// EOF before any byte of a head.
+    Closed,
+    /// EOF in the middle of a head.
+    Truncated(Vec<u8>),
+    Reset,
+    Timeout,
+    Malformed(String),
+    Io(io::Error),
+}
+
+fn classify(e: io::Error) -> ReadError {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ReadError::Timeout,
+        io::ErrorKind::ConnectionReset
+        | io::ErrorKind::ConnectionAborted
+        | io::ErrorKind::BrokenPipe => ReadError::Reset,
+        _ => ReadError::Io(e),
+    }
+}
+
+/// A blocking client connection with read/write timeouts always set. Unconsumed bytes are kept
+/// between responses, so keep-alive reuse works. Each read is stamped, so callers can tell when
+/// any byte arrived.
+pub struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    /// Absolute stream offset of `buf[0]`.
+    base: u64,
+    /// (absolute end offset, arrival instant) of each read, oldest first.
+    reads: Vec<(u64, Instant)>,
+    timeout: Duration,
+}
+
+impl Conn {
+    pub fn open(addr: SocketAddr) -> Conn {
+        let stream = TcpStream::connect_timeout(&addr, IO_TIMEOUT)
+            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+        stream.set_nodelay(true).expect("nodelay");
+        let mut c = Conn {
+            stream,
+            buf: Vec::new(),
+            base: 0,
+            reads: Vec::new(),
+            timeout: IO_TIMEOUT,
+        };
+        c.set_timeout(IO_TIMEOUT);
+        c
+    }
+
+    /// Set the read and write timeout for subsequent operations (must be non-zero).
+    pub fn set_timeout(&mut self, d: Duration) {
+        self.timeout = d;
+        self.stream.set_read_timeout(Some(d)).expect("read timeout");
+        self.stream
+            .set_write_timeout(Some(d))
+            .expect("write timeout");
+    }
+
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// A second handle to the socket (e.g. for a writer thread).
+    pub fn try_clone_stream(&self) -> TcpStream {
+        self.stream.try_clone().expect("clone stream")
+    }
+
+    /// Write all bytes; panics on error.
+    pub fn send(&mut self, bytes: &[u8]) {
+        self.try_send(bytes)
+            .unwrap_or_else(|e| panic!("send {} bytes: {e}", bytes.len()));
+    }
+
+    /// Write all bytes.
+    pub fn try_send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.stream.write_all(bytes)?;
+        self.stream.flush()
+    }
+
+    /// Half-close the write side.
+    pub fn shutdown_write(&self) {
+        let _ = self.stream.shutdown(Shutdown::Write);
+    }
+
+    /// Bytes received but not consumed by a response parser yet.
+    pub fn buffered(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Read once more from the socket into the buffer; returns the count (0 = EOF).
+    pub fn read_more(&mut self) -> io::Result<usize> {
+        self.fill()
+    }
+
+    /// Read more bytes into the buffer; returns the count (0 = EOF).
+    fn fill(&mut self) -> io::Result<usize> {
+        let mut tmp = [0u8; 16384];
+        let n = loop {
+            match self.stream.read(&mut tmp) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        };
+        if n > 0 {
+            self.buf.extend_from_slice(&tmp[..n]);
+            let end = self.base + self.buf.len() as u64;
+            self.reads.push((end, Instant::now()));
+        }
+        Ok(n)
+    }
+
+    /// Arrival instant of the byte at absolute offset `off`.
+    fn arrival(&self, off: u64) -> Instant {
+        self.reads
+            .iter()
+            .find(|(end, _)| *end > off)
+            .or(self.reads.last())
+            .map(|(_, t)| *t)
+            .unwrap_or_else(Instant::now)
+    }
+
+    fn consume(&mut self, n: usize) -> Vec<u8> {
+        let out: Vec<u8> = self.buf.drain(..n).collect();
+        self.base += n as u64;
+        // Forget reads entirely before the new base, keeping the one spanning it.
+        let base = self.base;
+        let keep_from = self
+            .reads
+            .iter()
+            .position(|(end, _)| *end > base)
+            .unwrap_or(self.reads.len());
+        self.reads.drain(..keep_from);
+        out
+    }
+
+    /// Read one response head (which may be a 1xx interim response).
+    pub fn read_head(&mut self) -> Result<Head, ReadError> {
+        loop {
+            if let Some(pos) = find(&self.buf, b"\r\n\r\n") {
+                let at = self.arrival(self.base + pos as u64 + 3);
+                let raw = self.consume(pos + 4);
+                return parse_head(&raw[..pos], at);
+            }
+            if self.buf.len() > 1 << 20 {
+                return Err(ReadError::Malformed("response head over 1 MiB".into()));
+            }
+            match self.fill() {
+                Ok(0) if self.buf.is_empty() => return Err(ReadError::Closed),
+                Ok(0) => return Err(ReadError::Truncated(self.buf.clone())),
+                Ok(_) => {}
+                Err(e) => return Err(classify(e)),
+            }
+        }
+    }
+
+    /// Read a response to a non-HEAD request, skipping interim 1xx responses; panics if no
+    /// head arrives.
+    pub fn read_response(&mut self) -> Response {
+        self.read_response_to("GET")
+    }
+
+    /// Like [`Conn::read_response`], for a request with `method` (HEAD responses have no body).
+    pub fn read_response_to(&mut self, method: &str) -> Response {
+        self.try_read_response(method)
+            .unwrap_or_else(|e| panic!("no response head: {e:?}"))
+    }
+
+    pub fn try_read_response(&mut self, method: &str) -> Result<Response, ReadError> {
+        let head = loop {
+            let h = self.read_head()?;
+            if (100..200).contains(&h.status) && h.status != 101 {
+                continue;
+            }
+            break h;
+        };
+        Ok(self.read_body(head, method))
+    }
+
+    /// Read the body that follows `head` (a response to `method`).
+    pub fn read_body(&mut self, head: Head, method: &str) -> Response {
+        let mut resp = Response {
+            version: head.version.clone(),
+            status: head.status,
+            reason: head.reason.clone(),
+            headers: head.headers.clone(),
+            head_at: head.at,
+            framing: Framing::None,
+            body: Vec::new(),
+            pieces: Vec::new(),
+            trailers: Vec::new(),
+            end: BodyEnd::Complete,
+        };
+        let no_body = method.eq_ignore_ascii_case("HEAD")
+            || (100..200).contains(&head.status)
+            || head.status == 204
+            || head.status == 304;
+        if no_body {
+            return resp;
+        }
+        let te = head.headers_named("transfer-encoding");
+        let cls = head.headers_named("content-length");
+        if !te.is_empty() {
+            if !cls.is_empty() {
+                resp.end = BodyEnd::Malformed(
+                    "response has both Transfer-Encoding and Content-Length".into(),
+                );
+                return resp;
+            }
+            let codings: Vec<String> = te
+                .iter()
+                .flat_map(|v| v.split(','))
+                .map(|t| t.trim().to_ascii_lowercase())
+                .collect();
+            if codings.last().map(String::as_str) != Some("chunked") {
+                resp.framing = Framing::Close;
+                resp.end = BodyEnd::Malformed(format!("unexpected transfer-encoding {codings:?}"));
+                return resp;
+            }
+            resp.framing = Framing::Chunked;
+            self.read_chunked(&mut resp);
+        } else if !cls.is_empty() {
+            let vals: Vec<&str> = cls
+                .iter()
+                .flat_map(|v| v.split(','))
+                .map(str::trim)
+                .collect();
+            let first = vals[0];
+            if vals.iter().any(|v| *v != first)
+                || first.is_empty()
+                || !first.bytes().all(|b| b.is_ascii_digit())
+            {
+                resp.end = BodyEnd::Malformed(format!("bad response Content-Length {cls:?}"));
+                return resp;
+            }
+            let n: u64 = first.parse().unwrap_or(u64::MAX);
+            resp.framing = Framing::Length(n);
+            self.read_exact_body(&mut resp, n);
+        } else {
+            resp.framing = Framing::Close;
+            self.read_to_close(&mut resp);
+        }
+        resp
+    }
+
+    fn push_piece(&mut self, resp: &mut Response, n: usize) {
+        let at = self.arrival(self.base + n as u64 - 1);
+        let data = self.consume(n);
+        resp.body.extend_from_slice(&data);
+        resp.pieces.push(Piece { at, data });
+    }
+
+    fn read_exact_body(&mut self, resp: &mut Response, len: u64) {
+        let mut left = len;
+        while left > 0 {
+            if self.buf.is_empty() {
+                match self.fill() {
+                    Ok(0) => {
+                        resp.end = BodyEnd::Truncated;
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        resp.end = end_from(classify(e));
+                        return;
+                    }
+                }
+            }
+            let take = (self.buf.len() as u64).min(left) as usize;
+            self.push_piece(resp, take);
+            left -= take as u64;
+        }
+    }
+
+    fn read_to_close(&mut self, resp: &mut Response) {
+        loop {
+            if !self.buf.is_empty() {
+                let n = self.buf.len();
+                self.push_piece(resp, n);
+            }
+            match self.fill() {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) => {
+                    resp.end = end_from(classify(e));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Read until `buf` holds a CRLF-terminated line; returns the line without CRLF.
+    fn read_line(&mut self, limit: usize) -> Result<Vec<u8>, BodyEnd> {
+        loop {
+            if let Some(pos) = find(&self.buf, b"\r\n") {
+                let line = self.consume(pos + 2);
+                return Ok(line[..pos].to_vec());
+            }
+            if self.buf.len() > limit {
+                return Err(BodyEnd::Malformed("line too long".into()));
+            }
+            match self.fill() {
+                Ok(0) => return Err(BodyEnd::Truncated),
+                Ok(_) => {}
+                Err(e) => return Err(end_from(classify(e))),
+            }
+        }
+    }
+
+    fn read_chunked(&mut self, resp: &mut Response) {
+        loop {
+            let line = match self.read_line(4096) {
+                Ok(l) => l,
+                Err(e) => {
+                    resp.end = e;
+                    return;
+                }
+            };
+            let size_part = line.split(|b| *b == b';').next().unwrap_or(&[]);
+            let size_str = String::from_utf8_lossy(size_part)
+                .trim_end_matches([' ', '\t'])
+                .to_string();
+            if size_str.is_empty()
+                || size_str.len() > 16
+                || !size_str.bytes().all(|b| b.is_ascii_hexdigit())
+            {
+                resp.end = BodyEnd::Malformed(format!(
+                    "bad chunk size line {:?}",
+                    String::from_utf8_lossy(&line)
+                ));
+                return;
+            }
+            let size = u64::from_str_radix(&size_str, 16).unwrap_or(u64::MAX);
+            if size == 0 {
+                // Trailer section.
+                loop {
+                    match self.read_line(65536) {
+                        Ok(l) if l.is_empty() => return,
+                        Ok(l) => {
+                            let s = String::from_utf8_lossy(&l).into_owned();
+                            match s.split_once(':') {
+                                Some((k, v)) => {
+                                    resp.trailers.push((k.to_string(), v.trim().to_string()))
+                                }
+                                None => {
+                                    resp.end = BodyEnd::Malformed(format!("bad trailer {s:?}"));
+                                    return;
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            resp.end = e;
+                            return;
+                        }
+                    }
+                }
+            }
+            // Chunk data + CRLF.
+            let need = size as usize + 2;
+            while self.buf.len() < need {
+                match self.fill() {
+                    Ok(0) => {
+                        resp.end = BodyEnd::Truncated;
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        resp.end = end_from(classify(e));
+                        return;
+                    }
+                }
+            }
+            if &self.buf[size as usize..need] != b"\r\n" {
+                resp.end = BodyEnd::Malformed("chunk data not followed by CRLF".into());
+                return;
+            }
+            self.push_piece(resp, size as usize);
+            self.consume(2);
+        }
+    }
+
+    /// Wait up to `within` for the peer to close the connection (extra bytes count as
+    /// [`CloseState::Data`]). Restores the normal timeout afterwards.
+    pub fn wait_close(&mut self, within: Duration) -> CloseState {
+        if !self.buf.is_empty() {
+            return CloseState::Data(String::from_utf8_lossy(&self.buf).into_owned());
+        }
+        let saved = self.timeout;
+        let _ = self
+            .stream
+            .set_read_timeout(Some(within.max(Duration::from_millis(1))));
+        let result = match self.fill() {
+            Ok(0) => CloseState::Eof,
+            Ok(_) => CloseState::Data(String::from_utf8_lossy(&self.buf).into_owned()),
+            Err(e) => match classify(e) {
+                ReadError::Reset => CloseState::Reset,
+                ReadError::Timeout => CloseState::Open,
+                other => panic!("waiting for close: {other:?}"),
+            },
+        };
+        self.set_timeout(saved);
+        result
+    }
+
+    /// Assert that the server closes this connection within `within` without sending more.
+    pub fn assert_closed(&mut self, within: Duration) {
+        let st = self.wait_close(within);
+        assert!(
+            st.is_closed(),
+            "expected the server to close the connection within {within:?}, got {st:?}"
+        );
+    }
+}
+
+fn end_from(e: ReadError) -> BodyEnd {
+    match e {
+        ReadError::Reset => BodyEnd::Reset,
+        ReadError::Timeout => BodyEnd::Timeout,
+        ReadError::Closed | ReadError::Truncated(_) => BodyEnd::Truncated,
+        ReadError::Malformed(m) => BodyEnd::Malformed(m),
+        ReadError::Io(e) => BodyEnd::Malformed(format!("io: {e}")),
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn parse_head(raw: &[u8], at: Instant) -> Result<Head, ReadError> {
+    let text = std::str::from_utf8(raw)
+        .map_err(|_| ReadError::Malformed(format!("non-UTF-8 response head: {raw:?}")))?;
+    let mut lines = text.split("\r\n");
+    let status_line = lines.next().unwrap_or("");
+    if status_line.contains('\n') || status_line.contains('\r') {
+        return Err(ReadError::Malformed(format!(
+            "bare CR/LF in status line {status_line:?}"
+        )));
+    }
+    let mut parts = status_line.splitn(3, ' ');
+    let version = parts.next().unwrap_or("").to_string();
+    let status = parts
+        .next()
+        .and_then(|s| s.parse::<u16>().ok())
+        .filter(|s| (100..1000).contains(s))
+        .ok_or_else(|| ReadError::Malformed(format!("bad status line {status_line:?}")))?;
+    if !version.starts_with("HTTP/1.") {
+        return Err(ReadError::Malformed(format!(
+            "bad status line {status_line:?}"
+        )));
+    }
+    let reason = parts.next().unwrap_or("").to_string();
+    let mut headers = Vec::new();
+    for line in lines {
+        if line.contains('\n') || line.contains('\r') {
+            return Err(ReadError::Malformed(format!(
+                "bare CR/LF in header {line:?}"
+            )));
+        }
+        let (k, v) = line
+            .split_once(':')
+            .ok_or_else(|| ReadError::Malformed(format!("bad header line {line:?}")))?;
+        if k.is_empty() || k.contains([' ', '\t']) {
+            return Err(ReadError::Malformed(format!("bad header name {k:?}")));
+        }
+        headers.push((k.to_string(), v.trim().to_string()));
+    }
+    Ok(Head {
+        version,
+        status,
+        reason,
+        headers,
+        at,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// SSE
+// ---------------------------------------------------------------------------------------------
+
+/// One server-sent event.
+#[derive(Clone, Debug)]
+pub struct SseEvent {
+    /// When the blank line ending the event arrived.
+    pub at: Instant,
+    pub event: Option<String>,
+    /// `data:` lines joined with `\n`.
+    pub data: String,
+    /// Comment lines (`: ...`), without the colon.
+    pub comments: Vec<String>,
+}
+
+impl SseEvent {
+    pub fn is_done(&self) -> bool {
+        self.data == "[DONE]"
+    }
+
+    /// The data as JSON, if it is JSON.
+    pub fn json(&self) -> Option<Value> {
+        serde_json::from_str(&self.data).ok()
+    }
+
+    /// Whether the data is an OpenAI-shaped error object.
+    pub fn is_error(&self) -> bool {
+        self.json().is_some_and(|v| v.get("error").is_some())
+    }
+
+    /// Non-empty `choices[0].delta.content` (chat), `choices[0].text` (completions) or `delta`
+    /// of a `response.output_text.delta` event, if present.
+    pub fn content(&self) -> Option<String> {
+        let v = self.json()?;
+        let text = match v.get("choices").and_then(|c| c.get(0)) {
+            Some(c) => c
+                .get("delta")
+                .and_then(|d| d.get("content"))
+                .or_else(|| c.get("text"))
+                .and_then(Value::as_str),
+            None if v.get("type").and_then(Value::as_str) == Some("response.output_text.delta") => {
+                v.get("delta").and_then(Value::as_str)
+            }
+            None => None,
+        }?;
+        (!text.is_empty()).then(|| text.to_string())
+    }
+}
+
+/// Parse SSE events from timestamped body pieces. Lines end in LF, CRLF or CR; an event ends
+/// at a blank line, and is stamped with the arrival of the piece holding that blank line. An
+/// unterminated trailing event is dropped.
+pub fn parse_sse(pieces: &[Piece]) -> Vec<SseEvent> {
+    let mut events = Vec::new();
+    let mut line: Vec<u8> = Vec::new();
+    let mut cur = SseEvent {
+        at: Instant::now(),
+        event: None,
+        data: String::new(),
+        comments: Vec::new(),
+    };
+    let mut has_fields = false;
+    let mut data_lines: Vec<String> = Vec::new();
+    let mut prev_cr = false;
+    for piece in pieces {
+        for &b in &piece.data {
+            if prev_cr && b == b'\n' {
+                prev_cr = false;
+                continue;
+            }
+            prev_cr = b == b'\r';
+            if b != b'\n' && b != b'\r' {
+                line.push(b);
+                continue;
+            }
+            // End of a line.
+            if line.is_empty() {
+                if has_fields {
+                    cur.data = data_lines.join("\n");
+                    cur.at = piece.at;
+                    events.push(cur.clone());
+                }
+                cur = SseEvent {
+                    at: piece.at,
+                    event: None,
+                    data: String::new(),
+                    comments: Vec::new(),
+                };
+                data_lines.clear();
+                has_fields = false;
+                continue;
+            }
+            let l = String::from_utf8_lossy(&line).into_owned();
+            line.clear();
+            has_fields = true;
+            if let Some(c) = l.strip_prefix(':') {
+                cur.comments.push(c.trim_start().to_string());
+                continue;
+            }
+            let (field, value) = match l.split_once(':') {
+                Some((f, v)) => (f.to_string(), v.strip_prefix(' ').unwrap_or(v).to_string()),
+                None => (l.clone(), String::new()),
+            };
+            match field.as_str() {
+                "data" => data_lines.push(value),
+                "event" => cur.event = Some(value),
+                _ => {}
+            }
+        }
+    }
+    events
+}
+
+// ---------------------------------------------------------------------------------------------
+// Assertions
+// ---------------------------------------------------------------------------------------------
+
+/// Assert `resp` has `status` and an OpenAI-shaped JSON error body
+/// `{"error":{"message","type","param","code"}}`; returns the inner error object.
+pub fn assert_openai_error(resp: &Response, status: u16) -> Value {
+    assert_eq!(
+        resp.status,
+        status,
+        "expected status {status}, got:\n{}",
+        resp.dump()
+    );
+    assert_eq!(
+        resp.end,
+        BodyEnd::Complete,
+        "error body not completely delivered:\n{}",
+        resp.dump()
+    );
+    let ct = resp.header("content-type").unwrap_or("");
+    assert!(
+        ct.to_ascii_lowercase().starts_with("application/json"),
+        "error content-type should be application/json, got {ct:?}:\n{}",
+        resp.dump()
+    );
+    let v: Value = serde_json::from_slice(&resp.body)
+        .unwrap_or_else(|e| panic!("error body is not JSON ({e}):\n{}", resp.dump()));
+    assert_error_value(&v).unwrap_or_else(|m| panic!("{m}:\n{}", resp.dump()));
+    v["error"].clone()
+}
+
+/// Check a JSON value is `{"error":{"message":str,"type":str,"param":..,"code":..}}`.
+pub fn assert_error_value(v: &Value) -> Result<(), String> {
+    let err = v
+        .get("error")
+        .and_then(Value::as_object)
+        .ok_or("no top-level \"error\" object")?;
+    let msg = err.get("message").and_then(Value::as_str).unwrap_or("");
+    if msg.is_empty() {
+        return Err("error.message missing or empty".into());
+    }
+    let ty = err.get("type").and_then(Value::as_str).unwrap_or("");
+    if ty.is_empty() {
+        return Err("error.type missing or empty".into());
+    }
+    for key in ["param", "code"] {
+        match err.get(key) {
+            Some(Value::Null) | Some(Value::String(_)) => {}
+            Some(Value::Number(_)) if key == "code" => {}
+            Some(other) => return Err(format!("error.{key} has unexpected type: {other}")),
+            None => return Err(format!("error.{key} missing")),
+        }
+    }
+    Ok(())
+}
+
+/// Assert that a 400/413/414/431/408-class answer is followed by the server closing the
+/// connection.
+pub fn assert_error_and_close(conn: &mut Conn, status: u16) -> Value {
+    let resp = conn.read_response();
+    let err = assert_openai_error(&resp, status);
+    conn.assert_closed(Duration::from_secs(3));
+    err
+}
+
+/// A minimal valid chat body for `model`.
+pub fn chat_body(model: &str) -> String {
+    json!({"model": model, "messages": [{"role": "user", "content": "hello"}]}).to_string()
+}
+
+/// A minimal valid streaming chat body for `model`.
+pub fn chat_stream_body(model: &str) -> String {
+    json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "hello"}]})
+        .to_string()
+}
+
+/// The mock's `echo` object from a non-streaming response (or from a stream's `: echo` comment).
+pub fn echo_of(resp: &Response) -> Value {
+    if resp
+        .header("content-type")
+        .is_some_and(|c| c.contains("text/event-stream"))
+    {
+        for ev in resp.sse_events() {
+            for c in &ev.comments {
+                if let Some(j) = c.strip_prefix("echo ") {
+                    return serde_json::from_str(j).expect("echo JSON");
+                }
+            }
+        }
+        panic!("stream carries no `: echo` comment:\n{}", resp.dump());
+    }
+    let v = resp.json();
+    v.get("echo")
+        .cloned()
+        .unwrap_or_else(|| panic!("response has no echo:\n{}", resp.dump()))
+}
+
+/// The headers in a mock echo, as (lowercased name, value) pairs.
+pub fn echo_headers(echo: &Value) -> Vec<(String, String)> {
+    echo["headers"]
+        .as_array()
+        .expect("echo.headers")
+        .iter()
+        .map(|p| {
+            (
+                p[0].as_str().unwrap_or("").to_ascii_lowercase(),
+                p[1].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}

@@ -1,0 +1,168 @@
+//! HTTP/1.1 features (issue point 3): chunked uploads, Expect: 100-continue, HEAD, methods.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use sluice_tests::*;
+
+#[test]
+fn chunked_upload_reaches_upstream_intact() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let body = json!({
+        "model": "gpt-4o",
+        "messages": [{"role": "user", "content": "x".repeat(5000)}],
+        "temperature": 0.25
+    })
+    .to_string();
+    let b = body.as_bytes();
+    let mut c = gw.conn();
+    c.send(
+        &Req::post("/v1/chat/completions", "")
+            .no_length()
+            .header("Transfer-Encoding", "chunked")
+            .build_head(),
+    );
+    // Uneven chunks, sent with pauses so they arrive in separate reads.
+    let cuts = [0, 1, 17, 1000, 4096, b.len()];
+    for w in cuts.windows(2) {
+        c.send(&format!("{:x}\r\n", w[1] - w[0]).into_bytes());
+        c.send(&b[w[0]..w[1]]);
+        c.send(b"\r\n");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    c.send(b"0\r\n\r\n");
+    let r = c.read_response();
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let echo = echo_of(&r);
+    assert_eq!(echo["body"].as_str().unwrap(), body);
+    // The connection stays usable.
+    c.send(&Req::post("/v1/chat/completions", &chat_body("gpt-4o")).build());
+    assert_eq!(c.read_response().status, 200);
+}
+
+#[test]
+fn chunked_upload_with_trailer_section_is_accepted() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let body = chat_body("gpt-4o");
+    let mut c = gw.conn();
+    let mut raw = Req::post("/v1/chat/completions", "")
+        .no_length()
+        .header("Transfer-Encoding", "chunked")
+        .build_head();
+    raw.extend(format!("{:x}\r\n{body}\r\n0\r\nX-Trailer: t\r\n\r\n", body.len()).into_bytes());
+    c.send(&raw);
+    let r = c.read_response();
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(echo_of(&r)["body"].as_str().unwrap(), body);
+}
+
+#[test]
+fn expect_100_continue() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let body = chat_body("gpt-4o");
+    let mut c = gw.conn();
+    c.set_timeout(Duration::from_secs(5));
+    c.send(
+        &Req::post("/v1/chat/completions", &body)
+            .header("Expect", "100-continue")
+            .build_head(),
+    );
+    let interim = c
+        .read_head()
+        .expect("no 100 Continue before the body was sent");
+    assert_eq!(interim.status, 100, "{interim:?}");
+    assert_eq!(interim.version, "HTTP/1.1");
+    c.send(body.as_bytes());
+    let r = c.read_response();
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(echo_of(&r)["body"].as_str().unwrap(), body);
+}
+
+#[test]
+fn expect_100_continue_with_too_large_body_is_413_without_continue() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).http("max_body_bytes", 1024));
+    let mut c = gw.conn();
+    c.set_timeout(Duration::from_secs(5));
+    c.send(
+        &Req::post("/v1/chat/completions", "")
+            .no_length()
+            .header("Content-Length", "100000")
+            .header("Expect", "100-continue")
+            .build_head(),
+    );
+    let head = c.read_head().expect("no answer");
+    assert_eq!(
+        head.status, 413,
+        "expected 413 instead of 100 Continue: {head:?}"
+    );
+    let r = c.read_body(head, "POST");
+    assert_openai_error(&r, 413);
+}
+
+#[test]
+fn head_models_has_headers_only() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let get = gw.get("/v1/models");
+    assert_eq!(get.status, 200);
+    let mut c = gw.conn();
+    c.send(&Req::new("HEAD", "/v1/models").build());
+    let r = c.read_response_to("HEAD");
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert!(r
+        .header("content-type")
+        .unwrap_or("")
+        .starts_with("application/json"));
+    if let Some(cl) = r.header("content-length") {
+        assert_eq!(
+            cl,
+            get.body.len().to_string(),
+            "HEAD Content-Length differs from GET's"
+        );
+    }
+    // No body bytes may follow: the next response on the connection must parse cleanly.
+    c.send(&Req::get("/v1/models").build());
+    let next = c.read_response();
+    assert_eq!(next.status, 200, "{}", next.dump());
+    assert_eq!(next.body, get.body);
+}
+
+#[test]
+fn wrong_method_on_proxied_path_is_405() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let mut counter = mock.request_counter();
+    for (method, path) in [
+        ("GET", "/v1/chat/completions"),
+        ("PUT", "/v1/completions"),
+        ("DELETE", "/v1/embeddings"),
+        ("GET", "/v1/responses"),
+        ("POST", "/v1/models"),
+    ] {
+        let req = if method == "POST" {
+            Req::post(path, &chat_body("gpt-4o"))
+        } else {
+            Req::new(method, path)
+        };
+        let r = gw.request(&req);
+        assert_openai_error(&r, 405);
+    }
+    assert_eq!(counter.delta(), 0);
+}
+
+#[test]
+fn status_405_carries_allow_header() {
+    // RFC 9110 15.5.6: a 405 response MUST carry Allow.
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let r = gw.get("/v1/chat/completions");
+    assert_eq!(r.status, 405, "{}", r.dump());
+    let allow = r
+        .header("allow")
+        .unwrap_or_else(|| panic!("no Allow header:\n{}", r.dump()));
+    assert!(allow.to_ascii_uppercase().contains("POST"), "{allow}");
+}

@@ -1,0 +1,84 @@
+//! Keep-alive on both sides (issue point 3 / 12): several requests on one client connection,
+//! carried over one upstream connection.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use sluice_tests::*;
+
+#[test]
+fn five_requests_one_client_connection_one_upstream_connection() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).workers(1));
+    let mut probe = mock.stats_probe();
+    let before = probe.stat("connections_accepted");
+    let mut c = gw.conn();
+    for i in 0..5 {
+        // Alternate plain and streamed answers: both framings must leave the connection usable.
+        let stream = i % 2 == 1;
+        let body = if stream {
+            chat_stream_body("gpt-4o")
+        } else {
+            chat_body("gpt-4o")
+        };
+        c.send(&Req::post("/v1/chat/completions", &body).build());
+        let r = c.read_response();
+        assert_eq!(r.status, 200, "request {i}: {}", r.dump());
+        assert_eq!(r.end, BodyEnd::Complete, "request {i}");
+        assert!(
+            !r.header_has_token("connection", "close"),
+            "request {i}: {}",
+            r.dump()
+        );
+        if stream {
+            let ev = r.sse_events();
+            assert!(
+                ev.last().is_some_and(SseEvent::is_done),
+                "request {i}: {}",
+                r.dump()
+            );
+        } else {
+            assert_eq!(r.json()["object"], "chat.completion");
+        }
+    }
+    let after = probe.stat("connections_accepted");
+    assert_eq!(
+        after - before,
+        1,
+        "sluice opened {} upstream connections for 5 sequential requests",
+        after - before
+    );
+}
+
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .map("gpt-4o", "mock-small")
+            .map("evil", "mock-evil"),
+    );
+    let mut c = gw.conn();
+    let mut raw = Req::post("/v1/chat/completions", &chat_body("gpt-4o")).build();
+    raw.extend(Req::post("/v1/chat/completions", &chat_body("evil")).build());
+    c.send(&raw);
+    let r1 = c.read_response();
+    let r2 = c.read_response();
+    assert_eq!(r1.status, 200, "{}", r1.dump());
+    assert_eq!(r2.status, 200, "{}", r2.dump());
+    assert_eq!(r1.header("x-mock-model"), Some("mock-small"));
+    assert_eq!(r2.header("x-mock-model"), Some("mock-evil"));
+}
+
+#[test]
+fn connection_close_from_client_is_honoured() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let mut c = gw.conn();
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+            .header("Connection", "close")
+            .build(),
+    );
+    let r = c.read_response();
+    assert_eq!(r.status, 200, "{}", r.dump());
+    c.assert_closed(std::time::Duration::from_secs(3));
+}

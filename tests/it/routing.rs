@@ -1,0 +1,430 @@
+//! OpenAI surface (point 4), routing / model mapping / credentials (point 6) as seen by
+//! mock-llm, and `sluice check`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use sluice_tests::*;
+
+const SECRET: &str = "sk-upstream-secret-7f3a9c";
+
+fn names(echo: &serde_json::Value, name: &str) -> Vec<String> {
+    echo_headers(echo)
+        .into_iter()
+        .filter(|(k, _)| k == name)
+        .map(|(_, v)| v)
+        .collect()
+}
+
+// ----- mapping -----
+
+#[test]
+fn mapped_model_reaches_upstream_and_rest_of_body_is_byte_identical() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).map("gpt-4o", "mock-small"));
+    // Odd spacing, key order, escapes and number formats must all survive untouched.
+    let body = "{ \"messages\" : [ {\"role\":\"user\",\"content\":\"h\\u00e9llo \\\"q\\\"\\n\u{4e2d}\"} ],\n\t\"model\" :  \"gpt-4o\" , \"temperature\": 0.50, \"max_tokens\":1e2,\"stop\":null }";
+    let r = gw.chat(body);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.header("x-mock-model"), Some("mock-small"));
+    let echo = echo_of(&r);
+    assert_eq!(echo["model"], "mock-small");
+    let expected = body.replace("\"gpt-4o\"", "\"mock-small\"");
+    assert_eq!(echo["body"].as_str().unwrap(), expected);
+    assert_eq!(echo["path"], "/v1/chat/completions");
+    assert_eq!(echo["method"], "POST");
+}
+
+#[test]
+fn unmapped_model_body_is_forwarded_byte_for_byte() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).route("mock-*", "main"));
+    let body =
+        "{\"model\":\"mock-large\",  \"messages\":[{\"role\":\"user\",\"content\":\"\\u0041\"}]}";
+    let r = gw.chat(body);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let echo = echo_of(&r);
+    assert_eq!(echo["model"], "mock-large");
+    assert_eq!(echo["body"].as_str().unwrap(), body);
+}
+
+#[test]
+fn mapping_applies_to_streams() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).map("gpt-4o", "mock-small"));
+    let body = chat_stream_body("gpt-4o");
+    let r = gw.chat(&body);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let echo = echo_of(&r);
+    assert_eq!(echo["model"], "mock-small");
+    assert_eq!(
+        echo["body"].as_str().unwrap(),
+        body.replace("\"gpt-4o\"", "\"mock-small\"")
+    );
+}
+
+#[test]
+fn every_openai_endpoint_is_proxied_by_model() {
+    let mock = Mock::start(&["--tokens", "2"]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).map("gpt-4o", "mock-small"));
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat_body("gpt-4o"),
+            "chat.completion",
+        ),
+        (
+            "/v1/completions",
+            json!({"model":"gpt-4o","prompt":"hi"}).to_string(),
+            "text_completion",
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model":"gpt-4o","input":"hi"}).to_string(),
+            "list",
+        ),
+        (
+            "/v1/responses",
+            json!({"model":"gpt-4o","input":"hi"}).to_string(),
+            "response",
+        ),
+    ];
+    for (path, body, object) in cases {
+        let r = gw.post(path, &body);
+        assert_eq!(r.status, 200, "{path}: {}", r.dump());
+        let v = r.json();
+        assert_eq!(v["object"], object, "{path}: {v}");
+        assert_eq!(v["echo"]["path"], path);
+        assert_eq!(v["echo"]["model"], "mock-small", "{path}");
+    }
+}
+
+// ----- credentials -----
+
+#[test]
+fn authorization_credential_is_injected_and_client_auth_dropped() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .credential("UP_KEY", "authorization")
+            .env("UP_KEY", SECRET),
+    );
+    let r = gw.request(
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+            .header("Authorization", "Bearer client-own-key")
+            .header("x-api-key", "client-own-x-key"),
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let echo = echo_of(&r);
+    assert_eq!(
+        names(&echo, "authorization"),
+        vec![format!("Bearer {SECRET}")]
+    );
+    assert!(names(&echo, "x-api-key").is_empty(), "{echo}");
+    let all = echo["headers"].to_string();
+    assert!(
+        !all.contains("client-own"),
+        "client credential forwarded: {all}"
+    );
+}
+
+#[test]
+fn x_api_key_credential_is_injected_raw_and_client_auth_dropped() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .credential("UP_KEY", "x-api-key")
+            .env("UP_KEY", SECRET),
+    );
+    let r = gw.request(
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+            .header("Authorization", "Bearer client-own-key")
+            .header("X-Api-Key", "client-own-x-key"),
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let echo = echo_of(&r);
+    assert_eq!(names(&echo, "x-api-key"), vec![SECRET.to_string()]);
+    assert!(names(&echo, "authorization").is_empty(), "{echo}");
+    assert!(!echo["headers"].to_string().contains("client-own"));
+}
+
+#[test]
+fn without_credential_client_auth_is_not_forwarded() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let r = gw.request(
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+            .header("Authorization", "Bearer client-own-key")
+            .header("x-api-key", "client-own-x-key"),
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let echo = echo_of(&r);
+    assert!(names(&echo, "authorization").is_empty(), "{echo}");
+    assert!(names(&echo, "x-api-key").is_empty(), "{echo}");
+}
+
+#[test]
+fn credential_never_appears_in_sluice_responses_or_logs() {
+    let mock = Mock::start(&[]);
+    let mut dead = Cluster::new("dead", &[&format!("http://127.0.0.1:{}/v1", dead_port())]);
+    dead.credential = Some(("UP_KEY".into(), "authorization".into()));
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .credential("UP_KEY", "authorization")
+            .env("UP_KEY", SECRET)
+            .cluster(dead)
+            .route("dead-model", "dead")
+            .timeout("upstream_first_byte_ms", 300),
+    );
+    let responses = vec![
+        gw.chat(&chat_body("no-such-model")),
+        gw.chat("{not json"),
+        gw.get("/v1/nothing-here"),
+        gw.get("/v1/chat/completions"),
+        gw.chat(&chat_body("dead-model")),
+        gw.request(
+            &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+                .header("x-mock-delay-ms", "2000"),
+        ),
+        gw.request(
+            &Req::post("/v1/chat/completions", &chat_body("gpt-4o")).header("x-mock-status", "500"),
+        ),
+        gw.request(
+            &Req::post("/v1/chat/completions", &chat_body("gpt-4o")).header("x-mock-status", "401"),
+        ),
+        gw.get("/v1/models"),
+    ];
+    for r in &responses {
+        assert!(r.status >= 200, "{}", r.dump());
+        assert!(
+            !r.dump().contains(SECRET),
+            "credential leaked:\n{}",
+            r.dump()
+        );
+    }
+    // A successful proxied answer: the mock echoes the credential in its body (that is the
+    // upstream's doing), but nothing Sluice adds -- the head -- may carry it.
+    let ok = gw.chat(&chat_body("gpt-4o"));
+    assert_eq!(ok.status, 200);
+    for (k, v) in &ok.headers {
+        assert!(
+            !v.contains(SECRET) && !k.contains(SECRET),
+            "credential in header {k}: {v}"
+        );
+    }
+    let stream = gw.chat(&chat_stream_body("gpt-4o"));
+    for (k, v) in &stream.headers {
+        assert!(!v.contains(SECRET), "credential in header {k}: {v}");
+    }
+    assert!(
+        !gw.stderr_text().contains(SECRET),
+        "credential in sluice's log output"
+    );
+}
+
+// ----- routes -----
+
+fn tokens_of(r: &Response) -> u64 {
+    assert_eq!(r.status, 200, "{}", r.dump());
+    r.json()["usage"]["completion_tokens"].as_u64().unwrap()
+}
+
+#[test]
+fn glob_routes_most_specific_wins() {
+    // Each cluster's mock answers with a different number of tokens, identifying it.
+    let a = Mock::start(&["--tokens", "1"]);
+    let b = Mock::start(&["--tokens", "2"]);
+    let c = Mock::start(&["--tokens", "3"]);
+    let cfg = Config::new()
+        .cluster(Cluster::new("a", &[&a.base_url()]))
+        .cluster(Cluster::new("b", &[&b.base_url()]))
+        .cluster(Cluster::new("c", &[&c.base_url()]))
+        // Less specific first: order must not decide, specificity must.
+        .route("gpt-*", "a")
+        .route("gpt-4o*", "b")
+        .route("gpt-4o-mini*", "b")
+        .route("claude-*", "a")
+        .route("*-sonnet", "b")
+        .route("gpt-4o-mini", "c");
+    let gw = Sluice::start(&cfg);
+    let cases = [
+        ("gpt-4o-mini", 3),    // exact beats every glob
+        ("gpt-4o-mini-2", 2),  // gpt-4o-mini* (11 literals) over gpt-4o* and gpt-*
+        ("gpt-4o-2024", 2),    // gpt-4o* over gpt-*
+        ("gpt-3.5-turbo", 1),  // only gpt-*
+        ("claude-sonnet", 1),  // tie claude-* / *-sonnet (7 literals each): first listed
+        ("mistral-sonnet", 2), // only *-sonnet
+    ];
+    for (model, tokens) in cases {
+        let r = gw.chat(&chat_body(model));
+        assert_eq!(
+            tokens_of(&r),
+            tokens,
+            "model {model} went to the wrong cluster"
+        );
+        assert_eq!(r.header("x-mock-model"), Some(model));
+    }
+    let r = gw.chat(&chat_body("mistral"));
+    let err = assert_openai_error(&r, 404);
+    assert_eq!(err["code"], "model_not_found");
+}
+
+#[test]
+fn models_endpoint_lists_exact_route_models_in_openai_format() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .route("gpt-4o-mini", "main")
+            .route("mock-*", "main")
+            .map("text-embedding-3-small", "mock-embed"),
+    );
+    let r = gw.get("/v1/models");
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert!(r
+        .header("content-type")
+        .unwrap_or("")
+        .starts_with("application/json"));
+    let v = r.json();
+    assert_eq!(v["object"], "list", "{v}");
+    let data = v["data"].as_array().expect("data array");
+    let ids: BTreeSet<&str> = data.iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let want: BTreeSet<&str> = ["gpt-4o", "gpt-4o-mini", "text-embedding-3-small"].into();
+    assert_eq!(ids, want, "{v}");
+    assert_eq!(data.len(), want.len(), "duplicates in {v}");
+    for m in data {
+        assert_eq!(m["object"], "model", "{m}");
+        assert!(m["created"].is_u64(), "created must be an integer: {m}");
+        assert!(m["owned_by"].is_string(), "owned_by must be a string: {m}");
+    }
+}
+
+#[test]
+fn unknown_paths_are_404() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let mut counter = mock.request_counter();
+    let body = chat_body("gpt-4o");
+    for req in [
+        Req::get("/"),
+        Req::get("/v2/models"),
+        Req::post("/v1/chat/completion", &body),
+        Req::post("/v1/chat/completions/extra", &body),
+        Req::post("/v1/images/generations", &body),
+        Req::get("/_mock/stats"),
+    ] {
+        let r = gw.request(&req);
+        assert_openai_error(&r, 404);
+    }
+    assert_eq!(counter.delta(), 0, "an unknown path reached the upstream");
+}
+
+// ----- sluice check -----
+
+#[test]
+fn check_reports_every_error_with_key_paths() {
+    let dir = TempDir::new("check");
+    let path = dir.write(
+        "bad.toml",
+        r#"
+[server]
+listen = "not-an-address"
+workers = 1
+
+[clusters.main]
+backends = [ { base_url = "ftp://127.0.0.1:1/v1", weight = 1 } ]
+
+[[routes]]
+model = "gpt-4o"
+cluster = "no-such-cluster"
+"#,
+    );
+    let out = Sluice::check_file(&path, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "stdout: {stdout}\nstderr: {stderr}"
+    );
+    assert!(!stdout.contains("config ok") && !stderr.contains("config ok"));
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("error: "))
+        .collect();
+    assert!(
+        errors.len() >= 3,
+        "expected all three errors at once:\n{stderr}"
+    );
+    let has = |needles: &[&str]| errors.iter().any(|l| needles.iter().all(|n| l.contains(n)));
+    assert!(
+        has(&["server.listen"]),
+        "no error for server.listen:\n{stderr}"
+    );
+    assert!(
+        has(&["clusters.main.backends", "base_url"]),
+        "no error for the backend url:\n{stderr}"
+    );
+    assert!(
+        has(&["routes", "cluster"]),
+        "no error for the unknown route cluster:\n{stderr}"
+    );
+}
+
+#[test]
+fn check_rejects_unknown_keys() {
+    let dir = TempDir::new("check");
+    let path = dir.write(
+        "bad.toml",
+        "[server]\nlisten = \"127.0.0.1:0\"\nworkerz = 2\n",
+    );
+    let out = Sluice::check_file(&path, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with("error: ") && l.contains("workerz")),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_accepts_a_valid_config() {
+    let cfg = Config::backend_url("http://127.0.0.1:9/v1")
+        .map("gpt-4o", "mock-small")
+        .route("mock-*", "main")
+        .timeout("header_read_ms", 500);
+    let out = Sluice::check(&cfg);
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(0), "{all}\n{}", cfg.to_toml());
+    assert!(all.contains("config ok"), "{all}");
+}
+
+#[test]
+fn check_accepts_the_example_config() {
+    let path = workspace_root().join("conf/sluice.toml");
+    let out = Sluice::check_file(&path, &[]);
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    assert!(all.contains("config ok"), "{all}");
+}
+
+#[test]
+fn invalid_config_refuses_to_start() {
+    let cfg = Config::backend_url("http://127.0.0.1:9/v1").route("x", "no-such-cluster");
+    let f = Sluice::try_start_within(&cfg, Duration::from_secs(10))
+        .err()
+        .expect("sluice started with an invalid config");
+    assert!(f.exited, "sluice neither started nor exited: {}", f.stderr);
+    assert_ne!(f.code, Some(0));
+    assert!(f.stderr.contains("routes"), "{}", f.stderr);
+}
