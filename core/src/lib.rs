@@ -1,1 +1,16 @@
+//! Sluice: an LLM API gateway. See `docs/request-lifecycle.md` for the life of a request and
+//! [`pipeline::proxy`] for the function that runs it.
 
+pub mod config;
+pub mod conn;
+pub mod error;
+pub mod forward;
+pub mod http;
+pub mod inspect;
+pub mod models;
+pub mod pipeline;
+pub mod relay;
+pub mod route;
+pub mod server;
+pub mod upstream;
+pub mod worker;

@@ -1,0 +1,431 @@
+//! One client connection: read a request (head, then body), dispatch it, repeat while the
+//! connection is kept alive.
+//!
+//! Runs as one task per accepted connection on its worker. Takes the socket; returns when the
+//! client closes, a keep-alive idle or read timeout fires, or a request leaves the connection
+//! unusable. Raises, as responses: the HTTP layer's 400 / 413 / 414 / 417 / 431 (then closes),
+//! 408 when a head or body is not received in time (then closes), 404 for unknown paths and 405
+//! for a wrong method. Everything behind a routed path is [`crate::pipeline::proxy`]'s.
+
+use std::cell::UnsafeCell;
+use std::io;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use monoio::buf::IoBufMut;
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+use monoio::net::TcpStream;
+
+use crate::error::GatewayError;
+use crate::http::chunked::ChunkedDecoder;
+use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, RequestHead};
+use crate::http::BodyFraming;
+use crate::inspect::Inspection;
+use crate::pipeline;
+use crate::worker::Worker;
+
+/// Smallest read buffer; grows as a request needs, shrinks back after it.
+const MIN_READ_BUF: usize = 2048;
+/// A read buffer larger than this after a request is replaced by a small one.
+const KEEP_READ_BUF: usize = 64 * 1024;
+
+/// The client socket. Reads and writes go through `&self` so that the relay can wait for the
+/// client to become readable (to notice it leaving) while writing to it — the same contract
+/// as monoio's own `Split` for `TcpStream`: io_uring / epoll operations on one socket may run
+/// concurrently, and nothing here touches the stream's Rust-side state besides issuing them.
+pub struct ClientSocket(UnsafeCell<TcpStream>);
+
+impl ClientSocket {
+    pub fn new(stream: TcpStream) -> ClientSocket {
+        ClientSocket(UnsafeCell::new(stream))
+    }
+
+    pub async fn read<B: IoBufMut>(&self, buf: B) -> monoio::BufResult<usize, B> {
+        // SAFETY: see the type's doc; at most one read is in flight at a time.
+        let stream = unsafe { &mut *self.0.get() };
+        stream.read(buf).await
+    }
+
+    /// Write all of `buf` within `limit`.
+    pub async fn write_all(&self, buf: Vec<u8>, limit: Duration) -> (io::Result<()>, Vec<u8>) {
+        // SAFETY: see the type's doc; at most one write is in flight at a time.
+        let stream = unsafe { &mut *self.0.get() };
+        match monoio::time::timeout(limit, stream.write_all(buf)).await {
+            Ok((Ok(_), buf)) => (Ok(()), buf),
+            Ok((Err(e), buf)) => (Err(e), buf),
+            Err(_) => (
+                Err(io::Error::new(io::ErrorKind::TimedOut, "client write timed out")),
+                Vec::new(),
+            ),
+        }
+    }
+
+    /// Resolves when the client sent something or closed: the caller peeks to tell which.
+    pub async fn readable(&self) -> io::Result<()> {
+        // SAFETY: see the type's doc; a readiness poll reads no data.
+        let stream = unsafe { &*self.0.get() };
+        stream.readable(false).await
+    }
+
+    /// Has the client closed (or reset) its side? Peeks without consuming; never blocks.
+    pub fn peer_gone(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the fd is valid while `self` lives; MSG_PEEK | MSG_DONTWAIT neither consumes
+        // data nor blocks.
+        let fd = unsafe { &*self.0.get() }.as_raw_fd();
+        let mut byte = 0u8;
+        let n = unsafe {
+            libc::recv(
+                fd,
+                (&mut byte as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n == 0 {
+            return true;
+        }
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            return err.kind() != io::ErrorKind::WouldBlock && err.kind() != io::ErrorKind::Interrupted;
+        }
+        false
+    }
+}
+
+/// A request whose head and body have been read.
+pub struct Request<'a> {
+    /// The read buffer; `head`'s ranges point into it.
+    pub buf: &'a [u8],
+    pub head: &'a RequestHead,
+    pub body: &'a [u8],
+}
+
+/// Serve one client connection until it ends.
+pub async fn serve(worker: Rc<Worker>, stream: TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let client = ClientSocket::new(stream);
+    let mut rbuf: Vec<u8> = Vec::with_capacity(MIN_READ_BUF);
+    let mut head = RequestHead::default();
+    let mut inspection = Inspection::default();
+    let mut chunked_body: Vec<u8> = Vec::new();
+    let mut first_request = true;
+    loop {
+        let snapshot = Rc::clone(&worker.snapshot);
+        let limits = &snapshot.http;
+        let timeouts = &snapshot.timeouts;
+
+        // Head.
+        let idle_limit = if first_request {
+            timeouts.header_read
+        } else {
+            timeouts.keepalive_idle
+        };
+        match read_head(&client, &mut rbuf, &mut head, limits, timeouts.header_read, idle_limit).await {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                let _ = write_error(&worker, &client, &e, false, false).await;
+                return;
+            }
+        }
+        first_request = false;
+
+        // Body.
+        let consumed = match read_body(
+            &client,
+            &mut rbuf,
+            &head,
+            &mut chunked_body,
+            limits.max_body_bytes,
+            timeouts.body_read,
+        )
+        .await
+        {
+            Ok(consumed) => consumed,
+            Err(e) => {
+                let _ = write_error(&worker, &client, &e, false, head.method == Method::Head).await;
+                return;
+            }
+        };
+        let body: &[u8] = match head.body {
+            BodyFraming::Chunked => &chunked_body,
+            BodyFraming::Length(n) => &rbuf[head.head_len..head.head_len + n as usize],
+            _ => &[],
+        };
+
+        // Dispatch.
+        let request = Request {
+            buf: &rbuf,
+            head: &head,
+            body,
+        };
+        let keep_alive = dispatch(&worker, &client, &request, &mut inspection).await;
+        if !keep_alive {
+            return;
+        }
+
+        // Keep whatever the client already sent of its next request; drop the rest.
+        rbuf.drain(..consumed);
+        if rbuf.capacity() > KEEP_READ_BUF {
+            let mut small = Vec::with_capacity(MIN_READ_BUF.max(rbuf.len()));
+            small.extend_from_slice(&rbuf);
+            rbuf = small;
+        }
+        if chunked_body.capacity() > KEEP_READ_BUF {
+            chunked_body = Vec::new();
+        }
+    }
+}
+
+/// Route a complete request by path and method. Returns whether the connection stays open.
+async fn dispatch(
+    worker: &Rc<Worker>,
+    client: &ClientSocket,
+    request: &Request<'_>,
+    inspection: &mut Inspection,
+) -> bool {
+    let head = request.head;
+    let head_only = head.method == Method::Head;
+    let path = head.path(request.buf);
+    let result = match path {
+        b"/v1/chat/completions" | b"/v1/completions" | b"/v1/embeddings" | b"/v1/responses" => {
+            if head.method == Method::Post {
+                match pipeline::proxy(worker, client, request, inspection).await {
+                    Ok(keep_alive) => return keep_alive && head.keep_alive,
+                    Err(e) => Err(e),
+                }
+            } else {
+                Err(GatewayError::method_not_allowed(format!(
+                    "{} only accepts POST",
+                    String::from_utf8_lossy(path)
+                )))
+            }
+        }
+        b"/v1/models" => match head.method {
+            Method::Get | Method::Head => Ok(()),
+            _ => Err(GatewayError::method_not_allowed("/v1/models only accepts GET")),
+        },
+        _ => Err(GatewayError::not_found(format!(
+            "Unknown request URL: {}. Please check the URL for typos.",
+            String::from_utf8_lossy(&path[..path.len().min(256)])
+        ))),
+    };
+    match result {
+        Ok(()) => write_json(worker, client, 200, &worker.models_body, head.keep_alive, head_only).await,
+        Err(e) => write_error(worker, client, &e, head.keep_alive, head_only).await,
+    }
+}
+
+/// Write an error response. Returns whether the connection may be kept.
+pub async fn write_error(
+    worker: &Worker,
+    client: &ClientSocket,
+    error: &GatewayError,
+    keep_alive: bool,
+    head_only: bool,
+) -> bool {
+    let mut out = worker.bufs.take();
+    error.write_response(&mut out, keep_alive, head_only);
+    let (res, out) = client
+        .write_all(out, worker.snapshot.timeouts.stream_idle)
+        .await;
+    worker.bufs.give(out);
+    res.is_ok() && keep_alive && !error.close
+}
+
+async fn write_json(
+    worker: &Worker,
+    client: &ClientSocket,
+    status: u16,
+    body: &[u8],
+    keep_alive: bool,
+    head_only: bool,
+) -> bool {
+    use std::io::Write;
+    let mut out = worker.bufs.take();
+    let _ = write!(
+        out,
+        "HTTP/1.1 {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
+        crate::error::reason(status),
+        body.len(),
+        if keep_alive { "" } else { "connection: close\r\n" }
+    );
+    if !head_only {
+        out.extend_from_slice(body);
+    }
+    let (res, out) = client
+        .write_all(out, worker.snapshot.timeouts.stream_idle)
+        .await;
+    worker.bufs.give(out);
+    res.is_ok() && keep_alive
+}
+
+/// Read until a complete head is in `rbuf`. `Ok(false)`: the client closed or idled out
+/// before sending a byte (close quietly). The whole head must arrive within `header_limit` of
+/// its first byte; the first byte within `idle_limit`.
+async fn read_head(
+    client: &ClientSocket,
+    rbuf: &mut Vec<u8>,
+    head: &mut RequestHead,
+    limits: &crate::config::HttpLimits,
+    header_limit: Duration,
+    idle_limit: Duration,
+) -> Result<bool, GatewayError> {
+    let mut scan = HeadScan::default();
+    let mut deadline = (!rbuf.is_empty()).then(|| Instant::now() + header_limit);
+    loop {
+        // Tolerate empty lines before a request line (RFC 9112 §2.2), e.g. after a body.
+        while rbuf.starts_with(b"\r\n") {
+            rbuf.drain(..2);
+        }
+        if !rbuf.is_empty() {
+            if parse_request_head(rbuf, &mut scan, limits, head)? == HeadStatus::Complete {
+                return Ok(true);
+            }
+        }
+        let limit = match deadline {
+            Some(d) => d.saturating_duration_since(Instant::now()),
+            None => idle_limit,
+        };
+        let had_bytes = !rbuf.is_empty();
+        match read_more(client, rbuf, limit).await {
+            ReadOutcome::Data => {
+                if deadline.is_none() {
+                    deadline = Some(Instant::now() + header_limit);
+                }
+            }
+            ReadOutcome::Closed => {
+                if !had_bytes {
+                    return Ok(false);
+                }
+                return Err(GatewayError::bad_http("connection closed inside a request head"));
+            }
+            ReadOutcome::TimedOut => {
+                if !had_bytes {
+                    return Ok(false);
+                }
+                return Err(GatewayError::timeout_client(
+                    "timed out reading the request head",
+                ));
+            }
+            ReadOutcome::Failed => return Ok(false),
+        }
+    }
+}
+
+/// Read the body framed by `head`. Returns how many bytes of `rbuf` the request took (head
+/// included). A Content-Length body stays in `rbuf`; a chunked one is decoded into `chunked`.
+async fn read_body(
+    client: &ClientSocket,
+    rbuf: &mut Vec<u8>,
+    head: &RequestHead,
+    chunked: &mut Vec<u8>,
+    max_body: usize,
+    body_limit: Duration,
+) -> Result<usize, GatewayError> {
+    let start = head.head_len;
+    if head.expect_continue && rbuf.len() == start && head.body != BodyFraming::None {
+        let (res, _) = client
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n".to_vec(), body_limit)
+            .await;
+        if res.is_err() {
+            return Err(GatewayError::bad_http("client went away"));
+        }
+    }
+    match head.body {
+        BodyFraming::None | BodyFraming::UntilClose => Ok(start),
+        BodyFraming::Length(n) => {
+            let end = start + n as usize;
+            while rbuf.len() < end {
+                let want = end - rbuf.len();
+                rbuf.reserve(want);
+                read_body_bytes(client, rbuf, body_limit).await?;
+            }
+            Ok(end)
+        }
+        BodyFraming::Chunked => {
+            chunked.clear();
+            let mut decoder = ChunkedDecoder::default();
+            let mut pos = start;
+            loop {
+                if pos < rbuf.len() {
+                    let mut over = false;
+                    let used = decoder
+                        .decode(&rbuf[pos..], |data| {
+                            if chunked.len() + data.len() > max_body {
+                                over = true;
+                            } else {
+                                chunked.extend_from_slice(data);
+                            }
+                        })
+                        .map_err(|e| GatewayError::bad_http(format!("malformed chunked body: {}", e.0)))?;
+                    if over {
+                        return Err(GatewayError::limit(413, "request body too large"));
+                    }
+                    pos += used;
+                    if decoder.is_done() {
+                        return Ok(pos);
+                    }
+                }
+                // Decoded bytes are copied out, so the raw chunked bytes need not be kept.
+                rbuf.truncate(start);
+                pos = start;
+                read_body_bytes(client, rbuf, body_limit).await?;
+            }
+        }
+    }
+}
+
+async fn read_body_bytes(
+    client: &ClientSocket,
+    rbuf: &mut Vec<u8>,
+    limit: Duration,
+) -> Result<(), GatewayError> {
+    match read_more(client, rbuf, limit).await {
+        ReadOutcome::Data => Ok(()),
+        ReadOutcome::TimedOut => Err(GatewayError::timeout_client(
+            "timed out reading the request body",
+        )),
+        ReadOutcome::Closed | ReadOutcome::Failed => {
+            Err(GatewayError::bad_http("connection closed inside a request body"))
+        }
+    }
+}
+
+enum ReadOutcome {
+    Data,
+    Closed,
+    TimedOut,
+    Failed,
+}
+
+/// Append one read's worth of bytes to `rbuf`.
+async fn read_more(client: &ClientSocket, rbuf: &mut Vec<u8>, limit: Duration) -> ReadOutcome {
+    if rbuf.capacity() - rbuf.len() < 1024 {
+        rbuf.reserve(rbuf.capacity().max(MIN_READ_BUF));
+    }
+    let buf = std::mem::take(rbuf);
+    let len = buf.len();
+    let cap = buf.capacity();
+    let read = client.read(monoio::buf::IoBufMut::slice_mut(buf, len..cap));
+    match monoio::time::timeout(limit, read).await {
+        Ok((res, slice)) => {
+            *rbuf = slice.into_inner();
+            match res {
+                Ok(0) => ReadOutcome::Closed,
+                Ok(_) => ReadOutcome::Data,
+                Err(_) => ReadOutcome::Failed,
+            }
+        }
+        // The buffer went with the cancelled read; the connection is closing anyway.
+        Err(_) => ReadOutcome::TimedOut,
+    }
+}
+
+/// Answer a connection over the worker's cap with 503 and close it.
+pub async fn refuse_overloaded(worker: Rc<Worker>, stream: TcpStream) {
+    let client = ClientSocket::new(stream);
+    let e = GatewayError::overloaded("too many connections; retry shortly");
+    let _ = write_error(&worker, &client, &e, false, false).await;
+}

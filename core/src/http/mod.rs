@@ -1,0 +1,144 @@
+//! The strict HTTP/1.1 layer: request heads from clients, response heads from upstreams, and the
+//! chunked transfer coding in both directions.
+//!
+//! Runs on workers, on bytes already read; it does no I/O. Request heads are checked per RFC 9112
+//! with no leniency that request smuggling could use (see [`request`]); response heads from
+//! upstreams are parsed tolerantly but framed exactly (see [`response`]). Errors are
+//! [`crate::error::GatewayError`]s carrying the status the client must see.
+
+pub mod chunked;
+pub mod request;
+pub mod response;
+
+/// A header's name and value as byte ranges into the buffer the head was parsed from, so
+/// parsing allocates nothing per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeaderPos {
+    pub name: (u32, u32),
+    pub value: (u32, u32),
+}
+
+impl HeaderPos {
+    pub fn name<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+        &buf[self.name.0 as usize..self.name.1 as usize]
+    }
+    pub fn value<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+        &buf[self.value.0 as usize..self.value.1 as usize]
+    }
+    /// Offsets of `name` / `value` (which borrow from `base`) relative to `base`'s start.
+    fn from_slices(base: &[u8], name: &[u8], value: &[u8]) -> HeaderPos {
+        let n = offset_in(base, name);
+        // An empty value may not point into `base`; place it right after the name.
+        let v = if value.is_empty() { n + name.len() } else { offset_in(base, value) };
+        HeaderPos {
+            name: (n as u32, (n + name.len()) as u32),
+            value: (v as u32, (v + value.len()) as u32),
+        }
+    }
+}
+
+/// Where `part` (a subslice of `base`, as httparse returns) starts within `base`.
+fn offset_in(base: &[u8], part: &[u8]) -> usize {
+    (part.as_ptr() as usize).saturating_sub(base.as_ptr() as usize)
+}
+
+/// How a message body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFraming {
+    /// No body at all.
+    None,
+    /// Exactly this many bytes.
+    Length(u64),
+    /// Transfer-Encoding: chunked.
+    Chunked,
+    /// Until the connection closes (responses only).
+    UntilClose,
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and framing headers: never forwarded as received,
+/// since each hop sets its own.
+pub fn is_hop_by_hop(name: &[u8]) -> bool {
+    const HOP: [&[u8]; 10] = [
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+    ];
+    HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
+}
+
+/// Parse a Content-Length value strictly: one or more comma-separated runs of digits that all
+/// agree (RFC 9110 §8.6). `+5`, `-1`, empty, differing lists and overflow are errors.
+pub fn parse_content_length(value: &[u8]) -> Option<u64> {
+    let mut result: Option<u64> = None;
+    for part in value.split(|&b| b == b',') {
+        let part = trim_ows(part);
+        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let mut n: u64 = 0;
+        for &d in part {
+            n = n.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
+        }
+        match result {
+            Some(prev) if prev != n => return None,
+            _ => result = Some(n),
+        }
+    }
+    result
+}
+
+/// Trim optional whitespace (SP / HTAB) from both ends.
+pub fn trim_ows(mut s: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = s {
+        s = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = s {
+        s = rest;
+    }
+    s
+}
+
+/// Does a comma-separated header value contain `token` (case-insensitive)?
+pub fn has_token(value: &[u8], token: &[u8]) -> bool {
+    value
+        .split(|&b| b == b',')
+        .any(|t| trim_ows(t).eq_ignore_ascii_case(token))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_length_strict() {
+        assert_eq!(parse_content_length(b"5"), Some(5));
+        assert_eq!(parse_content_length(b"5, 5"), Some(5));
+        assert_eq!(parse_content_length(b"0"), Some(0));
+        for bad in [
+            &b"+5"[..],
+            b"-1",
+            b"",
+            b"5,6",
+            b"5,",
+            b"99999999999999999999999",
+            b"18446744073709551616",
+            b"0x5",
+            b"5 5",
+        ] {
+            assert_eq!(parse_content_length(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn tokens() {
+        assert!(has_token(b"keep-alive, Close", b"close"));
+        assert!(!has_token(b"closed", b"close"));
+    }
+}

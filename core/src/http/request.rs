@@ -1,0 +1,336 @@
+//! Client request heads, parsed strictly (RFC 9112).
+//!
+//! Called by the connection loop each time bytes arrive until a head is complete. Takes the
+//! connection's read buffer and a [`HeadScan`] that remembers how far the line-ending check got
+//! (so a byte-at-a-time slowloris costs linear, not quadratic, work). Returns
+//! [`HeadStatus::Partial`] or fills a [`RequestHead`]. Raises 400 (malformed, smuggling
+//! ingredients: CL with TE, bad or conflicting CL, codings other than `chunked`, bare CR / LF,
+//! obs-fold, NUL / CR / LF in values, whitespace before a colon, missing Host), 414 (request line
+//! too long), 431 (head too large, too many fields) and 417 (an `Expect` other than
+//! `100-continue`). Every one of these closes the connection.
+
+use super::{has_token, parse_content_length, trim_ows, BodyFraming, HeaderPos};
+use crate::config::HttpLimits;
+use crate::error::GatewayError;
+
+/// Hard ceiling on header fields parsed at once (the stack array httparse fills);
+/// `http.max_headers` is checked against the count below it.
+pub const MAX_HEADERS_CEILING: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    Get,
+    Head,
+    Post,
+    Other,
+}
+
+/// A parsed request head. Ranges point into the connection's read buffer.
+#[derive(Debug)]
+pub struct RequestHead {
+    pub method: Method,
+    /// Request target (path and query).
+    pub target: (usize, usize),
+    pub minor_version: u8,
+    /// Bytes of the head including the final CRLF CRLF.
+    pub head_len: usize,
+    pub headers: Vec<HeaderPos>,
+    pub body: BodyFraming,
+    pub keep_alive: bool,
+    pub expect_continue: bool,
+}
+
+impl Default for RequestHead {
+    fn default() -> Self {
+        RequestHead {
+            method: Method::Other,
+            target: (0, 0),
+            minor_version: 1,
+            head_len: 0,
+            headers: Vec::with_capacity(32),
+            body: BodyFraming::None,
+            keep_alive: true,
+            expect_continue: false,
+        }
+    }
+}
+
+impl RequestHead {
+    pub fn target<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+        &buf[self.target.0..self.target.1]
+    }
+    /// The path without the query string.
+    pub fn path<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+        let t = self.target(buf);
+        match memchr::memchr(b'?', t) {
+            Some(q) => &t[..q],
+            None => t,
+        }
+    }
+}
+
+/// Progress of the line-ending scan over a head that has not fully arrived.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HeadScan {
+    scanned: usize,
+    request_line_end: Option<usize>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum HeadStatus {
+    Partial,
+    Complete,
+}
+
+/// Scan `buf` (which starts at the first byte of a request) for a complete, valid head.
+pub fn parse_request_head(
+    buf: &[u8],
+    scan: &mut HeadScan,
+    limits: &HttpLimits,
+    head: &mut RequestHead,
+) -> Result<HeadStatus, GatewayError> {
+    let Some(head_len) = scan_line_endings(buf, scan)? else {
+        match scan.request_line_end {
+            None if buf.len() > limits.max_request_line_bytes => {
+                return Err(GatewayError::limit(414, "request line too long"))
+            }
+            _ if buf.len() > limits.max_header_bytes => {
+                return Err(GatewayError::limit(431, "request header fields too large"))
+            }
+            _ => return Ok(HeadStatus::Partial),
+        }
+    };
+    if scan.request_line_end.unwrap_or(0) > limits.max_request_line_bytes {
+        return Err(GatewayError::limit(414, "request line too long"));
+    }
+    if head_len > limits.max_header_bytes {
+        return Err(GatewayError::limit(431, "request header fields too large"));
+    }
+
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS_CEILING];
+    let mut req = httparse::Request::new(&mut fields);
+    match req.parse(&buf[..head_len]) {
+        Ok(httparse::Status::Complete(n)) if n == head_len => {}
+        Ok(_) => return Err(GatewayError::bad_http("malformed request head")),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(GatewayError::limit(431, "too many header fields"))
+        }
+        Err(e) => return Err(GatewayError::bad_http(format!("malformed request head: {e}"))),
+    }
+    if req.headers.len() > limits.max_headers {
+        return Err(GatewayError::limit(431, "too many header fields"));
+    }
+    let (Some(method), Some(target), Some(minor)) = (req.method, req.path, req.version) else {
+        return Err(GatewayError::bad_http("malformed request line"));
+    };
+    if !target.starts_with('/') {
+        return Err(GatewayError::bad_http("request target must be in origin form"));
+    }
+
+    head.method = match method {
+        "GET" => Method::Get,
+        "HEAD" => Method::Head,
+        "POST" => Method::Post,
+        _ => Method::Other,
+    };
+    let target_start = super::offset_in(buf, target.as_bytes());
+    head.target = (target_start, target_start + target.len());
+    head.minor_version = minor;
+    head.head_len = head_len;
+    head.headers.clear();
+    head.expect_continue = false;
+    head.keep_alive = minor == 1;
+
+    let mut content_length: Option<u64> = None;
+    let mut chunked = false;
+    let mut transfer_encoding = false;
+    let mut hosts = 0;
+    for field in req.headers.iter() {
+        let name = field.name.as_bytes();
+        let value = field.value;
+        head.headers.push(HeaderPos::from_slices(buf, name, value));
+        if name.eq_ignore_ascii_case(b"content-length") {
+            let Some(n) = parse_content_length(value) else {
+                return Err(GatewayError::bad_http("invalid Content-Length"));
+            };
+            if content_length.is_some_and(|prev| prev != n) {
+                return Err(GatewayError::bad_http("conflicting Content-Length headers"));
+            }
+            content_length = Some(n);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            // Only a lone `chunked` is accepted: any other coding (or chunked twice, or not
+            // last) is something we cannot decode, and a classic smuggling ingredient.
+            if transfer_encoding || !trim_ows(value).eq_ignore_ascii_case(b"chunked") {
+                return Err(GatewayError::bad_http(
+                    "unsupported Transfer-Encoding: only `chunked` is accepted",
+                ));
+            }
+            transfer_encoding = true;
+            chunked = true;
+        } else if name.eq_ignore_ascii_case(b"host") {
+            hosts += 1;
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            if has_token(value, b"close") {
+                head.keep_alive = false;
+            } else if minor == 0 && has_token(value, b"keep-alive") {
+                head.keep_alive = true;
+            }
+        } else if name.eq_ignore_ascii_case(b"expect") {
+            if trim_ows(value).eq_ignore_ascii_case(b"100-continue") {
+                head.expect_continue = true;
+            } else {
+                return Err(GatewayError::expectation_failed());
+            }
+        }
+    }
+    if transfer_encoding && content_length.is_some() {
+        return Err(GatewayError::bad_http(
+            "Content-Length and Transfer-Encoding together",
+        ));
+    }
+    if transfer_encoding && minor == 0 {
+        return Err(GatewayError::bad_http("Transfer-Encoding in an HTTP/1.0 request"));
+    }
+    if minor == 1 && hosts != 1 {
+        return Err(GatewayError::bad_http("exactly one Host header is required"));
+    }
+    head.body = if chunked {
+        BodyFraming::Chunked
+    } else {
+        match content_length {
+            Some(0) | None => BodyFraming::None,
+            Some(n) => BodyFraming::Length(n),
+        }
+    };
+    if let BodyFraming::Length(n) = head.body {
+        if n > limits.max_body_bytes as u64 {
+            return Err(GatewayError::limit(413, "request body too large"));
+        }
+    }
+    Ok(HeadStatus::Complete)
+}
+
+/// Check every CR / LF from `scan.scanned` on: each LF must follow a CR, each CR must precede
+/// an LF. Returns the head length once CRLF CRLF is seen.
+fn scan_line_endings(buf: &[u8], scan: &mut HeadScan) -> Result<Option<usize>, GatewayError> {
+    let mut from = scan.scanned;
+    while let Some(off) = memchr::memchr2(b'\r', b'\n', &buf[from..]) {
+        let p = from + off;
+        if buf[p] == b'\r' {
+            match buf.get(p + 1) {
+                None => {
+                    // The LF may still come; look at this CR again next time.
+                    scan.scanned = p;
+                    return Ok(None);
+                }
+                Some(b'\n') => {}
+                Some(_) => return Err(GatewayError::bad_http("bare CR in request head")),
+            }
+            from = p + 1;
+            continue;
+        }
+        // An LF: the CR check above guarantees buf[p-1] is CR unless this LF is bare.
+        if p == 0 || buf[p - 1] != b'\r' {
+            return Err(GatewayError::bad_http("bare LF in request head"));
+        }
+        if scan.request_line_end.is_none() {
+            scan.request_line_end = Some(p - 1);
+        }
+        if p >= 3 && &buf[p - 3..=p] == b"\r\n\r\n" {
+            scan.scanned = p + 1;
+            return Ok(Some(p + 1));
+        }
+        from = p + 1;
+    }
+    scan.scanned = buf.len();
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn limits() -> HttpLimits {
+        HttpLimits {
+            max_request_line_bytes: 64,
+            max_header_bytes: 256,
+            max_headers: 4,
+            max_body_bytes: 1000,
+        }
+    }
+
+    fn parse(raw: &[u8]) -> Result<(HeadStatus, RequestHead), u16> {
+        let mut head = RequestHead::default();
+        let mut scan = HeadScan::default();
+        parse_request_head(raw, &mut scan, &limits(), &mut head)
+            .map(|s| (s, head))
+            .map_err(|e| e.status)
+    }
+
+    #[test]
+    fn accepts_plain_post() {
+        let (s, h) =
+            parse(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
+                .unwrap();
+        assert_eq!(s, HeadStatus::Complete);
+        assert_eq!(h.method, Method::Post);
+        assert_eq!(h.body, BodyFraming::Length(5));
+        assert!(h.keep_alive);
+    }
+
+    #[test]
+    fn strictness() {
+        let cases: &[(&[u8], u16)] = &[
+            (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: +5\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\nHost: x\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: x\rY: z\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nA: b\r\n c\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nA: b\0c\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost : x\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nExpect: magic\r\n\r\n", 417),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1001\r\n\r\n", 413),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nA: 1\r\nB: 1\r\nC: 1\r\nD: 1\r\n\r\n", 431),
+        ];
+        for (raw, status) in cases {
+            assert_eq!(
+                parse(raw).err(),
+                Some(*status),
+                "{:?}",
+                String::from_utf8_lossy(raw)
+            );
+        }
+    }
+
+    #[test]
+    fn limits_on_partial_heads() {
+        let long_line = format!("POST /{} HTTP/1.1", "a".repeat(100));
+        assert_eq!(parse(long_line.as_bytes()).err(), Some(414));
+        let big = format!("POST / HTTP/1.1\r\nHost: x\r\nA: {}", "a".repeat(300));
+        assert_eq!(parse(big.as_bytes()).err(), Some(431));
+        assert_eq!(parse(b"POST / HTTP/1.1\r\nHost: x\r").unwrap().0, HeadStatus::Partial);
+    }
+
+    #[test]
+    fn incremental_scan_matches_whole() {
+        let raw = b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n";
+        let mut head = RequestHead::default();
+        let mut scan = HeadScan::default();
+        for end in 1..raw.len() {
+            assert_eq!(
+                parse_request_head(&raw[..end], &mut scan, &limits(), &mut head).unwrap(),
+                HeadStatus::Partial
+            );
+        }
+        assert_eq!(
+            parse_request_head(raw, &mut scan, &limits(), &mut head).unwrap(),
+            HeadStatus::Complete
+        );
+        assert_eq!(head.target(raw), b"/v1/x");
+    }
+}

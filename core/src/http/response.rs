@@ -1,0 +1,165 @@
+//! Upstream response heads.
+//!
+//! Called by the forward phase as bytes of an upstream response arrive. Takes the bytes read so
+//! far and whether the request was HEAD; returns `None` until the head is complete, then a
+//! [`ResponseHead`] whose framing follows RFC 9112 §6.3 (HEAD, 1xx, 204 and 304 carry no body;
+//! a final `chunked` wins; then Content-Length; else the body runs to the connection's close).
+//! Raises [`ResponseError`] for a malformed or oversized head or an invalid Content-Length — a
+//! bad upstream, answered 502 to the client.
+
+use super::{has_token, parse_content_length, BodyFraming, HeaderPos};
+
+/// Largest upstream response head accepted.
+pub const MAX_RESPONSE_HEAD_BYTES: usize = 64 * 1024;
+const MAX_RESPONSE_HEADERS: usize = 128;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResponseError(pub &'static str);
+
+#[derive(Debug, Default)]
+pub struct ResponseHead {
+    pub status: u16,
+    pub minor_version: u8,
+    /// Reason phrase range.
+    pub reason: (usize, usize),
+    pub head_len: usize,
+    pub headers: Vec<HeaderPos>,
+    pub body: Option<BodyFraming>,
+    /// The upstream will keep the connection open after this response.
+    pub keep_alive: bool,
+    /// `Content-Type: text/event-stream`.
+    pub event_stream: bool,
+}
+
+impl ResponseHead {
+    pub fn framing(&self) -> BodyFraming {
+        self.body.unwrap_or(BodyFraming::UntilClose)
+    }
+}
+
+/// Parse a response head from `buf`. `Ok(false)` means more bytes are needed.
+pub fn parse_response_head(
+    buf: &[u8],
+    request_was_head: bool,
+    head: &mut ResponseHead,
+) -> Result<bool, ResponseError> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
+    let mut resp = httparse::Response::new(&mut fields);
+    let head_len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => {
+            if buf.len() > MAX_RESPONSE_HEAD_BYTES {
+                return Err(ResponseError("upstream response head too large"));
+            }
+            return Ok(false);
+        }
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(ResponseError("upstream response has too many headers"))
+        }
+        Err(_) => return Err(ResponseError("malformed upstream response head")),
+    };
+    if head_len > MAX_RESPONSE_HEAD_BYTES {
+        return Err(ResponseError("upstream response head too large"));
+    }
+    let (Some(status), Some(minor)) = (resp.code, resp.version) else {
+        return Err(ResponseError("malformed upstream status line"));
+    };
+    head.status = status;
+    head.minor_version = minor;
+    let reason = resp.reason.unwrap_or("").as_bytes();
+    let reason_start = if reason.is_empty() {
+        0
+    } else {
+        super::offset_in(buf, reason)
+    };
+    head.reason = (reason_start, reason_start + reason.len());
+    head.head_len = head_len;
+    head.headers.clear();
+    head.keep_alive = minor == 1;
+    head.event_stream = false;
+
+    let mut content_length: Option<u64> = None;
+    let mut transfer_encoding: Option<&[u8]> = None;
+    for field in resp.headers.iter() {
+        let name = field.name.as_bytes();
+        let value = field.value;
+        head.headers.push(HeaderPos::from_slices(buf, name, value));
+        if name.eq_ignore_ascii_case(b"content-length") {
+            let n = parse_content_length(value)
+                .ok_or(ResponseError("invalid Content-Length from upstream"))?;
+            if content_length.is_some_and(|prev| prev != n) {
+                return Err(ResponseError("conflicting Content-Length from upstream"));
+            }
+            content_length = Some(n);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            transfer_encoding = Some(value);
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            if has_token(value, b"close") {
+                head.keep_alive = false;
+            } else if minor == 0 && has_token(value, b"keep-alive") {
+                head.keep_alive = true;
+            }
+        } else if name.eq_ignore_ascii_case(b"content-type") {
+            head.event_stream = value
+                .get(..17)
+                .is_some_and(|v| v.eq_ignore_ascii_case(b"text/event-stream"));
+        }
+    }
+    head.body = Some(if request_was_head || (100..200).contains(&status) || status == 204 || status == 304 {
+        BodyFraming::None
+    } else if let Some(te) = transfer_encoding {
+        let last = te.rsplit(|&b| b == b',').next().unwrap_or(b"");
+        if super::trim_ows(last).eq_ignore_ascii_case(b"chunked") {
+            BodyFraming::Chunked
+        } else {
+            BodyFraming::UntilClose
+        }
+    } else {
+        match content_length {
+            Some(0) => BodyFraming::None,
+            Some(n) => BodyFraming::Length(n),
+            None => BodyFraming::UntilClose,
+        }
+    });
+    if head.framing() == BodyFraming::UntilClose {
+        head.keep_alive = false;
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn parse(raw: &[u8], was_head: bool) -> ResponseHead {
+        let mut h = ResponseHead::default();
+        assert!(parse_response_head(raw, was_head, &mut h).unwrap());
+        h
+    }
+
+    #[test]
+    fn framing_rules() {
+        assert_eq!(
+            parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", false).framing(),
+            BodyFraming::Length(5)
+        );
+        assert_eq!(
+            parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", true).framing(),
+            BodyFraming::None
+        );
+        assert_eq!(
+            parse(b"HTTP/1.1 204 No Content\r\n\r\n", false).framing(),
+            BodyFraming::None
+        );
+        let h = parse(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream; charset=utf-8\r\n\r\n", false);
+        assert_eq!(h.framing(), BodyFraming::Chunked);
+        assert!(h.event_stream && h.keep_alive);
+        let h = parse(b"HTTP/1.1 200 OK\r\n\r\n", false);
+        assert_eq!(h.framing(), BodyFraming::UntilClose);
+        assert!(!h.keep_alive);
+        let mut h = ResponseHead::default();
+        assert!(!parse_response_head(b"HTTP/1.1 200 OK\r\n", false, &mut h).unwrap());
+        assert!(parse_response_head(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", false, &mut h).is_err());
+    }
+}

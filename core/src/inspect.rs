@@ -1,0 +1,319 @@
+//! Inspect: read the request body's top-level fields that routing, limits and metering act on.
+//!
+//! Runs after the body is read, before routing. Takes the raw body; returns an [`Inspection`]
+//! with the top-level `model` (decoded, so `"\u006dodel"` is `model`), `stream`,
+//! `stream_options.include_usage`, the token cap (`max_tokens`, `max_completion_tokens` or
+//! `max_output_tokens`), `n`, and the byte span of the model's string literal so the forward phase
+//! can splice a mapped name in without touching any other byte. The whole document is validated
+//! by simd-json (grammar and UTF-8). Raises 400 `invalid_request_error` for invalid JSON or UTF-8,
+//! a body that is not an object, a duplicate top-level key (the upstream might read the other
+//! copy), a missing or non-string `model`, or a wrongly typed field above.
+//!
+//! Only top-level keys count: the tape is walked at depth one, so a `"model"` inside messages or
+//! nested objects is never taken, in whatever order it appears.
+
+use simd_json::{Buffers, Node, StaticNode};
+
+use crate::error::GatewayError;
+
+/// What the pipeline needs from a request body.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Inspection {
+    pub model: String,
+    /// Byte range of the model's JSON string literal (quotes included) in the body.
+    pub model_span: (usize, usize),
+    pub stream: bool,
+    pub include_usage: Option<bool>,
+    pub max_tokens: Option<u64>,
+    pub n: Option<u64>,
+}
+
+/// Per-worker scratch space, reused across requests so inspection allocates nothing in the
+/// steady state.
+#[derive(Default)]
+pub struct Inspector {
+    scratch: Vec<u8>,
+    buffers: Option<Buffers>,
+    tape: Option<simd_json::Tape<'static>>,
+}
+
+impl Inspector {
+    pub fn inspect(&mut self, body: &[u8], out: &mut Inspection) -> Result<(), GatewayError> {
+        // simd-json parses in place (it unescapes strings into its input), so it gets a copy.
+        self.scratch.clear();
+        self.scratch.extend_from_slice(body);
+        let buffers = self
+            .buffers
+            .get_or_insert_with(|| Buffers::new(body.len().max(4096)));
+        let mut tape = match self.tape.take() {
+            Some(t) => t.reset(),
+            None => simd_json::Tape(Vec::with_capacity(256)),
+        };
+        let result = match simd_json::fill_tape(&mut self.scratch, buffers, &mut tape) {
+            Ok(()) => read_top_level(&tape.0, body, buffers.structural_indexes(), out),
+            Err(e) => Err(GatewayError::invalid_request(
+                format!("We could not parse the JSON body of your request: {:?}", e.error()),
+                None,
+            )),
+        };
+        self.tape = Some(tape.reset());
+        result
+    }
+}
+
+fn invalid(message: &str, param: &'static str) -> GatewayError {
+    GatewayError::invalid_request(message.to_string(), Some(param))
+}
+
+fn read_top_level(
+    nodes: &[Node<'_>],
+    body: &[u8],
+    structurals: &[u32],
+    out: &mut Inspection,
+) -> Result<(), GatewayError> {
+    let Some(&Node::Object { len, .. }) = nodes.first() else {
+        return Err(GatewayError::invalid_request(
+            "The request body must be a JSON object.",
+            None,
+        ));
+    };
+    *out = Inspection::default();
+    let mut model_key_index = None;
+    let mut seen: Vec<&str> = Vec::new();
+    let mut idx = 1;
+    for key_index in 0..len {
+        let Some(Node::String(key)) = nodes.get(idx) else {
+            return Err(GatewayError::invalid_request("malformed JSON object", None));
+        };
+        let key: &str = key;
+        if seen.contains(&key) {
+            return Err(GatewayError::invalid_request(
+                format!("Duplicate top-level key `{}` in the request body.", truncate(key)),
+                None,
+            ));
+        }
+        seen.push(key);
+        let value_idx = idx + 1;
+        let value = nodes.get(value_idx).copied();
+        idx = value_idx + value.map_or(1, node_span);
+        match key {
+            "model" => match value {
+                Some(Node::String(m)) => {
+                    out.model.push_str(m);
+                    model_key_index = Some(key_index);
+                }
+                _ => return Err(invalid("`model` must be a string.", "model")),
+            },
+            "stream" => {
+                out.stream = match value {
+                    Some(Node::Static(StaticNode::Bool(b))) => b,
+                    Some(Node::Static(StaticNode::Null)) => false,
+                    _ => return Err(invalid("`stream` must be a boolean.", "stream")),
+                }
+            }
+            "stream_options" => match value {
+                Some(Node::Object { len, .. }) => {
+                    out.include_usage = find_include_usage(nodes, value_idx + 1, len)?;
+                }
+                Some(Node::Static(StaticNode::Null)) => {}
+                _ => {
+                    return Err(invalid(
+                        "`stream_options` must be an object.",
+                        "stream_options",
+                    ))
+                }
+            },
+            "max_tokens" | "max_completion_tokens" | "max_output_tokens" => {
+                let param = match key {
+                    "max_tokens" => "max_tokens",
+                    "max_completion_tokens" => "max_completion_tokens",
+                    _ => "max_output_tokens",
+                };
+                if let Some(v) = non_negative_int(value, param)? {
+                    // When several are given, the tightest cap is the one that binds.
+                    out.max_tokens = Some(out.max_tokens.map_or(v, |m| m.min(v)));
+                }
+            }
+            "n" => out.n = non_negative_int(value, "n")?,
+            _ => {}
+        }
+    }
+    let Some(model_key_index) = model_key_index else {
+        return Err(invalid(
+            "You must provide a model parameter.",
+            "model",
+        ));
+    };
+    out.model_span = top_level_value_span(body, structurals, model_key_index)
+        .ok_or_else(|| GatewayError::invalid_request("malformed JSON object", None))?;
+    Ok(())
+}
+
+/// Nodes taken by the value starting at this node (itself included).
+fn node_span(node: Node<'_>) -> usize {
+    match node {
+        Node::Object { count, .. } | Node::Array { count, .. } => count + 1,
+        _ => 1,
+    }
+}
+
+/// `include_usage` among the `len` entries of the object whose first key is at `nodes[idx]`.
+fn find_include_usage(
+    nodes: &[Node<'_>],
+    mut idx: usize,
+    len: usize,
+) -> Result<Option<bool>, GatewayError> {
+    let mut found = None;
+    for _ in 0..len {
+        let key = nodes.get(idx).copied();
+        let value = nodes.get(idx + 1).copied();
+        if let (Some(Node::String("include_usage")), Some(value)) = (key, value) {
+            found = match value {
+                Node::Static(StaticNode::Bool(b)) => Some(b),
+                Node::Static(StaticNode::Null) => None,
+                _ => {
+                    return Err(invalid(
+                        "`stream_options.include_usage` must be a boolean.",
+                        "stream_options",
+                    ))
+                }
+            };
+        }
+        idx += 1 + value.map_or(1, node_span);
+    }
+    Ok(found)
+}
+
+fn non_negative_int(value: Option<Node<'_>>, param: &'static str) -> Result<Option<u64>, GatewayError> {
+    match value {
+        Some(Node::Static(StaticNode::U64(v))) => Ok(Some(v)),
+        Some(Node::Static(StaticNode::I64(v))) if v >= 0 => Ok(Some(v as u64)),
+        Some(Node::Static(StaticNode::Null)) => Ok(None),
+        _ => Err(GatewayError::invalid_request(
+            format!("`{param}` must be a non-negative integer."),
+            Some(param),
+        )),
+    }
+}
+
+/// Byte span of the value of the `key_index`-th top-level key, found from simd-json's stage-1
+/// structural indexes: at depth one, the structural right after the k-th `:` starts the value,
+/// and the next depth-one structural (`,` or `}`) ends it, less trailing whitespace.
+fn top_level_value_span(body: &[u8], structurals: &[u32], key_index: usize) -> Option<(usize, usize)> {
+    let mut depth = 0usize;
+    let mut colons = 0usize;
+    let mut value_next = false;
+    let mut start = None;
+    for &pos in structurals {
+        let pos = pos as usize;
+        let c = *body.get(pos)?;
+        if value_next {
+            value_next = false;
+            start = Some(pos);
+        } else if let Some(s) = start {
+            if depth == 1 && (c == b',' || c == b'}') {
+                let mut end = pos;
+                while end > s && matches!(body[end - 1], b' ' | b'\t' | b'\n' | b'\r') {
+                    end -= 1;
+                }
+                return Some((s, end));
+            }
+        }
+        match c {
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            b':' if depth == 1 && start.is_none() => {
+                value_next = colons == key_index;
+                colons += 1;
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+fn truncate(s: &str) -> &str {
+    let mut end = s.len().min(64);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn inspect(body: &str) -> Result<Inspection, GatewayError> {
+        let mut i = Inspector::default();
+        let mut out = Inspection::default();
+        i.inspect(body.as_bytes(), &mut out).map(|()| out)
+    }
+
+    fn span(body: &str) -> &str {
+        let r = inspect(body).unwrap();
+        &body[r.model_span.0..r.model_span.1]
+    }
+
+    #[test]
+    fn reads_top_level_fields() {
+        let body = r#"{"messages":[{"role":"user","content":"{\"model\":\"evil\"}"}],"x":{"model":"evil2","y":[1,{"model":3}]},"model" : "gpt-4o" ,"stream":true,"stream_options":{"a":[1,2],"include_usage":true},"max_tokens":100,"n":2}"#;
+        let r = inspect(body).unwrap();
+        assert_eq!(r.model, "gpt-4o");
+        assert!(r.stream);
+        assert_eq!(r.include_usage, Some(true));
+        assert_eq!(r.max_tokens, Some(100));
+        assert_eq!(r.n, Some(2));
+        assert_eq!(span(body), r#""gpt-4o""#);
+    }
+
+    #[test]
+    fn model_first_and_nested_after() {
+        let body = r#"{"model":"a","x":{"model":"evil"}}"#;
+        assert_eq!(inspect(body).unwrap().model, "a");
+        assert_eq!(span(body), r#""a""#);
+        let body = "{\n  \"model\"\t:\n \"a\\\"b\"\n}";
+        assert_eq!(inspect(body).unwrap().model, "a\"b");
+        assert_eq!(span(body), r#""a\"b""#);
+    }
+
+    #[test]
+    fn escaped_key_is_model() {
+        let body = r#"{"\u006dodel":"m1"}"#;
+        assert_eq!(inspect(body).unwrap().model, "m1");
+        assert_eq!(span(body), r#""m1""#);
+        // An escaped duplicate is still a duplicate.
+        assert_eq!(inspect(r#"{"model":"a","\u006dodel":"b"}"#).unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn rejects() {
+        for bad in [
+            r#"{"model":"a","model":"b"}"#,
+            r#"{"model":"a""#,
+            r#"["model"]"#,
+            r#"{"messages":[]}"#,
+            r#"{"model":5}"#,
+            r#"{"model":"a","stream":"yes"}"#,
+            r#"{"model":"a","max_tokens":-1}"#,
+            r#"{"model":"a","stream_options":{"include_usage":1}}"#,
+            "",
+        ] {
+            assert_eq!(inspect(bad).unwrap_err().status, 400, "{bad}");
+        }
+        let mut i = Inspector::default();
+        let mut out = Inspection::default();
+        assert!(i.inspect(b"{\"model\":\"\xff\"}", &mut out).is_err());
+    }
+
+    #[test]
+    fn scratch_is_reused_across_calls() {
+        let mut i = Inspector::default();
+        let mut out = Inspection::default();
+        i.inspect(br#"{"model":"first","n":1}"#, &mut out).unwrap();
+        i.inspect(br#"{"model":"second"}"#, &mut out).unwrap();
+        assert_eq!(out.model, "second");
+        assert_eq!(out.n, None);
+    }
+}

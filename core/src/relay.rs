@@ -1,0 +1,310 @@
+//! Relay: pass the upstream's response to the client as it arrives.
+//!
+//! Runs once the forward phase has a response head. Takes the client socket, the
+//! [`UpstreamResponse`] and how the client asked (HEAD or not, HTTP/1.0 or 1.1, keep-alive);
+//! writes the response head together with the first body bytes, then writes every upstream read
+//! to the client before issuing the next read — nothing is buffered or coalesced. Content-Length
+//! bodies pass through as they are; chunked and close-delimited bodies are decoded and re-framed
+//! as clean chunks (extensions and trailers dropped) for HTTP/1.1 clients. Returns whether the
+//! client connection can serve another request. While relaying it watches the client socket: if
+//! the client leaves, the upstream connection is shut down at once. If the upstream stalls past
+//! `stream_idle`, ends early or sends a malformed chunk, an event stream ends with an SSE error
+//! event (its framing stays valid), any other body is cut by closing the client connection. The
+//! upstream connection goes back to the pool only after a complete, well-framed response.
+
+use std::io::Write as _;
+use std::pin::pin;
+
+use crate::conn::ClientSocket;
+use crate::error::{reason, GatewayError};
+use crate::forward::UpstreamResponse;
+use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
+use crate::http::{is_hop_by_hop, BodyFraming};
+use crate::worker::Worker;
+
+/// How the client asked for the response.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientSide {
+    pub head_only: bool,
+    pub minor_version: u8,
+    pub keep_alive: bool,
+}
+
+/// How the body reaches the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClientFraming {
+    /// Nothing after the head.
+    Empty,
+    /// Same bytes as the upstream sent, Content-Length framed.
+    Passthrough,
+    /// Re-framed as chunks.
+    Chunked,
+    /// Raw bytes, ended by closing the connection (HTTP/1.0 clients).
+    Close,
+}
+
+/// How the upstream body is delimited, with progress.
+enum UpstreamBody {
+    Done,
+    Length(u64),
+    Chunked(ChunkedDecoder),
+    UntilClose,
+}
+
+/// Why the body stopped before its end.
+enum Cut {
+    /// The client left, or stopped taking bytes.
+    Client,
+    /// The upstream failed, stalled or sent garbage.
+    Upstream(GatewayError),
+}
+
+pub async fn relay(worker: &Worker, client: &ClientSocket, response: UpstreamResponse, side: ClientSide) -> bool {
+    let UpstreamResponse {
+        mut conn,
+        head,
+        buf: mut ubuf,
+    } = response;
+    let timeouts = &worker.snapshot.timeouts;
+    let framing = head.framing();
+    let event_stream = head.event_stream;
+    let mut keep_client = side.keep_alive;
+    let client_framing = match framing {
+        BodyFraming::None => ClientFraming::Empty,
+        _ if side.head_only => ClientFraming::Empty,
+        BodyFraming::Length(_) => ClientFraming::Passthrough,
+        BodyFraming::Chunked | BodyFraming::UntilClose if side.minor_version >= 1 => ClientFraming::Chunked,
+        BodyFraming::Chunked | BodyFraming::UntilClose => {
+            keep_client = false;
+            ClientFraming::Close
+        }
+    };
+
+    // The head.
+    let mut out = worker.bufs.take();
+    let _ = write!(out, "HTTP/1.1 {} ", head.status);
+    let upstream_reason = &ubuf[head.reason.0..head.reason.1];
+    if upstream_reason.is_empty() {
+        out.extend_from_slice(reason(head.status).as_bytes());
+    } else {
+        out.extend_from_slice(upstream_reason);
+    }
+    out.extend_from_slice(b"\r\n");
+    for h in &head.headers {
+        let name = h.name(&ubuf);
+        let keep_length = side.head_only && name.eq_ignore_ascii_case(b"content-length");
+        if is_hop_by_hop(name) && !keep_length {
+            continue;
+        }
+        out.extend_from_slice(name);
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(h.value(&ubuf));
+        out.extend_from_slice(b"\r\n");
+    }
+    match (client_framing, framing) {
+        (ClientFraming::Passthrough, BodyFraming::Length(n)) => {
+            let _ = write!(out, "content-length: {n}\r\n");
+        }
+        (ClientFraming::Chunked, _) => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        (ClientFraming::Empty, _) if !side.head_only && head.status != 204 && head.status != 304 => {
+            out.extend_from_slice(b"content-length: 0\r\n");
+        }
+        _ => {}
+    }
+    if !keep_client {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+
+    let mut body = match framing {
+        BodyFraming::None => UpstreamBody::Done,
+        BodyFraming::Length(n) => UpstreamBody::Length(n),
+        BodyFraming::Chunked => UpstreamBody::Chunked(ChunkedDecoder::default()),
+        BodyFraming::UntilClose => UpstreamBody::UntilClose,
+    };
+    // A HEAD response has no body whatever its headers say.
+    if side.head_only && !matches!(body, UpstreamBody::Done) && framing != BodyFraming::UntilClose {
+        body = UpstreamBody::Done;
+    }
+
+    // Body bytes that arrived with the head go out in the same write as the head.
+    let mut clean = true;
+    let mut cut: Option<Cut> = None;
+    match feed(&mut body, &ubuf[head.head_len..], client_framing, &mut out) {
+        Ok(extra) => clean = !extra,
+        Err(e) => cut = Some(Cut::Upstream(e)),
+    }
+
+    if cut.is_none() {
+        let (res, returned) = client.write_all(out, timeouts.stream_idle).await;
+        out = returned;
+        if res.is_err() {
+            cut = Some(Cut::Client);
+        }
+    }
+
+    // The rest of the body, one upstream read at a time.
+    let mut watch = pin!(client.readable());
+    let mut watching = true;
+    while cut.is_none() && !matches!(body, UpstreamBody::Done) {
+        out.clear();
+        ubuf.clear();
+        if ubuf.capacity() < 16 * 1024 {
+            ubuf.reserve(16 * 1024);
+        }
+        let cap = ubuf.capacity();
+        let mut read = pin!(monoio::time::timeout(
+            timeouts.stream_idle,
+            conn.io.read(monoio::buf::IoBufMut::slice_mut(std::mem::take(&mut ubuf), 0..cap)),
+        ));
+        // Wait for the upstream, watching the client meanwhile. The read is never dropped
+        // unless the client is gone, so no upstream bytes can be lost to a cancelled read.
+        let read_result = loop {
+            if !watching {
+                break Some((&mut read).await);
+            }
+            monoio::select! {
+                biased;
+                r = &mut read => break Some(r),
+                _ = &mut watch => {
+                    if client.peer_gone() {
+                        break None;
+                    }
+                    // The client sent its next request early: stop watching for this one.
+                    watching = false;
+                }
+            }
+        };
+        let Some(read_result) = read_result else {
+            cut = Some(Cut::Client);
+            break;
+        };
+        let n = match read_result {
+            Err(_) => {
+                cut = Some(Cut::Upstream(GatewayError::gateway_timeout(
+                    "the upstream stream stalled",
+                )));
+                break;
+            }
+            Ok((res, slice)) => {
+                ubuf = slice.into_inner();
+                match res {
+                    Ok(n) => n,
+                    Err(e) => {
+                        cut = Some(Cut::Upstream(GatewayError::bad_gateway(format!(
+                            "upstream connection failed mid-response: {e}"
+                        ))));
+                        break;
+                    }
+                }
+            }
+        };
+        if n == 0 {
+            if matches!(body, UpstreamBody::UntilClose) {
+                body = UpstreamBody::Done;
+                clean = false;
+                break;
+            }
+            cut = Some(Cut::Upstream(GatewayError::bad_gateway(
+                "the upstream closed the connection mid-response",
+            )));
+            break;
+        }
+        match feed(&mut body, &ubuf[..n], client_framing, &mut out) {
+            Ok(extra) => clean &= !extra,
+            Err(e) => {
+                cut = Some(Cut::Upstream(e));
+                break;
+            }
+        }
+        if !out.is_empty() {
+            let (res, returned) = client.write_all(std::mem::take(&mut out), timeouts.stream_idle).await;
+            out = returned;
+            if res.is_err() {
+                cut = Some(Cut::Client);
+            }
+        }
+    }
+
+    let finished = match cut {
+        None => {
+            if client_framing == ClientFraming::Chunked {
+                out.clear();
+                out.extend_from_slice(LAST_CHUNK);
+                let (res, returned) = client.write_all(out, timeouts.stream_idle).await;
+                out = returned;
+                keep_client &= res.is_ok();
+            }
+            if clean && head.keep_alive && matches!(body, UpstreamBody::Done) {
+                worker.pools.checkin(conn);
+            } else {
+                conn.abort();
+            }
+            keep_client
+        }
+        Some(Cut::Client) => {
+            conn.abort();
+            false
+        }
+        Some(Cut::Upstream(error)) => {
+            conn.abort();
+            // An event stream learns why through an error event and a proper end; any other
+            // body can only be cut, so the client sees it incomplete.
+            if event_stream && client_framing == ClientFraming::Chunked {
+                out.clear();
+                encode_chunk(error.sse_event().as_bytes(), &mut out);
+                out.extend_from_slice(LAST_CHUNK);
+                let (res, returned) = client.write_all(out, timeouts.stream_idle).await;
+                out = returned;
+                keep_client && res.is_ok()
+            } else {
+                false
+            }
+        }
+    };
+    worker.bufs.give(out);
+    worker.bufs.give(ubuf);
+    finished
+}
+
+/// Move `input` (upstream body bytes) into `out` in the client's framing. Returns whether bytes
+/// beyond the end of the body arrived (the upstream connection then can't be reused).
+fn feed(
+    body: &mut UpstreamBody,
+    input: &[u8],
+    framing: ClientFraming,
+    out: &mut Vec<u8>,
+) -> Result<bool, GatewayError> {
+    let mut emit = |data: &[u8]| match framing {
+        ClientFraming::Chunked => encode_chunk(data, out),
+        ClientFraming::Passthrough | ClientFraming::Close => out.extend_from_slice(data),
+        ClientFraming::Empty => {}
+    };
+    match body {
+        UpstreamBody::Done => Ok(!input.is_empty()),
+        UpstreamBody::Length(remaining) => {
+            let take = (*remaining).min(input.len() as u64) as usize;
+            emit(&input[..take]);
+            *remaining -= take as u64;
+            let extra = take < input.len();
+            if *remaining == 0 {
+                *body = UpstreamBody::Done;
+            }
+            Ok(extra)
+        }
+        UpstreamBody::Chunked(decoder) => {
+            let used = decoder
+                .decode(input, &mut emit)
+                .map_err(|e| GatewayError::bad_gateway(format!("malformed chunked response from the upstream: {}", e.0)))?;
+            let extra = used < input.len();
+            if decoder.is_done() {
+                *body = UpstreamBody::Done;
+            }
+            Ok(extra)
+        }
+        UpstreamBody::UntilClose => {
+            emit(input);
+            Ok(false)
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! Per-core state: everything one worker thread owns, shared by its connection tasks through an
+//! `Rc` and never touched by another thread — so nothing here locks or uses atomics.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+use crate::config::Snapshot;
+use crate::inspect::Inspector;
+use crate::upstream::Pools;
+
+/// Buffers handed out for one request and given back after, so the steady state allocates
+/// nothing per request and idle connections hold no large buffers.
+pub struct BufPool {
+    free: RefCell<Vec<Vec<u8>>>,
+    capacity: usize,
+    /// Buffers that grew past this are freed rather than kept.
+    max_kept_capacity: usize,
+    max_free: usize,
+}
+
+impl BufPool {
+    pub fn new(capacity: usize, max_free: usize) -> BufPool {
+        BufPool {
+            free: RefCell::new(Vec::new()),
+            capacity,
+            max_kept_capacity: capacity * 16,
+            max_free,
+        }
+    }
+
+    pub fn take(&self) -> Vec<u8> {
+        self.free
+            .borrow_mut()
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(self.capacity))
+    }
+
+    pub fn give(&self, mut buf: Vec<u8>) {
+        let mut free = self.free.borrow_mut();
+        if free.len() < self.max_free && buf.capacity() <= self.max_kept_capacity {
+            buf.clear();
+            free.push(buf);
+        }
+    }
+}
+
+pub struct Worker {
+    pub id: usize,
+    pub snapshot: Rc<Snapshot>,
+    pub pools: Pools,
+    pub inspector: RefCell<Inspector>,
+    pub rng: Cell<u64>,
+    pub bufs: BufPool,
+    /// Open client connections on this worker.
+    pub connections: Cell<usize>,
+    /// The `/v1/models` response body, built once per snapshot.
+    pub models_body: Vec<u8>,
+}
+
+impl Worker {
+    pub fn new(id: usize, snapshot: Rc<Snapshot>) -> Worker {
+        let pools = Pools::new(snapshot.backend_count, snapshot.upstream);
+        let models_body = crate::models::list_body(&snapshot);
+        // Distinct, non-zero seeds per worker and per process.
+        let seed = (std::process::id() as u64) << 32 | (id as u64 + 1);
+        Worker {
+            id,
+            pools,
+            inspector: RefCell::new(Inspector::default()),
+            rng: Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
+            bufs: BufPool::new(16 * 1024, 256),
+            connections: Cell::new(0),
+            models_body,
+            snapshot,
+        }
+    }
+}
