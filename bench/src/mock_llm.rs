@@ -1,1 +1,361 @@
-fn main(){}
+//! mock-llm: an OpenAI-compatible upstream for tests, the demo and benchmarks, which can
+//! misbehave on demand. Contract: `bench/MOCK_LLM.md`.
+//!
+//! One monoio thread, HTTP/1.1 keep-alive on raw `TcpStream`s (or TLS over them), httparse for
+//! requests, preformatted bytes for responses.
+
+#[path = "mock_llm/body.rs"]
+mod body;
+#[path = "mock_llm/conn.rs"]
+mod conn;
+#[path = "mock_llm/http.rs"]
+mod http;
+
+use std::cell::Cell;
+use std::io::{Read as _, Write as _};
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use monoio::net::{ListenerOpts, TcpListener};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const HELP: &str = "\
+mock-llm: an OpenAI-compatible mock upstream (see bench/MOCK_LLM.md)
+
+USAGE:
+    mock-llm [OPTIONS]
+
+OPTIONS:
+    --listen ADDR            address to bind [default: 127.0.0.1:0]
+    --ttft-ms N              delay before the first streamed content event [default: 0]
+    --inter-token-ms N       delay between streamed content events [default: 0]
+    --tokens N               output tokens per answer [default: 16]
+    --fault SPEC             misbehave on every request: drop-mid-stream, malformed-chunk,
+                             error-event, close-delimited, chunk-ext, close-after, status=N
+    --tls-cert FILE          PEM certificate chain; with --tls-key, serve HTTPS
+    --tls-key FILE           PEM private key
+    --exit-on-stdin-eof      exit when stdin is closed
+    --legacy-driver          use epoll instead of io_uring (default: io_uring when available)
+    -h, --help               print this help
+
+On start it prints `mock-llm listening on IP:PORT` to stdout.
+
+ENDPOINTS:
+    POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings
+    GET  /v1/models, /_mock/stats
+
+REQUEST HEADERS:
+    x-mock-status: N, x-mock-retry-after: S, x-mock-ttft-ms: N, x-mock-inter-token-ms: N,
+    x-mock-tokens: N, x-mock-delay-ms: N, x-mock-fault: SPEC (as --fault)
+";
+
+/// A misbehaviour, per request (`x-mock-fault`) or per instance (`--fault`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Fault {
+    DropMidStream,
+    MalformedChunk,
+    ErrorEvent,
+    CloseDelimited,
+    ChunkExt,
+    CloseAfter,
+    Status(u16),
+}
+
+impl Fault {
+    pub fn parse(s: &str) -> Option<Fault> {
+        let s = s.trim();
+        Some(match s {
+            "drop-mid-stream" => Fault::DropMidStream,
+            "malformed-chunk" => Fault::MalformedChunk,
+            "error-event" => Fault::ErrorEvent,
+            "close-delimited" => Fault::CloseDelimited,
+            "chunk-ext" => Fault::ChunkExt,
+            "close-after" => Fault::CloseAfter,
+            _ => {
+                let n: u16 = s.strip_prefix("status=")?.trim().parse().ok()?;
+                if !(200..=599).contains(&n) {
+                    return None;
+                }
+                Fault::Status(n)
+            }
+        })
+    }
+}
+
+/// Per-instance defaults.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub ttft_ms: u64,
+    pub inter_token_ms: u64,
+    pub tokens: u64,
+    pub fault: Option<Fault>,
+}
+
+/// Counters served at `/_mock/stats`.
+#[derive(Default)]
+pub struct Stats {
+    pub connections_accepted: Cell<u64>,
+    pub connections_open: Cell<u64>,
+    pub requests: Cell<u64>,
+    pub streams_started: Cell<u64>,
+    pub streams_completed: Cell<u64>,
+    pub streams_aborted: Cell<u64>,
+}
+
+impl Stats {
+    pub fn write_json(&self, out: &mut Vec<u8>) {
+        let active = self
+            .streams_started
+            .get()
+            .saturating_sub(self.streams_completed.get() + self.streams_aborted.get());
+        let _ = write!(
+            out,
+            "{{\"connections_accepted\":{},\"connections_open\":{},\"requests\":{},\
+             \"streams_started\":{},\"streams_completed\":{},\"streams_aborted\":{},\
+             \"active_streams\":{}}}",
+            self.connections_accepted.get(),
+            self.connections_open.get(),
+            self.requests.get(),
+            self.streams_started.get(),
+            self.streams_completed.get(),
+            self.streams_aborted.get(),
+            active
+        );
+    }
+}
+
+/// State shared by all connections (single thread).
+pub struct State {
+    pub cfg: Config,
+    pub stats: Stats,
+    /// Request sequence number, for ids.
+    pub seq: Cell<u64>,
+}
+
+struct Args {
+    listen: String,
+    cfg: Config,
+    tls: Option<(PathBuf, PathBuf)>,
+    exit_on_stdin_eof: bool,
+    legacy_driver: bool,
+}
+
+/// Ok(None): help was asked for.
+fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
+    let mut a = Args {
+        listen: "127.0.0.1:0".to_owned(),
+        cfg: Config {
+            ttft_ms: 0,
+            inter_token_ms: 0,
+            tokens: 16,
+            fault: None,
+        },
+        tls: None,
+        exit_on_stdin_eof: false,
+        legacy_driver: false,
+    };
+    let (mut cert, mut key) = (None, None);
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_owned(), Some(v.to_owned())),
+            _ => (arg.clone(), None),
+        };
+        let mut value = || -> Result<String, String> {
+            match inline.clone() {
+                Some(v) => Ok(v),
+                None => it.next().ok_or_else(|| format!("{flag} needs a value")),
+            }
+        };
+        let num = |v: String| -> Result<u64, String> {
+            v.trim()
+                .parse()
+                .map_err(|_| format!("{flag}: not a number: {v:?}"))
+        };
+        match flag.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--listen" => a.listen = value()?,
+            "--ttft-ms" => a.cfg.ttft_ms = num(value()?)?,
+            "--inter-token-ms" => a.cfg.inter_token_ms = num(value()?)?,
+            "--tokens" => a.cfg.tokens = num(value()?)?,
+            "--fault" => {
+                let v = value()?;
+                a.cfg.fault = Some(Fault::parse(&v).ok_or_else(|| format!("unknown fault {v:?}"))?);
+            }
+            "--tls-cert" => cert = Some(PathBuf::from(value()?)),
+            "--tls-key" => key = Some(PathBuf::from(value()?)),
+            "--exit-on-stdin-eof" if inline.is_none() => a.exit_on_stdin_eof = true,
+            "--legacy-driver" if inline.is_none() => a.legacy_driver = true,
+            _ => return Err(format!("unknown argument {arg:?}")),
+        }
+    }
+    a.tls = match (cert, key) {
+        (Some(c), Some(k)) => Some((c, k)),
+        (None, None) => None,
+        _ => return Err("--tls-cert and --tls-key go together".to_owned()),
+    };
+    Ok(Some(a))
+}
+
+fn load_tls(cert: &PathBuf, key: &PathBuf) -> Result<monoio_rustls::TlsAcceptor, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_file_iter(cert)
+        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("reading certificates from {}: {e}", cert.display()))?;
+    if certs.is_empty() {
+        return Err(format!("no certificate in {}", cert.display()));
+    }
+    let key = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| format!("reading the private key from {}: {e}", key.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS setup: {e}"))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("TLS certificate/key: {e}"))?;
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(monoio_rustls::TlsAcceptor::from(Arc::new(cfg)))
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("mock-llm: {msg}");
+    std::process::exit(1)
+}
+
+/// Decrements `connections_open` when a connection task ends.
+struct OpenGuard(Rc<State>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        let open = &self.0.stats.connections_open;
+        open.set(open.get().saturating_sub(1));
+    }
+}
+
+async fn serve(listen: String, st: Rc<State>, tls: Option<monoio_rustls::TlsAcceptor>) {
+    let opts = ListenerOpts::default().reuse_port(false).backlog(4096);
+    let listener = match TcpListener::bind_with_config(listen.as_str(), &opts) {
+        Ok(l) => l,
+        Err(e) => fail(&format!("cannot listen on {listen}: {e}")),
+    };
+    let addr = match listener.local_addr() {
+        Ok(a) => a,
+        Err(e) => fail(&format!("local address: {e}")),
+    };
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "mock-llm listening on {addr}");
+        let _ = out.flush();
+    }
+    loop {
+        match listener.accept().await {
+            Ok((tcp, _peer)) => {
+                let _ = tcp.set_nodelay(true);
+                let stats = &st.stats;
+                stats
+                    .connections_accepted
+                    .set(stats.connections_accepted.get() + 1);
+                stats.connections_open.set(stats.connections_open.get() + 1);
+                let guard = OpenGuard(st.clone());
+                let st = st.clone();
+                let tls = tls.clone();
+                monoio::spawn(async move {
+                    conn::run(tcp, st, tls).await;
+                    drop(guard);
+                });
+            }
+            Err(e) => {
+                eprintln!("mock-llm: accept: {e}");
+                // Out of descriptors or similar: back off instead of spinning.
+                monoio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
+fn main() {
+    let args = match parse_args(std::env::args().skip(1)) {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            print!("{HELP}");
+            return;
+        }
+        Err(e) => {
+            eprintln!("mock-llm: {e} (see --help)");
+            std::process::exit(2);
+        }
+    };
+    if args.exit_on_stdin_eof {
+        std::thread::spawn(|| {
+            let mut stdin = std::io::stdin().lock();
+            let mut sink = [0u8; 1024];
+            loop {
+                match stdin.read(&mut sink) {
+                    Ok(0) => std::process::exit(0),
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => std::process::exit(0),
+                }
+            }
+        });
+    }
+    let tls = args
+        .tls
+        .as_ref()
+        .map(|(cert, key)| load_tls(cert, key).unwrap_or_else(|e| fail(&e)));
+    let st = Rc::new(State {
+        cfg: args.cfg,
+        stats: Stats::default(),
+        seq: Cell::new(0),
+    });
+    let started = if args.legacy_driver {
+        monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
+            .enable_timer()
+            .build()
+            .map(|mut rt| rt.block_on(serve(args.listen, st, tls)))
+    } else {
+        monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+            .enable_timer()
+            .build()
+            .map(|mut rt| rt.block_on(serve(args.listen, st, tls)))
+    };
+    if let Err(e) = started {
+        fail(&format!("cannot start the runtime: {e}"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &[&str]) -> Result<Option<Args>, String> {
+        parse_args(v.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn faults() {
+        assert_eq!(Fault::parse("status=503"), Some(Fault::Status(503)));
+        assert_eq!(Fault::parse("chunk-ext"), Some(Fault::ChunkExt));
+        assert_eq!(Fault::parse("status=abc"), None);
+        assert_eq!(Fault::parse("nope"), None);
+    }
+
+    #[test]
+    fn arguments() {
+        let Ok(Some(a)) = args(&["--tokens", "3", "--ttft-ms=5", "--fault", "close-after"]) else {
+            panic!("not parsed")
+        };
+        assert_eq!(a.cfg.tokens, 3);
+        assert_eq!(a.cfg.ttft_ms, 5);
+        assert_eq!(a.cfg.fault, Some(Fault::CloseAfter));
+        assert!(matches!(args(&["--help"]), Ok(None)));
+        assert!(args(&["--tls-cert", "x"]).is_err());
+        assert!(args(&["--bogus"]).is_err());
+        assert!(args(&["--tokens"]).is_err());
+    }
+}

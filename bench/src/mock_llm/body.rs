@@ -1,0 +1,384 @@
+//! JSON bodies and SSE events of the mock upstream, appended to reusable byte buffers with plain
+//! formatting (no serializer on the response path).
+
+use std::io::Write as _;
+
+/// What a response body is about: the request's identity and sizes.
+pub struct Gen<'a> {
+    /// Request sequence number, used in ids.
+    pub seq: u64,
+    /// Unix seconds.
+    pub created: u64,
+    /// The model as a JSON string literal (already quoted and escaped).
+    pub model_json: &'a [u8],
+    pub prompt_tokens: u64,
+    pub tokens: u64,
+}
+
+/// Appends the output text `tok0 tok1 …` (no quotes; it never needs escaping).
+fn text(out: &mut Vec<u8>, tokens: u64) {
+    for i in 0..tokens {
+        if i > 0 {
+            out.push(b' ');
+        }
+        let _ = write!(out, "tok{i}");
+    }
+}
+
+/// Appends the text of content token `i` as a JSON string (`"tok0"`, `" tok1"`, …).
+pub fn token_json(out: &mut Vec<u8>, i: u64) {
+    if i == 0 {
+        out.extend_from_slice(b"\"tok0\"");
+    } else {
+        let _ = write!(out, "\" tok{i}\"");
+    }
+}
+
+fn usage(out: &mut Vec<u8>, g: &Gen) {
+    let _ = write!(
+        out,
+        "{{\"prompt_tokens\":{},\"completion_tokens\":{},\"total_tokens\":{}}}",
+        g.prompt_tokens,
+        g.tokens,
+        g.prompt_tokens + g.tokens
+    );
+}
+
+/// Responses-API usage; carries the Chat-style names too, with the same values.
+fn responses_usage(out: &mut Vec<u8>, g: &Gen) {
+    let _ = write!(
+        out,
+        "{{\"input_tokens\":{p},\"output_tokens\":{t},\"total_tokens\":{s},\
+         \"prompt_tokens\":{p},\"completion_tokens\":{t}}}",
+        p = g.prompt_tokens,
+        t = g.tokens,
+        s = g.prompt_tokens + g.tokens
+    );
+}
+
+fn echo_tail(out: &mut Vec<u8>, echo: &[u8]) {
+    out.extend_from_slice(b",\"echo\":");
+    out.extend_from_slice(echo);
+    out.push(b'}');
+}
+
+pub fn chat_completion(out: &mut Vec<u8>, g: &Gen, echo: &[u8]) {
+    let _ = write!(
+        out,
+        "{{\"id\":\"chatcmpl-mock-{}\",\"object\":\"chat.completion\",\"created\":{},\"model\":",
+        g.seq, g.created
+    );
+    out.extend_from_slice(g.model_json);
+    out.extend_from_slice(
+        b",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"",
+    );
+    text(out, g.tokens);
+    out.extend_from_slice(b"\"},\"finish_reason\":\"stop\"}],\"usage\":");
+    usage(out, g);
+    echo_tail(out, echo);
+}
+
+pub fn text_completion(out: &mut Vec<u8>, g: &Gen, echo: &[u8]) {
+    let _ = write!(
+        out,
+        "{{\"id\":\"cmpl-mock-{}\",\"object\":\"text_completion\",\"created\":{},\"model\":",
+        g.seq, g.created
+    );
+    out.extend_from_slice(g.model_json);
+    out.extend_from_slice(b",\"choices\":[{\"text\":\"");
+    text(out, g.tokens);
+    out.extend_from_slice(
+        b"\",\"index\":0,\"logprobs\":null,\"finish_reason\":\"stop\"}],\"usage\":",
+    );
+    usage(out, g);
+    echo_tail(out, echo);
+}
+
+/// A Responses-API `response` object (without a closing brace when `open`, so an echo can follow).
+fn response_object(out: &mut Vec<u8>, g: &Gen, done: bool) {
+    let _ = write!(
+        out,
+        "{{\"id\":\"resp_mock_{}\",\"object\":\"response\",\"created_at\":{},\"status\":\"{}\",\"model\":",
+        g.seq,
+        g.created,
+        if done { "completed" } else { "in_progress" }
+    );
+    out.extend_from_slice(g.model_json);
+    if done {
+        let _ = write!(
+            out,
+            ",\"output\":[{{\"type\":\"message\",\"id\":\"msg_mock_{}\",\"status\":\"completed\",\
+             \"role\":\"assistant\",\"content\":[{{\"type\":\"output_text\",\"text\":\"",
+            g.seq
+        );
+        text(out, g.tokens);
+        out.extend_from_slice(b"\",\"annotations\":[]}]}],\"usage\":");
+        responses_usage(out, g);
+    } else {
+        out.extend_from_slice(b",\"output\":[],\"usage\":null");
+    }
+}
+
+pub fn response(out: &mut Vec<u8>, g: &Gen, echo: &[u8]) {
+    response_object(out, g, true);
+    echo_tail(out, echo);
+}
+
+pub fn embeddings(out: &mut Vec<u8>, g: &Gen, echo: &[u8]) {
+    out.extend_from_slice(
+        b"{\"object\":\"list\",\"data\":[{\"object\":\"embedding\",\"index\":0,\"embedding\":\
+          [0.125,-0.25,0.375,-0.5,0.625,-0.75,0.875,-1.0]}],\"model\":",
+    );
+    out.extend_from_slice(g.model_json);
+    let _ = write!(
+        out,
+        ",\"usage\":{{\"prompt_tokens\":{p},\"total_tokens\":{p}}}",
+        p = g.prompt_tokens
+    );
+    echo_tail(out, echo);
+}
+
+pub fn models(out: &mut Vec<u8>, echo: &[u8]) {
+    out.extend_from_slice(
+        b"{\"object\":\"list\",\"data\":[{\"id\":\"mock-model\",\"object\":\"model\",\
+          \"created\":1700000000,\"owned_by\":\"sluice-mock\"}]",
+    );
+    echo_tail(out, echo);
+}
+
+/// OpenAI error `type` and `code` for a status.
+fn error_kind(status: u16) -> (&'static str, &'static str) {
+    match status {
+        400 | 413 | 422 => ("invalid_request_error", "invalid_request"),
+        401 => ("authentication_error", "invalid_api_key"),
+        403 => ("permission_error", "permission_denied"),
+        404 => ("invalid_request_error", "not_found"),
+        408 | 504 => ("timeout_error", "timeout"),
+        429 => ("rate_limit_error", "rate_limit_exceeded"),
+        431 => ("invalid_request_error", "headers_too_large"),
+        503 => ("server_error", "overloaded"),
+        _ if status >= 500 => ("server_error", "server_error"),
+        _ => ("invalid_request_error", "mock_error"),
+    }
+}
+
+/// An OpenAI-shaped error body; `message` is JSON-escaped here. The echo is added when given.
+pub fn error(out: &mut Vec<u8>, status: u16, message: &str, echo: Option<&[u8]>) {
+    let (kind, code) = error_kind(status);
+    out.extend_from_slice(b"{\"error\":{\"message\":");
+    super::http::json_str(out, message);
+    let _ = write!(
+        out,
+        ",\"type\":\"{kind}\",\"param\":null,\"code\":\"{code}\"}}"
+    );
+    match echo {
+        Some(e) => echo_tail(out, e),
+        None => out.push(b'}'),
+    }
+}
+
+// ---- SSE events (each is one complete `…\n\n` event) ----
+
+/// `: echo {json}` comment event.
+pub fn ev_echo(out: &mut Vec<u8>, echo: &[u8]) {
+    out.extend_from_slice(b": echo ");
+    out.extend_from_slice(echo);
+    out.extend_from_slice(b"\n\n");
+}
+
+pub fn ev_done(out: &mut Vec<u8>) {
+    out.extend_from_slice(b"data: [DONE]\n\n");
+}
+
+pub fn ev_error(out: &mut Vec<u8>) {
+    out.extend_from_slice(
+        b"data: {\"error\":{\"message\":\"mock error event\",\"type\":\"server_error\",\
+          \"param\":null,\"code\":\"mock_error_event\"}}\n\n",
+    );
+}
+
+fn chat_chunk_head(out: &mut Vec<u8>, g: &Gen) {
+    let _ = write!(
+        out,
+        "data: {{\"id\":\"chatcmpl-mock-{}\",\"object\":\"chat.completion.chunk\",\"created\":{},\"model\":",
+        g.seq, g.created
+    );
+    out.extend_from_slice(g.model_json);
+}
+
+pub fn ev_chat_role(out: &mut Vec<u8>, g: &Gen) {
+    chat_chunk_head(out, g);
+    out.extend_from_slice(
+        b",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"},\"finish_reason\":null}]}\n\n",
+    );
+}
+
+pub fn ev_chat_content(out: &mut Vec<u8>, g: &Gen, i: u64) {
+    chat_chunk_head(out, g);
+    out.extend_from_slice(b",\"choices\":[{\"index\":0,\"delta\":{\"content\":");
+    token_json(out, i);
+    out.extend_from_slice(b"},\"finish_reason\":null}]}\n\n");
+}
+
+pub fn ev_chat_finish(out: &mut Vec<u8>, g: &Gen) {
+    chat_chunk_head(out, g);
+    out.extend_from_slice(
+        b",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+    );
+}
+
+pub fn ev_chat_usage(out: &mut Vec<u8>, g: &Gen) {
+    chat_chunk_head(out, g);
+    out.extend_from_slice(b",\"choices\":[],\"usage\":");
+    usage(out, g);
+    out.extend_from_slice(b"}\n\n");
+}
+
+fn completion_chunk_head(out: &mut Vec<u8>, g: &Gen) {
+    let _ = write!(
+        out,
+        "data: {{\"id\":\"cmpl-mock-{}\",\"object\":\"text_completion\",\"created\":{},\"model\":",
+        g.seq, g.created
+    );
+    out.extend_from_slice(g.model_json);
+}
+
+pub fn ev_completion_content(out: &mut Vec<u8>, g: &Gen, i: u64) {
+    completion_chunk_head(out, g);
+    out.extend_from_slice(b",\"choices\":[{\"text\":");
+    token_json(out, i);
+    out.extend_from_slice(b",\"index\":0,\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+}
+
+pub fn ev_completion_finish(out: &mut Vec<u8>, g: &Gen) {
+    completion_chunk_head(out, g);
+    out.extend_from_slice(
+        b",\"choices\":[{\"text\":\"\",\"index\":0,\"logprobs\":null,\"finish_reason\":\"stop\"}]}\n\n",
+    );
+}
+
+pub fn ev_completion_usage(out: &mut Vec<u8>, g: &Gen) {
+    completion_chunk_head(out, g);
+    out.extend_from_slice(b",\"choices\":[],\"usage\":");
+    usage(out, g);
+    out.extend_from_slice(b"}\n\n");
+}
+
+pub fn ev_response_created(out: &mut Vec<u8>, g: &Gen) {
+    out.extend_from_slice(
+        b"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":",
+    );
+    response_object(out, g, false);
+    out.extend_from_slice(b"}}\n\n");
+}
+
+pub fn ev_response_delta(out: &mut Vec<u8>, g: &Gen, i: u64) {
+    let _ = write!(
+        out,
+        "event: response.output_text.delta\ndata: {{\"type\":\"response.output_text.delta\",\
+         \"sequence_number\":{},\"item_id\":\"msg_mock_{}\",\"output_index\":0,\"content_index\":0,\"delta\":",
+        i + 1,
+        g.seq
+    );
+    token_json(out, i);
+    out.extend_from_slice(b"}\n\n");
+}
+
+pub fn ev_response_completed(out: &mut Vec<u8>, g: &Gen) {
+    let _ = write!(
+        out,
+        "event: response.completed\ndata: {{\"type\":\"response.completed\",\"sequence_number\":{},\"response\":",
+        g.tokens + 1
+    );
+    response_object(out, g, true);
+    out.extend_from_slice(b"}}\n\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn g() -> Gen<'static> {
+        Gen {
+            seq: 7,
+            created: 1,
+            model_json: b"\"m\\\"x\"",
+            prompt_tokens: 3,
+            tokens: 3,
+        }
+    }
+
+    fn parse(b: &[u8]) -> serde_json::Value {
+        match serde_json::from_slice(b) {
+            Ok(v) => v,
+            Err(e) => panic!("{e}: {}", String::from_utf8_lossy(b)),
+        }
+    }
+
+    fn data_of(ev: &[u8]) -> serde_json::Value {
+        let s = String::from_utf8_lossy(ev);
+        let Some(line) = s.lines().find_map(|l| l.strip_prefix("data: ")) else {
+            panic!("no data line in {s}")
+        };
+        parse(line.as_bytes())
+    }
+
+    #[test]
+    fn bodies_are_json() {
+        let echo = br#"{"a":1}"#;
+        let mut out = Vec::new();
+        chat_completion(&mut out, &g(), echo);
+        let v = parse(&out);
+        assert_eq!(v["choices"][0]["message"]["content"], "tok0 tok1 tok2");
+        assert_eq!(v["model"], "m\"x");
+        assert_eq!(v["usage"]["total_tokens"], 6);
+        assert_eq!(v["echo"]["a"], 1);
+        for f in [text_completion, response, embeddings] {
+            out.clear();
+            f(&mut out, &g(), echo);
+            parse(&out);
+        }
+        out.clear();
+        models(&mut out, echo);
+        parse(&out);
+        out.clear();
+        error(&mut out, 429, "x\"y", Some(echo));
+        assert_eq!(parse(&out)["error"]["type"], "rate_limit_error");
+        out.clear();
+        error(&mut out, 404, "nope", None);
+        parse(&out);
+    }
+
+    #[test]
+    fn events_are_json() {
+        type Ev = fn(&mut Vec<u8>, &Gen);
+        let evs: [Ev; 7] = [
+            ev_chat_role,
+            ev_chat_finish,
+            ev_chat_usage,
+            ev_completion_finish,
+            ev_completion_usage,
+            ev_response_created,
+            ev_response_completed,
+        ];
+        let mut out = Vec::new();
+        for f in evs {
+            out.clear();
+            f(&mut out, &g());
+            assert!(out.ends_with(b"\n\n"));
+            data_of(&out);
+        }
+        out.clear();
+        ev_chat_content(&mut out, &g(), 1);
+        assert_eq!(data_of(&out)["choices"][0]["delta"]["content"], " tok1");
+        out.clear();
+        ev_completion_content(&mut out, &g(), 0);
+        assert_eq!(data_of(&out)["choices"][0]["text"], "tok0");
+        out.clear();
+        ev_response_delta(&mut out, &g(), 2);
+        assert_eq!(data_of(&out)["delta"], " tok2");
+        out.clear();
+        ev_error(&mut out);
+        data_of(&out);
+    }
+}

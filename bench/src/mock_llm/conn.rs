@@ -1,0 +1,796 @@
+//! One HTTP/1.1 keep-alive connection of the mock upstream, generic over plain TCP and TLS.
+
+use std::cell::UnsafeCell;
+use std::future::Future;
+use std::io::Write as _;
+use std::ops::Range;
+use std::rc::Rc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use monoio::buf::{IoBuf, IoBufMut, IoVecBuf, IoVecBufMut};
+use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
+use monoio::net::TcpStream;
+use monoio::time::Instant;
+use monoio::BufResult;
+
+use super::body::{self, Gen};
+use super::http::{self, Chunked, Head, HeadParse};
+use super::{Fault, State};
+
+/// Sleeps at least this long race a readiness check on the socket, so a client that goes away
+/// while the mock waits is noticed at once. Shorter sleeps rely on the next writes failing
+/// (the second write after a peer close fails), which costs nothing extra per event.
+const WATCH_MIN: Duration = Duration::from_millis(50);
+/// TLS handshakes that take longer are dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A TCP stream shared between the connection's I/O object (plain, or under TLS) and the
+/// peer-close watcher, which only needs `&TcpStream` for a readiness wait.
+///
+/// Same scheme as monoio's own `OwnedReadHalf`/`OwnedWriteHalf`: everything runs on one thread
+/// and the connection task never has an I/O operation in flight while it waits for
+/// readiness (see [`Conn::pause_until`]), so the `&mut` and `&` views never overlap.
+pub struct SharedTcp(Rc<UnsafeCell<TcpStream>>);
+
+impl SharedTcp {
+    fn inner(&mut self) -> &mut TcpStream {
+        // SAFETY: see the type's comment: no other reference is alive while this one is used.
+        unsafe { &mut *self.0.get() }
+    }
+}
+
+impl AsyncReadRent for SharedTcp {
+    fn read<T: IoBufMut>(&mut self, buf: T) -> impl Future<Output = BufResult<usize, T>> {
+        self.inner().read(buf)
+    }
+
+    fn readv<T: IoVecBufMut>(&mut self, buf: T) -> impl Future<Output = BufResult<usize, T>> {
+        self.inner().readv(buf)
+    }
+}
+
+impl AsyncWriteRent for SharedTcp {
+    fn write<T: IoBuf>(&mut self, buf: T) -> impl Future<Output = BufResult<usize, T>> {
+        self.inner().write(buf)
+    }
+
+    fn writev<T: IoVecBuf>(&mut self, buf: T) -> impl Future<Output = BufResult<usize, T>> {
+        self.inner().writev(buf)
+    }
+
+    fn flush(&mut self) -> impl Future<Output = std::io::Result<()>> {
+        self.inner().flush()
+    }
+
+    fn shutdown(&mut self) -> impl Future<Output = std::io::Result<()>> {
+        self.inner().shutdown()
+    }
+}
+
+/// Serves one accepted connection until it closes.
+pub async fn run(tcp: TcpStream, st: Rc<State>, tls: Option<monoio_rustls::TlsAcceptor>) {
+    let raw = Rc::new(UnsafeCell::new(tcp));
+    let io = SharedTcp(raw.clone());
+    match tls {
+        None => Conn::new(io, raw, st).serve().await,
+        Some(acceptor) => {
+            // A failed or stalled handshake just drops the connection.
+            let handshake = monoio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(io)).await;
+            if let Ok(Ok(s)) = handshake {
+                Conn::new(s, raw, st).serve().await;
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Chat,
+    Completions,
+    Responses,
+    Embeddings,
+    Models,
+    Stats,
+    NotFound,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    Chunked,
+    ChunkedExt,
+    /// Close-delimited: no framing at all.
+    Raw,
+}
+
+/// How a response body is delimited.
+enum Len {
+    Content(usize),
+    Chunked,
+    /// By closing the connection.
+    Unframed,
+}
+
+/// How a response ended.
+enum Next {
+    KeepAlive,
+    /// Close gracefully (TLS close_notify, TCP FIN).
+    Close,
+    /// Drop the socket at once (fault, or the peer is gone).
+    Drop,
+}
+
+/// The peer went away.
+struct Gone;
+
+/// Everything a response needs, taken out of the request before any I/O.
+struct Plan {
+    route: Route,
+    stream: bool,
+    include_usage: bool,
+    seq: u64,
+    created: u64,
+    /// Response `model` field as a JSON literal.
+    model_json: Vec<u8>,
+    /// `x-mock-model` header value (sanitized).
+    model_header: Vec<u8>,
+    prompt_tokens: u64,
+    tokens: u64,
+    ttft_ms: u64,
+    itl_ms: u64,
+    delay_ms: u64,
+    fault: Option<Fault>,
+    status: Option<u16>,
+    retry_after: Vec<u8>,
+    close: bool,
+    http10: bool,
+    /// `METHOD path` for the 404 message.
+    what: String,
+}
+
+struct Conn<S> {
+    io: S,
+    raw: Rc<UnsafeCell<TcpStream>>,
+    st: Rc<State>,
+    rbuf: Vec<u8>,
+    wbuf: Vec<u8>,
+    /// Decoded chunked request body, then reused for response bodies.
+    body: Vec<u8>,
+    /// Echo object of the current request.
+    echo: Vec<u8>,
+    /// The SSE event being built.
+    ev: Vec<u8>,
+    hdrs: Vec<(Range<usize>, Range<usize>)>,
+    /// The peer sent bytes while a response was being produced: stop watching for readiness.
+    peer_data: bool,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn parse_num(v: &[u8]) -> Option<u64> {
+    std::str::from_utf8(v).ok()?.trim().parse().ok()
+}
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        201 => "Created",
+        202 => "Accepted",
+        204 => "No Content",
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        402 => "Payment Required",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        409 => "Conflict",
+        413 => "Payload Too Large",
+        422 => "Unprocessable Entity",
+        429 => "Too Many Requests",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        501 => "Not Implemented",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "Mock Status",
+    }
+}
+
+/// Header-safe copy of a value: control characters become `?`.
+fn header_safe(out: &mut Vec<u8>, v: &[u8]) {
+    out.extend(
+        v.iter()
+            .map(|&b| if b < 0x20 || b == 0x7f { b'?' } else { b }),
+    );
+}
+
+fn frame_into(out: &mut Vec<u8>, ev: &[u8], framing: Framing) {
+    match framing {
+        Framing::Raw => out.extend_from_slice(ev),
+        Framing::Chunked => {
+            let _ = write!(out, "{:x}\r\n", ev.len());
+            out.extend_from_slice(ev);
+            out.extend_from_slice(b"\r\n");
+        }
+        Framing::ChunkedExt => {
+            let _ = write!(out, "{:x};ext=1\r\n", ev.len());
+            out.extend_from_slice(ev);
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+}
+
+fn terminator(framing: Framing) -> &'static [u8] {
+    match framing {
+        Framing::Chunked => b"0\r\n\r\n",
+        Framing::ChunkedExt => b"0\r\nx-trailer: 1\r\n\r\n",
+        Framing::Raw => b"",
+    }
+}
+
+impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
+    fn new(io: S, raw: Rc<UnsafeCell<TcpStream>>, st: Rc<State>) -> Self {
+        Conn {
+            io,
+            raw,
+            st,
+            rbuf: Vec::with_capacity(8192),
+            wbuf: Vec::with_capacity(4096),
+            body: Vec::new(),
+            echo: Vec::with_capacity(1024),
+            ev: Vec::with_capacity(512),
+            hdrs: Vec::with_capacity(16),
+            peer_data: false,
+        }
+    }
+
+    async fn serve(mut self) {
+        loop {
+            match self.one_request().await {
+                Next::KeepAlive => {}
+                Next::Close => {
+                    let _ = self.io.shutdown().await;
+                    return;
+                }
+                Next::Drop => return,
+            }
+        }
+    }
+
+    /// Appends whatever the socket has to `rbuf`; Ok(0) is EOF.
+    async fn read_more(&mut self) -> std::io::Result<usize> {
+        if self.rbuf.capacity() - self.rbuf.len() < 4096 {
+            self.rbuf.reserve(self.rbuf.len().max(8192));
+        }
+        let len = self.rbuf.len();
+        let buf = std::mem::take(&mut self.rbuf);
+        let (res, slice) = self.io.read(buf.slice_mut(len..)).await;
+        self.rbuf = slice.into_inner();
+        res
+    }
+
+    /// Writes all of `wbuf`.
+    async fn flush_wbuf(&mut self) -> Result<(), Gone> {
+        let buf = std::mem::take(&mut self.wbuf);
+        let (res, buf) = self.io.write_all(buf).await;
+        self.wbuf = buf;
+        match res {
+            Ok(_) => Ok(()),
+            Err(_) => Err(Gone),
+        }
+    }
+
+    /// Sends `self.ev` as one chunk (plus `tail` in the same write).
+    async fn send_ev(&mut self, framing: Framing, tail: &[u8]) -> Result<(), Gone> {
+        self.wbuf.clear();
+        frame_into(&mut self.wbuf, &self.ev, framing);
+        self.wbuf.extend_from_slice(tail);
+        self.flush_wbuf().await
+    }
+
+    /// Waits until `deadline`; errors if the peer closed the connection meanwhile (checked when
+    /// the wait is long enough to be worth a readiness wait, see [`WATCH_MIN`]).
+    async fn pause_until(&mut self, deadline: Instant) -> Result<(), Gone> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(());
+        }
+        if self.peer_data || left < WATCH_MIN {
+            monoio::time::sleep_until(deadline).await;
+            return Ok(());
+        }
+        let readable = {
+            // SAFETY: no operation on `self.io` is in flight here (it is only used after this
+            // block ends), so this shared view does not overlap a mutable one; see `SharedTcp`.
+            let tcp: &TcpStream = unsafe { &*self.raw.get() };
+            monoio::select! {
+                _ = monoio::time::sleep_until(deadline) => false,
+                _ = tcp.readable(false) => true,
+            }
+        };
+        if !readable {
+            return Ok(());
+        }
+        match self.read_more().await {
+            Ok(0) | Err(_) => Err(Gone),
+            Ok(_) => {
+                // Pipelined bytes: keep them for the next request, stop watching.
+                self.peer_data = true;
+                monoio::time::sleep_until(deadline).await;
+                Ok(())
+            }
+        }
+    }
+
+    /// Answers an unparseable request and closes.
+    async fn bad_request(&mut self, status: u16, why: &str) -> Next {
+        self.body.clear();
+        body::error(&mut self.body, status, why, None);
+        self.wbuf.clear();
+        let _ = write!(
+            self.wbuf,
+            "HTTP/1.1 {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+             x-mock-model: \r\nconnection: close\r\n\r\n",
+            reason(status),
+            self.body.len()
+        );
+        self.wbuf.extend_from_slice(&self.body);
+        match self.flush_wbuf().await {
+            Ok(()) => Next::Close,
+            Err(Gone) => Next::Drop,
+        }
+    }
+
+    async fn one_request(&mut self) -> Next {
+        // Head.
+        let head = loop {
+            if !self.rbuf.is_empty() {
+                match http::parse_head(&self.rbuf, &mut self.hdrs) {
+                    HeadParse::Done(h) => break h,
+                    HeadParse::Partial => {}
+                    HeadParse::Bad(status, why) => return self.bad_request(status, why).await,
+                }
+            }
+            match self.read_more().await {
+                Ok(0) | Err(_) => return Next::Drop,
+                Ok(_) => {}
+            }
+        };
+        // Body.
+        let mut sent_continue = false;
+        let (body_range, total) = loop {
+            let avail = &self.rbuf[head.len..];
+            let done = if head.chunked {
+                match http::decode_chunked(avail, &mut self.body) {
+                    Chunked::Done(n) => Some((None, head.len + n)),
+                    Chunked::Partial => None,
+                    Chunked::Bad(status, why) => return self.bad_request(status, why).await,
+                }
+            } else {
+                let n = head.content_length.unwrap_or(0);
+                (avail.len() >= n).then(|| (Some(head.len..head.len + n), head.len + n))
+            };
+            if let Some(d) = done {
+                break d;
+            }
+            if head.expect_continue && !sent_continue {
+                sent_continue = true;
+                self.wbuf.clear();
+                self.wbuf
+                    .extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
+                if self.flush_wbuf().await.is_err() {
+                    return Next::Drop;
+                }
+            }
+            match self.read_more().await {
+                Ok(0) | Err(_) => return Next::Drop,
+                Ok(_) => {}
+            }
+        };
+        let plan = self.plan(&head, body_range);
+        // The request is consumed; pipelined bytes stay.
+        self.rbuf.drain(..total);
+        if self.rbuf.capacity() > 1 << 20 && self.rbuf.len() < 8192 {
+            self.rbuf.shrink_to(8192);
+        }
+        self.peer_data = false;
+        let next = if plan.stream && plan.status.is_none() {
+            self.stream(&plan).await
+        } else {
+            self.plain(&plan).await
+        };
+        if self.body.capacity() > 1 << 20 {
+            self.body = Vec::new();
+        }
+        next
+    }
+
+    /// Builds the echo object into `self.echo` and the response plan.
+    fn plan(&mut self, head: &Head, body_range: Option<Range<usize>>) -> Plan {
+        let st = &self.st;
+        let rbuf = &self.rbuf;
+        let body: &[u8] = match &body_range {
+            Some(r) => &rbuf[r.clone()],
+            None => &self.body,
+        };
+        let method = &rbuf[head.method.clone()];
+        let full_path = &rbuf[head.path.clone()];
+        let path = match memchr::memchr(b'?', full_path) {
+            Some(i) => &full_path[..i],
+            None => full_path,
+        };
+        let route = match (method, path) {
+            (b"POST", b"/v1/chat/completions") => Route::Chat,
+            (b"POST", b"/v1/completions") => Route::Completions,
+            (b"POST", b"/v1/responses") => Route::Responses,
+            (b"POST", b"/v1/embeddings") => Route::Embeddings,
+            (b"GET", b"/v1/models") => Route::Models,
+            (b"GET", b"/_mock/stats") => Route::Stats,
+            _ => Route::NotFound,
+        };
+        let cfg = &st.cfg;
+        let mut plan = Plan {
+            route,
+            stream: false,
+            include_usage: false,
+            seq: 0,
+            created: 0,
+            model_json: Vec::new(),
+            model_header: Vec::new(),
+            prompt_tokens: (body.len() as u64 / 4).max(1),
+            tokens: cfg.tokens,
+            ttft_ms: cfg.ttft_ms,
+            itl_ms: cfg.inter_token_ms,
+            delay_ms: 0,
+            fault: cfg.fault,
+            status: None,
+            retry_after: Vec::new(),
+            close: head.wants_close,
+            http10: head.minor == 0,
+            what: String::new(),
+        };
+        if route == Route::Stats {
+            // The control endpoint ignores faults and controls.
+            plan.fault = None;
+            return plan;
+        }
+        st.stats.requests.set(st.stats.requests.get() + 1);
+        st.seq.set(st.seq.get() + 1);
+        plan.seq = st.seq.get();
+        plan.created = unix_now();
+
+        // Top-level fields of a JSON body.
+        let mut model: Option<String> = None;
+        if !body.is_empty() {
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+                model = v.get("model").and_then(|m| m.as_str()).map(str::to_owned);
+                plan.stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
+                plan.include_usage = v
+                    .pointer("/stream_options/include_usage")
+                    .and_then(|s| s.as_bool())
+                    .unwrap_or(false);
+            }
+        }
+        if !matches!(route, Route::Chat | Route::Completions | Route::Responses) {
+            plan.stream = false;
+        }
+
+        // Per-request controls, and the echo object.
+        let echo = &mut self.echo;
+        echo.clear();
+        echo.extend_from_slice(b"{\"method\":");
+        http::json_bytes(echo, method);
+        echo.extend_from_slice(b",\"path\":");
+        http::json_bytes(echo, full_path);
+        echo.extend_from_slice(b",\"headers\":[");
+        for (i, (n, v)) in self.hdrs.iter().enumerate() {
+            let (name, value) = (&rbuf[n.clone()], &rbuf[v.clone()]);
+            if i > 0 {
+                echo.push(b',');
+            }
+            echo.push(b'[');
+            http::json_bytes(echo, name);
+            echo.push(b',');
+            http::json_bytes(echo, value);
+            echo.push(b']');
+            if name.len() < 7 || !name[..7].eq_ignore_ascii_case(b"x-mock-") {
+                continue;
+            }
+            let ctl = &name[7..];
+            if ctl.eq_ignore_ascii_case(b"status") {
+                plan.status = parse_num(value)
+                    .filter(|s| (200..=599).contains(s))
+                    .map(|s| s as u16);
+            } else if ctl.eq_ignore_ascii_case(b"retry-after") {
+                plan.retry_after.clear();
+                header_safe(&mut plan.retry_after, value.trim_ascii());
+            } else if ctl.eq_ignore_ascii_case(b"ttft-ms") {
+                plan.ttft_ms = parse_num(value).unwrap_or(plan.ttft_ms);
+            } else if ctl.eq_ignore_ascii_case(b"inter-token-ms") {
+                plan.itl_ms = parse_num(value).unwrap_or(plan.itl_ms);
+            } else if ctl.eq_ignore_ascii_case(b"tokens") {
+                plan.tokens = parse_num(value).unwrap_or(plan.tokens);
+            } else if ctl.eq_ignore_ascii_case(b"delay-ms") {
+                plan.delay_ms = parse_num(value).unwrap_or(0);
+            } else if ctl.eq_ignore_ascii_case(b"fault") {
+                if let Some(f) = std::str::from_utf8(value).ok().and_then(Fault::parse) {
+                    plan.fault = Some(f);
+                }
+            }
+        }
+        echo.extend_from_slice(b"],\"body\":");
+        http::json_bytes(echo, body);
+        echo.extend_from_slice(b",\"model\":");
+        match &model {
+            Some(m) => http::json_str(echo, m),
+            None => echo.extend_from_slice(b"null"),
+        }
+        echo.push(b'}');
+
+        if plan.status.is_none() {
+            if let Some(Fault::Status(s)) = plan.fault {
+                plan.status = Some(s);
+            }
+        }
+        if plan.retry_after.is_empty() {
+            plan.retry_after.push(b'1');
+        }
+        let m = model.as_deref().unwrap_or("");
+        header_safe(&mut plan.model_header, m.as_bytes());
+        http::json_str(
+            &mut plan.model_json,
+            if m.is_empty() { "mock-model" } else { m },
+        );
+        if route == Route::NotFound {
+            plan.what = format!(
+                "{} {}",
+                String::from_utf8_lossy(method),
+                String::from_utf8_lossy(full_path)
+            );
+        }
+        plan
+    }
+
+    fn gen<'a>(&self, p: &'a Plan) -> Gen<'a> {
+        Gen {
+            seq: p.seq,
+            created: p.created,
+            model_json: &p.model_json,
+            prompt_tokens: p.prompt_tokens,
+            tokens: p.tokens,
+        }
+    }
+
+    /// Writes a response head into `wbuf` (cleared first).
+    fn head(&mut self, p: &Plan, status: u16, ctype: &str, len: Len, close: bool) {
+        let w = &mut self.wbuf;
+        w.clear();
+        let _ = write!(
+            w,
+            "HTTP/1.1 {status} {}\r\ncontent-type: {ctype}\r\n",
+            reason(status)
+        );
+        match len {
+            Len::Content(n) => {
+                let _ = write!(w, "content-length: {n}\r\n");
+            }
+            Len::Chunked => {
+                w.extend_from_slice(b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n")
+            }
+            Len::Unframed => w.extend_from_slice(b"cache-control: no-cache\r\n"),
+        }
+        if p.route != Route::Stats {
+            w.extend_from_slice(b"x-mock-model: ");
+            w.extend_from_slice(&p.model_header);
+            w.extend_from_slice(b"\r\n");
+        }
+        if status == 429 || status == 503 {
+            w.extend_from_slice(b"retry-after: ");
+            w.extend_from_slice(&p.retry_after);
+            w.extend_from_slice(b"\r\n");
+        }
+        if close {
+            w.extend_from_slice(b"connection: close\r\n");
+        } else if p.http10 {
+            w.extend_from_slice(b"connection: keep-alive\r\n");
+        }
+        w.extend_from_slice(b"\r\n");
+    }
+
+    /// A non-streaming response (including errors, 404 and the stats endpoint).
+    async fn plain(&mut self, p: &Plan) -> Next {
+        if p.delay_ms > 0 {
+            let deadline = Instant::now() + Duration::from_millis(p.delay_ms);
+            if self.pause_until(deadline).await.is_err() {
+                return Next::Drop;
+            }
+        }
+        let mut body = std::mem::take(&mut self.body);
+        body.clear();
+        let g = self.gen(p);
+        let echo = &self.echo;
+        let status = match (p.status, p.route) {
+            (_, Route::Stats) => {
+                self.st.stats.write_json(&mut body);
+                200
+            }
+            (Some(s), _) => {
+                body::error(&mut body, s, &format!("mock error status {s}"), Some(echo));
+                s
+            }
+            (None, Route::NotFound) => {
+                let msg = format!("Unknown request URL: {}", p.what);
+                body::error(&mut body, 404, &msg, Some(echo));
+                404
+            }
+            (None, Route::Chat) => {
+                body::chat_completion(&mut body, &g, echo);
+                200
+            }
+            (None, Route::Completions) => {
+                body::text_completion(&mut body, &g, echo);
+                200
+            }
+            (None, Route::Responses) => {
+                body::response(&mut body, &g, echo);
+                200
+            }
+            (None, Route::Embeddings) => {
+                body::embeddings(&mut body, &g, echo);
+                200
+            }
+            (None, Route::Models) => {
+                body::models(&mut body, echo);
+                200
+            }
+        };
+        let close_delimited = p.fault == Some(Fault::CloseDelimited);
+        let close = p.close || close_delimited || p.fault == Some(Fault::CloseAfter);
+        if status == 204 {
+            body.clear();
+        }
+        let len = if close_delimited {
+            Len::Unframed
+        } else {
+            Len::Content(body.len())
+        };
+        self.head(p, status, "application/json", len, close);
+        self.wbuf.extend_from_slice(&body);
+        self.body = body;
+        match self.flush_wbuf().await {
+            Ok(()) if close => Next::Close,
+            Ok(()) => Next::KeepAlive,
+            Err(Gone) => Next::Drop,
+        }
+    }
+
+    /// A streaming (SSE) response; keeps the stream counters.
+    async fn stream(&mut self, p: &Plan) -> Next {
+        let stats = &self.st.stats;
+        stats.streams_started.set(stats.streams_started.get() + 1);
+        let next = self.stream_inner(p).await;
+        let stats = &self.st.stats;
+        match next {
+            Err(Gone) => {
+                stats.streams_aborted.set(stats.streams_aborted.get() + 1);
+                Next::Drop
+            }
+            Ok(next) => {
+                stats
+                    .streams_completed
+                    .set(stats.streams_completed.get() + 1);
+                next
+            }
+        }
+    }
+
+    async fn stream_inner(&mut self, p: &Plan) -> Result<Next, Gone> {
+        let fault = p.fault;
+        let framing = match fault {
+            _ if p.http10 => Framing::Raw,
+            Some(Fault::CloseDelimited) => Framing::Raw,
+            Some(Fault::ChunkExt) => Framing::ChunkedExt,
+            _ => Framing::Chunked,
+        };
+        let close = p.close || framing == Framing::Raw || fault == Some(Fault::CloseAfter);
+        if p.delay_ms > 0 {
+            self.pause_until(Instant::now() + Duration::from_millis(p.delay_ms))
+                .await?;
+        }
+        let g = self.gen(p);
+
+        // Head and the echo comment, then the prelude event.
+        let len = if framing == Framing::Raw {
+            Len::Unframed
+        } else {
+            Len::Chunked
+        };
+        self.head(p, 200, "text/event-stream", len, close);
+        self.ev.clear();
+        body::ev_echo(&mut self.ev, &self.echo);
+        frame_into(&mut self.wbuf, &self.ev, framing);
+        self.flush_wbuf().await?;
+        let prelude = match p.route {
+            Route::Chat => Some(body::ev_chat_role as fn(&mut Vec<u8>, &Gen)),
+            Route::Responses => Some(body::ev_response_created as fn(&mut Vec<u8>, &Gen)),
+            _ => None,
+        };
+        if let Some(f) = prelude {
+            self.ev.clear();
+            f(&mut self.ev, &g);
+            self.send_ev(framing, b"").await?;
+        }
+        if fault == Some(Fault::ErrorEvent) {
+            self.ev.clear();
+            body::ev_error(&mut self.ev);
+            self.send_ev(framing, b"").await?;
+            self.ev.clear();
+            body::ev_done(&mut self.ev);
+            self.send_ev(framing, terminator(framing)).await?;
+            return Ok(if close { Next::Close } else { Next::KeepAlive });
+        }
+
+        // Content events.
+        let half = p.tokens.div_ceil(2);
+        let t0 = Instant::now();
+        for i in 0..p.tokens {
+            if fault == Some(Fault::DropMidStream) && i == half {
+                return Ok(Next::Drop);
+            }
+            let at = p.ttft_ms.saturating_add(i.saturating_mul(p.itl_ms));
+            self.pause_until(t0 + Duration::from_millis(at)).await?;
+            self.ev.clear();
+            match p.route {
+                Route::Chat => body::ev_chat_content(&mut self.ev, &g, i),
+                Route::Completions => body::ev_completion_content(&mut self.ev, &g, i),
+                _ => body::ev_response_delta(&mut self.ev, &g, i),
+            }
+            self.send_ev(framing, b"").await?;
+            if fault == Some(Fault::MalformedChunk) {
+                break;
+            }
+        }
+        match fault {
+            Some(Fault::DropMidStream) => return Ok(Next::Drop),
+            Some(Fault::MalformedChunk) => {
+                self.wbuf.clear();
+                self.wbuf.extend_from_slice(b"zz\r\ngarbage\r\n");
+                self.flush_wbuf().await?;
+                return Ok(Next::Drop);
+            }
+            _ => {}
+        }
+
+        // Finish, usage, [DONE] (the Responses API ends with response.completed instead).
+        self.ev.clear();
+        match p.route {
+            Route::Chat => body::ev_chat_finish(&mut self.ev, &g),
+            Route::Completions => body::ev_completion_finish(&mut self.ev, &g),
+            _ => body::ev_response_completed(&mut self.ev, &g),
+        }
+        if p.route == Route::Responses {
+            self.send_ev(framing, terminator(framing)).await?;
+        } else {
+            self.send_ev(framing, b"").await?;
+            if p.include_usage {
+                self.ev.clear();
+                if p.route == Route::Chat {
+                    body::ev_chat_usage(&mut self.ev, &g);
+                } else {
+                    body::ev_completion_usage(&mut self.ev, &g);
+                }
+                self.send_ev(framing, b"").await?;
+            }
+            self.ev.clear();
+            body::ev_done(&mut self.ev);
+            self.send_ev(framing, terminator(framing)).await?;
+        }
+        Ok(if close { Next::Close } else { Next::KeepAlive })
+    }
+}
