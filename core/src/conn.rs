@@ -199,12 +199,15 @@ async fn dispatch(
                 Err(GatewayError::method_not_allowed(format!(
                     "{} only accepts POST",
                     String::from_utf8_lossy(path)
-                )))
+                ), "POST"))
             }
         }
         b"/v1/models" => match head.method {
             Method::Get | Method::Head => Ok(()),
-            _ => Err(GatewayError::method_not_allowed("/v1/models only accepts GET")),
+            _ => Err(GatewayError::method_not_allowed(
+                "/v1/models only accepts GET",
+                "GET, HEAD",
+            )),
         },
         _ => Err(GatewayError::not_found(format!(
             "Unknown request URL: {}. Please check the URL for typos.",

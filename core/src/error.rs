@@ -33,6 +33,8 @@ pub struct GatewayError {
     pub close: bool,
     /// Seconds for a `Retry-After` header.
     pub retry_after: Option<u32>,
+    /// Methods for an `Allow` header (405).
+    pub allow: Option<&'static str>,
 }
 
 impl GatewayError {
@@ -46,6 +48,7 @@ impl GatewayError {
             origin,
             close: false,
             retry_after: None,
+            allow: None,
         }
     }
 
@@ -82,8 +85,10 @@ impl GatewayError {
         Self::new(404, "invalid_request_error", Origin::Client, message)
     }
 
-    pub fn method_not_allowed(message: impl Into<String>) -> Self {
-        Self::new(405, "invalid_request_error", Origin::Client, message)
+    pub fn method_not_allowed(message: impl Into<String>, allow: &'static str) -> Self {
+        let mut e = Self::new(405, "invalid_request_error", Origin::Client, message);
+        e.allow = Some(allow);
+        e
     }
 
     pub fn expectation_failed() -> Self {
@@ -155,6 +160,9 @@ impl GatewayError {
             reason(self.status),
             body.len()
         );
+        if let Some(methods) = self.allow {
+            let _ = write!(head, "allow: {methods}\r\n");
+        }
         if let Some(secs) = self.retry_after {
             let _ = write!(head, "retry-after: {secs}\r\n");
         }

@@ -188,6 +188,10 @@ fn non_negative_int(value: Option<Node<'_>>, param: &'static str) -> Result<Opti
     match value {
         Some(Node::Static(StaticNode::U64(v))) => Ok(Some(v)),
         Some(Node::Static(StaticNode::I64(v))) if v >= 0 => Ok(Some(v as u64)),
+        // JSON has one number type: `1e2` or `100.0` is the integer 100 to most upstreams.
+        Some(Node::Static(StaticNode::F64(v))) if v >= 0.0 && v.fract() == 0.0 && v < 1e18 => {
+            Ok(Some(v as u64))
+        }
         Some(Node::Static(StaticNode::Null)) => Ok(None),
         _ => Err(GatewayError::invalid_request(
             format!("`{param}` must be a non-negative integer."),

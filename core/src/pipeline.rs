@@ -36,5 +36,5 @@ pub async fn proxy(
         minor_version: request.head.minor_version,
         keep_alive: request.head.keep_alive,
     };
-    Ok(relay::relay(worker, client, response, side).await)
+    relay::relay(worker, client, response, side).await
 }

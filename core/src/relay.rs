@@ -59,7 +59,12 @@ enum Cut {
     Upstream(GatewayError),
 }
 
-pub async fn relay(worker: &Worker, client: &ClientSocket, response: UpstreamResponse, side: ClientSide) -> bool {
+pub async fn relay(
+    worker: &Worker,
+    client: &ClientSocket,
+    response: UpstreamResponse,
+    side: ClientSide,
+) -> Result<bool, GatewayError> {
     let UpstreamResponse {
         mut conn,
         head,
@@ -128,11 +133,17 @@ pub async fn relay(worker: &Worker, client: &ClientSocket, response: UpstreamRes
     }
 
     // Body bytes that arrived with the head go out in the same write as the head.
-    let mut clean = true;
+    // `clean`: no bytes beyond the body's end arrived, so the connection may be reused.
+    let mut clean;
     let mut cut: Option<Cut> = None;
     match feed(&mut body, &ubuf[head.head_len..], client_framing, &mut out) {
         Ok(extra) => clean = !extra,
-        Err(e) => cut = Some(Cut::Upstream(e)),
+        Err(e) => {
+            // Nothing reached the client yet: it gets a plain 502 instead.
+            conn.abort();
+            worker.bufs.give(out);
+            return Err(e);
+        }
     }
 
     if cut.is_none() {
@@ -249,9 +260,9 @@ pub async fn relay(worker: &Worker, client: &ClientSocket, response: UpstreamRes
         Some(Cut::Upstream(error)) => {
             conn.abort();
             // An event stream learns why through an error event and a proper end; any other
-            // body can only be cut, so the client sees it incomplete.
+            // body can only be cut, so the client sees it incomplete. `out` still holds the
+            // well-formed data decoded before the fault.
             if event_stream && client_framing == ClientFraming::Chunked {
-                out.clear();
                 encode_chunk(error.sse_event().as_bytes(), &mut out);
                 out.extend_from_slice(LAST_CHUNK);
                 let (res, returned) = client.write_all(out, timeouts.stream_idle).await;
@@ -264,7 +275,7 @@ pub async fn relay(worker: &Worker, client: &ClientSocket, response: UpstreamRes
     };
     worker.bufs.give(out);
     worker.bufs.give(ubuf);
-    finished
+    Ok(finished)
 }
 
 /// Move `input` (upstream body bytes) into `out` in the client's framing. Returns whether bytes

@@ -621,7 +621,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 200
             }
             (Some(s), _) => {
-                body::error(&mut body, s, &format!("mock error status {s}"), Some(echo));
+                // Like a real provider, an injected error echoes nothing (no request headers).
+                body::error(&mut body, s, &format!("mock error status {s}"), None);
                 s
             }
             (None, Route::NotFound) => {
