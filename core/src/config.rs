@@ -359,7 +359,10 @@ fn glob_match(parts: &[String], starts_open: bool, ends_open: bool, text: &str) 
 
 /// Parse and validate a config file's text. `env` looks up environment variables (credentials),
 /// so tests can pass their own instead of touching the process environment.
-pub fn load(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Snapshot, Vec<ConfigError>> {
+pub fn load(
+    text: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Snapshot, Vec<ConfigError>> {
     let raw: RawConfig = match toml::from_str(text) {
         Ok(raw) => raw,
         Err(e) => {
@@ -377,7 +380,10 @@ pub fn load(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Snapshot
         _ => {
             err(
                 "server.listen".into(),
-                format!("`{}` is not an address like 127.0.0.1:8080", raw.server.listen),
+                format!(
+                    "`{}` is not an address like 127.0.0.1:8080",
+                    raw.server.listen
+                ),
             );
             None
         }
@@ -447,7 +453,10 @@ pub fn load(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Snapshot
     for (name, rc) in &raw.clusters {
         let path = format!("clusters.{name}");
         if rc.backends.is_empty() {
-            err(format!("{path}.backends"), "at least one backend is required".into());
+            err(
+                format!("{path}.backends"),
+                "at least one backend is required".into(),
+            );
         }
         let mut backends = Vec::new();
         let mut any_tls = false;
@@ -459,18 +468,17 @@ pub fn load(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Snapshot
             match parse_base_url(&rb.base_url) {
                 Ok(url) => {
                     any_tls |= url.tls;
-                    let addrs: Vec<SocketAddr> = match (url.host.as_str(), url.port)
-                        .to_socket_addrs()
-                    {
-                        Ok(a) => a.collect(),
-                        Err(e) => {
-                            err(
-                                format!("{bpath}.base_url"),
-                                format!("cannot resolve `{}`: {e}", url.host),
-                            );
-                            Vec::new()
-                        }
-                    };
+                    let addrs: Vec<SocketAddr> =
+                        match (url.host.as_str(), url.port).to_socket_addrs() {
+                            Ok(a) => a.collect(),
+                            Err(e) => {
+                                err(
+                                    format!("{bpath}.base_url"),
+                                    format!("cannot resolve `{}`: {e}", url.host),
+                                );
+                                Vec::new()
+                            }
+                        };
                     let default_port = if url.tls { 443 } else { 80 };
                     let host_header = if url.port == default_port {
                         url.host_for_header.clone()
@@ -518,7 +526,10 @@ pub fn load(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Snapshot
                         if value.bytes().any(|b| b < 0x20 || b == 0x7f) {
                             err(
                                 format!("{path}.credential.env"),
-                                format!("environment variable `{}` holds control characters", c.env),
+                                format!(
+                                    "environment variable `{}` holds control characters",
+                                    c.env
+                                ),
                             );
                         }
                         let value = if header == "authorization" {
@@ -780,8 +791,14 @@ mod tests {
         let errs = load(text, &|_| None).unwrap_err();
         let paths: Vec<_> = errs.iter().map(|e| e.path.as_str()).collect();
         assert!(paths.contains(&"server.listen"), "{paths:?}");
-        assert!(paths.contains(&"clusters.a.backends[0].weight"), "{paths:?}");
-        assert!(paths.contains(&"clusters.a.backends[0].base_url"), "{paths:?}");
+        assert!(
+            paths.contains(&"clusters.a.backends[0].weight"),
+            "{paths:?}"
+        );
+        assert!(
+            paths.contains(&"clusters.a.backends[0].base_url"),
+            "{paths:?}"
+        );
         assert!(paths.contains(&"clusters.a.credential.env"), "{paths:?}");
         assert!(paths.contains(&"routes[0].cluster"), "{paths:?}");
     }

@@ -54,7 +54,10 @@ impl ClientSocket {
             Ok((Ok(_), buf)) => (Ok(()), buf),
             Ok((Err(e), buf)) => (Err(e), buf),
             Err(_) => (
-                Err(io::Error::new(io::ErrorKind::TimedOut, "client write timed out")),
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "client write timed out",
+                )),
                 Vec::new(),
             ),
         }
@@ -87,7 +90,8 @@ impl ClientSocket {
         }
         if n < 0 {
             let err = io::Error::last_os_error();
-            return err.kind() != io::ErrorKind::WouldBlock && err.kind() != io::ErrorKind::Interrupted;
+            return err.kind() != io::ErrorKind::WouldBlock
+                && err.kind() != io::ErrorKind::Interrupted;
         }
         false
     }
@@ -121,7 +125,16 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream) {
         } else {
             timeouts.keepalive_idle
         };
-        match read_head(&client, &mut rbuf, &mut head, limits, timeouts.header_read, idle_limit).await {
+        match read_head(
+            &client,
+            &mut rbuf,
+            &mut head,
+            limits,
+            timeouts.header_read,
+            idle_limit,
+        )
+        .await
+        {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => {
@@ -196,10 +209,10 @@ async fn dispatch(
                     Err(e) => Err(e),
                 }
             } else {
-                Err(GatewayError::method_not_allowed(format!(
-                    "{} only accepts POST",
-                    String::from_utf8_lossy(path)
-                ), "POST"))
+                Err(GatewayError::method_not_allowed(
+                    format!("{} only accepts POST", String::from_utf8_lossy(path)),
+                    "POST",
+                ))
             }
         }
         b"/v1/models" => match head.method {
@@ -215,7 +228,17 @@ async fn dispatch(
         ))),
     };
     match result {
-        Ok(()) => write_json(worker, client, 200, &worker.models_body, head.keep_alive, head_only).await,
+        Ok(()) => {
+            write_json(
+                worker,
+                client,
+                200,
+                &worker.models_body,
+                head.keep_alive,
+                head_only,
+            )
+            .await
+        }
         Err(e) => write_error(worker, client, &e, head.keep_alive, head_only).await,
     }
 }
@@ -247,7 +270,8 @@ async fn write_json(
 ) -> bool {
     use std::io::Write;
     let mut out = worker.bufs.take();
-    let _ = write!(
+    let _ =
+        write!(
         out,
         "HTTP/1.1 {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
         crate::error::reason(status),
@@ -282,10 +306,10 @@ async fn read_head(
         while rbuf.starts_with(b"\r\n") {
             rbuf.drain(..2);
         }
-        if !rbuf.is_empty() {
-            if parse_request_head(rbuf, &mut scan, limits, head)? == HeadStatus::Complete {
-                return Ok(true);
-            }
+        if !rbuf.is_empty()
+            && parse_request_head(rbuf, &mut scan, limits, head)? == HeadStatus::Complete
+        {
+            return Ok(true);
         }
         let limit = match deadline {
             Some(d) => d.saturating_duration_since(Instant::now()),
@@ -302,7 +326,9 @@ async fn read_head(
                 if !had_bytes {
                     return Ok(false);
                 }
-                return Err(GatewayError::bad_http("connection closed inside a request head"));
+                return Err(GatewayError::bad_http(
+                    "connection closed inside a request head",
+                ));
             }
             ReadOutcome::TimedOut => {
                 if !had_bytes {
@@ -362,7 +388,9 @@ async fn read_body(
                                 chunked.extend_from_slice(data);
                             }
                         })
-                        .map_err(|e| GatewayError::bad_http(format!("malformed chunked body: {}", e.0)))?;
+                        .map_err(|e| {
+                            GatewayError::bad_http(format!("malformed chunked body: {}", e.0))
+                        })?;
                     if over {
                         return Err(GatewayError::limit(413, "request body too large"));
                     }
@@ -390,9 +418,9 @@ async fn read_body_bytes(
         ReadOutcome::TimedOut => Err(GatewayError::timeout_client(
             "timed out reading the request body",
         )),
-        ReadOutcome::Closed | ReadOutcome::Failed => {
-            Err(GatewayError::bad_http("connection closed inside a request body"))
-        }
+        ReadOutcome::Closed | ReadOutcome::Failed => Err(GatewayError::bad_http(
+            "connection closed inside a request body",
+        )),
     }
 }
 

@@ -107,7 +107,10 @@ impl GatewayError {
             404,
             "invalid_request_error",
             Origin::Client,
-            format!("The model `{}` does not exist or you do not have access to it.", truncate(model, 128)),
+            format!(
+                "The model `{}` does not exist or you do not have access to it.",
+                truncate(model, 128)
+            ),
         );
         e.code = Some("model_not_found");
         e.param = Some("model");

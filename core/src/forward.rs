@@ -14,8 +14,8 @@ use std::time::Instant;
 
 use crate::conn::Request;
 use crate::error::GatewayError;
-use crate::http::response::{parse_response_head, ResponseHead};
 use crate::http::is_hop_by_hop;
+use crate::http::response::{parse_response_head, ResponseHead};
 use crate::inspect::Inspection;
 use crate::route::Target;
 use crate::upstream::{connect, UpstreamConn};
@@ -161,7 +161,13 @@ async fn attempt(
         Ok((Err(e), request)) => {
             conn.abort();
             let error = GatewayError::bad_gateway(format!("could not send to the upstream: {e}"));
-            return (Err(AttemptError { error, stale: reused }), request);
+            return (
+                Err(AttemptError {
+                    error,
+                    stale: reused,
+                }),
+                request,
+            );
         }
         Err(_) => {
             conn.abort();
@@ -183,13 +189,25 @@ async fn attempt(
                 Ok(true) if head.status == 101 => {
                     conn.abort();
                     let error = GatewayError::bad_gateway("the upstream tried to switch protocols");
-                    return (Err(AttemptError { error, stale: false }), request);
+                    return (
+                        Err(AttemptError {
+                            error,
+                            stale: false,
+                        }),
+                        request,
+                    );
                 }
                 Ok(true) => return (Ok(UpstreamResponse { conn, head, buf }), request),
                 Err(e) => {
                     conn.abort();
                     let error = GatewayError::bad_gateway(e.0);
-                    return (Err(AttemptError { error, stale: false }), request);
+                    return (
+                        Err(AttemptError {
+                            error,
+                            stale: false,
+                        }),
+                        request,
+                    );
                 }
             }
         }
@@ -215,14 +233,26 @@ async fn attempt(
             Err(e) => {
                 conn.abort();
                 let error = GatewayError::bad_gateway(format!("upstream connection failed: {e}"));
-                return (Err(AttemptError { error, stale: reused && len == 0 }), request);
+                return (
+                    Err(AttemptError {
+                        error,
+                        stale: reused && len == 0,
+                    }),
+                    request,
+                );
             }
         };
         if n == 0 {
             conn.abort();
             let error =
                 GatewayError::bad_gateway("the upstream closed the connection without a response");
-            return (Err(AttemptError { error, stale: reused && len == 0 }), request);
+            return (
+                Err(AttemptError {
+                    error,
+                    stale: reused && len == 0,
+                }),
+                request,
+            );
         }
     }
 }

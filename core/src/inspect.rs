@@ -52,7 +52,10 @@ impl Inspector {
         let result = match simd_json::fill_tape(&mut self.scratch, buffers, &mut tape) {
             Ok(()) => read_top_level(&tape.0, body, buffers.structural_indexes(), out),
             Err(e) => Err(GatewayError::invalid_request(
-                format!("We could not parse the JSON body of your request: {:?}", e.error()),
+                format!(
+                    "We could not parse the JSON body of your request: {:?}",
+                    e.error()
+                ),
                 None,
             )),
         };
@@ -88,7 +91,10 @@ fn read_top_level(
         let key: &str = key;
         if seen.contains(&key) {
             return Err(GatewayError::invalid_request(
-                format!("Duplicate top-level key `{}` in the request body.", truncate(key)),
+                format!(
+                    "Duplicate top-level key `{}` in the request body.",
+                    truncate(key)
+                ),
                 None,
             ));
         }
@@ -139,10 +145,7 @@ fn read_top_level(
         }
     }
     let Some(model_key_index) = model_key_index else {
-        return Err(invalid(
-            "You must provide a model parameter.",
-            "model",
-        ));
+        return Err(invalid("You must provide a model parameter.", "model"));
     };
     out.model_span = top_level_value_span(body, structurals, model_key_index)
         .ok_or_else(|| GatewayError::invalid_request("malformed JSON object", None))?;
@@ -184,7 +187,10 @@ fn find_include_usage(
     Ok(found)
 }
 
-fn non_negative_int(value: Option<Node<'_>>, param: &'static str) -> Result<Option<u64>, GatewayError> {
+fn non_negative_int(
+    value: Option<Node<'_>>,
+    param: &'static str,
+) -> Result<Option<u64>, GatewayError> {
     match value {
         Some(Node::Static(StaticNode::U64(v))) => Ok(Some(v)),
         Some(Node::Static(StaticNode::I64(v))) if v >= 0 => Ok(Some(v as u64)),
@@ -203,7 +209,11 @@ fn non_negative_int(value: Option<Node<'_>>, param: &'static str) -> Result<Opti
 /// Byte span of the value of the `key_index`-th top-level key, found from simd-json's stage-1
 /// structural indexes: at depth one, the structural right after the k-th `:` starts the value,
 /// and the next depth-one structural (`,` or `}`) ends it, less trailing whitespace.
-fn top_level_value_span(body: &[u8], structurals: &[u32], key_index: usize) -> Option<(usize, usize)> {
+fn top_level_value_span(
+    body: &[u8],
+    structurals: &[u32],
+    key_index: usize,
+) -> Option<(usize, usize)> {
     let mut depth = 0usize;
     let mut colons = 0usize;
     let mut value_next = false;
@@ -288,7 +298,12 @@ mod tests {
         assert_eq!(inspect(body).unwrap().model, "m1");
         assert_eq!(span(body), r#""m1""#);
         // An escaped duplicate is still a duplicate.
-        assert_eq!(inspect(r#"{"model":"a","\u006dodel":"b"}"#).unwrap_err().status, 400);
+        assert_eq!(
+            inspect(r#"{"model":"a","\u006dodel":"b"}"#)
+                .unwrap_err()
+                .status,
+            400
+        );
     }
 
     #[test]

@@ -19,7 +19,10 @@ pub async fn proxy(
     inspection: &mut Inspection,
 ) -> Result<bool, GatewayError> {
     // Inspect: the top-level model and friends, exactly as the upstream will read them.
-    worker.inspector.borrow_mut().inspect(request.body, inspection)?;
+    worker
+        .inspector
+        .borrow_mut()
+        .inspect(request.body, inspection)?;
 
     // Route: cluster, backend and the model name the upstream sees.
     let target = route::route(&worker.snapshot, &inspection.model, &worker.rng)?;

@@ -78,7 +78,9 @@ pub async fn relay(
         BodyFraming::None => ClientFraming::Empty,
         _ if side.head_only => ClientFraming::Empty,
         BodyFraming::Length(_) => ClientFraming::Passthrough,
-        BodyFraming::Chunked | BodyFraming::UntilClose if side.minor_version >= 1 => ClientFraming::Chunked,
+        BodyFraming::Chunked | BodyFraming::UntilClose if side.minor_version >= 1 => {
+            ClientFraming::Chunked
+        }
         BodyFraming::Chunked | BodyFraming::UntilClose => {
             keep_client = false;
             ClientFraming::Close
@@ -111,7 +113,9 @@ pub async fn relay(
             let _ = write!(out, "content-length: {n}\r\n");
         }
         (ClientFraming::Chunked, _) => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
-        (ClientFraming::Empty, _) if !side.head_only && head.status != 204 && head.status != 304 => {
+        (ClientFraming::Empty, _)
+            if !side.head_only && head.status != 204 && head.status != 304 =>
+        {
             out.extend_from_slice(b"content-length: 0\r\n");
         }
         _ => {}
@@ -166,7 +170,10 @@ pub async fn relay(
         let cap = ubuf.capacity();
         let mut read = pin!(monoio::time::timeout(
             timeouts.stream_idle,
-            conn.io.read(monoio::buf::IoBufMut::slice_mut(std::mem::take(&mut ubuf), 0..cap)),
+            conn.io.read(monoio::buf::IoBufMut::slice_mut(
+                std::mem::take(&mut ubuf),
+                0..cap
+            )),
         ));
         // Wait for the upstream, watching the client meanwhile. The read is never dropped
         // unless the client is gone, so no upstream bytes can be lost to a cancelled read.
@@ -229,7 +236,9 @@ pub async fn relay(
             }
         }
         if !out.is_empty() {
-            let (res, returned) = client.write_all(std::mem::take(&mut out), timeouts.stream_idle).await;
+            let (res, returned) = client
+                .write_all(std::mem::take(&mut out), timeouts.stream_idle)
+                .await;
             out = returned;
             if res.is_err() {
                 cut = Some(Cut::Client);
@@ -304,9 +313,12 @@ fn feed(
             Ok(extra)
         }
         UpstreamBody::Chunked(decoder) => {
-            let used = decoder
-                .decode(input, &mut emit)
-                .map_err(|e| GatewayError::bad_gateway(format!("malformed chunked response from the upstream: {}", e.0)))?;
+            let used = decoder.decode(input, &mut emit).map_err(|e| {
+                GatewayError::bad_gateway(format!(
+                    "malformed chunked response from the upstream: {}",
+                    e.0
+                ))
+            })?;
             let extra = used < input.len();
             if decoder.is_done() {
                 *body = UpstreamBody::Done;

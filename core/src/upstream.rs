@@ -147,7 +147,9 @@ pub async fn connect(
         let _ = stream.set_nodelay(true);
         let io = if backend.tls {
             let Some(tls) = &cluster.tls else {
-                return Err(io::Error::other("no TLS configuration for an https backend"));
+                return Err(io::Error::other(
+                    "no TLS configuration for an https backend",
+                ));
             };
             let name = ServerName::try_from(backend.server_name.clone())
                 .map_err(|_| io::Error::other("invalid TLS server name"))?;

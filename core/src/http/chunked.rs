@@ -95,7 +95,10 @@ impl ChunkedDecoder {
                     // Skip to the CR quickly; the extension's bytes must be visible text.
                     let rest = &input[i..];
                     let end = memchr::memchr(b'\r', rest).unwrap_or(rest.len());
-                    if rest[..end].iter().any(|&c| c == b'\n' || (c < 0x20 && c != b'\t')) {
+                    if rest[..end]
+                        .iter()
+                        .any(|&c| c == b'\n' || (c < 0x20 && c != b'\t'))
+                    {
                         return Err(ChunkError("control character in chunk extension"));
                     }
                     let len = len + end;
@@ -249,9 +252,12 @@ mod tests {
         for cut in 0..body.len() {
             let mut d = ChunkedDecoder::default();
             let mut out = Vec::new();
-            let a = d.decode(&body[..cut], |b| out.extend_from_slice(b)).unwrap();
+            let a = d
+                .decode(&body[..cut], |b| out.extend_from_slice(b))
+                .unwrap();
             assert_eq!(a, cut);
-            d.decode(&body[cut..], |b| out.extend_from_slice(b)).unwrap();
+            d.decode(&body[cut..], |b| out.extend_from_slice(b))
+                .unwrap();
             assert!(d.is_done(), "cut {cut}");
             assert_eq!(out, b"hello0123456789");
         }
@@ -270,7 +276,11 @@ mod tests {
             b"\r\n",
             b"0\r\nbad\ntrailer\r\n\r\n",
         ] {
-            assert!(decode_all(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+            assert!(
+                decode_all(bad).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
         }
     }
 

@@ -29,7 +29,11 @@ impl HeaderPos {
     fn from_slices(base: &[u8], name: &[u8], value: &[u8]) -> HeaderPos {
         let n = offset_in(base, name);
         // An empty value may not point into `base`; place it right after the name.
-        let v = if value.is_empty() { n + name.len() } else { offset_in(base, value) };
+        let v = if value.is_empty() {
+            n + name.len()
+        } else {
+            offset_in(base, value)
+        };
         HeaderPos {
             name: (n as u32, (n + name.len()) as u32),
             value: (v as u32, (v + value.len()) as u32),
@@ -132,7 +136,12 @@ mod tests {
             b"0x5",
             b"5 5",
         ] {
-            assert_eq!(parse_content_length(bad), None, "{:?}", String::from_utf8_lossy(bad));
+            assert_eq!(
+                parse_content_length(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
         }
     }
 

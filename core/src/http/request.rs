@@ -115,7 +115,11 @@ pub fn parse_request_head(
         Err(httparse::Error::TooManyHeaders) => {
             return Err(GatewayError::limit(431, "too many header fields"))
         }
-        Err(e) => return Err(GatewayError::bad_http(format!("malformed request head: {e}"))),
+        Err(e) => {
+            return Err(GatewayError::bad_http(format!(
+                "malformed request head: {e}"
+            )))
+        }
     }
     if req.headers.len() > limits.max_headers {
         return Err(GatewayError::limit(431, "too many header fields"));
@@ -124,7 +128,9 @@ pub fn parse_request_head(
         return Err(GatewayError::bad_http("malformed request line"));
     };
     if !target.starts_with('/') {
-        return Err(GatewayError::bad_http("request target must be in origin form"));
+        return Err(GatewayError::bad_http(
+            "request target must be in origin form",
+        ));
     }
 
     head.method = match method {
@@ -189,10 +195,14 @@ pub fn parse_request_head(
         ));
     }
     if transfer_encoding && minor == 0 {
-        return Err(GatewayError::bad_http("Transfer-Encoding in an HTTP/1.0 request"));
+        return Err(GatewayError::bad_http(
+            "Transfer-Encoding in an HTTP/1.0 request",
+        ));
     }
     if minor == 1 && hosts != 1 {
-        return Err(GatewayError::bad_http("exactly one Host header is required"));
+        return Err(GatewayError::bad_http(
+            "exactly one Host header is required",
+        ));
     }
     head.body = if chunked {
         BodyFraming::Chunked
@@ -313,7 +323,10 @@ mod tests {
         assert_eq!(parse(long_line.as_bytes()).err(), Some(414));
         let big = format!("POST / HTTP/1.1\r\nHost: x\r\nA: {}", "a".repeat(300));
         assert_eq!(parse(big.as_bytes()).err(), Some(431));
-        assert_eq!(parse(b"POST / HTTP/1.1\r\nHost: x\r").unwrap().0, HeadStatus::Partial);
+        assert_eq!(
+            parse(b"POST / HTTP/1.1\r\nHost: x\r").unwrap().0,
+            HeadStatus::Partial
+        );
     }
 
     #[test]

@@ -105,22 +105,24 @@ pub fn parse_response_head(
                 .is_some_and(|v| v.eq_ignore_ascii_case(b"text/event-stream"));
         }
     }
-    head.body = Some(if request_was_head || (100..200).contains(&status) || status == 204 || status == 304 {
-        BodyFraming::None
-    } else if let Some(te) = transfer_encoding {
-        let last = te.rsplit(|&b| b == b',').next().unwrap_or(b"");
-        if super::trim_ows(last).eq_ignore_ascii_case(b"chunked") {
-            BodyFraming::Chunked
+    head.body = Some(
+        if request_was_head || (100..200).contains(&status) || status == 204 || status == 304 {
+            BodyFraming::None
+        } else if let Some(te) = transfer_encoding {
+            let last = te.rsplit(|&b| b == b',').next().unwrap_or(b"");
+            if super::trim_ows(last).eq_ignore_ascii_case(b"chunked") {
+                BodyFraming::Chunked
+            } else {
+                BodyFraming::UntilClose
+            }
         } else {
-            BodyFraming::UntilClose
-        }
-    } else {
-        match content_length {
-            Some(0) => BodyFraming::None,
-            Some(n) => BodyFraming::Length(n),
-            None => BodyFraming::UntilClose,
-        }
-    });
+            match content_length {
+                Some(0) => BodyFraming::None,
+                Some(n) => BodyFraming::Length(n),
+                None => BodyFraming::UntilClose,
+            }
+        },
+    );
     if head.framing() == BodyFraming::UntilClose {
         head.keep_alive = false;
     }
@@ -160,6 +162,11 @@ mod tests {
         assert!(!h.keep_alive);
         let mut h = ResponseHead::default();
         assert!(!parse_response_head(b"HTTP/1.1 200 OK\r\n", false, &mut h).unwrap());
-        assert!(parse_response_head(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", false, &mut h).is_err());
+        assert!(parse_response_head(
+            b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+            false,
+            &mut h
+        )
+        .is_err());
     }
 }
