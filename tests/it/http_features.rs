@@ -166,3 +166,23 @@ fn status_405_carries_allow_header() {
         .unwrap_or_else(|| panic!("no Allow header:\n{}", r.dump()));
     assert!(allow.to_ascii_uppercase().contains("POST"), "{allow}");
 }
+
+#[test]
+fn upstream_204_is_relayed_without_body_and_connection_stays_usable() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let mut c = gw.conn();
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+            .header("x-mock-status", "204")
+            .build(),
+    );
+    let r = c.read_response();
+    assert_eq!(r.status, 204, "{}", r.dump());
+    assert!(r.header("transfer-encoding").is_none(), "{}", r.dump());
+    // Nothing may follow the 204 head: the next answer must parse cleanly.
+    c.send(&Req::post("/v1/chat/completions", &chat_body("gpt-4o")).build());
+    let next = c.read_response();
+    assert_eq!(next.status, 200, "{}", next.dump());
+    assert_eq!(next.json()["object"], "chat.completion");
+}

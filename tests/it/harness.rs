@@ -1,0 +1,211 @@
+//! Self-checks of the test harness against mock-llm alone (no gateway): the client's framing,
+//! SSE timing and stats helpers must be right before the gateway tests can mean anything. They
+//! double as checks of mock-llm's contract (bench/MOCK_LLM.md).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use sluice_tests::*;
+
+#[test]
+fn mock_echoes_request_and_keeps_alive() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let mut c = Conn::open(mock.addr);
+    let body = chat_body("mock-small");
+    for _ in 0..3 {
+        c.send(
+            &Req::post("/v1/chat/completions", &body)
+                .header("X-Probe", "1")
+                .build(),
+        );
+        let r = c.read_response();
+        assert_eq!(r.status, 200, "{}", r.dump());
+        assert!(matches!(r.framing, Framing::Length(_)));
+        assert_eq!(r.header("x-mock-model"), Some("mock-small"));
+        let echo = echo_of(&r);
+        assert_eq!(echo["body"].as_str().unwrap(), body);
+        assert_eq!(echo["model"], "mock-small");
+        assert!(echo_headers(&echo)
+            .iter()
+            .any(|(k, v)| k == "x-probe" && v == "1"));
+        assert_eq!(r.json()["usage"]["completion_tokens"], 3);
+    }
+}
+
+#[test]
+fn stats_probe_and_request_counter() {
+    let mock = Mock::start(&[]);
+    let mut probe = mock.stats_probe();
+    let before = probe.stat("connections_accepted");
+    let mut counter = mock.request_counter();
+    assert_eq!(counter.delta(), 0);
+    let mut c = Conn::open(mock.addr);
+    for _ in 0..2 {
+        c.send(&Req::post("/v1/chat/completions", &chat_body("m")).build());
+        assert_eq!(c.read_response().status, 200);
+    }
+    assert_eq!(counter.delta(), 2);
+    // The counter's own probe connection + the client's.
+    assert_eq!(probe.stat("connections_accepted") - before, 2);
+}
+
+#[test]
+fn chunked_sse_is_timestamped_per_event() {
+    let mock = Mock::start(&["--inter-token-ms", "100", "--tokens", "4"]);
+    let mut c = Conn::open(mock.addr);
+    c.send(&Req::post("/v1/chat/completions", &chat_stream_body("m")).build());
+    let r = c.read_response();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.framing, Framing::Chunked);
+    assert_eq!(r.end, BodyEnd::Complete);
+    let ev = r.sse_events();
+    let content: Vec<_> = ev.iter().filter(|e| e.content().is_some()).collect();
+    assert_eq!(content.len(), 4, "{}", r.dump());
+    for w in content.windows(2) {
+        let gap = w[1].at.duration_since(w[0].at);
+        assert!(gap >= Duration::from_millis(80), "{gap:?}");
+    }
+    assert!(ev.last().unwrap().is_done());
+    assert!(ev[0].comments.iter().any(|c| c.starts_with("echo ")));
+    assert_eq!(echo_of(&r)["model"], "m");
+}
+
+#[test]
+fn chunk_extensions_and_trailers_parse() {
+    let mock = Mock::start(&["--tokens", "2"]);
+    let mut c = Conn::open(mock.addr);
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_stream_body("m"))
+            .header("x-mock-fault", "chunk-ext")
+            .build(),
+    );
+    let r = c.read_response();
+    assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+    assert!(!r.trailers.is_empty(), "mock sent no trailer");
+    assert!(r.sse_events().last().unwrap().is_done());
+}
+
+#[test]
+fn close_delimited_reads_to_eof() {
+    let mock = Mock::start(&[]);
+    let mut c = Conn::open(mock.addr);
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_body("m"))
+            .header("x-mock-fault", "close-delimited")
+            .build(),
+    );
+    let r = c.read_response();
+    assert_eq!(r.framing, Framing::Close);
+    assert_eq!(r.end, BodyEnd::Complete);
+    assert_eq!(r.json()["object"], "chat.completion");
+}
+
+#[test]
+fn malformed_chunk_is_detected() {
+    let mock = Mock::start(&["--tokens", "4"]);
+    let mut c = Conn::open(mock.addr);
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_stream_body("m"))
+            .header("x-mock-fault", "malformed-chunk")
+            .build(),
+    );
+    let r = c.read_response();
+    assert!(matches!(r.end, BodyEnd::Malformed(_)), "{:?}", r.end);
+}
+
+#[test]
+fn drop_mid_stream_is_truncated() {
+    let mock = Mock::start(&["--tokens", "4"]);
+    let mut c = Conn::open(mock.addr);
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_stream_body("m"))
+            .header("x-mock-fault", "drop-mid-stream")
+            .build(),
+    );
+    let r = c.read_response();
+    assert!(
+        matches!(r.end, BodyEnd::Truncated | BodyEnd::Reset),
+        "{:?}",
+        r.end
+    );
+}
+
+#[test]
+fn delay_and_status_controls() {
+    let mock = Mock::start(&[]);
+    let start = std::time::Instant::now();
+    let mut c = Conn::open(mock.addr);
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_body("m"))
+            .header("x-mock-delay-ms", "300")
+            .header("x-mock-status", "429")
+            .build(),
+    );
+    let r = c.read_response();
+    assert!(start.elapsed() >= Duration::from_millis(300));
+    assert_openai_error(&r, 429);
+    assert!(r.header("retry-after").is_some());
+}
+
+#[test]
+fn abort_is_counted() {
+    let mock = Mock::start(&["--inter-token-ms", "30", "--tokens", "100"]);
+    let mut c = Conn::open(mock.addr);
+    c.send(&Req::post("/v1/chat/completions", &chat_stream_body("m")).build());
+    assert_eq!(c.read_head().unwrap().status, 200);
+    assert!(wait_until(Duration::from_secs(2), || mock
+        .stat("active_streams")
+        == 1));
+    drop(c);
+    assert!(wait_until(Duration::from_secs(2), || {
+        let s = mock.stats();
+        s["active_streams"] == 0 && s["streams_aborted"] == 1
+    }));
+}
+
+#[test]
+fn close_detection() {
+    let mock = Mock::start(&[]);
+    let mut c = Conn::open(mock.addr);
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_body("m"))
+            .header("Connection", "close")
+            .build(),
+    );
+    assert_eq!(c.read_response().status, 200);
+    c.assert_closed(Duration::from_secs(2));
+    let mut open = Conn::open(mock.addr);
+    assert_eq!(
+        open.wait_close(Duration::from_millis(200)),
+        CloseState::Open
+    );
+}
+
+#[test]
+fn config_toml_shape() {
+    let mock = Mock::start(&[]);
+    let toml = Config::one_cluster(&mock)
+        .map("gpt-4o", "mock-small")
+        .credential("UP_KEY", "authorization")
+        .timeout("header_read_ms", 300)
+        .http("max_headers", 20)
+        .to_toml();
+    for needle in [
+        "[server]",
+        "listen = \"127.0.0.1:0\"",
+        "[timeouts]\nheader_read_ms = 300",
+        "[http]\nmax_headers = 20",
+        "[clusters.main]",
+        &format!("base_url = \"http://{}/v1\"", mock.addr),
+        "model_map = { \"gpt-4o\" = \"mock-small\" }",
+        "credential = { env = \"UP_KEY\", header = \"authorization\" }",
+        "[[routes]]\nmodel = \"gpt-4o\"\ncluster = \"main\"",
+    ] {
+        assert!(toml.contains(needle), "{needle:?} not in:\n{toml}");
+    }
+    let s =
+        Startup::parse("sluice: listening on 127.0.0.1:4242 (workers=3, driver=legacy)").unwrap();
+    assert_eq!(s.addr.port(), 4242);
+    assert_eq!(s.workers, 3);
+    assert_eq!(s.driver, "legacy");
+}
