@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Run Sluice's whole test suite on a fresh machine: installs what the tests need, builds the
+# workspace (debug), checks formatting and lints, runs the unit tests, then the black-box suite
+# twice — once on io_uring, once on the epoll (legacy) driver.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+if ! cargo nextest --version >/dev/null 2>&1; then
+  log "installing cargo-nextest"
+  cargo install cargo-nextest --locked
+fi
+if ! rustup component list --installed 2>/dev/null | grep -q '^clippy'; then
+  rustup component add clippy rustfmt || true
+fi
+
+log "format and lints"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+
+log "build"
+cargo build --workspace
+
+log "unit tests + black-box suite (io_uring driver)"
+cargo nextest run --workspace --no-fail-fast
+
+log "black-box suite again on the epoll (legacy) driver"
+SLUICE_TEST_DRIVER=legacy cargo nextest run -p sluice-tests --no-fail-fast
