@@ -82,14 +82,31 @@ fn read_top_level(
     };
     *out = Inspection::default();
     let mut model_key_index = None;
-    let mut seen: Vec<&str> = Vec::new();
+    // Keys seen so far, for the duplicate check: a stack array covers ordinary requests
+    // without allocating; a body with more top-level keys spills to a hash set.
+    let mut seen_small: [&str; 32] = [""; 32];
+    let mut seen_large: Option<std::collections::HashSet<&str>> = None;
     let mut idx = 1;
     for key_index in 0..len {
         let Some(Node::String(key)) = nodes.get(idx) else {
             return Err(GatewayError::invalid_request("malformed JSON object", None));
         };
         let key: &str = key;
-        if seen.contains(&key) {
+        let duplicate = match &mut seen_large {
+            Some(set) => !set.insert(key),
+            None if key_index < seen_small.len() => {
+                let dup = seen_small[..key_index].contains(&key);
+                seen_small[key_index] = key;
+                dup
+            }
+            None => {
+                let mut set: std::collections::HashSet<&str> = seen_small.iter().copied().collect();
+                let dup = !set.insert(key);
+                seen_large = Some(set);
+                dup
+            }
+        };
+        if duplicate {
             return Err(GatewayError::invalid_request(
                 format!(
                     "Duplicate top-level key `{}` in the request body.",
@@ -98,7 +115,6 @@ fn read_top_level(
                 None,
             ));
         }
-        seen.push(key);
         let value_idx = idx + 1;
         let value = nodes.get(value_idx).copied();
         idx = value_idx + value.map_or(1, node_span);
@@ -324,6 +340,21 @@ mod tests {
         let mut i = Inspector::default();
         let mut out = Inspection::default();
         assert!(i.inspect(b"{\"model\":\"\xff\"}", &mut out).is_err());
+    }
+
+    #[test]
+    fn duplicates_found_past_the_stack_array() {
+        let mut keys: Vec<String> = (0..40).map(|i| format!("\"k{i}\":{i}")).collect();
+        keys.push("\"model\":\"m\"".into());
+        let ok = format!("{{{}}}", keys.join(","));
+        assert_eq!(inspect(&ok).unwrap().model, "m");
+        keys.push("\"k35\":1".into());
+        let dup = format!("{{{}}}", keys.join(","));
+        assert_eq!(inspect(&dup).unwrap_err().status, 400);
+        keys.pop();
+        keys.push("\"k3\":1".into());
+        let dup_early = format!("{{{}}}", keys.join(","));
+        assert_eq!(inspect(&dup_early).unwrap_err().status, 400);
     }
 
     #[test]
