@@ -36,6 +36,9 @@ OPTIONS:
     --tokens N               output tokens per answer [default: 16]
     --fault SPEC             misbehave on every request: drop-mid-stream, malformed-chunk,
                              error-event, close-delimited, chunk-ext, close-after, status=N
+    --idle-close-ms N        silently close a connection that sends no request bytes for N ms
+                             after its last response (or after it was accepted), like a
+                             server's keep-alive timeout [default: never]
     --tls-cert FILE          PEM certificate chain; with --tls-key, serve HTTPS
     --tls-key FILE           PEM private key
     --exit-on-stdin-eof      exit when stdin is closed
@@ -93,6 +96,8 @@ pub struct Config {
     pub inter_token_ms: u64,
     pub tokens: u64,
     pub fault: Option<Fault>,
+    /// Keep-alive timeout: close a connection idle this long between requests.
+    pub idle_close: Option<Duration>,
 }
 
 /// Counters served at `/_mock/stats`.
@@ -104,6 +109,8 @@ pub struct Stats {
     pub streams_started: Cell<u64>,
     pub streams_completed: Cell<u64>,
     pub streams_aborted: Cell<u64>,
+    /// Connections closed by `--idle-close-ms`.
+    pub idle_closed: Cell<u64>,
 }
 
 impl Stats {
@@ -116,14 +123,15 @@ impl Stats {
             out,
             "{{\"connections_accepted\":{},\"connections_open\":{},\"requests\":{},\
              \"streams_started\":{},\"streams_completed\":{},\"streams_aborted\":{},\
-             \"active_streams\":{}}}",
+             \"active_streams\":{},\"idle_closed\":{}}}",
             self.connections_accepted.get(),
             self.connections_open.get(),
             self.requests.get(),
             self.streams_started.get(),
             self.streams_completed.get(),
             self.streams_aborted.get(),
-            active
+            active,
+            self.idle_closed.get()
         );
     }
 }
@@ -153,6 +161,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
             inter_token_ms: 0,
             tokens: 16,
             fault: None,
+            idle_close: None,
         },
         tls: None,
         exit_on_stdin_eof: false,
@@ -181,6 +190,11 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
             "--ttft-ms" => a.cfg.ttft_ms = num(value()?)?,
             "--inter-token-ms" => a.cfg.inter_token_ms = num(value()?)?,
             "--tokens" => a.cfg.tokens = num(value()?)?,
+            "--idle-close-ms" => {
+                // 0: never (the default).
+                let ms = num(value()?)?;
+                a.cfg.idle_close = (ms > 0).then(|| Duration::from_millis(ms));
+            }
             "--fault" => {
                 let v = value()?;
                 a.cfg.fault = Some(Fault::parse(&v).ok_or_else(|| format!("unknown fault {v:?}"))?);
@@ -353,6 +367,16 @@ mod tests {
         assert_eq!(a.cfg.tokens, 3);
         assert_eq!(a.cfg.ttft_ms, 5);
         assert_eq!(a.cfg.fault, Some(Fault::CloseAfter));
+        assert_eq!(a.cfg.idle_close, None);
+        let Ok(Some(a)) = args(&["--idle-close-ms", "100"]) else {
+            panic!("not parsed")
+        };
+        assert_eq!(a.cfg.idle_close, Some(Duration::from_millis(100)));
+        let Ok(Some(a)) = args(&["--idle-close-ms=0"]) else {
+            panic!("not parsed")
+        };
+        assert_eq!(a.cfg.idle_close, None);
+        assert!(args(&["--idle-close-ms=x"]).is_err());
         assert!(matches!(args(&["--help"]), Ok(None)));
         assert!(args(&["--tls-cert", "x"]).is_err());
         assert!(args(&["--bogus"]).is_err());

@@ -209,3 +209,69 @@ fn config_toml_shape() {
     assert_eq!(s.workers, 3);
     assert_eq!(s.driver, "legacy");
 }
+
+#[test]
+fn mock_204_and_304_carry_no_body() {
+    let mock = Mock::start(&[]);
+    let mut c = Conn::open(mock.addr);
+    for status in ["204", "304"] {
+        c.send(
+            &Req::post("/v1/chat/completions", &chat_body("m"))
+                .header("x-mock-status", status)
+                .build(),
+        );
+        let head = c.read_head().unwrap();
+        assert_eq!(head.status.to_string(), status, "{head:?}");
+        assert!(head.header("transfer-encoding").is_none(), "{head:?}");
+        assert!(head.header("connection").is_none(), "{head:?}");
+        match status {
+            // 204: no Content-Length at all.
+            "204" => assert!(head.header("content-length").is_none(), "{head:?}"),
+            // 304: the replaced body's length, but none of its bytes.
+            _ => assert!(
+                head.header("content-length")
+                    .is_some_and(|v| v.parse::<u64>().unwrap() > 0),
+                "{head:?}"
+            ),
+        }
+        assert_eq!(
+            c.wait_close(Duration::from_millis(200)),
+            CloseState::Open,
+            "bytes or a close followed the {status} head"
+        );
+    }
+    // The connection is still in step.
+    c.send(&Req::post("/v1/chat/completions", &chat_body("m")).build());
+    let r = c.read_response();
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.json()["object"], "chat.completion");
+}
+
+#[test]
+fn mock_idle_close_ms_closes_idle_keep_alive_connections_silently() {
+    let mock = Mock::start(&["--idle-close-ms", "150"]);
+    // A connection used more often than every 150 ms stays open past it.
+    let mut busy = Conn::open(mock.addr);
+    let start = std::time::Instant::now();
+    let mut last = None;
+    for _ in 0..6 {
+        busy.send(&Req::post("/v1/chat/completions", &chat_body("m")).build());
+        let r = busy.read_response();
+        assert_eq!(r.status, 200, "{}", r.dump());
+        assert!(!r.header_has_token("connection", "close"), "{}", r.dump());
+        last = Some(std::time::Instant::now());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(start.elapsed() >= Duration::from_millis(300));
+    // Then, left idle, it is closed without a word (no `Connection: close` was sent), roughly
+    // 150 ms after its last response.
+    busy.assert_closed(Duration::from_secs(2));
+    let idle = last.unwrap().elapsed();
+    assert!(idle >= Duration::from_millis(140), "closed after {idle:?}");
+    // So is a connection that never sends a request.
+    let mut silent = Conn::open(mock.addr);
+    silent.assert_closed(Duration::from_secs(2));
+    let s = mock.stats();
+    assert_eq!(s["idle_closed"], 2, "{s}");
+    assert_eq!(s["requests"], 6, "{s}");
+}

@@ -186,3 +186,40 @@ fn upstream_204_is_relayed_without_body_and_connection_stays_usable() {
     assert_eq!(next.status, 200, "{}", next.dump());
     assert_eq!(next.json()["object"], "chat.completion");
 }
+
+#[test]
+fn upstream_304_is_relayed_without_body_and_both_connections_stay_usable() {
+    // The mock's 304 carries the Content-Length of the body it replaces but no body (RFC 9110
+    // §8.6, §15.4.5): sluice must frame it by its status and not wait for those bytes.
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).workers(1));
+    let mut probe = mock.stats_probe();
+    let before = probe.stat("connections_accepted");
+    let mut c = gw.conn();
+    c.set_timeout(Duration::from_secs(5));
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+            .header("x-mock-status", "304")
+            .build(),
+    );
+    let r = c.read_response();
+    assert_eq!(r.status, 304, "{}", r.dump());
+    assert!(r.header("transfer-encoding").is_none(), "{}", r.dump());
+    assert!(!r.header_has_token("connection", "close"), "{}", r.dump());
+    // No body bytes may follow the 304 head.
+    assert_eq!(
+        c.wait_close(Duration::from_millis(200)),
+        CloseState::Open,
+        "bytes or a close followed the 304 head"
+    );
+    c.send(&Req::post("/v1/chat/completions", &chat_body("gpt-4o")).build());
+    let next = c.read_response();
+    assert_eq!(next.status, 200, "{}", next.dump());
+    assert_eq!(next.json()["object"], "chat.completion");
+    // The 304 ended cleanly upstream too: the second request reused the upstream connection.
+    assert_eq!(
+        probe.stat("connections_accepted") - before,
+        1,
+        "the upstream connection was not reused after the 304"
+    );
+}

@@ -2,6 +2,8 @@
 //! carried over one upstream connection.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::time::Duration;
+
 use sluice_tests::*;
 
 #[test]
@@ -81,4 +83,51 @@ fn connection_close_from_client_is_honoured() {
     let r = c.read_response();
     assert_eq!(r.status, 200, "{}", r.dump());
     c.assert_closed(std::time::Duration::from_secs(3));
+}
+
+#[test]
+fn dead_pooled_upstream_connection_is_retried_on_a_fresh_one() {
+    // The mock closes a keep-alive connection silently (FIN, no `Connection: close` before it)
+    // after 100 ms idle; sluice's pool keeps connections far longer, so it still holds the
+    // dead one when the second request comes. Without the one retry on a fresh connection,
+    // that request would hit EOF (or a reset) on the dead socket and be answered 502.
+    let mock = Mock::start(&["--idle-close-ms", "100", "--tokens", "2"]);
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .workers(1)
+            .upstream("idle_timeout_ms", 60_000),
+    );
+    let r1 = gw.chat(&chat_body("gpt-4o"));
+    assert_eq!(r1.status, 200, "{}", r1.dump());
+    // Each `mock.stats()` is a fresh connection (a keep-alive probe would be idle-closed too),
+    // counted in `connections_open` while it asks. Wait until only it is open: the mock has
+    // closed sluice's pooled connection.
+    let closed = wait_until(Duration::from_secs(5), || {
+        let s = mock.stats();
+        s["idle_closed"] == 1 && s["connections_open"] == 1
+    });
+    assert!(
+        closed,
+        "the mock did not idle-close sluice's upstream connection: {}",
+        mock.stats()
+    );
+    let before = mock.stat("connections_accepted");
+    let r2 = gw.chat(&chat_body("gpt-4o"));
+    assert_eq!(
+        r2.status,
+        200,
+        "a dead pooled upstream connection was not retried on a fresh one:\n{}",
+        r2.dump()
+    );
+    assert_eq!(r2.json()["object"], "chat.completion", "{}", r2.dump());
+    let s = mock.stats();
+    // One new upstream connection for request 2, plus the stats connection just opened.
+    let accepted = s["connections_accepted"].as_u64().unwrap();
+    assert_eq!(
+        accepted - before,
+        2,
+        "expected exactly one fresh upstream connection for request 2: {s}"
+    );
+    // The dead connection never delivered a request: the mock saw each request once.
+    assert_eq!(s["requests"], 2, "{s}");
 }

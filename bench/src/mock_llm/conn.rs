@@ -104,6 +104,8 @@ enum Framing {
 
 /// How a response body is delimited.
 enum Len {
+    /// No framing header at all (204: no body, and no Content-Length either).
+    Omitted,
     Content(usize),
     Chunked,
     /// By closing the connection.
@@ -181,6 +183,7 @@ fn reason(status: u16) -> &'static str {
         201 => "Created",
         202 => "Accepted",
         204 => "No Content",
+        304 => "Not Modified",
         400 => "Bad Request",
         401 => "Unauthorized",
         402 => "Payment Required",
@@ -348,6 +351,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
     }
 
     async fn one_request(&mut self) -> Next {
+        // Keep-alive timeout (`--idle-close-ms`): counted from the end of the last response (or
+        // the accept), and only while no byte of the next request has arrived.
+        let idle_deadline = self.st.cfg.idle_close.map(|d| Instant::now() + d);
         // Head.
         let head = loop {
             if !self.rbuf.is_empty() {
@@ -357,7 +363,24 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                     HeadParse::Bad(status, why) => return self.bad_request(status, why).await,
                 }
             }
-            match self.read_more().await {
+            let read = match idle_deadline {
+                Some(deadline) if self.rbuf.is_empty() => {
+                    match monoio::time::timeout_at(deadline, self.read_more()).await {
+                        Ok(r) => r,
+                        Err(_) => {
+                            // Idle too long: close without a word, as a server's keep-alive
+                            // timeout does. Dropping the socket (the cancelled read included)
+                            // sends a FIN; the connection is abandoned, so the cancelled read's
+                            // buffer (and any TLS state) no longer matters.
+                            let stats = &self.st.stats;
+                            stats.idle_closed.set(stats.idle_closed.get() + 1);
+                            return Next::Drop;
+                        }
+                    }
+                }
+                _ => self.read_more().await,
+            };
+            match read {
                 Ok(0) | Err(_) => return Next::Drop,
                 Ok(_) => {}
             }
@@ -577,6 +600,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             reason(status)
         );
         match len {
+            Len::Omitted => {}
             Len::Content(n) => {
                 let _ = write!(w, "content-length: {n}\r\n");
             }
@@ -653,16 +677,21 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         };
         let close_delimited = p.fault == Some(Fault::CloseDelimited);
         let close = p.close || close_delimited || p.fault == Some(Fault::CloseAfter);
-        if status == 204 {
-            body.clear();
-        }
-        let len = if close_delimited {
+        // RFC 9110 §15.3.5, §15.4.5: 204 and 304 never carry content. A 204 gets no
+        // Content-Length either; a 304 keeps the one of the body it replaces (§8.6 allows that),
+        // so a recipient must know 304 framing rather than trust the header.
+        let no_body = status == 204 || status == 304;
+        let len = if status == 204 {
+            Len::Omitted
+        } else if close_delimited && !no_body {
             Len::Unframed
         } else {
             Len::Content(body.len())
         };
         self.head(p, status, "application/json", len, close);
-        self.wbuf.extend_from_slice(&body);
+        if !no_body {
+            self.wbuf.extend_from_slice(&body);
+        }
         self.body = body;
         match self.flush_wbuf().await {
             Ok(()) if close => Next::Close,
