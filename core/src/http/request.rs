@@ -47,7 +47,7 @@ impl Default for RequestHead {
             target: (0, 0),
             minor_version: 1,
             head_len: 0,
-            headers: Vec::with_capacity(32),
+            headers: Vec::new(),
             body: BodyFraming::None,
             keep_alive: true,
             expect_continue: false,
