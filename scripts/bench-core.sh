@@ -19,6 +19,9 @@ DURATION=${DURATION:-10}
 CONNS=${CONNS:-32}
 ROUNDS=${ROUNDS:-5}
 IDLE_CONNS=${IDLE_CONNS:-10000}
+# nginx buffering: off is what an SSE gateway needs; on is nginx's default for plain proxying.
+NGINX_BUFFERING=${NGINX_BUFFERING:-off}
+ONLY=${ONLY:-all}   # all | throughput | ttfb | rss
 
 need() { command -v "$1" >/dev/null 2>&1; }
 if ! need nginx || ! need wrk; then
@@ -91,8 +94,8 @@ http {
       proxy_pass http://mock;
       proxy_http_version 1.1;
       proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_request_buffering off;
+      proxy_buffering $NGINX_BUFFERING;
+      proxy_request_buffering $NGINX_BUFFERING;
     }
   }
 }
@@ -133,7 +136,8 @@ run_one() { # name port pid(or empty)
   echo "$name $rps $cpu"
 }
 
-echo "== throughput: 1 KB POST, $CONNS connections, ${DURATION}s per run, $ROUNDS interleaved rounds, all on core $CORE"
+if [ "$ONLY" = all ] || [ "$ONLY" = throughput ]; then
+echo "== throughput: 1 KB POST, $CONNS connections, ${DURATION}s per run, $ROUNDS interleaved rounds, all on core $CORE (nginx proxy_buffering $NGINX_BUFFERING)"
 # Warm-up.
 run_one warm-nginx "$NGINX" >/dev/null
 run_one warm-sluice "$SLUICE" >/dev/null
@@ -165,16 +169,38 @@ print(f"sluice/nginx req/s ratio: median {med(ratios):.3f} (min {min(ratios):.3f
 print(f"sluice/nginx CPU/req ratio: median {med(cpu_ratios):.3f} (min {min(cpu_ratios):.3f}, max {max(cpu_ratios):.3f})")
 PY
 
+echo "upstream connections mock-llm accepted so far: $(curl -s "http://127.0.0.1:$MOCK/_mock/stats")"
+fi
+
 # --- 2. added time to first byte of a streamed response ------------------------------------------
+if [ "$ONLY" = all ] || [ "$ONLY" = ttfb ]; then
 echo
-echo "== time to first byte of a streamed response (sequential, one keep-alive connection, all on core $CORE)"
-for target in "direct $MOCK" "nginx $NGINX" "sluice $SLUICE"; do
-  set -- $target
-  echo "-- $1"
-  taskset -c "$CORE" "$BIN/sluice-probe" ttfb --addr "127.0.0.1:$2" --n 5000 --warmup 500
+echo "== time to first byte of a streamed response (sequential, one keep-alive connection, all on core $CORE, $ROUNDS interleaved rounds)"
+: >"$TMP/ttfb"
+for r in $(seq "$ROUNDS"); do
+  for target in "direct $MOCK" "nginx $NGINX" "sluice $SLUICE"; do
+    set -- $target
+    taskset -c "$CORE" "$BIN/sluice-probe" ttfb --addr "127.0.0.1:$2" --n 5000 --warmup 500 | sed "s/^/$1 /" | tee -a "$TMP/ttfb"
+  done
 done
+python3 - "$TMP/ttfb" <<'PY'
+import sys, statistics as st, re
+rows = {}
+for line in open(sys.argv[1]):
+    name, metric, *kv = line.split()
+    d = dict(x.split("=") for x in kv)
+    rows.setdefault((name, metric), []).append(float(d["p50"]))
+print()
+for metric in ("first_byte_us", "first_event_us"):
+    d = rows[("direct", metric)]
+    for name in ("nginx", "sluice"):
+        added = [p - q for p, q in zip(rows[(name, metric)], d)]
+        print(f"{name} added {metric} p50: median {st.median(added):.1f} µs (per round: {', '.join(f'{a:.1f}' for a in added)})")
+PY
+fi
 
 # --- 3. RSS with idle keep-alive connections -----------------------------------------------------
+if [ "$ONLY" = all ] || [ "$ONLY" = rss ]; then
 echo
 echo "== RSS holding $IDLE_CONNS idle keep-alive client connections"
 rss_kib() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
@@ -188,3 +214,4 @@ for target in "sluice $SLUICE $SLUICE_PID" "nginx $NGINX $NGINX_PID"; do
   wait "$probe"
   echo "$1: RSS before ${before} KiB, with $(grep -o 'ready [0-9]*' "$TMP/idle.out" | cut -d' ' -f2) idle connections ${during} KiB ($(python3 -c "print(f'{$during/1024:.1f}')") MiB); $(grep still_open "$TMP/idle.out")"
 done
+fi

@@ -12,7 +12,7 @@ use std::io;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use monoio::buf::IoBufMut;
+use monoio::buf::{IoBuf, IoBufMut};
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 
@@ -22,6 +22,7 @@ use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, Req
 use crate::http::BodyFraming;
 use crate::inspect::Inspection;
 use crate::pipeline;
+use crate::sock;
 use crate::worker::Worker;
 
 /// Smallest read buffer; grows as a request needs, shrinks back after it.
@@ -46,13 +47,24 @@ impl ClientSocket {
         stream.read(buf).await
     }
 
-    /// Write all of `buf` within `limit`.
+    fn fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        // SAFETY: see the type's doc; reading the descriptor number touches no I/O state.
+        unsafe { &*self.0.get() }.as_raw_fd()
+    }
+
+    /// Write all of `buf` within `limit`: directly when the socket takes it all at once (the
+    /// usual case), the rest through the runtime.
     pub async fn write_all(&self, buf: Vec<u8>, limit: Duration) -> (io::Result<()>, Vec<u8>) {
+        let sent = match sock::send_now(self.fd(), &buf) {
+            Ok(n) if n == buf.len() => return (Ok(()), buf),
+            Ok(n) => n,
+            Err(e) => return (Err(e), buf),
+        };
         // SAFETY: see the type's doc; at most one write is in flight at a time.
         let stream = unsafe { &mut *self.0.get() };
-        match monoio::time::timeout(limit, stream.write_all(buf)).await {
-            Ok((Ok(_), buf)) => (Ok(()), buf),
-            Ok((Err(e), buf)) => (Err(e), buf),
+        match monoio::time::timeout(limit, stream.write_all(buf.slice(sent..))).await {
+            Ok((res, slice)) => (res.map(|_| ()), slice.into_inner()),
             Err(_) => (
                 Err(io::Error::new(
                     io::ErrorKind::TimedOut,
@@ -70,56 +82,15 @@ impl ClientSocket {
         stream.readable(false).await
     }
 
-    /// Read what the socket already holds into `buf`'s spare capacity, without waiting: for
-    /// right after [`Self::readable`] fired. `Some(0)` is end of stream; `None` means nothing
-    /// was there (or an error, which the next regular read will report).
+    /// Read what the socket already holds (see [`sock::recv_now`]): for right after
+    /// [`Self::readable`] fired.
     pub fn read_ready(&self, buf: &mut Vec<u8>) -> Option<usize> {
-        use std::os::fd::AsRawFd;
-        let spare = buf.spare_capacity_mut();
-        // SAFETY: the fd is valid while `self` lives; recv writes at most `spare.len()` bytes
-        // into the vector's spare capacity, and only those it reports are marked initialized.
-        let n = unsafe {
-            let fd = (*self.0.get()).as_raw_fd();
-            libc::recv(
-                fd,
-                spare.as_mut_ptr().cast(),
-                spare.len(),
-                libc::MSG_DONTWAIT,
-            )
-        };
-        if n < 0 {
-            return None;
-        }
-        let n = n as usize;
-        // SAFETY: recv initialized the first `n` spare bytes.
-        unsafe { buf.set_len(buf.len() + n) };
-        Some(n)
+        sock::recv_now(self.fd(), buf)
     }
 
     /// Has the client closed (or reset) its side? Peeks without consuming; never blocks.
     pub fn peer_gone(&self) -> bool {
-        use std::os::fd::AsRawFd;
-        // SAFETY: the fd is valid while `self` lives; MSG_PEEK | MSG_DONTWAIT neither consumes
-        // data nor blocks.
-        let fd = unsafe { &*self.0.get() }.as_raw_fd();
-        let mut byte = 0u8;
-        let n = unsafe {
-            libc::recv(
-                fd,
-                (&mut byte as *mut u8).cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        if n == 0 {
-            return true;
-        }
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            return err.kind() != io::ErrorKind::WouldBlock
-                && err.kind() != io::ErrorKind::Interrupted;
-        }
-        false
+        sock::peer_gone(self.fd())
     }
 }
 

@@ -12,5 +12,6 @@ pub mod pipeline;
 pub mod relay;
 pub mod route;
 pub mod server;
+pub mod sock;
 pub mod upstream;
 pub mod worker;

@@ -37,10 +37,22 @@ impl UpstreamIo {
         }
     }
 
-    pub async fn write_all<B: IoBuf>(&mut self, buf: B) -> monoio::BufResult<usize, B> {
+    /// Write all of `buf`; on a plain connection directly when the socket takes it at once.
+    pub async fn write_all(&mut self, buf: Vec<u8>) -> (std::io::Result<()>, Vec<u8>) {
         match self {
-            UpstreamIo::Plain(s) => s.write_all(buf).await,
-            UpstreamIo::Tls(s) => s.write_all(buf).await,
+            UpstreamIo::Plain(s) => {
+                let sent = match crate::sock::send_now(s.as_raw_fd(), &buf) {
+                    Ok(n) if n == buf.len() => return (Ok(()), buf),
+                    Ok(n) => n,
+                    Err(e) => return (Err(e), buf),
+                };
+                let (res, slice) = s.write_all(buf.slice(sent..)).await;
+                (res.map(|_| ()), slice.into_inner())
+            }
+            UpstreamIo::Tls(s) => {
+                let (res, buf) = s.write_all(buf).await;
+                (res.map(|_| ()), buf)
+            }
         }
     }
 }
