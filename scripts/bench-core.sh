@@ -62,7 +62,7 @@ backends = [{ base_url = "http://127.0.0.1:$MOCK/v1" }]
 model = "*"
 cluster = "mock"
 TOML
-taskset -c "$CORE" "$BIN/sluice" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
+taskset -c "$CORE" "${SLUICE_BIN:-$BIN/sluice}" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
 SLUICE_PID=$!
 PIDS+=($SLUICE_PID)
 wait_line "$TMP/sluice.log" listening

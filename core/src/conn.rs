@@ -53,13 +53,22 @@ impl ClientSocket {
         unsafe { &*self.0.get() }.as_raw_fd()
     }
 
-    /// Write all of `buf` within `limit`: directly when the socket takes it all at once (the
-    /// usual case), the rest through the runtime.
-    pub async fn write_all(&self, buf: Vec<u8>, limit: Duration) -> (io::Result<()>, Vec<u8>) {
-        let sent = match sock::send_now(self.fd(), &buf) {
-            Ok(n) if n == buf.len() => return (Ok(()), buf),
-            Ok(n) => n,
-            Err(e) => return (Err(e), buf),
+    /// Write all of `buf` within `limit`. With `direct`, first straight to the socket (see
+    /// [`Worker::direct_writes`]); whatever it does not take goes through the runtime.
+    pub async fn write_all(
+        &self,
+        buf: Vec<u8>,
+        limit: Duration,
+        direct: bool,
+    ) -> (io::Result<()>, Vec<u8>) {
+        let sent = if direct {
+            match sock::send_now(self.fd(), &buf) {
+                Ok(n) if n == buf.len() => return (Ok(()), buf),
+                Ok(n) => n,
+                Err(e) => return (Err(e), buf),
+            }
+        } else {
+            0
         };
         // SAFETY: see the type's doc; at most one write is in flight at a time.
         let stream = unsafe { &mut *self.0.get() };
@@ -154,6 +163,7 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream) {
 /// Read one request (head, then body), dispatch it, and keep what the client already sent of
 /// its next one. Returns whether the connection stays open.
 async fn serve_request(worker: &Rc<Worker>, client: &ClientSocket, state: &mut ConnState) -> bool {
+    let _active = ActiveRequest::enter(worker);
     let snapshot = Rc::clone(&worker.snapshot);
     let limits = &snapshot.http;
     let timeouts = &snapshot.timeouts;
@@ -189,6 +199,23 @@ async fn serve_request(worker: &Rc<Worker>, client: &ClientSocket, state: &mut C
         *chunked_body = Vec::new();
     }
     true
+}
+
+/// Counts a request in [`Worker::active_requests`] while it lives.
+struct ActiveRequest<'a>(&'a Worker);
+
+impl<'a> ActiveRequest<'a> {
+    fn enter(worker: &'a Worker) -> Self {
+        worker.active_requests.set(worker.active_requests.get() + 1);
+        ActiveRequest(worker)
+    }
+}
+
+impl Drop for ActiveRequest<'_> {
+    fn drop(&mut self) {
+        let active = &self.0.active_requests;
+        active.set(active.get().saturating_sub(1));
+    }
 }
 
 /// Read the body of the request whose head is in `rbuf`, then dispatch it. Returns how many
@@ -296,7 +323,11 @@ pub async fn write_error(
     let mut out = worker.bufs.take();
     error.write_response(&mut out, keep_alive, head_only);
     let (res, out) = client
-        .write_all(out, worker.snapshot.timeouts.stream_idle)
+        .write_all(
+            out,
+            worker.snapshot.timeouts.stream_idle,
+            worker.direct_writes(),
+        )
         .await;
     worker.bufs.give(out);
     res.is_ok() && keep_alive && !error.close
@@ -324,7 +355,11 @@ async fn write_json(
         out.extend_from_slice(body);
     }
     let (res, out) = client
-        .write_all(out, worker.snapshot.timeouts.stream_idle)
+        .write_all(
+            out,
+            worker.snapshot.timeouts.stream_idle,
+            worker.direct_writes(),
+        )
         .await;
     worker.bufs.give(out);
     res.is_ok() && keep_alive
@@ -384,7 +419,7 @@ async fn read_body(
     let start = head.head_len;
     if head.expect_continue && rbuf.len() == start && head.body != BodyFraming::None {
         let (res, _) = client
-            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n".to_vec(), body_limit)
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n".to_vec(), body_limit, false)
             .await;
         if res.is_err() {
             return Err(GatewayError::bad_http("client went away"));

@@ -156,7 +156,12 @@ async fn attempt(
         stale: false,
     };
     let limit = deadline.saturating_duration_since(Instant::now());
-    let request = match monoio::time::timeout(limit, conn.io.write_all(request)).await {
+    let request = match monoio::time::timeout(
+        limit,
+        conn.io.write_all(request, worker.direct_writes()),
+    )
+    .await
+    {
         Ok((Ok(_), request)) => request,
         Ok((Err(e), request)) => {
             conn.abort();

@@ -151,7 +151,9 @@ pub async fn relay(
     }
 
     if cut.is_none() {
-        let (res, returned) = client.write_all(out, timeouts.stream_idle).await;
+        let (res, returned) = client
+            .write_all(out, timeouts.stream_idle, worker.direct_writes())
+            .await;
         out = returned;
         if res.is_err() {
             cut = Some(Cut::Client);
@@ -237,7 +239,11 @@ pub async fn relay(
         }
         if !out.is_empty() {
             let (res, returned) = client
-                .write_all(std::mem::take(&mut out), timeouts.stream_idle)
+                .write_all(
+                    std::mem::take(&mut out),
+                    timeouts.stream_idle,
+                    worker.direct_writes(),
+                )
                 .await;
             out = returned;
             if res.is_err() {
@@ -251,7 +257,9 @@ pub async fn relay(
             if client_framing == ClientFraming::Chunked {
                 out.clear();
                 out.extend_from_slice(LAST_CHUNK);
-                let (res, returned) = client.write_all(out, timeouts.stream_idle).await;
+                let (res, returned) = client
+                    .write_all(out, timeouts.stream_idle, worker.direct_writes())
+                    .await;
                 out = returned;
                 keep_client &= res.is_ok();
             }
@@ -274,7 +282,9 @@ pub async fn relay(
             if event_stream && client_framing == ClientFraming::Chunked {
                 encode_chunk(error.sse_event().as_bytes(), &mut out);
                 out.extend_from_slice(LAST_CHUNK);
-                let (res, returned) = client.write_all(out, timeouts.stream_idle).await;
+                let (res, returned) = client
+                    .write_all(out, timeouts.stream_idle, worker.direct_writes())
+                    .await;
                 out = returned;
                 keep_client && res.is_ok()
             } else {

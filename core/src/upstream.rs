@@ -37,14 +37,23 @@ impl UpstreamIo {
         }
     }
 
-    /// Write all of `buf`; on a plain connection directly when the socket takes it at once.
-    pub async fn write_all(&mut self, buf: Vec<u8>) -> (std::io::Result<()>, Vec<u8>) {
+    /// Write all of `buf`. With `direct`, a plain connection first tries straight to the socket
+    /// (see [`crate::worker::Worker::direct_writes`]).
+    pub async fn write_all(
+        &mut self,
+        buf: Vec<u8>,
+        direct: bool,
+    ) -> (std::io::Result<()>, Vec<u8>) {
         match self {
             UpstreamIo::Plain(s) => {
-                let sent = match crate::sock::send_now(s.as_raw_fd(), &buf) {
-                    Ok(n) if n == buf.len() => return (Ok(()), buf),
-                    Ok(n) => n,
-                    Err(e) => return (Err(e), buf),
+                let sent = if direct {
+                    match crate::sock::send_now(s.as_raw_fd(), &buf) {
+                        Ok(n) if n == buf.len() => return (Ok(()), buf),
+                        Ok(n) => n,
+                        Err(e) => return (Err(e), buf),
+                    }
+                } else {
+                    0
                 };
                 let (res, slice) = s.write_all(buf.slice(sent..)).await;
                 (res.map(|_| ()), slice.into_inner())
