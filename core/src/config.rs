@@ -47,6 +47,56 @@ struct RawConfig {
     clusters: BTreeMap<String, RawCluster>,
     #[serde(default)]
     routes: Vec<RawRoute>,
+    admin: Option<RawAdmin>,
+    access_log: Option<RawAccessLog>,
+    #[serde(default)]
+    pricing: BTreeMap<String, RawPrice>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    listen: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAccessLog {
+    dir: PathBuf,
+    #[serde(default = "default_log_file_bytes")]
+    max_file_bytes: u64,
+    #[serde(default = "default_log_file_age")]
+    max_file_age_secs: u64,
+    #[serde(default = "default_log_batch_bytes")]
+    batch_bytes: usize,
+    #[serde(default = "default_log_queue_batches")]
+    queue_batches: usize,
+    #[serde(default = "default_log_flush_ms")]
+    flush_interval_ms: u64,
+}
+
+fn default_log_file_bytes() -> u64 {
+    256 << 20
+}
+fn default_log_file_age() -> u64 {
+    3600
+}
+fn default_log_batch_bytes() -> usize {
+    64 << 10
+}
+fn default_log_queue_batches() -> usize {
+    64
+}
+fn default_log_flush_ms() -> u64 {
+    200
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPrice {
+    input: f64,
+    output: f64,
+    cached_input: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -191,6 +241,42 @@ pub struct Snapshot {
     pub routes: Vec<Route>,
     /// Every backend of every cluster, indexed by [`BackendId`] (pools are per backend).
     pub backend_count: usize,
+    /// Where the admin listener (metrics, health) binds, if anywhere.
+    pub admin_listen: Option<SocketAddr>,
+    pub access_log: Option<AccessLogSettings>,
+    /// Prices per model name, per million tokens.
+    pub prices: BTreeMap<String, Price>,
+}
+
+#[derive(Debug, Clone)]
+pub struct AccessLogSettings {
+    pub dir: PathBuf,
+    pub max_file_bytes: u64,
+    pub max_file_age: Duration,
+    pub batch_bytes: usize,
+    pub queue_batches: usize,
+    pub flush_interval: Duration,
+}
+
+/// A model's price, in currency units per million tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Price {
+    pub input: f64,
+    pub output: f64,
+    /// For prompt tokens served from the provider's cache (defaults to `input`).
+    pub cached_input: f64,
+}
+
+impl Price {
+    /// Cost of one request. Cached tokens are part of `prompt_tokens` and priced apart.
+    pub fn cost(&self, prompt_tokens: u64, completion_tokens: u64, cached_tokens: u64) -> f64 {
+        let cached = cached_tokens.min(prompt_tokens);
+        let uncached = prompt_tokens - cached;
+        (uncached as f64 * self.input
+            + cached as f64 * self.cached_input
+            + completion_tokens as f64 * self.output)
+            / 1_000_000.0
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -610,6 +696,69 @@ pub fn load(
         ModelPattern::Glob { .. } => (1, usize::MAX - r.pattern.literal_len()),
     });
 
+    let admin_listen = match &raw.admin {
+        None => None,
+        Some(a) => match a.listen.to_socket_addrs().map(|mut i| i.next()) {
+            Ok(Some(addr)) => Some(addr),
+            _ => {
+                err(
+                    "admin.listen".into(),
+                    format!("`{}` is not an address like 127.0.0.1:9090", a.listen),
+                );
+                None
+            }
+        },
+    };
+    let access_log = raw.access_log.as_ref().map(|l| {
+        if l.max_file_bytes < 4096 {
+            err(
+                "access_log.max_file_bytes".into(),
+                "must be at least 4096".into(),
+            );
+        }
+        if l.max_file_age_secs == 0 {
+            err(
+                "access_log.max_file_age_secs".into(),
+                "must be at least 1".into(),
+            );
+        }
+        if l.batch_bytes == 0 || l.queue_batches == 0 || l.flush_interval_ms == 0 {
+            err(
+                "access_log".into(),
+                "batch_bytes, queue_batches and flush_interval_ms must be at least 1".into(),
+            );
+        }
+        AccessLogSettings {
+            dir: l.dir.clone(),
+            max_file_bytes: l.max_file_bytes,
+            max_file_age: Duration::from_secs(l.max_file_age_secs),
+            batch_bytes: l.batch_bytes,
+            queue_batches: l.queue_batches,
+            flush_interval: Duration::from_millis(l.flush_interval_ms),
+        }
+    });
+    let mut prices = BTreeMap::new();
+    for (model, p) in &raw.pricing {
+        let cached_input = p.cached_input.unwrap_or(p.input);
+        if [p.input, p.output, cached_input]
+            .iter()
+            .any(|v| !v.is_finite() || *v < 0.0)
+        {
+            err(
+                format!("pricing.\"{model}\""),
+                "prices must be finite and non-negative".into(),
+            );
+        }
+        prices.insert(
+            model.clone(),
+            Price {
+                input: p.input,
+                output: p.output,
+                cached_input,
+            },
+        );
+    }
+
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -645,6 +794,9 @@ pub fn load(
         clusters,
         routes,
         backend_count: next_backend,
+        admin_listen,
+        access_log,
+        prices,
     })
 }
 
