@@ -14,6 +14,10 @@ fi
 if ! rustup component list --installed 2>/dev/null | grep -q '^clippy'; then
   rustup component add clippy rustfmt || true
 fi
+if ! python3 -c 'import prometheus_client' >/dev/null 2>&1; then
+  log "installing prometheus_client (the metrics exposition test parses /metrics with it)"
+  python3 -m pip install --quiet prometheus_client
+fi
 
 log "format and lints"
 cargo fmt --all -- --check

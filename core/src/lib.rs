@@ -1,12 +1,14 @@
 //! Sluice: an LLM API gateway. See `docs/request-lifecycle.md` for the life of a request and
 //! [`pipeline::proxy`] for the function that runs it.
 
+pub mod admin;
 pub mod config;
 pub mod conn;
 pub mod error;
 pub mod forward;
 pub mod http;
 pub mod inspect;
+pub mod metrics;
 pub mod models;
 pub mod pipeline;
 pub mod relay;

@@ -1,0 +1,496 @@
+//! The admin listener: `GET /metrics`, `GET /healthz`, `GET /readyz` on their own port.
+//!
+//! Runs beside the workers, never on them: one plain std thread blocks in `accept`, and each
+//! connection gets a short-lived thread of its own (at most [`MAX_CONNECTIONS`] at once; past that
+//! a connection is answered 503 and closed), so one slow client cannot hold up a liveness probe.
+//! Takes the [`MetricsHub`] to render and the readiness flag the server sets once every worker
+//! listens. Speaks a minimal HTTP/1.1: one request per connection (`Connection: close`), heads up
+//! to [`MAX_HEAD_BYTES`], the whole head within [`HEAD_DEADLINE`], writes bounded by
+//! [`WRITE_TIMEOUT`].
+//!
+//! | request | answer |
+//! | --- | --- |
+//! | `GET /metrics` | 200, `text/plain; version=0.0.4`, every family summed over workers |
+//! | `GET /healthz` | 200 `ok` while the process runs |
+//! | `GET /readyz` | 200 `ready` once the flag is true, else 503 `not ready` |
+//! | `HEAD` of any of them | the same head, no body |
+//! | another path | 404; another method: 405 with `Allow: GET, HEAD`; a bad head: 400 |
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::metrics::MetricsHub;
+
+/// Most admin connections served at once.
+pub const MAX_CONNECTIONS: usize = 16;
+/// Largest request head accepted (431 past it).
+pub const MAX_HEAD_BYTES: usize = 8192;
+/// Time allowed from accept until the whole request head has arrived (408 past it).
+pub const HEAD_DEADLINE: Duration = Duration::from_secs(5);
+/// Longest a single write to the client may block.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+const TEXT: &str = "text/plain; charset=utf-8";
+
+/// Bind `addr` (port 0 picks a free port) and serve the admin endpoints on a background thread
+/// for the life of the process. Returns the bound address; a bind failure is returned, never
+/// logged and ignored.
+pub fn spawn_admin(
+    addr: SocketAddr,
+    hub: Arc<MetricsHub>,
+    ready: Arc<AtomicBool>,
+) -> io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr)?;
+    let local = listener.local_addr()?;
+    thread::Builder::new()
+        .name("sluice-admin".into())
+        .spawn(move || accept_loop(listener, hub, ready))?;
+    Ok(local)
+}
+
+/// Releases a connection's place when its thread ends (or fails to start).
+struct Place(Arc<AtomicUsize>);
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn accept_loop(listener: TcpListener, hub: Arc<MetricsHub>, ready: Arc<AtomicBool>) {
+    let active = Arc::new(AtomicUsize::new(0));
+    for conn in listener.incoming() {
+        let stream = match conn {
+            Ok(stream) => stream,
+            Err(e) => {
+                // Out of descriptors or memory: back off instead of spinning.
+                eprintln!("sluice: admin accept failed: {e}");
+                thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        if active.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+            active.fetch_sub(1, Ordering::AcqRel);
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+            let mut stream = stream;
+            let _ = respond(
+                &mut stream,
+                503,
+                TEXT,
+                b"too many admin connections\n",
+                false,
+            );
+            continue;
+        }
+        let place = Place(Arc::clone(&active));
+        let hub = Arc::clone(&hub);
+        let ready = Arc::clone(&ready);
+        let spawned = thread::Builder::new()
+            .name("sluice-admin-conn".into())
+            .spawn(move || {
+                let _place = place;
+                serve(stream, &hub, &ready);
+            });
+        if let Err(e) = spawned {
+            eprintln!("sluice: admin connection thread failed to start: {e}");
+        }
+    }
+}
+
+/// What the head asked for.
+enum Parsed {
+    Request { method: Method, path: String },
+    Bad,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Method {
+    Get,
+    Head,
+    Other,
+}
+
+/// Read one request head and answer it. Errors just close the connection.
+fn serve(mut stream: TcpStream, hub: &MetricsHub, ready: &AtomicBool) {
+    let _ = stream.set_nodelay(true);
+    if stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
+        return;
+    }
+    let parsed = match read_head(&mut stream) {
+        Ok(Some(parsed)) => parsed,
+        Ok(None) => return, // closed before a whole head
+        Err(status) => {
+            let body = format!("{}\n", reason(status).to_ascii_lowercase());
+            if respond(&mut stream, status, TEXT, body.as_bytes(), false).is_ok() {
+                linger_close(stream);
+            }
+            return;
+        }
+    };
+    let (method, path) = match parsed {
+        Parsed::Request { method, path } => (method, path),
+        Parsed::Bad => {
+            if respond(&mut stream, 400, TEXT, b"bad request\n", false).is_ok() {
+                linger_close(stream);
+            }
+            return;
+        }
+    };
+    let head_only = method == Method::Head;
+    let known = matches!(path.as_str(), "/metrics" | "/healthz" | "/readyz");
+    let result = if !known {
+        respond(&mut stream, 404, TEXT, b"not found\n", head_only)
+    } else if method == Method::Other {
+        respond_405(&mut stream)
+    } else {
+        match path.as_str() {
+            "/metrics" => {
+                let mut body = String::with_capacity(64 * 1024);
+                hub.render(&mut body);
+                respond(
+                    &mut stream,
+                    200,
+                    METRICS_CONTENT_TYPE,
+                    body.as_bytes(),
+                    head_only,
+                )
+            }
+            "/healthz" => respond(&mut stream, 200, TEXT, b"ok", head_only),
+            _ => {
+                if ready.load(Ordering::Acquire) {
+                    respond(&mut stream, 200, TEXT, b"ready", head_only)
+                } else {
+                    respond(&mut stream, 503, TEXT, b"not ready", head_only)
+                }
+            }
+        }
+    };
+    if result.is_ok() {
+        linger_close(stream);
+    }
+}
+
+/// Read until a whole head parses. `Ok(None)`: the peer closed first. `Err(status)`: answer that
+/// status (408 too slow, 431 too large).
+fn read_head(stream: &mut TcpStream) -> Result<Option<Parsed>, u16> {
+    let start = Instant::now();
+    let mut buf = vec![0u8; MAX_HEAD_BYTES];
+    let mut len = 0;
+    loop {
+        let left = HEAD_DEADLINE.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return Err(408);
+        }
+        if stream.set_read_timeout(Some(left)).is_err() {
+            return Ok(None);
+        }
+        let Some(free) = buf.get_mut(len..) else {
+            return Err(431);
+        };
+        if free.is_empty() {
+            return Err(431);
+        }
+        match stream.read(free) {
+            Ok(0) => return Ok(None),
+            Ok(n) => len += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(408)
+            }
+            Err(_) => return Ok(None),
+        }
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(buf.get(..len).unwrap_or(&[])) {
+            Ok(httparse::Status::Complete(_)) => {
+                let method = match req.method {
+                    Some("GET") => Method::Get,
+                    Some("HEAD") => Method::Head,
+                    _ => Method::Other,
+                };
+                let Some(target) = req.path else {
+                    return Ok(Some(Parsed::Bad));
+                };
+                let path = target.split(['?', '#']).next().unwrap_or("");
+                return Ok(Some(Parsed::Request {
+                    method,
+                    path: path.to_string(),
+                }));
+            }
+            Ok(httparse::Status::Partial) => continue,
+            Err(httparse::Error::TooManyHeaders) => return Err(431),
+            Err(_) => return Ok(Some(Parsed::Bad)),
+        }
+    }
+}
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        431 => "Request Header Fields Too Large",
+        503 => "Service Unavailable",
+        _ => "Unknown",
+    }
+}
+
+fn respond(
+    stream: &mut TcpStream,
+    status: u16,
+    content_type: &str,
+    body: &[u8],
+    head_only: bool,
+) -> io::Result<()> {
+    respond_with(stream, status, content_type, "", body, head_only)
+}
+
+fn respond_405(stream: &mut TcpStream) -> io::Result<()> {
+    respond_with(
+        stream,
+        405,
+        TEXT,
+        "Allow: GET, HEAD\r\n",
+        b"method not allowed\n",
+        false,
+    )
+}
+
+fn respond_with(
+    stream: &mut TcpStream,
+    status: u16,
+    content_type: &str,
+    extra_headers: &str,
+    body: &[u8],
+    head_only: bool,
+) -> io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 {status} {}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+         Cache-Control: no-store\r\n{extra_headers}Connection: close\r\n\r\n",
+        reason(status),
+        body.len()
+    );
+    let mut out = Vec::with_capacity(head.len() + if head_only { 0 } else { body.len() });
+    out.extend_from_slice(head.as_bytes());
+    if !head_only {
+        out.extend_from_slice(body);
+    }
+    stream.write_all(&out)?;
+    stream.flush()
+}
+
+/// Close without resetting: send FIN, then drain briefly so unread bytes from the client (a
+/// pipelined request, a body) do not turn the close into an RST that could discard the answer.
+fn linger_close(mut stream: TcpStream) {
+    let _ = stream.shutdown(Shutdown::Write);
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut sink = [0u8; 4096];
+    let mut drained = 0;
+    while drained < 64 * 1024 {
+        match stream.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use super::*;
+    use crate::metrics::tests::parse_strict;
+    use crate::metrics::{LabelLists, MetricsShard, StatusClass};
+
+    struct Reply {
+        status: u16,
+        headers: Vec<(String, String)>,
+        body: Vec<u8>,
+    }
+
+    impl Reply {
+        fn header(&self, name: &str) -> Option<&str> {
+            self.headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        }
+    }
+
+    fn exchange(addr: SocketAddr, raw: &[u8]) -> Reply {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(raw).unwrap();
+        let mut bytes = Vec::new();
+        s.read_to_end(&mut bytes).unwrap();
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut resp = httparse::Response::new(&mut headers);
+        let httparse::Status::Complete(n) = resp.parse(&bytes).unwrap() else {
+            panic!("partial response: {:?}", String::from_utf8_lossy(&bytes));
+        };
+        Reply {
+            status: resp.code.unwrap(),
+            headers: resp
+                .headers
+                .iter()
+                .map(|h| {
+                    (
+                        h.name.to_string(),
+                        String::from_utf8_lossy(h.value).into_owned(),
+                    )
+                })
+                .collect(),
+            body: bytes[n..].to_vec(),
+        }
+    }
+
+    fn get(addr: SocketAddr, path: &str) -> Reply {
+        exchange(
+            addr,
+            format!("GET {path} HTTP/1.1\r\nHost: admin\r\n\r\n").as_bytes(),
+        )
+    }
+
+    fn start() -> (SocketAddr, Arc<MetricsHub>, Arc<AtomicBool>) {
+        let models = vec!["gpt-4o".to_string()];
+        let routes = vec!["chat_completions".to_string()];
+        let hub = MetricsHub::new(LabelLists {
+            routes: &routes,
+            models: &models,
+            ..LabelLists::default()
+        });
+        let ready = Arc::new(AtomicBool::new(false));
+        let addr = spawn_admin(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::clone(&hub),
+            Arc::clone(&ready),
+        )
+        .unwrap();
+        (addr, hub, ready)
+    }
+
+    #[test]
+    fn serves_metrics_healthz_and_readyz() {
+        let (addr, hub, ready) = start();
+        assert_ne!(addr.port(), 0, "the bound port is returned");
+
+        let shard = MetricsShard::new(&hub);
+        let n = hub.names();
+        shard.request_done(
+            n.route("chat_completions"),
+            n.model("gpt-4o"),
+            n.entity("anyone"),
+            StatusClass::Success,
+        );
+        shard.publish(&hub);
+
+        let m = get(addr, "/metrics");
+        assert_eq!(m.status, 200);
+        assert_eq!(
+            m.header("content-type"),
+            Some("text/plain; version=0.0.4; charset=utf-8")
+        );
+        assert_eq!(m.header("connection"), Some("close"));
+        assert_eq!(
+            m.header("content-length")
+                .unwrap()
+                .parse::<usize>()
+                .unwrap(),
+            m.body.len()
+        );
+        let text = String::from_utf8(m.body).unwrap();
+        let e = parse_strict(&text).unwrap_or_else(|err| panic!("{err}\n{text}"));
+        assert_eq!(
+            e.get(
+                "sluice_requests_total",
+                &[
+                    ("route", "chat_completions"),
+                    ("model", "gpt-4o"),
+                    ("entity", "other"),
+                    ("status_class", "2xx")
+                ]
+            ),
+            Some(1.0)
+        );
+
+        let h = get(addr, "/healthz");
+        assert_eq!((h.status, h.body.as_slice()), (200, &b"ok"[..]));
+
+        let r = get(addr, "/readyz");
+        assert_eq!((r.status, r.body.as_slice()), (503, &b"not ready"[..]));
+        ready.store(true, Ordering::Release);
+        let r = get(addr, "/readyz");
+        assert_eq!((r.status, r.body.as_slice()), (200, &b"ready"[..]));
+        // Liveness does not depend on readiness.
+        ready.store(false, Ordering::Release);
+        assert_eq!(get(addr, "/healthz").status, 200);
+        assert_eq!(get(addr, "/readyz").status, 503);
+    }
+
+    #[test]
+    fn head_query_strings_and_errors() {
+        let (addr, _hub, _ready) = start();
+        let h = exchange(addr, b"HEAD /metrics HTTP/1.1\r\nHost: a\r\n\r\n");
+        assert_eq!(h.status, 200);
+        assert!(h.body.is_empty());
+        assert!(
+            h.header("content-length")
+                .unwrap()
+                .parse::<usize>()
+                .unwrap()
+                > 0
+        );
+
+        assert_eq!(get(addr, "/metrics?name[]=x").status, 200);
+        assert_eq!(get(addr, "/healthz?probe=1").status, 200);
+
+        let nf = get(addr, "/nope");
+        assert_eq!(nf.status, 404);
+        let post = exchange(
+            addr,
+            b"POST /metrics HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc",
+        );
+        assert_eq!(post.status, 405);
+        assert_eq!(post.header("allow"), Some("GET, HEAD"));
+        assert_eq!(exchange(addr, b"\x01\x02garbage\r\n\r\n").status, 400);
+        let huge = format!(
+            "GET /metrics HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(MAX_HEAD_BYTES)
+        );
+        assert_eq!(exchange(addr, huge.as_bytes()).status, 431);
+    }
+
+    #[test]
+    fn a_silent_client_does_not_block_probes() {
+        let (addr, _hub, _ready) = start();
+        let _idle: Vec<TcpStream> = (0..3)
+            .map(|_| {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.write_all(b"GET /heal").unwrap();
+                s
+            })
+            .collect();
+        let t = Instant::now();
+        assert_eq!(get(addr, "/healthz").status, 200);
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn bind_failure_is_returned() {
+        let (addr, hub, ready) = start();
+        let again = spawn_admin(addr, hub, ready);
+        assert!(again.is_err(), "a second bind of {addr} should fail");
+    }
+}
