@@ -19,6 +19,11 @@ if ! python3 -c 'import prometheus_client' >/dev/null 2>&1; then
   python3 -m pip install --quiet prometheus_client
 fi
 
+if ! python3 -c "import google.protobuf, grpc_tools.protoc" >/dev/null 2>&1; then
+  log "installing python protobuf + grpcio-tools (the access-log test decodes with them)"
+  python3 -m pip install --quiet protobuf grpcio-tools
+fi
+
 log "format and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings

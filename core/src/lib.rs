@@ -1,6 +1,7 @@
 //! Sluice: an LLM API gateway. See `docs/request-lifecycle.md` for the life of a request and
 //! [`pipeline::proxy`] for the function that runs it.
 
+pub mod accesslog;
 pub mod admin;
 pub mod config;
 pub mod conn;

@@ -9,12 +9,15 @@ const USAGE: &str = "\
 usage:
   sluice --config FILE          run the gateway
   sluice check --config FILE    validate a config file and exit (non-zero on errors)
+  sluice logs FILE... [--follow] print access-log files as JSON lines (--follow: keep
+                                reading the last file as it grows, across rotation)
   sluice --version";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (check, rest) = match args.first().map(String::as_str) {
         Some("check") => (true, &args[1..]),
+        Some("logs") => return logs(&args[1..]),
         Some("--version" | "-V") => {
             println!("sluice {}", env!("CARGO_PKG_VERSION"));
             return ExitCode::SUCCESS;
@@ -57,6 +60,52 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sluice: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `sluice logs FILE... [--follow]`: decode access-log files to JSON lines on stdout.
+fn logs(args: &[String]) -> ExitCode {
+    use std::io::Write as _;
+    let mut follow = false;
+    let mut files = Vec::new();
+    for arg in args {
+        match arg.as_str() {
+            "--follow" | "-f" => follow = true,
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                return ExitCode::SUCCESS;
+            }
+            flag if flag.starts_with('-') => {
+                eprintln!("sluice logs: unknown option {flag}\n{USAGE}");
+                return ExitCode::from(2);
+            }
+            file => files.push(std::path::PathBuf::from(file)),
+        }
+    }
+    if files.is_empty() {
+        eprintln!("sluice logs: no FILE given\n{USAGE}");
+        return ExitCode::from(2);
+    }
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::with_capacity(64 << 10, stdout.lock());
+    let mut warn = |e: &sluice::accesslog::LogError| eprintln!("sluice logs: warning: {e}");
+    let result = sluice::accesslog::dump(&files, follow, &mut out, &mut warn);
+    let flushed = out.flush();
+    match (result, flushed) {
+        (Err(sluice::accesslog::LogError::Write(e)), _) | (Ok(_), Err(e))
+            if e.kind() == std::io::ErrorKind::BrokenPipe =>
+        {
+            ExitCode::SUCCESS
+        }
+        (Ok(_), Ok(())) => ExitCode::SUCCESS,
+        (Ok(_), Err(e)) => {
+            eprintln!("sluice logs: writing output: {e}");
+            ExitCode::FAILURE
+        }
+        (Err(e), _) => {
+            eprintln!("sluice logs: {e}");
             ExitCode::FAILURE
         }
     }
