@@ -1,0 +1,646 @@
+//! Meter: read token usage and timing from an upstream response while it is relayed.
+//!
+//! Runs beside the relay phase, on the body bytes after transfer decoding, and never holds them
+//! back: the relay writes each upstream read to the client as it is and then shows it here.
+//! [`SseMeter::feed`] takes each read of an event stream with the [`Instant`] the relay saw it
+//! (the meter never reads the clock) and splits it into events ([`sse::SseSplitter`], zero-copy
+//! for events within one read, bounded memory for events spanning reads); each event's `data`
+//! goes to [`usage::StreamMeter`]. A non-streamed JSON body goes to
+//! [`StreamMeter::on_json_body`] whole. Returns a [`MeterSummary`]: the upstream's reported
+//! [`Usage`], when the first and last generated content arrived, content events and bytes (for
+//! an estimate when no usage came), the finish reason, an error the upstream reported in the
+//! stream, and whether `[DONE]` arrived.
+//!
+//! It raises no errors: it only observes. Bytes that are not SSE, data that is not JSON and
+//! events longer than the limit are counted in the summary and otherwise skipped; no input
+//! makes it panic or grow without bound.
+
+pub mod sse;
+pub mod usage;
+
+use std::time::Instant;
+
+pub use sse::{data_lines, event_data, SseSplitter, DEFAULT_MAX_EVENT};
+pub use usage::{MeterSummary, StreamMeter, UpstreamError, Usage};
+
+/// Splitter and meter together, for one event stream at a time. Keep one per worker and
+/// [`reset`](Self::reset) it between responses: its buffers are reused.
+#[derive(Debug, Default)]
+pub struct SseMeter {
+    splitter: SseSplitter,
+    meter: StreamMeter,
+    /// Joined data of a multi-line event.
+    data: Vec<u8>,
+}
+
+impl SseMeter {
+    /// Events up to [`DEFAULT_MAX_EVENT`] bytes are metered.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Events up to `max_event` bytes are metered.
+    pub fn with_max_event(max_event: usize) -> Self {
+        Self {
+            splitter: SseSplitter::with_max_event(max_event),
+            ..Self::default()
+        }
+    }
+
+    /// Look at the next decoded body bytes of the stream, seen at `now`.
+    pub fn feed(&mut self, chunk: &[u8], now: Instant) {
+        let Self {
+            splitter,
+            meter,
+            data,
+        } = self;
+        splitter.feed(chunk, |event| {
+            if let Some(d) = event_data(event, data) {
+                meter.on_data(d, now);
+            }
+        });
+    }
+
+    /// A whole non-streamed JSON body (see [`StreamMeter::on_json_body`]).
+    pub fn on_json_body(&mut self, body: &[u8]) {
+        self.meter.on_json_body(body);
+    }
+
+    /// What has been recorded so far.
+    pub fn summary(&self) -> MeterSummary {
+        let mut s = self.meter.summary().clone();
+        s.oversized_events = self.splitter.oversized_events();
+        s.partial_event = self.splitter.has_partial();
+        s
+    }
+
+    /// Forget the response, keeping the buffers.
+    pub fn reset(&mut self) {
+        self.splitter.reset();
+        self.meter.reset();
+        if self.data.capacity() > DEFAULT_MAX_EVENT {
+            self.data = Vec::new();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::time::Duration;
+
+    /// A chat completion stream as OpenAI sends it with `stream_options.include_usage`.
+    const CHAT_STREAM: &str = concat!(
+        "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\",\"refusal\":null},\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n",
+        ": keep-alive\n\n",
+        "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"你好，\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n",
+        "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"中文 \\ud83d\\ude00 ok\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n",
+        "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" 🎉\\n\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n",
+        "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[{\"index\":0,\"delta\":{},\"logprobs\":null,\"finish_reason\":\"stop\"}],\"usage\":null}\n\n",
+        "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[],\"usage\":{\"prompt_tokens\":19,\"completion_tokens\":10,\"total_tokens\":29,\"prompt_tokens_details\":{\"cached_tokens\":0,\"audio_tokens\":0},\"completion_tokens_details\":{\"reasoning_tokens\":0,\"audio_tokens\":0,\"accepted_prediction_tokens\":0,\"rejected_prediction_tokens\":0}}}\n\n",
+        "data: [DONE]\n\n",
+    );
+
+    /// Bytes of generated content in [`CHAT_STREAM`]: "你好，", "中文 😀 ok", " 🎉\n".
+    const CHAT_CONTENT_BYTES: u64 = 9 + 14 + 6;
+
+    fn t(ms: u64) -> Instant {
+        // A fixed base keeps summaries comparable across meters.
+        static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *BASE.get_or_init(Instant::now) + Duration::from_millis(ms)
+    }
+
+    /// Feed `chunks`, the i-th at time `i` ms.
+    fn meter(chunks: &[&[u8]]) -> MeterSummary {
+        let mut m = SseMeter::new();
+        for (i, c) in chunks.iter().enumerate() {
+            m.feed(c, t(i as u64));
+        }
+        m.summary()
+    }
+
+    /// Feed `chunks` all at one time, so the summary does not depend on the split.
+    fn meter_at_once(chunks: &[&[u8]]) -> MeterSummary {
+        let mut m = SseMeter::new();
+        for c in chunks {
+            m.feed(c, t(0));
+        }
+        m.summary()
+    }
+
+    fn events(chunks: &[&[u8]]) -> Vec<Vec<u8>> {
+        let mut s = SseSplitter::new();
+        let mut out = Vec::new();
+        for c in chunks {
+            s.feed(c, |e| out.push(e.to_vec()));
+        }
+        out
+    }
+
+    fn check_chat_summary(s: &MeterSummary) {
+        assert_eq!(
+            s.usage,
+            Some(Usage {
+                prompt_tokens: 19,
+                completion_tokens: 10,
+                total_tokens: 29,
+                cached_tokens: 0,
+                reasoning_tokens: 0,
+            })
+        );
+        assert_eq!(s.content_events, 3);
+        assert_eq!(s.content_bytes, CHAT_CONTENT_BYTES);
+        assert_eq!(s.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(s.error, None);
+        assert!(s.done);
+        assert_eq!(s.events, 7);
+        assert_eq!(s.unparsed_events, 0);
+        assert_eq!(s.oversized_events, 0);
+        assert!(!s.partial_event);
+    }
+
+    fn check_split_invariant(stream: &[u8]) -> MeterSummary {
+        let whole_events = events(&[stream]);
+        let whole = meter_at_once(&[stream]);
+        for cut in 0..=stream.len() {
+            let parts: [&[u8]; 2] = [&stream[..cut], &stream[cut..]];
+            assert_eq!(events(&parts), whole_events, "split at {cut}");
+            assert_eq!(meter_at_once(&parts), whole, "split at {cut}");
+        }
+        let bytes: Vec<&[u8]> = stream.chunks(1).collect();
+        assert_eq!(events(&bytes), whole_events, "byte by byte");
+        assert_eq!(meter_at_once(&bytes), whole, "byte by byte");
+        whole
+    }
+
+    #[test]
+    fn chat_stream_split_anywhere() {
+        let s = check_split_invariant(CHAT_STREAM.as_bytes());
+        check_chat_summary(&s);
+        assert_eq!(events(&[CHAT_STREAM.as_bytes()]).len(), 8);
+    }
+
+    #[test]
+    fn chat_stream_with_crlf_and_cr() {
+        let crlf = CHAT_STREAM.replace('\n', "\r\n");
+        let cr = CHAT_STREAM.replace('\n', "\r");
+        let mixed = CHAT_STREAM.replace("\n\n", "\r\n\n");
+        let lf = check_split_invariant(CHAT_STREAM.as_bytes());
+        for variant in [crlf, cr, mixed] {
+            assert_eq!(check_split_invariant(variant.as_bytes()), lf);
+        }
+    }
+
+    #[test]
+    fn content_timing() {
+        // One event per read, 1 ms apart: the role chunk (0) and the comment (1) are not
+        // content; content arrives in reads 2..=4.
+        let stream = CHAT_STREAM.as_bytes();
+        let mut chunks = Vec::new();
+        let mut rest = stream;
+        while !rest.is_empty() {
+            let end = memchr::memmem::find(rest, b"\n\n").unwrap() + 2;
+            chunks.push(&rest[..end]);
+            rest = &rest[end..];
+        }
+        let s = meter(&chunks);
+        check_chat_summary(&s);
+        assert_eq!(s.first_event_at, Some(t(0)));
+        assert_eq!(s.first_content_at, Some(t(2)));
+        assert_eq!(s.last_content_at, Some(t(4)));
+    }
+
+    #[test]
+    fn usage_on_a_chunk_with_choices_and_tool_calls() {
+        let stream = concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":\"\"}}]},\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"city\\\":\\\"Paris\\\"}\"}}]},\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}],\"usage\":{\"prompt_tokens\":50,\"completion_tokens\":20,\"total_tokens\":70,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let s = check_split_invariant(stream.as_bytes());
+        assert_eq!(
+            s.usage,
+            Some(Usage {
+                prompt_tokens: 50,
+                completion_tokens: 20,
+                total_tokens: 70,
+                cached_tokens: 32,
+                reasoning_tokens: 0,
+            })
+        );
+        assert_eq!(s.content_events, 2);
+        assert_eq!(s.content_bytes, 11 + 16);
+        assert_eq!(s.finish_reason.as_deref(), Some("tool_calls"));
+        assert!(s.done);
+    }
+
+    #[test]
+    fn reasoning_and_cumulative_usage() {
+        // vLLM / DeepSeek style: reasoning deltas, usage on every chunk (the last one counts),
+        // Python's `json.dumps` spacing and ASCII escapes.
+        let stream = concat!(
+            "data: {\"choices\": [{\"delta\": {\"reasoning_content\": \"\\u601d\"}, \"finish_reason\": null}], \"usage\": {\"prompt_tokens\": 5, \"completion_tokens\": 1, \"total_tokens\": 6}}\n\n",
+            "data: {\"choices\": [{\"delta\": {\"content\": \"\", \"reasoning_content\": null}, \"finish_reason\": null}], \"usage\": {\"prompt_tokens\": 5, \"completion_tokens\": 1, \"total_tokens\": 6}}\n\n",
+            "data: {\"choices\": [{\"delta\": {\"content\": \"ok\"}, \"finish_reason\": \"length\"}], \"usage\": {\"prompt_tokens\": 5, \"completion_tokens\": 2, \"total_tokens\": 7, \"completion_tokens_details\": {\"reasoning_tokens\": 1}}}\n\n",
+            "data: {\"choices\": [{\"delta\": {}, \"finish_reason\": null}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let s = meter(&[stream.as_bytes()]);
+        assert_eq!(
+            s.usage,
+            Some(Usage {
+                prompt_tokens: 5,
+                completion_tokens: 2,
+                total_tokens: 7,
+                cached_tokens: 0,
+                reasoning_tokens: 1,
+            })
+        );
+        assert_eq!(s.content_events, 2);
+        assert_eq!(s.content_bytes, 3 + 2);
+        assert_eq!(s.finish_reason.as_deref(), Some("length"));
+    }
+
+    #[test]
+    fn completions_stream() {
+        let stream = concat!(
+            "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{\"text\":\"\",\"index\":0,\"finish_reason\":null}]}\n\n",
+            "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{\"text\":\" Hello\",\"index\":0,\"finish_reason\":null}]}\n\n",
+            "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{\"text\":\"!\",\"index\":0,\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2,\"total_tokens\":5}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let s = meter(&[stream.as_bytes()]);
+        assert_eq!(s.content_events, 2);
+        assert_eq!(s.content_bytes, 7);
+        assert_eq!(s.usage.unwrap().total_tokens, 5);
+        assert_eq!(s.finish_reason.as_deref(), Some("stop"));
+    }
+
+    const RESPONSES_STREAM: &str = concat!(
+        "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_1\",\"object\":\"response\",\"status\":\"in_progress\",\"output\":[],\"usage\":null}}\n\n",
+        "event: response.output_item.added\ndata: {\"type\":\"response.output_item.added\",\"sequence_number\":1,\"output_index\":0,\"item\":{\"id\":\"msg_1\",\"type\":\"message\",\"status\":\"in_progress\",\"role\":\"assistant\",\"content\":[]}}\n\n",
+        "event: response.reasoning_summary_text.delta\ndata: {\"type\":\"response.reasoning_summary_text.delta\",\"sequence_number\":2,\"item_id\":\"rs_1\",\"output_index\":0,\"summary_index\":0,\"delta\":\"Think\"}\n\n",
+        "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":3,\"item_id\":\"msg_1\",\"output_index\":0,\"content_index\":0,\"delta\":\"\"}\n\n",
+        "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":4,\"item_id\":\"msg_1\",\"output_index\":0,\"content_index\":0,\"delta\":\"Hi 中文\"}\n\n",
+        "event: response.output_text.done\ndata: {\"type\":\"response.output_text.done\",\"sequence_number\":5,\"item_id\":\"msg_1\",\"output_index\":0,\"content_index\":0,\"text\":\"Hi 中文\"}\n\n",
+        "event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":6,\"response\":{\"id\":\"resp_1\",\"object\":\"response\",\"status\":\"completed\",\"error\":null,\"incomplete_details\":null,\"output\":[{\"id\":\"msg_1\",\"type\":\"message\",\"status\":\"completed\",\"role\":\"assistant\",\"content\":[{\"type\":\"output_text\",\"text\":\"Hi 中文\",\"annotations\":[]}]}],\"usage\":{\"input_tokens\":36,\"input_tokens_details\":{\"cached_tokens\":4},\"output_tokens\":87,\"output_tokens_details\":{\"reasoning_tokens\":64},\"total_tokens\":123}}}\n\n",
+    );
+
+    #[test]
+    fn responses_stream() {
+        let s = check_split_invariant(RESPONSES_STREAM.as_bytes());
+        assert_eq!(
+            s.usage,
+            Some(Usage {
+                prompt_tokens: 36,
+                completion_tokens: 87,
+                total_tokens: 123,
+                cached_tokens: 4,
+                reasoning_tokens: 64,
+            })
+        );
+        assert_eq!(s.content_events, 2);
+        assert_eq!(s.content_bytes, 5 + 9);
+        assert_eq!(s.finish_reason.as_deref(), Some("completed"));
+        assert!(!s.done);
+        assert_eq!(s.events, 7);
+        assert_eq!(s.error, None);
+    }
+
+    #[test]
+    fn responses_incomplete_and_failed() {
+        let incomplete = "data: {\"type\":\"response.incomplete\",\"response\":{\"status\":\"incomplete\",\"incomplete_details\":{\"reason\":\"max_output_tokens\"},\"usage\":{\"input_tokens\":1,\"output_tokens\":16,\"total_tokens\":17}}}\n\n";
+        let s = meter(&[incomplete.as_bytes()]);
+        assert_eq!(s.finish_reason.as_deref(), Some("max_output_tokens"));
+        assert_eq!(s.usage.unwrap().completion_tokens, 16);
+
+        let failed = "data: {\"type\":\"response.failed\",\"response\":{\"status\":\"failed\",\"error\":{\"code\":\"server_error\",\"message\":\"The model failed.\"},\"usage\":null}}\n\n";
+        let s = meter(&[failed.as_bytes()]);
+        assert_eq!(s.finish_reason.as_deref(), Some("failed"));
+        assert_eq!(s.usage, None);
+        let e = s.error.unwrap();
+        assert_eq!(e.message, "The model failed.");
+        assert_eq!(e.code.as_deref(), Some("server_error"));
+
+        let error = "event: error\ndata: {\"type\":\"error\",\"code\":\"rate_limit_exceeded\",\"message\":\"Slow down.\",\"param\":null,\"sequence_number\":3}\n\n";
+        let e = meter(&[error.as_bytes()]).error.unwrap();
+        assert_eq!(e.message, "Slow down.");
+        assert_eq!(e.code.as_deref(), Some("rate_limit_exceeded"));
+    }
+
+    #[test]
+    fn error_events() {
+        let stream = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"par\"},\"finish_reason\":null}]}\n\n",
+            "data: {\"error\":{\"message\":\"The server had an error while processing your request.\",\"type\":\"server_error\",\"param\":null,\"code\":500}}\n\n",
+        );
+        let s = check_split_invariant(stream.as_bytes());
+        assert_eq!(
+            s.error,
+            Some(UpstreamError {
+                message: "The server had an error while processing your request.".into(),
+                kind: Some("server_error".into()),
+                code: Some("500".into()),
+            })
+        );
+        assert_eq!(s.content_events, 1);
+        assert!(!s.done);
+
+        // vLLM's older shape, and a bare string.
+        let vllm = "data: {\"object\":\"error\",\"message\":\"boom\",\"type\":\"BadRequestError\",\"param\":null,\"code\":400}\n\n";
+        let e = meter(&[vllm.as_bytes()]).error.unwrap();
+        assert_eq!(
+            (e.message.as_str(), e.kind.as_deref(), e.code.as_deref()),
+            ("boom", Some("BadRequestError"), Some("400"))
+        );
+        let bare = "data: {\"error\":\"overloaded\"}\n\n";
+        assert_eq!(
+            meter(&[bare.as_bytes()]).error.unwrap().message,
+            "overloaded"
+        );
+
+        // A long message is cut on a character boundary.
+        let long = format!(
+            "data: {{\"error\":{{\"message\":\"{}\"}}}}\n\n",
+            "é".repeat(1000)
+        );
+        let m = meter(&[long.as_bytes()]).error.unwrap().message;
+        assert_eq!(m.len(), usage::MAX_ERROR_MESSAGE);
+    }
+
+    #[test]
+    fn non_streaming_bodies() {
+        let body = |b: &str| {
+            let mut m = StreamMeter::new();
+            m.on_json_body(b.as_bytes());
+            m.take_summary()
+        };
+        let chat = body(
+            r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"Hello 中文","refusal":null},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":12,"total_tokens":21,"prompt_tokens_details":{"cached_tokens":2,"audio_tokens":0},"completion_tokens_details":{"reasoning_tokens":3,"audio_tokens":0}}}"#,
+        );
+        assert_eq!(
+            chat.usage,
+            Some(Usage {
+                prompt_tokens: 9,
+                completion_tokens: 12,
+                total_tokens: 21,
+                cached_tokens: 2,
+                reasoning_tokens: 3,
+            })
+        );
+        assert_eq!(chat.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(chat.content_bytes, 12);
+        assert_eq!(chat.content_events, 0);
+        assert_eq!(chat.first_content_at, None);
+
+        let completion = body(
+            r#"{"id":"cmpl-1","object":"text_completion","choices":[{"text":"\n\nThis is","index":0,"logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}"#,
+        );
+        assert_eq!(completion.usage.unwrap().completion_tokens, 7);
+        assert_eq!(completion.finish_reason.as_deref(), Some("length"));
+        assert_eq!(completion.content_bytes, 9);
+
+        let embeddings = body(
+            r#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.0023064255,-0.009327292,1e-3]}],"model":"text-embedding-3-small","usage":{"prompt_tokens":8,"total_tokens":8}}"#,
+        );
+        assert_eq!(
+            embeddings.usage,
+            Some(Usage {
+                prompt_tokens: 8,
+                total_tokens: 8,
+                ..Usage::default()
+            })
+        );
+        assert_eq!(embeddings.finish_reason, None);
+        assert_eq!(embeddings.content_bytes, 0);
+
+        let responses = body(
+            r#"{"id":"resp_1","object":"response","status":"completed","error":null,"incomplete_details":null,"output":[{"type":"reasoning","summary":[]},{"type":"message","content":[{"type":"output_text","text":"Hi"}]},{"type":"function_call","name":"f","arguments":"{}"}],"usage":{"input_tokens":10,"input_tokens_details":{"cached_tokens":0},"output_tokens":5,"output_tokens_details":{"reasoning_tokens":2},"total_tokens":15}}"#,
+        );
+        assert_eq!(responses.usage.unwrap().reasoning_tokens, 2);
+        assert_eq!(responses.finish_reason.as_deref(), Some("completed"));
+        assert_eq!(responses.content_bytes, 4);
+
+        let error = body(
+            r#"{"error":{"message":"Incorrect API key provided.","type":"invalid_request_error","param":null,"code":"invalid_api_key"}}"#,
+        );
+        assert_eq!(
+            error.error.unwrap().code.as_deref(),
+            Some("invalid_api_key")
+        );
+        assert_eq!(error.usage, None);
+
+        let not_json = body("<html>502</html>");
+        assert_eq!(not_json.unparsed_events, 1);
+        assert_eq!(not_json.usage, None);
+    }
+
+    #[test]
+    fn odd_values_are_ignored() {
+        let stream = concat!(
+            "data: {\"usage\":{\"prompt_tokens\":-1,\"completion_tokens\":2.0,\"total_tokens\":\"3\"}}\n\n",
+            "data: {\"usage\":{}}\n\n",
+            "data: {\"usage\":[1,2]}\n\n",
+            "data: {\"choices\":{\"delta\":{\"content\":\"x\"}}}\n\n",
+            "data: {\"choices\":[1,null,[],{\"delta\":\"x\",\"finish_reason\":7}]}\n\n",
+            "data: {\"type\":5,\"delta\":\"x\"}\n\n",
+            "data: {\"usage\":{\"prompt_tokens\":18446744073709551615,\"completion_tokens\":18446744073709551615}}\n\n",
+            "data: {\"a\":\n\n",
+            "data: [1,2]\n\n",
+            "data: hello\n\n",
+            "data:\n\n",
+            "event: ping\n\n",
+        );
+        let s = meter(&[stream.as_bytes()]);
+        assert_eq!(
+            s.usage,
+            Some(Usage {
+                prompt_tokens: u64::MAX,
+                completion_tokens: u64::MAX,
+                total_tokens: u64::MAX,
+                ..Usage::default()
+            })
+        );
+        assert_eq!(s.content_events, 0);
+        assert_eq!(s.finish_reason, None);
+        assert_eq!(s.events, 11);
+        assert_eq!(s.unparsed_events, 4);
+    }
+
+    #[test]
+    fn escapes_are_decoded() {
+        // Keys and values are read as JSON means them, as the client's SDK will read them.
+        let stream = concat!(
+            "data: {\"\\u0063hoices\":[{\"text\":\"\\u00e9\\ud83d\\ude00\\n\",\"logprobs\":{\"token_logprobs\":[-0.31,-1.2e-05]},\"finish_reason\":\"st\\u006fp\"}]}\n\n",
+            "data: {\"choices\":[{\"text\":\"a\"}],\"choices\":[{\"text\":\"bc\"}]}\n\n",
+        );
+        let s = meter(&[stream.as_bytes()]);
+        assert_eq!(s.content_events, 2);
+        // "é😀\n" is 2 + 4 + 1 bytes; of a duplicated key the last one counts.
+        assert_eq!(s.content_bytes, 7 + 2);
+        assert_eq!(s.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(s.unparsed_events, 0);
+    }
+
+    #[test]
+    fn oversized_event_is_counted_in_the_summary() {
+        let mut m = SseMeter::with_max_event(512);
+        let big = format!(
+            "data: {{\"choices\":[{{\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n",
+            "x".repeat(1000)
+        );
+        for c in big.as_bytes().chunks(100) {
+            m.feed(c, t(0));
+        }
+        m.feed(CHAT_STREAM.as_bytes(), t(1));
+        let s = m.summary();
+        assert_eq!(s.oversized_events, 1);
+        assert_eq!(s.content_events, 3);
+        assert_eq!(s.usage.unwrap().total_tokens, 29);
+        m.reset();
+        m.feed(b"data: {\"choices\":[]", t(2));
+        let s = m.summary();
+        assert!(s.partial_event);
+        assert_eq!(s.oversized_events, 0);
+        assert_eq!(s.events, 0);
+    }
+
+    /// xorshift64*: deterministic noise without a dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        // Bytes drawn mostly from what SSE and JSON are made of, so the parsers go deep.
+        const ALPHABET: &[u8] =
+            b"\r\n\n::data: {}[]\"\",,choices delta content usage error type tokens 0123456789.-e\\u\xff\xc3\x80";
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for round in 0..200 {
+            let mut m = SseMeter::with_max_event(4096);
+            let len = (rng.next() % 20_000) as usize;
+            let input: Vec<u8> = (0..len)
+                .map(|_| {
+                    let r = rng.next();
+                    if round % 4 == 0 {
+                        r as u8
+                    } else {
+                        ALPHABET[(r % ALPHABET.len() as u64) as usize]
+                    }
+                })
+                .collect();
+            let mut rest = &input[..];
+            while !rest.is_empty() {
+                let n = ((rng.next() % 3000) as usize + 1).min(rest.len());
+                m.feed(&rest[..n], t(0));
+                rest = &rest[n..];
+                assert!(m.splitter.pending_len() <= 4096 + 2);
+            }
+            m.on_json_body(&input);
+            let _ = m.summary();
+        }
+        // Structured garbage: valid JSON in unexpected shapes.
+        let docs = [
+            r#"{"choices":[{"delta":{"tool_calls":[1,{"function":[]}],"function_call":"x"}}]}"#,
+            r#"{"type":"response.completed","response":[]}"#,
+            r#"{"type":"response.completed","response":{"usage":{"input_tokens":1e300},"incomplete_details":[]}}"#,
+            r#"{"error":{"message":5,"type":[],"code":{}}}"#,
+            r#"{"usage":{"prompt_tokens_details":3}}"#,
+            r#"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]"#,
+        ];
+        let mut m = StreamMeter::new();
+        for d in docs {
+            m.on_data(d.as_bytes(), t(0));
+            m.on_json_body(d.as_bytes());
+        }
+        let deep = "[".repeat(100_000);
+        m.on_data(format!("{{\"a\":{deep}").as_bytes(), t(0));
+        m.on_json_body(deep.as_bytes());
+    }
+
+    /// Run with `cargo test -p sluice --release --lib meter -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn sse_throughput_report() {
+        use std::hint::black_box;
+        const TOTAL: usize = 64 << 20;
+        const READ: usize = 16 * 1024;
+        // Realistic chunks with varying content lengths, and a usage chunk every 200 events.
+        let mut stream = Vec::with_capacity(TOTAL + 4096);
+        let words = [
+            "Hello",
+            " world",
+            "，中文",
+            " 😀",
+            " the",
+            " quick brown fox",
+            "\\n",
+        ];
+        let mut i = 0usize;
+        while stream.len() < TOTAL {
+            let w = words[i % words.len()];
+            if i % 200 == 199 {
+                stream.extend_from_slice(b"data: {\"id\":\"chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT\",\"object\":\"chat.completion.chunk\",\"created\":1741569952,\"model\":\"gpt-4o-2024-08-06\",\"service_tier\":\"default\",\"system_fingerprint\":\"fp_4f2a9c1b7e\",\"choices\":[],\"usage\":{\"prompt_tokens\":19,\"completion_tokens\":200,\"total_tokens\":219,\"prompt_tokens_details\":{\"cached_tokens\":0,\"audio_tokens\":0},\"completion_tokens_details\":{\"reasoning_tokens\":0,\"audio_tokens\":0,\"accepted_prediction_tokens\":0,\"rejected_prediction_tokens\":0}}}\n\n");
+            } else {
+                stream.extend_from_slice(format!("data: {{\"id\":\"chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT\",\"object\":\"chat.completion.chunk\",\"created\":1741569952,\"model\":\"gpt-4o-2024-08-06\",\"service_tier\":\"default\",\"system_fingerprint\":\"fp_4f2a9c1b7e\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{w}\"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n").as_bytes());
+            }
+            i += 1;
+        }
+        let events = i;
+        let mb = stream.len() as f64 / 1e9;
+        let now = Instant::now();
+
+        let mut best_split = f64::MAX;
+        for _ in 0..3 {
+            let mut s = SseSplitter::new();
+            let mut n = 0usize;
+            let start = Instant::now();
+            for c in stream.chunks(READ) {
+                s.feed(black_box(c), |e| n += black_box(e).len());
+            }
+            best_split = best_split.min(start.elapsed().as_secs_f64());
+            assert!(n > 0);
+        }
+
+        let mut best_meter = f64::MAX;
+        let mut summary = MeterSummary::default();
+        for _ in 0..3 {
+            let mut m = SseMeter::new();
+            let start = Instant::now();
+            for c in stream.chunks(READ) {
+                m.feed(black_box(c), now);
+            }
+            best_meter = best_meter.min(start.elapsed().as_secs_f64());
+            summary = m.summary();
+        }
+        assert_eq!(summary.events as usize, events);
+        assert!(summary.usage.is_some());
+
+        println!(
+            "sse_throughput_report: {:.1} MiB, {} events ({} B/event avg), {} B reads",
+            stream.len() as f64 / (1 << 20) as f64,
+            events,
+            stream.len() / events,
+            READ
+        );
+        println!(
+            "  splitter alone:    {:.2} GB/s ({:.0} ns/event)",
+            mb / best_split,
+            best_split * 1e9 / events as f64
+        );
+        println!(
+            "  splitter + meter:  {:.2} GB/s ({:.0} ns/event, {:.1} M events/s)",
+            mb / best_meter,
+            best_meter * 1e9 / events as f64,
+            events as f64 / best_meter / 1e6
+        );
+    }
+}
