@@ -107,6 +107,9 @@ impl ClientSocket {
 pub struct Request<'a> {
     /// The read buffer; `head`'s ranges point into it.
     pub buf: &'a [u8],
+    /// When the head and body were in.
+    pub received_at: Instant,
+    pub peer: Option<std::net::SocketAddr>,
     pub head: &'a RequestHead,
     pub body: &'a [u8],
 }
@@ -114,6 +117,7 @@ pub struct Request<'a> {
 /// Per-connection buffers and parse state, reused from one request to the next.
 #[derive(Default)]
 struct ConnState {
+    peer: Option<std::net::SocketAddr>,
     rbuf: Vec<u8>,
     head: RequestHead,
     inspection: Inspection,
@@ -128,10 +132,13 @@ struct ConnState {
 /// 10,000 idle connections would otherwise hold tens of MB. The price is one allocation per
 /// request, served from mimalloc's thread-local free list. A poll, unlike a read, can be
 /// cancelled by the idle timeout without losing bytes.
-pub async fn serve(worker: Rc<Worker>, stream: TcpStream) {
+pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::SocketAddr) {
     let _ = stream.set_nodelay(true);
     let client = ClientSocket::new(stream);
-    let mut state = ConnState::default();
+    let mut state = ConnState {
+        peer: Some(peer),
+        ..ConnState::default()
+    };
     let mut first_request = true;
     loop {
         if state.rbuf.is_empty() {
@@ -168,6 +175,7 @@ async fn serve_request(worker: &Rc<Worker>, client: &ClientSocket, state: &mut C
     let limits = &snapshot.http;
     let timeouts = &snapshot.timeouts;
     let ConnState {
+        peer,
         rbuf,
         head,
         inspection,
@@ -183,7 +191,7 @@ async fn serve_request(worker: &Rc<Worker>, client: &ClientSocket, state: &mut C
         }
     }
     let Some(consumed) =
-        read_body_and_dispatch(worker, client, rbuf, head, chunked_body, inspection).await
+        read_body_and_dispatch(worker, client, rbuf, head, chunked_body, inspection, *peer).await
     else {
         return false;
     };
@@ -227,6 +235,7 @@ async fn read_body_and_dispatch(
     head: &RequestHead,
     chunked_body: &mut Vec<u8>,
     inspection: &mut Inspection,
+    peer: Option<std::net::SocketAddr>,
 ) -> Option<usize> {
     let snapshot = &worker.snapshot;
     let consumed = match read_body(
@@ -252,6 +261,8 @@ async fn read_body_and_dispatch(
     };
     let request = Request {
         buf: rbuf,
+        received_at: Instant::now(),
+        peer,
         head,
         body,
     };

@@ -17,6 +17,7 @@ use crate::error::GatewayError;
 use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
 use crate::inspect::Inspection;
+use crate::observe::Observation;
 use crate::route::Target;
 use crate::upstream::{connect, UpstreamConn};
 use crate::worker::Worker;
@@ -116,26 +117,37 @@ pub async fn send(
     worker: &Worker,
     target: &Target<'_>,
     mut request: Vec<u8>,
+    obs: &mut Observation,
 ) -> Result<UpstreamResponse, GatewayError> {
     let timeouts = &worker.snapshot.timeouts;
     let mut fresh_only = false;
+    obs.forwarded_at = Some(Instant::now());
     loop {
         let conn = match (!fresh_only)
             .then(|| worker.pools.checkout(target.backend.id))
             .flatten()
         {
             Some(conn) => conn,
-            None => connect(&worker.pools, target.cluster, target.backend, timeouts).await?,
+            None => {
+                let started = Instant::now();
+                let conn = connect(&worker.pools, target.cluster, target.backend, timeouts).await?;
+                obs.upstream_connect = Some(started.elapsed());
+                conn
+            }
         };
         let deadline = Instant::now() + timeouts.upstream_first_byte;
         let (result, returned) = attempt(worker, conn, request, deadline).await;
         request = returned;
         match result {
             Ok(response) => {
+                obs.upstream_head_at = Some(Instant::now());
                 worker.bufs.give(request);
                 return Ok(response);
             }
-            Err(AttemptError { stale: true, .. }) if !fresh_only => fresh_only = true,
+            Err(AttemptError { stale: true, .. }) if !fresh_only => {
+                obs.retries += 1;
+                fresh_only = true;
+            }
             Err(AttemptError { error, .. }) => {
                 worker.bufs.give(request);
                 return Err(error);

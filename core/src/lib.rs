@@ -12,6 +12,7 @@ pub mod inspect;
 pub mod meter;
 pub mod metrics;
 pub mod models;
+pub mod observe;
 pub mod pipeline;
 pub mod relay;
 pub mod route;

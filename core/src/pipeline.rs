@@ -8,9 +8,10 @@
 use crate::conn::{ClientSocket, Request};
 use crate::error::GatewayError;
 use crate::inspect::Inspection;
+use crate::observe::{estimate_prompt_tokens, Observation};
 use crate::relay::ClientSide;
 use crate::worker::Worker;
-use crate::{forward, relay, route};
+use crate::{forward, observe, relay, route};
 
 pub async fn proxy(
     worker: &Worker,
@@ -18,6 +19,39 @@ pub async fn proxy(
     request: &Request<'_>,
     inspection: &mut Inspection,
 ) -> Result<bool, GatewayError> {
+    let mut obs = worker.take_observation();
+    obs.start(
+        request.received_at,
+        (request.head.head_len + request.body.len()) as u64,
+    );
+    let result = proxy_observed(worker, client, request, inspection, &mut obs).await;
+
+    // Observe: usage, cost and timings of what happened, whatever happened; then metrics and
+    // the access-log record.
+    let mapped = result.as_ref().ok().and_then(|(_, mapped)| *mapped);
+    let outcome = obs.outcome(&worker.snapshot, &inspection.model, mapped, || {
+        estimate_prompt_tokens(request.body.len())
+    });
+    observe::emit(
+        worker,
+        request,
+        inspection,
+        &obs,
+        &outcome,
+        result.as_ref().err(),
+    );
+    worker.give_observation(obs);
+    result.map(|(keep_alive, _)| keep_alive)
+}
+
+/// The phases proper. Returns whether the client connection can be kept, and the mapped model.
+async fn proxy_observed<'s>(
+    worker: &'s Worker,
+    client: &ClientSocket,
+    request: &Request<'_>,
+    inspection: &mut Inspection,
+    obs: &mut Observation,
+) -> Result<(bool, Option<&'s str>), GatewayError> {
     // Inspect: the top-level model and friends, exactly as the upstream will read them.
     worker
         .inspector
@@ -26,18 +60,20 @@ pub async fn proxy(
 
     // Route: cluster, backend and the model name the upstream sees.
     let target = route::route(&worker.snapshot, &inspection.model, &worker.rng)?;
+    obs.routed = Some((target.cluster_id, target.backend.id));
 
     // Forward: the rewritten request out, the response head back (one retry on a stale
     // pooled connection).
     let mut upstream_request = worker.bufs.take();
     forward::build_request(&mut upstream_request, request, inspection, &target);
-    let response = forward::send(worker, &target, upstream_request).await?;
+    let response = forward::send(worker, &target, upstream_request, obs).await?;
 
-    // Relay: the body to the client as it arrives.
+    // Relay: the body to the client as it arrives, metered on the side.
     let side = ClientSide {
         head_only: false,
         minor_version: request.head.minor_version,
         keep_alive: request.head.keep_alive,
     };
-    relay::relay(worker, client, response, side).await
+    let keep_alive = relay::relay(worker, client, response, side, obs).await?;
+    Ok((keep_alive, target.mapped_model))
 }

@@ -14,12 +14,14 @@
 
 use std::io::Write as _;
 use std::pin::pin;
+use std::time::Instant;
 
 use crate::conn::ClientSocket;
 use crate::error::{reason, GatewayError};
 use crate::forward::UpstreamResponse;
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::{is_hop_by_hop, BodyFraming};
+use crate::observe::Observation;
 use crate::worker::Worker;
 
 /// How the client asked for the response.
@@ -64,6 +66,7 @@ pub async fn relay(
     client: &ClientSocket,
     response: UpstreamResponse,
     side: ClientSide,
+    obs: &mut Observation,
 ) -> Result<bool, GatewayError> {
     let UpstreamResponse {
         mut conn,
@@ -123,7 +126,16 @@ pub async fn relay(
     if !keep_client {
         out.extend_from_slice(b"connection: close\r\n");
     }
-    out.extend_from_slice(b"\r\n");
+    obs.response_started(
+        head.status,
+        event_stream,
+        client_framing != ClientFraming::Empty,
+    );
+    let _ = write!(
+        out,
+        "x-sluice-overhead-us: {}\r\n\r\n",
+        obs.overhead_so_far(Instant::now()).as_micros()
+    );
 
     let mut body = match framing {
         BodyFraming::None => UpstreamBody::Done,
@@ -140,7 +152,15 @@ pub async fn relay(
     // `clean`: no bytes beyond the body's end arrived, so the connection may be reused.
     let mut clean;
     let mut cut: Option<Cut> = None;
-    match feed(&mut body, &ubuf[head.head_len..], client_framing, &mut out) {
+    let head_read_at = obs.upstream_head_at.unwrap_or_else(Instant::now);
+    match feed(
+        &mut body,
+        &ubuf[head.head_len..],
+        client_framing,
+        &mut out,
+        obs,
+        head_read_at,
+    ) {
         Ok(extra) => clean = !extra,
         Err(e) => {
             // Nothing reached the client yet: it gets a plain 502 instead.
@@ -151,6 +171,8 @@ pub async fn relay(
     }
 
     if cut.is_none() {
+        obs.relay_overhead += head_read_at.elapsed();
+        obs.bytes_out += out.len() as u64;
         let (res, returned) = client
             .write_all(out, timeouts.stream_idle, worker.direct_writes())
             .await;
@@ -230,14 +252,24 @@ pub async fn relay(
             )));
             break;
         }
-        match feed(&mut body, &ubuf[..n], client_framing, &mut out) {
+        let read_at = Instant::now();
+        match feed(
+            &mut body,
+            &ubuf[..n],
+            client_framing,
+            &mut out,
+            obs,
+            read_at,
+        ) {
             Ok(extra) => clean &= !extra,
             Err(e) => {
                 cut = Some(Cut::Upstream(e));
                 break;
             }
         }
+        obs.relay_overhead += read_at.elapsed();
         if !out.is_empty() {
+            obs.bytes_out += out.len() as u64;
             let (res, returned) = client
                 .write_all(
                     std::mem::take(&mut out),
@@ -252,6 +284,9 @@ pub async fn relay(
         }
     }
 
+    obs.finished_at = Some(Instant::now());
+    obs.client_aborted = matches!(cut, Some(Cut::Client));
+    obs.upstream_cut = matches!(cut, Some(Cut::Upstream(_)));
     let finished = match cut {
         None => {
             if client_framing == ClientFraming::Chunked {
@@ -304,11 +339,17 @@ fn feed(
     input: &[u8],
     framing: ClientFraming,
     out: &mut Vec<u8>,
+    obs: &mut Observation,
+    now: Instant,
 ) -> Result<bool, GatewayError> {
-    let mut emit = |data: &[u8]| match framing {
-        ClientFraming::Chunked => encode_chunk(data, out),
-        ClientFraming::Passthrough | ClientFraming::Close => out.extend_from_slice(data),
-        ClientFraming::Empty => {}
+    let mut emit = |data: &[u8]| {
+        // The meter looks at the decoded bytes; it never holds them back.
+        obs.body(data, now);
+        match framing {
+            ClientFraming::Chunked => encode_chunk(data, out),
+            ClientFraming::Passthrough | ClientFraming::Close => out.extend_from_slice(data),
+            ClientFraming::Empty => {}
+        }
     };
     match body {
         UpstreamBody::Done => Ok(!input.is_empty()),

@@ -17,6 +17,7 @@ use crate::error::GatewayError;
 /// Where one request goes.
 #[derive(Debug, Clone, Copy)]
 pub struct Target<'s> {
+    pub cluster_id: usize,
     pub cluster: &'s Cluster,
     pub backend: &'s Backend,
     /// The model name to put in the forwarded body, when it differs from the requested one.
@@ -41,6 +42,7 @@ pub fn route<'s>(
         .map(String::as_str)
         .filter(|m| *m != model);
     Ok(Target {
+        cluster_id: route.cluster,
         cluster,
         backend,
         mapped_model,

@@ -12,9 +12,15 @@ use std::net::{SocketAddr, TcpListener as StdListener};
 use std::rc::Rc;
 use std::sync::mpsc;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use socket2::{Domain, Protocol, Socket, Type};
 
+use crate::accesslog::{AccessLog, AccessLogConfig};
+use crate::admin::spawn_admin;
 use crate::config::Snapshot;
+use crate::metrics::{LabelLists, MetricsHub};
 use crate::worker::Worker;
 
 /// Which I/O driver a worker's runtime uses.
@@ -37,6 +43,16 @@ impl Driver {
 pub fn run(snapshot: Snapshot) -> io::Result<()> {
     raise_fd_limit();
     let addr = claim_port(snapshot.server.listen)?;
+    let hub = metrics_hub(&snapshot);
+    let ready = Arc::new(AtomicBool::new(false));
+    let admin = match snapshot.admin_listen {
+        Some(admin_addr) => Some(
+            spawn_admin(admin_addr, Arc::clone(&hub), Arc::clone(&ready)).map_err(|e| {
+                io::Error::new(e.kind(), format!("admin listener on {admin_addr}: {e}"))
+            })?,
+        ),
+        None => None,
+    };
     let workers = snapshot.server.workers;
     let mut listeners = Vec::with_capacity(workers);
     for _ in 0..workers {
@@ -49,9 +65,22 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
         let ready = ready_tx.clone();
         let pin = snapshot.server.pin_workers.then_some(id % cores);
         let own = snapshot.clone();
+        let hub = Arc::clone(&hub);
+        // Opened here, on the main thread: a bad log directory stops startup with a clear error.
+        let access_log = match &snapshot.access_log {
+            Some(settings) => Some(
+                AccessLog::open(&AccessLogConfig::from(settings), id as u32).map_err(|e| {
+                    io::Error::new(
+                        e.kind(),
+                        format!("access log in {}: {e}", settings.dir.display()),
+                    )
+                })?,
+            ),
+            None => None,
+        };
         let handle = std::thread::Builder::new()
             .name(format!("sluice-worker-{id}"))
-            .spawn(move || worker_thread(id, pin, listener, own, ready))?;
+            .spawn(move || worker_thread(id, pin, listener, own, hub, access_log, ready))?;
         handles.push(handle);
     }
     drop(ready_tx);
@@ -66,10 +95,14 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
     if driver == Driver::Legacy {
         eprintln!("sluice: io_uring unavailable or disabled; running on the epoll (legacy) driver");
     }
+    ready.store(true, Ordering::Release);
     eprintln!(
         "sluice: listening on {addr} (workers={workers}, driver={})",
         driver.name()
     );
+    if let Some(admin) = admin {
+        eprintln!("sluice: admin listening on {admin} (/metrics, /healthz, /readyz)");
+    }
     for h in handles {
         let _ = h.join();
     }
@@ -106,6 +139,8 @@ fn worker_thread(
     pin: Option<usize>,
     listener: StdListener,
     snapshot: Snapshot,
+    hub: Arc<MetricsHub>,
+    access_log: Option<AccessLog>,
     ready: mpsc::Sender<io::Result<Driver>>,
 ) {
     if let Some(core) = pin {
@@ -135,7 +170,11 @@ fn worker_thread(
                 return;
             }
         };
-        let worker = Rc::new(Worker::new(id, snapshot));
+        let worker = Rc::new(Worker::new(id, snapshot, hub, access_log));
+        monoio::spawn(publish_metrics(Rc::clone(&worker)));
+        if worker.access_log.borrow().is_some() {
+            monoio::spawn(flush_access_log(Rc::clone(&worker)));
+        }
         let _ = ready.send(Ok(driver));
         accept_loop(worker, listener).await;
     });
@@ -144,7 +183,7 @@ fn worker_thread(
 async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener) {
     let max = worker.snapshot.server.max_connections_per_worker;
     loop {
-        let (stream, _peer) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
             Err(_) => {
                 // EMFILE and friends: back off briefly instead of spinning.
@@ -159,10 +198,71 @@ async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener) {
         worker.connections.set(worker.connections.get() + 1);
         let w = Rc::clone(&worker);
         monoio::spawn(async move {
-            crate::conn::serve(Rc::clone(&w), stream).await;
+            crate::conn::serve(Rc::clone(&w), stream, peer).await;
             w.connections.set(w.connections.get() - 1);
         });
     }
+}
+
+/// How often a worker copies its metrics shard to the hub a scrape reads.
+const METRICS_PUBLISH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+
+async fn publish_metrics(worker: Rc<Worker>) {
+    loop {
+        monoio::time::sleep(METRICS_PUBLISH_INTERVAL).await;
+        worker.metrics.connections_open(worker.connections.get());
+        worker.metrics.publish(&worker.hub);
+    }
+}
+
+async fn flush_access_log(worker: Rc<Worker>) {
+    let interval = worker
+        .access_log
+        .borrow()
+        .as_ref()
+        .map_or(METRICS_PUBLISH_INTERVAL, AccessLog::flush_interval);
+    loop {
+        monoio::time::sleep(interval).await;
+        if let Some(log) = worker.access_log.borrow_mut().as_mut() {
+            log.flush_if_due(std::time::Instant::now());
+        }
+    }
+}
+
+/// Label tables for metrics, fixed at startup from the config: label values only ever come
+/// from configured names, so cardinality is bounded.
+fn metrics_hub(snapshot: &Snapshot) -> Arc<MetricsHub> {
+    let routes: Vec<String> = crate::observe::ROUTES
+        .iter()
+        .map(|r| r.to_string())
+        .collect();
+    let mut models: Vec<String> = Vec::new();
+    for route in &snapshot.routes {
+        if let crate::config::ModelPattern::Exact(m) = &route.pattern {
+            models.push(m.clone());
+        }
+    }
+    for cluster in &snapshot.clusters {
+        models.extend(cluster.model_map.keys().cloned());
+    }
+    models.extend(snapshot.prices.keys().cloned());
+    models.sort();
+    models.dedup();
+    let mut backends = vec![String::new(); snapshot.backend_count];
+    for cluster in &snapshot.clusters {
+        for b in &cluster.backends {
+            if let Some(slot) = backends.get_mut(b.id) {
+                *slot = format!("{}/{}", cluster.name, b.host_header);
+            }
+        }
+    }
+    MetricsHub::new(LabelLists {
+        routes: &routes,
+        models: &models,
+        entities: &[],
+        backends: &backends,
+        policies: &[],
+    })
 }
 
 fn pin_to_core(core: usize) {

@@ -4,8 +4,11 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
+use crate::accesslog::{AccessLog, AccessRecord};
 use crate::config::Snapshot;
 use crate::inspect::Inspector;
+use crate::metrics::{MetricsHub, MetricsShard};
+use crate::observe::Observation;
 use crate::upstream::Pools;
 
 /// Buffers handed out for one request and given back after, so the steady state allocates
@@ -55,6 +58,15 @@ pub struct Worker {
     pub connections: Cell<usize>,
     /// Requests being served on this worker right now.
     pub active_requests: Cell<usize>,
+    /// Observation state (meter buffers included) lent to one request at a time.
+    pub observations: RefCell<Vec<Box<Observation>>>,
+    /// This worker's metrics; published to `hub` on a timer, never per request.
+    pub metrics: MetricsShard,
+    pub hub: std::sync::Arc<MetricsHub>,
+    /// This worker's access-log writer, when one is configured.
+    pub access_log: RefCell<Option<AccessLog>>,
+    /// One record, refilled per request so its strings keep their capacity.
+    pub record: RefCell<AccessRecord>,
     /// The `/v1/models` response body, built once per snapshot.
     pub models_body: Vec<u8>,
 }
@@ -67,7 +79,23 @@ impl Worker {
         self.active_requests.get() <= 1
     }
 
-    pub fn new(id: usize, snapshot: Rc<Snapshot>) -> Worker {
+    pub fn take_observation(&self) -> Box<Observation> {
+        self.observations.borrow_mut().pop().unwrap_or_default()
+    }
+
+    pub fn give_observation(&self, obs: Box<Observation>) {
+        let mut pool = self.observations.borrow_mut();
+        if pool.len() < 256 {
+            pool.push(obs);
+        }
+    }
+
+    pub fn new(
+        id: usize,
+        snapshot: Rc<Snapshot>,
+        hub: std::sync::Arc<MetricsHub>,
+        access_log: Option<AccessLog>,
+    ) -> Worker {
         let pools = Pools::new(snapshot.backend_count, snapshot.upstream);
         let models_body = crate::models::list_body(&snapshot);
         // Distinct, non-zero seeds per worker and per process.
@@ -80,6 +108,11 @@ impl Worker {
             bufs: BufPool::new(16 * 1024, 256),
             connections: Cell::new(0),
             active_requests: Cell::new(0),
+            observations: RefCell::new(Vec::new()),
+            metrics: MetricsShard::new(&hub),
+            hub,
+            access_log: RefCell::new(access_log),
+            record: RefCell::new(AccessRecord::default()),
             models_body,
             snapshot,
         }

@@ -1,0 +1,408 @@
+//! Observe: what one proxied request did, gathered along the pipeline and summed up when it
+//! ends.
+//!
+//! An [`Observation`] is started when a request's head and body are in, filled in by the
+//! forward phase (when the request left, how long connecting and the first byte took) and the
+//! relay (status, bytes, the body as the meter saw it, Sluice's own time per relayed chunk), and
+//! closed by [`Observation::outcome`] into an [`Outcome`]: usage (reported by the upstream, or
+//! estimated from what was streamed when it reported none), cost from the price table, time to
+//! first token, time per output token, total latency and Sluice's overhead. Raises nothing.
+
+use std::fmt::Write as _;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::accesslog::UsageSource as LogUsageSource;
+use crate::config::Snapshot;
+use crate::conn::Request;
+use crate::error::{GatewayError, Origin};
+use crate::inspect::Inspection;
+use crate::meter::{MeterSummary, SseMeter, Usage};
+use crate::metrics::{Attempt, EntityIdx, StatusClass, UpstreamErrorKind};
+use crate::worker::Worker;
+
+/// The proxied endpoints, as metric `route` labels.
+pub const ROUTES: [&str; 4] = ["chat_completions", "completions", "embeddings", "responses"];
+
+fn route_name(path: &[u8]) -> &'static str {
+    match path {
+        b"/v1/chat/completions" => ROUTES[0],
+        b"/v1/completions" => ROUTES[1],
+        b"/v1/embeddings" => ROUTES[2],
+        b"/v1/responses" => ROUTES[3],
+        _ => crate::metrics::OTHER,
+    }
+}
+
+/// Largest non-streamed body kept aside for metering its `usage`.
+const MAX_METERED_JSON: usize = 4 << 20;
+
+/// How the body is metered.
+enum Metering {
+    /// Not yet known, or nothing to meter (a HEAD, a 204).
+    Off,
+    /// An event stream, split into events as it passes.
+    Stream,
+    /// A JSON body, copied aside (bounded) and read whole at the end.
+    Json { truncated: bool },
+}
+
+/// One request's observations. Reused per connection; [`Observation::start`] resets it.
+pub struct Observation {
+    pub received_at: Instant,
+    pub forwarded_at: Option<Instant>,
+    pub upstream_connect: Option<Duration>,
+    pub upstream_head_at: Option<Instant>,
+    pub finished_at: Option<Instant>,
+    /// Sluice's own time while relaying: from each upstream read to handing its bytes to the
+    /// client, summed.
+    pub relay_overhead: Duration,
+    pub status: u16,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    /// The client left before the response ended.
+    pub client_aborted: bool,
+    /// The upstream failed mid-response (stall, reset, malformed framing).
+    pub upstream_cut: bool,
+    /// Stale pooled connections retried on a fresh one.
+    pub retries: u32,
+    /// The cluster and backend chosen, once routed.
+    pub routed: Option<(usize, usize)>,
+    metering: Metering,
+    meter: SseMeter,
+    json: Vec<u8>,
+}
+
+impl Default for Observation {
+    fn default() -> Self {
+        Observation {
+            received_at: Instant::now(),
+            forwarded_at: None,
+            upstream_connect: None,
+            upstream_head_at: None,
+            finished_at: None,
+            relay_overhead: Duration::ZERO,
+            status: 0,
+            bytes_in: 0,
+            bytes_out: 0,
+            client_aborted: false,
+            upstream_cut: false,
+            retries: 0,
+            routed: None,
+            metering: Metering::Off,
+            meter: SseMeter::new(),
+            json: Vec::new(),
+        }
+    }
+}
+
+/// How usage was known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageSource {
+    Reported,
+    Estimated,
+    None,
+}
+
+/// A finished request, summed up.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub usage: Usage,
+    pub usage_source: UsageSource,
+    pub cost: Option<f64>,
+    pub ttft: Option<Duration>,
+    pub tpot: Option<Duration>,
+    pub latency: Duration,
+    pub overhead: Duration,
+    pub upstream_header: Option<Duration>,
+    pub summary: MeterSummary,
+}
+
+impl Observation {
+    /// Begin observing a request whose head and body arrived at `received_at`.
+    pub fn start(&mut self, received_at: Instant, bytes_in: u64) {
+        self.received_at = received_at;
+        self.forwarded_at = None;
+        self.upstream_connect = None;
+        self.upstream_head_at = None;
+        self.finished_at = None;
+        self.relay_overhead = Duration::ZERO;
+        self.status = 0;
+        self.bytes_in = bytes_in;
+        self.bytes_out = 0;
+        self.client_aborted = false;
+        self.upstream_cut = false;
+        self.retries = 0;
+        self.routed = None;
+        self.metering = Metering::Off;
+        self.meter.reset();
+        self.json.clear();
+        if self.json.capacity() > 64 * 1024 {
+            self.json = Vec::new();
+        }
+    }
+
+    /// The response head arrived: decide how its body is metered.
+    pub fn response_started(&mut self, status: u16, event_stream: bool, has_body: bool) {
+        self.status = status;
+        self.metering = match (has_body, event_stream) {
+            (false, _) => Metering::Off,
+            (true, true) => Metering::Stream,
+            (true, false) => Metering::Json { truncated: false },
+        };
+    }
+
+    /// Decoded body bytes on their way to the client, read at `now`.
+    pub fn body(&mut self, data: &[u8], now: Instant) {
+        match &mut self.metering {
+            Metering::Off => {}
+            Metering::Stream => self.meter.feed(data, now),
+            Metering::Json { truncated } => {
+                if self.json.len() + data.len() <= MAX_METERED_JSON {
+                    self.json.extend_from_slice(data);
+                } else {
+                    *truncated = true;
+                }
+            }
+        }
+    }
+
+    /// Sluice's time before the request left for the upstream, plus the response head's own
+    /// handling so far: the `x-sluice-overhead-us` a client sees.
+    pub fn overhead_so_far(&self, now: Instant) -> Duration {
+        let before = self.forwarded_at.map_or(Duration::ZERO, |f| {
+            f.saturating_duration_since(self.received_at)
+        });
+        let head = self
+            .upstream_head_at
+            .map_or(Duration::ZERO, |h| now.saturating_duration_since(h));
+        before + head + self.relay_overhead
+    }
+
+    /// Sum the request up. `estimate_prompt` estimates the prompt's tokens when the upstream
+    /// reported none.
+    pub fn outcome(
+        &mut self,
+        snapshot: &Snapshot,
+        requested_model: &str,
+        mapped_model: Option<&str>,
+        estimate_prompt: impl FnOnce() -> u64,
+    ) -> Outcome {
+        let finished = self.finished_at.unwrap_or_else(Instant::now);
+        if let Metering::Json { truncated: false } = self.metering {
+            self.meter.on_json_body(&self.json);
+        }
+        let summary = self.meter.summary();
+        let (usage, usage_source) = match summary.usage {
+            Some(u) => (u, UsageSource::Reported),
+            None if self.status == 0 || !(200..300).contains(&self.status) => {
+                (Usage::default(), UsageSource::None)
+            }
+            None => {
+                // No usage reported (or the stream was cut before it): bill what we know —
+                // the prompt estimate, and ~4 bytes of generated text per token.
+                let prompt = estimate_prompt();
+                let completion = summary.content_bytes.div_ceil(4);
+                (
+                    Usage {
+                        prompt_tokens: prompt,
+                        completion_tokens: completion,
+                        total_tokens: prompt + completion,
+                        cached_tokens: 0,
+                        reasoning_tokens: 0,
+                    },
+                    UsageSource::Estimated,
+                )
+            }
+        };
+        let price = mapped_model
+            .and_then(|m| snapshot.prices.get(m))
+            .or_else(|| snapshot.prices.get(requested_model));
+        let cost = price.map(|p| {
+            p.cost(
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                usage.cached_tokens,
+            )
+        });
+        let ttft = summary
+            .first_content_at
+            .map(|t| t.saturating_duration_since(self.received_at));
+        let tpot = match (summary.first_content_at, summary.last_content_at) {
+            (Some(first), Some(last)) if usage.completion_tokens > 1 => {
+                u32::try_from(usage.completion_tokens - 1)
+                    .ok()
+                    .map(|gaps| last.saturating_duration_since(first) / gaps)
+            }
+            _ => None,
+        };
+        let before = self.forwarded_at.map_or(Duration::ZERO, |f| {
+            f.saturating_duration_since(self.received_at)
+        });
+        let upstream_header = match (self.forwarded_at, self.upstream_head_at) {
+            (Some(f), Some(h)) => Some(h.saturating_duration_since(f)),
+            _ => None,
+        };
+        Outcome {
+            usage,
+            usage_source,
+            cost,
+            ttft,
+            tpot,
+            latency: finished.saturating_duration_since(self.received_at),
+            overhead: before + self.relay_overhead,
+            upstream_header,
+            summary,
+        }
+    }
+}
+
+/// A cheap prompt-token estimate: ~4 bytes of JSON per token. Calibrated estimators come with
+/// the limits work; this one only stands in when an upstream reports no usage.
+pub fn estimate_prompt_tokens(body_len: usize) -> u64 {
+    (body_len as u64).div_ceil(4).max(1)
+}
+
+/// What kind of failure a request ended in, for the access log (`error_class`).
+fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str {
+    match error {
+        Some(e) => match e.origin {
+            Origin::Client => "client_error",
+            Origin::Upstream => "upstream_error",
+            Origin::Gateway => "gateway_overload",
+        },
+        None if obs.client_aborted => "client_abort",
+        None if obs.upstream_cut => "upstream_abort",
+        None if obs.status >= 400 => "upstream_status",
+        None => "",
+    }
+}
+
+/// Count the finished request in the worker's metrics and write its access-log record.
+/// `error` is what Sluice answered itself, when the request failed before a response started.
+pub fn emit(
+    worker: &Worker,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    obs: &Observation,
+    outcome: &Outcome,
+    error: Option<&GatewayError>,
+) {
+    let snapshot = &worker.snapshot;
+    let status = error.map_or(obs.status, |e| e.status);
+    let path = request.head.path(request.buf);
+
+    // Metrics: label values come from configured names only.
+    let m = &worker.metrics;
+    let names = m.names();
+    let route = names.route(route_name(path));
+    let model = names.model(&inspection.model);
+    let entity = EntityIdx::OTHER;
+    m.request_done(route, model, entity, StatusClass::from_status(status));
+    if outcome.usage_source != UsageSource::None {
+        let u = &outcome.usage;
+        m.tokens(
+            model,
+            entity,
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.cached_tokens,
+        );
+    }
+    if let Some(cost) = outcome.cost {
+        m.cost(model, entity, (cost * 1_000_000.0).round() as u64);
+    }
+    if let Some(ttft) = outcome.ttft {
+        m.observe_ttft(model, ttft);
+    }
+    if let Some(tpot) = outcome.tpot {
+        m.observe_tpot(model, tpot);
+    }
+    m.observe_latency(route, model, outcome.latency);
+    m.observe_overhead(route, outcome.overhead);
+    if let Some((_, backend_id)) = obs.routed {
+        let backend = names.backend_at(backend_id);
+        if obs.forwarded_at.is_some() {
+            m.upstream_request(backend, Attempt::First);
+            for _ in 0..obs.retries {
+                m.upstream_request(backend, Attempt::Retry);
+            }
+        }
+        let kind = match error {
+            Some(e) if e.status == 504 => Some(UpstreamErrorKind::Timeout),
+            Some(e) if e.status == 503 && e.origin == Origin::Gateway => {
+                Some(UpstreamErrorKind::PoolExhausted)
+            }
+            Some(e) if e.origin == Origin::Upstream => Some(UpstreamErrorKind::Connect),
+            Some(_) => None,
+            None if obs.upstream_cut => Some(UpstreamErrorKind::Io),
+            None if obs.status == 429 => Some(UpstreamErrorKind::Status429),
+            None if obs.status >= 500 => Some(UpstreamErrorKind::Status5xx),
+            None => None,
+        };
+        if let Some(kind) = kind {
+            m.upstream_error(backend, kind);
+        }
+    }
+
+    // Access log.
+    let mut log = worker.access_log.borrow_mut();
+    let Some(log) = log.as_mut() else {
+        return;
+    };
+    let mut rec = worker.record.borrow_mut();
+    rec.time_unix_us = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    rec.client_addr.clear();
+    if let Some(peer) = request.peer {
+        let _ = write!(rec.client_addr, "{peer}");
+    }
+    set_str(&mut rec.method, "POST");
+    set_str(&mut rec.path, &String::from_utf8_lossy(path));
+    rec.status = u32::from(status);
+    set_str(&mut rec.requested_model, &inspection.model);
+    rec.mapped_model.clear();
+    rec.cluster.clear();
+    rec.backend.clear();
+    if let Some((cluster_id, backend_id)) = obs.routed {
+        if let Some(cluster) = snapshot.clusters.get(cluster_id) {
+            set_str(&mut rec.cluster, &cluster.name);
+            if let Some(mapped) = cluster.model_map.get(&inspection.model) {
+                set_str(&mut rec.mapped_model, mapped);
+            }
+            if let Some(b) = cluster.backends.iter().find(|b| b.id == backend_id) {
+                set_str(&mut rec.backend, &b.host_header);
+            }
+        }
+    }
+    rec.stream = inspection.stream;
+    let u = &outcome.usage;
+    rec.prompt_tokens = u.prompt_tokens;
+    rec.completion_tokens = u.completion_tokens;
+    rec.cached_tokens = u.cached_tokens;
+    rec.total_tokens = u.total_tokens;
+    rec.usage_source = match outcome.usage_source {
+        UsageSource::Reported => LogUsageSource::Reported,
+        UsageSource::Estimated => LogUsageSource::Estimated,
+        UsageSource::None => LogUsageSource::None,
+    } as i32;
+    rec.cost = outcome.cost.unwrap_or(0.0);
+    rec.ttft_us = outcome.ttft.map_or(0, |d| d.as_micros() as u64);
+    rec.tpot_us = outcome.tpot.map_or(0, |d| d.as_micros() as u64);
+    rec.latency_us = outcome.latency.as_micros() as u64;
+    rec.upstream_connect_us = obs.upstream_connect.map_or(0, |d| d.as_micros() as u64);
+    rec.upstream_header_us = outcome.upstream_header.map_or(0, |d| d.as_micros() as u64);
+    rec.overhead_us = outcome.overhead.as_micros() as u64;
+    rec.bytes_in = obs.bytes_in;
+    rec.bytes_out = obs.bytes_out;
+    set_str(&mut rec.error_class, error_class(obs, error));
+    rec.fallback_attempts = obs.retries;
+    rec.worker_id = worker.id as u32;
+    log.record(&rec);
+}
+
+/// Replace a string's contents, keeping its allocation.
+fn set_str(field: &mut String, value: &str) {
+    field.clear();
+    field.push_str(value);
+}
