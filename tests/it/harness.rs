@@ -275,3 +275,47 @@ fn mock_idle_close_ms_closes_idle_keep_alive_connections_silently() {
     assert_eq!(s["idle_closed"], 2, "{s}");
     assert_eq!(s["requests"], 6, "{s}");
 }
+
+#[test]
+fn prometheus_parser_reads_labels_escapes_and_rejects_malformed_lines() {
+    let text = "# HELP a_total Things.\n# TYPE a_total counter\n\
+                a_total{x=\"1\",y=\"q\\\"\\\\\\n\"} 3\n\
+                h_bucket{le=\"+Inf\"} 2\nh_sum 0.25\ng -1.5e-3 1700000000\nempty{} 0\n";
+    let m = Metrics::parse(text).expect("valid exposition");
+    assert_eq!(m.type_of("a_total"), Some("counter"));
+    assert_eq!(m.get("a_total", &[("x", "1")]), Some(3.0));
+    assert_eq!(m.samples[0].label("y"), Some("q\"\\\n"));
+    assert_eq!(m.get("h_bucket", &[("le", "+Inf")]), Some(2.0));
+    assert_eq!(m.get("h_sum", &[]), Some(0.25));
+    assert_eq!(m.get("g", &[]), Some(-1.5e-3));
+    assert_eq!(m.get("empty", &[]), Some(0.0));
+    assert_eq!(m.sum("a_total", &[]), 3.0);
+    assert_eq!(m.get("a_total", &[("x", "2")]), None);
+    for bad in [
+        "a 1",                    // no final newline
+        "a{x=1} 1\n",             // unquoted label value
+        "a{x=\"1\" 1\n",          // unterminated label set
+        "a{x=\"1\",x=\"2\"} 1\n", // duplicate label
+        "a{x=\"\\t\"} 1\n",       // bad escape
+        "a{1x=\"1\"} 1\n",        // bad label name
+        "1a 1\n",                 // bad metric name
+        "a one\n",                // bad value
+        "a 1 2 3\n",              // trailing field
+        "a\n",                    // no value
+        "# TYPE a countr\n",      // unknown type
+    ] {
+        assert!(Metrics::parse(bad).is_err(), "accepted {bad:?}");
+    }
+}
+
+#[test]
+fn admin_startup_line_is_parsed() {
+    assert_eq!(
+        parse_admin_line("sluice: admin listening on 127.0.0.1:9464 (/metrics, /healthz, /readyz)"),
+        Some("127.0.0.1:9464".parse().unwrap())
+    );
+    assert_eq!(
+        parse_admin_line("sluice: listening on 127.0.0.1:1 (workers=1, driver=legacy)"),
+        None
+    );
+}
