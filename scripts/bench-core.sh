@@ -22,6 +22,8 @@ IDLE_CONNS=${IDLE_CONNS:-10000}
 # nginx buffering: off is what an SSE gateway needs; on is nginx's default for plain proxying.
 NGINX_BUFFERING=${NGINX_BUFFERING:-off}
 ONLY=${ONLY:-all}   # all | throughput | ttfb | rss
+# SLUICE_OBSERVE=1: run Sluice with the admin listener (metrics) and the access log on.
+SLUICE_OBSERVE=${SLUICE_OBSERVE:-0}
 
 need() { command -v "$1" >/dev/null 2>&1; }
 if ! need nginx || ! need wrk; then
@@ -62,6 +64,17 @@ backends = [{ base_url = "http://127.0.0.1:$MOCK/v1" }]
 model = "*"
 cluster = "mock"
 TOML
+if [ "$SLUICE_OBSERVE" = 1 ]; then
+  cat >>"$TMP/sluice.toml" <<TOML
+[admin]
+listen = "127.0.0.1:0"
+[access_log]
+dir = "$TMP/accesslog"
+[pricing."gpt-4o"]
+input = 2.5
+output = 10.0
+TOML
+fi
 taskset -c "$CORE" "${SLUICE_BIN:-$BIN/sluice}" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
 SLUICE_PID=$!
 PIDS+=($SLUICE_PID)

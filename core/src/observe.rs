@@ -350,8 +350,10 @@ pub fn emit(
         return;
     };
     let mut rec = worker.record.borrow_mut();
+    // When the request was received: now, less the time since (no clock read on the way in).
     rec.time_unix_us = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
+        .checked_sub(request.received_at.elapsed())
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_micros() as u64);
     rec.client_addr.clear();
     if let Some(peer) = request.peer {
@@ -367,9 +369,11 @@ pub fn emit(
     if let Some((cluster_id, backend_id)) = obs.routed {
         if let Some(cluster) = snapshot.clusters.get(cluster_id) {
             set_str(&mut rec.cluster, &cluster.name);
-            if let Some(mapped) = cluster.model_map.get(&inspection.model) {
-                set_str(&mut rec.mapped_model, mapped);
-            }
+            let mapped = cluster
+                .model_map
+                .get(&inspection.model)
+                .map_or(inspection.model.as_str(), String::as_str);
+            set_str(&mut rec.mapped_model, mapped);
             if let Some(b) = cluster.backends.iter().find(|b| b.id == backend_id) {
                 set_str(&mut rec.backend, &b.host_header);
             }
@@ -394,7 +398,15 @@ pub fn emit(
     rec.upstream_header_us = outcome.upstream_header.map_or(0, |d| d.as_micros() as u64);
     rec.overhead_us = outcome.overhead.as_micros() as u64;
     rec.bytes_in = obs.bytes_in;
-    rec.bytes_out = obs.bytes_out;
+    rec.bytes_out = match error {
+        // Sluice's own answer is written after this record: count what it will be.
+        Some(e) => {
+            let mut answer = Vec::new();
+            e.write_response(&mut answer, request.head.keep_alive, false);
+            answer.len() as u64
+        }
+        None => obs.bytes_out,
+    };
     set_str(&mut rec.error_class, error_class(obs, error));
     rec.fallback_attempts = obs.retries;
     rec.worker_id = worker.id as u32;

@@ -182,6 +182,8 @@ pub async fn relay(
         }
     }
 
+    // Whether the chunked framing's last chunk has been sent.
+    let mut terminated = false;
     // The rest of the body, one upstream read at a time.
     let mut watch = pin!(client.readable());
     let mut watching = true;
@@ -267,6 +269,11 @@ pub async fn relay(
                 break;
             }
         }
+        if client_framing == ClientFraming::Chunked && matches!(body, UpstreamBody::Done) {
+            // The body ended in this read: its last chunk goes out in the same write.
+            out.extend_from_slice(LAST_CHUNK);
+            terminated = true;
+        }
         obs.relay_overhead += read_at.elapsed();
         if !out.is_empty() {
             obs.bytes_out += out.len() as u64;
@@ -284,14 +291,14 @@ pub async fn relay(
         }
     }
 
-    obs.finished_at = Some(Instant::now());
     obs.client_aborted = matches!(cut, Some(Cut::Client));
     obs.upstream_cut = matches!(cut, Some(Cut::Upstream(_)));
     let finished = match cut {
         None => {
-            if client_framing == ClientFraming::Chunked {
+            if client_framing == ClientFraming::Chunked && !terminated {
                 out.clear();
                 out.extend_from_slice(LAST_CHUNK);
+                obs.bytes_out += out.len() as u64;
                 let (res, returned) = client
                     .write_all(out, timeouts.stream_idle, worker.direct_writes())
                     .await;
@@ -317,6 +324,7 @@ pub async fn relay(
             if event_stream && client_framing == ClientFraming::Chunked {
                 encode_chunk(error.sse_event().as_bytes(), &mut out);
                 out.extend_from_slice(LAST_CHUNK);
+                obs.bytes_out += out.len() as u64;
                 let (res, returned) = client
                     .write_all(out, timeouts.stream_idle, worker.direct_writes())
                     .await;
@@ -327,6 +335,7 @@ pub async fn relay(
             }
         }
     };
+    obs.finished_at = Some(Instant::now());
     worker.bufs.give(out);
     worker.bufs.give(ubuf);
     Ok(finished)
