@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Cost of observability: Sluice with metering, metrics and the access log on, against a Sluice
+# without them, and p99 latency while the access-log disk is slow. Everything pinned to one core.
+#
+#   BASE_BIN=/path/to/sluice-without-observability scripts/bench-observe.sh
+#
+# BASE_BIN is a Sluice built from a commit before metering was wired in (metering has no off
+# switch); without it the baseline is this build with the admin listener and access log off
+# (metering still on). Slow disk: every write(2) of the access-log writer thread is delayed by
+# SLOW_MS via strace's syscall fault injection; the worker threads are not traced.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CORE=${CORE:-0}
+DURATION=${DURATION:-10}
+CONNS=${CONNS:-32}
+ROUNDS=${ROUNDS:-5}
+SLOW_MS=${SLOW_MS:-1000}
+
+command -v wrk >/dev/null && command -v strace >/dev/null || {
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk strace >/dev/null
+}
+cargo build --release -q -p sluice -p sluice-bench
+BIN=target/release
+BASE_BIN=${BASE_BIN:-$BIN/sluice}
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$TMP"; }
+trap cleanup EXIT
+wait_line() { for _ in $(seq 100); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.05; done; cat "$1" >&2; exit 1; }
+port_of() { grep -o 'listening on [0-9.]*:[0-9]*' "$1" | head -1 | sed 's/.*://'; }
+
+taskset -c "$CORE" "$BIN/mock-llm" --listen 127.0.0.1:0 --tokens 16 >"$TMP/mock.log" 2>&1 &
+PIDS+=($!)
+wait_line "$TMP/mock.log" listening
+MOCK=$(port_of "$TMP/mock.log")
+
+start_sluice() { # name binary observe(0/1)
+  cat >"$TMP/$1.toml" <<TOML
+[server]
+listen = "127.0.0.1:0"
+workers = 1
+pin_workers = false
+[clusters.mock]
+backends = [{ base_url = "http://127.0.0.1:$MOCK/v1" }]
+[[routes]]
+model = "*"
+cluster = "mock"
+TOML
+  if [ "$3" = 1 ]; then
+    cat >>"$TMP/$1.toml" <<TOML
+[admin]
+listen = "127.0.0.1:0"
+[access_log]
+dir = "$TMP/log-$1"
+[pricing."gpt-4o"]
+input = 2.5
+output = 10.0
+TOML
+  fi
+  taskset -c "$CORE" "$2" --config "$TMP/$1.toml" >"$TMP/$1.log" 2>&1 &
+  PIDS+=($!)
+  eval "${1}_PID=$!"
+  wait_line "$TMP/$1.log" listening
+  eval "${1}_PORT=$(port_of "$TMP/$1.log")"
+}
+start_sluice base "$BASE_BIN" 0
+start_sluice observed "$BIN/sluice" 1
+
+python3 - "$TMP/post.lua" <<'PY'
+import json, sys
+base = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": ""}]})
+body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * (1024 - len(base))}]})
+open(sys.argv[1], "w").write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\nwrk.body = [[' + body + ']]\n')
+PY
+run() { # port -> "rps p99_us"
+  taskset -c "$CORE" wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s "$TMP/post.lua" "http://127.0.0.1:$1/v1/chat/completions" |
+    awk '/Requests\/sec/ {rps=$2} /^ +99%/ {v=$2; u=v; gsub(/[0-9.]/,"",u); gsub(/[a-z]/,"",v); m=(u=="ms")?1000:(u=="s")?1e6:1; p99=v*m} END {print rps, p99}'
+}
+
+echo "== throughput and p99: base (${BASE_BIN}) vs observed (metering + metrics + access log), $ROUNDS interleaved rounds, core $CORE"
+run "$base_PORT" >/dev/null; run "$observed_PORT" >/dev/null
+: >"$TMP/rounds"
+for r in $(seq "$ROUNDS"); do
+  echo "base $(run "$base_PORT")" | tee -a "$TMP/rounds"
+  echo "observed $(run "$observed_PORT")" | tee -a "$TMP/rounds"
+done
+
+echo "== p99 while the access-log disk is slow: each write(2) of the log writer thread delayed ${SLOW_MS} ms"
+WRITER=$(grep -l '^sluice-log-w0' /proc/"$observed_PID"/task/*/comm | head -1 | cut -d/ -f5)
+for r in $(seq "$ROUNDS"); do
+  echo "fast-disk $(run "$observed_PORT")" | tee -a "$TMP/rounds"
+  strace -qq -p "$WRITER" -e trace=write,pwrite64,fsync -e inject=write:delay_enter=$((SLOW_MS * 1000)) \
+    -e inject=fsync:delay_enter=$((SLOW_MS * 1000)) -o /dev/null &
+  STRACE=$!
+  sleep 0.5
+  echo "slow-disk $(run "$observed_PORT")" | tee -a "$TMP/rounds"
+  kill "$STRACE" 2>/dev/null || true; wait "$STRACE" 2>/dev/null || true
+done
+echo "access-log batches dropped while slow (from the log files' record count vs requests) — see sluice logs"
+
+python3 - "$TMP/rounds" <<'PY'
+import sys, statistics as st
+rows = {}
+for line in open(sys.argv[1]):
+    name, rps, p99 = line.split()
+    rows.setdefault(name, []).append((float(rps), float(p99)))
+def med(xs): return st.median(xs)
+print()
+print("| run | req/s (median) | min–max | p99 µs (median) | min–max |")
+print("| --- | --- | --- | --- | --- |")
+for name in ("base", "observed", "fast-disk", "slow-disk"):
+    r = [a for a, _ in rows[name]]; p = [b for _, b in rows[name]]
+    print(f"| {name} | {med(r):,.0f} | {min(r):,.0f}–{max(r):,.0f} | {med(p):,.0f} | {min(p):,.0f}–{max(p):,.0f} |")
+ratios = [o[0] / b[0] for o, b in zip(rows["observed"], rows["base"])]
+print(f"\nobserved / base req/s: median {med(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+PY
+echo "log records written: $("$BIN/sluice" logs "$TMP"/log-observed/*.pb 2>/dev/null | wc -l)"
