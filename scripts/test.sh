@@ -14,14 +14,22 @@ fi
 if ! rustup component list --installed 2>/dev/null | grep -q '^clippy'; then
   rustup component add clippy rustfmt || true
 fi
+# pip as the machine has it; a Debian system Python refuses plain installs ("externally
+# managed"), so fall back to --break-system-packages there.
+pip_install() {
+  python3 -m pip install --quiet "$@" || python3 -m pip install --quiet --break-system-packages "$@"
+}
 if ! python3 -c 'import prometheus_client' >/dev/null 2>&1; then
   log "installing prometheus_client (the metrics exposition test parses /metrics with it)"
-  python3 -m pip install --quiet prometheus_client
+  pip_install prometheus_client
 fi
-
 if ! python3 -c "import google.protobuf, grpc_tools.protoc" >/dev/null 2>&1; then
   log "installing python protobuf + grpcio-tools (the access-log test decodes with them)"
-  python3 -m pip install --quiet protobuf grpcio-tools
+  pip_install protobuf grpcio-tools
+fi
+if ! command -v promtool >/dev/null 2>&1; then
+  log "installing promtool (Debian package prometheus): validates the alert rules and /metrics"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 
 log "format and lints"
