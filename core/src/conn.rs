@@ -333,6 +333,12 @@ pub async fn write_error(
 ) -> bool {
     let mut out = worker.bufs.take();
     error.write_response(&mut out, keep_alive, head_only);
+    send_own(worker, client, out).await && keep_alive && !error.close
+}
+
+/// Write a response Sluice built itself into a pool buffer, and give the buffer back.
+/// Returns whether the write went through.
+async fn send_own(worker: &Worker, client: &ClientSocket, out: Vec<u8>) -> bool {
     let (res, out) = client
         .write_all(
             out,
@@ -341,7 +347,7 @@ pub async fn write_error(
         )
         .await;
     worker.bufs.give(out);
-    res.is_ok() && keep_alive && !error.close
+    res.is_ok()
 }
 
 async fn write_json(
@@ -365,15 +371,7 @@ async fn write_json(
     if !head_only {
         out.extend_from_slice(body);
     }
-    let (res, out) = client
-        .write_all(
-            out,
-            worker.snapshot.timeouts.stream_idle,
-            worker.direct_writes(),
-        )
-        .await;
-    worker.bufs.give(out);
-    res.is_ok() && keep_alive
+    send_own(worker, client, out).await && keep_alive
 }
 
 /// Read until a complete head is in `rbuf`; the client has already sent something (or closed).
