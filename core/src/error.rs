@@ -19,6 +19,21 @@ pub enum Origin {
     Gateway,
 }
 
+/// What went wrong with an upstream, for metrics and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamFault {
+    /// The TCP connection could not be made (refused, unreachable).
+    Connect,
+    /// The TLS handshake failed (unknown issuer, wrong name, …).
+    Tls,
+    /// Connecting, the first byte or a stream went past its timeout.
+    Timeout,
+    /// The connection failed or closed early.
+    Io,
+    /// The upstream broke HTTP framing (malformed head or chunk, a protocol switch).
+    Protocol,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GatewayError {
     pub status: u16,
@@ -35,6 +50,8 @@ pub struct GatewayError {
     pub retry_after: Option<u32>,
     /// Methods for an `Allow` header (405).
     pub allow: Option<&'static str>,
+    /// For upstream failures: which kind.
+    pub upstream_fault: Option<UpstreamFault>,
 }
 
 impl GatewayError {
@@ -49,6 +66,7 @@ impl GatewayError {
             close: false,
             retry_after: None,
             allow: None,
+            upstream_fault: None,
         }
     }
 
@@ -117,12 +135,18 @@ impl GatewayError {
         e
     }
 
-    pub fn bad_gateway(message: impl Into<String>) -> Self {
-        Self::new(502, "upstream_error", Origin::Upstream, message)
+    /// 502: the upstream failed (`fault` says how).
+    pub fn bad_gateway(fault: UpstreamFault, message: impl Into<String>) -> Self {
+        let mut e = Self::new(502, "upstream_error", Origin::Upstream, message);
+        e.upstream_fault = Some(fault);
+        e
     }
 
+    /// 504: the upstream did not answer in time.
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
-        Self::new(504, "upstream_error", Origin::Upstream, message)
+        let mut e = Self::new(504, "upstream_error", Origin::Upstream, message);
+        e.upstream_fault = Some(UpstreamFault::Timeout);
+        e
     }
 
     pub fn overloaded(message: impl Into<String>) -> Self {

@@ -13,7 +13,7 @@ use std::io::Write as _;
 use std::time::Instant;
 
 use crate::conn::Request;
-use crate::error::GatewayError;
+use crate::error::{GatewayError, UpstreamFault};
 use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
 use crate::inspect::Inspection;
@@ -177,7 +177,10 @@ async fn attempt(
         Ok((Ok(_), request)) => request,
         Ok((Err(e), request)) => {
             conn.abort();
-            let error = GatewayError::bad_gateway(format!("could not send to the upstream: {e}"));
+            let error = GatewayError::bad_gateway(
+                UpstreamFault::Io,
+                format!("could not send to the upstream: {e}"),
+            );
             return (
                 Err(AttemptError {
                     error,
@@ -205,7 +208,10 @@ async fn attempt(
                 }
                 Ok(true) if head.status == 101 => {
                     conn.abort();
-                    let error = GatewayError::bad_gateway("the upstream tried to switch protocols");
+                    let error = GatewayError::bad_gateway(
+                        UpstreamFault::Protocol,
+                        "the upstream tried to switch protocols",
+                    );
                     return (
                         Err(AttemptError {
                             error,
@@ -217,7 +223,7 @@ async fn attempt(
                 Ok(true) => return (Ok(UpstreamResponse { conn, head, buf }), request),
                 Err(e) => {
                     conn.abort();
-                    let error = GatewayError::bad_gateway(e.0);
+                    let error = GatewayError::bad_gateway(UpstreamFault::Protocol, e.0);
                     return (
                         Err(AttemptError {
                             error,
@@ -249,7 +255,10 @@ async fn attempt(
             Ok(n) => n,
             Err(e) => {
                 conn.abort();
-                let error = GatewayError::bad_gateway(format!("upstream connection failed: {e}"));
+                let error = GatewayError::bad_gateway(
+                    UpstreamFault::Io,
+                    format!("upstream connection failed: {e}"),
+                );
                 return (
                     Err(AttemptError {
                         error,
@@ -261,8 +270,10 @@ async fn attempt(
         };
         if n == 0 {
             conn.abort();
-            let error =
-                GatewayError::bad_gateway("the upstream closed the connection without a response");
+            let error = GatewayError::bad_gateway(
+                UpstreamFault::Io,
+                "the upstream closed the connection without a response",
+            );
             return (
                 Err(AttemptError {
                     error,

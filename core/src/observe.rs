@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::accesslog::UsageSource as LogUsageSource;
 use crate::config::Snapshot;
 use crate::conn::Request;
-use crate::error::{GatewayError, Origin};
+use crate::error::{GatewayError, Origin, UpstreamFault};
 use crate::inspect::Inspection;
 use crate::meter::{MeterSummary, SseMeter, Usage};
 use crate::metrics::{Attempt, EntityIdx, StatusClass, UpstreamErrorKind};
@@ -61,8 +61,8 @@ pub struct Observation {
     pub bytes_out: u64,
     /// The client left before the response ended.
     pub client_aborted: bool,
-    /// The upstream failed mid-response (stall, reset, malformed framing).
-    pub upstream_cut: bool,
+    /// The upstream failed mid-response (stall, reset, malformed framing), and how.
+    pub upstream_cut: Option<UpstreamFault>,
     /// Stale pooled connections retried on a fresh one.
     pub retries: u32,
     /// The cluster and backend chosen, once routed.
@@ -85,7 +85,7 @@ impl Default for Observation {
             bytes_in: 0,
             bytes_out: 0,
             client_aborted: false,
-            upstream_cut: false,
+            upstream_cut: None,
             retries: 0,
             routed: None,
             metering: Metering::Off,
@@ -130,7 +130,7 @@ impl Observation {
         self.bytes_in = bytes_in;
         self.bytes_out = 0;
         self.client_aborted = false;
-        self.upstream_cut = false;
+        self.upstream_cut = None;
         self.retries = 0;
         self.routed = None;
         self.metering = Metering::Off;
@@ -271,7 +271,7 @@ fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str 
             Origin::Gateway => "gateway_overload",
         },
         None if obs.client_aborted => "client_abort",
-        None if obs.upstream_cut => "upstream_abort",
+        None if obs.upstream_cut.is_some() => "upstream_abort",
         None if obs.status >= 400 => "upstream_status",
         None => "",
     }
@@ -328,16 +328,16 @@ pub fn emit(
             }
         }
         let kind = match error {
-            Some(e) if e.status == 504 => Some(UpstreamErrorKind::Timeout),
             Some(e) if e.status == 503 && e.origin == Origin::Gateway => {
                 Some(UpstreamErrorKind::PoolExhausted)
             }
-            Some(e) if e.origin == Origin::Upstream => Some(UpstreamErrorKind::Connect),
-            Some(_) => None,
-            None if obs.upstream_cut => Some(UpstreamErrorKind::Io),
-            None if obs.status == 429 => Some(UpstreamErrorKind::Status429),
-            None if obs.status >= 500 => Some(UpstreamErrorKind::Status5xx),
-            None => None,
+            Some(e) => e.upstream_fault.map(fault_kind),
+            None => match obs.upstream_cut {
+                Some(fault) => Some(fault_kind(fault)),
+                None if obs.status == 429 => Some(UpstreamErrorKind::Status429),
+                None if obs.status >= 500 => Some(UpstreamErrorKind::Status5xx),
+                None => None,
+            },
         };
         if let Some(kind) = kind {
             m.upstream_error(backend, kind);
@@ -411,6 +411,16 @@ pub fn emit(
     rec.fallback_attempts = obs.retries;
     rec.worker_id = worker.id as u32;
     log.record(&rec);
+}
+
+fn fault_kind(fault: UpstreamFault) -> UpstreamErrorKind {
+    match fault {
+        UpstreamFault::Connect => UpstreamErrorKind::Connect,
+        UpstreamFault::Tls => UpstreamErrorKind::Tls,
+        UpstreamFault::Timeout => UpstreamErrorKind::Timeout,
+        UpstreamFault::Io => UpstreamErrorKind::Io,
+        UpstreamFault::Protocol => UpstreamErrorKind::Protocol,
+    }
 }
 
 /// Replace a string's contents, keeping its allocation.

@@ -17,7 +17,7 @@ use std::pin::pin;
 use std::time::Instant;
 
 use crate::conn::ClientSocket;
-use crate::error::{reason, GatewayError};
+use crate::error::{reason, GatewayError, UpstreamFault};
 use crate::forward::UpstreamResponse;
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::{is_hop_by_hop, BodyFraming};
@@ -235,9 +235,10 @@ pub async fn relay(
                 match res {
                     Ok(n) => n,
                     Err(e) => {
-                        cut = Some(Cut::Upstream(GatewayError::bad_gateway(format!(
-                            "upstream connection failed mid-response: {e}"
-                        ))));
+                        cut = Some(Cut::Upstream(GatewayError::bad_gateway(
+                            UpstreamFault::Io,
+                            format!("upstream connection failed mid-response: {e}"),
+                        )));
                         break;
                     }
                 }
@@ -250,6 +251,7 @@ pub async fn relay(
                 break;
             }
             cut = Some(Cut::Upstream(GatewayError::bad_gateway(
+                UpstreamFault::Io,
                 "the upstream closed the connection mid-response",
             )));
             break;
@@ -292,7 +294,10 @@ pub async fn relay(
     }
 
     obs.client_aborted = matches!(cut, Some(Cut::Client));
-    obs.upstream_cut = matches!(cut, Some(Cut::Upstream(_)));
+    obs.upstream_cut = match &cut {
+        Some(Cut::Upstream(e)) => Some(e.upstream_fault.unwrap_or(UpstreamFault::Io)),
+        _ => None,
+    };
     let finished = match cut {
         None => {
             if client_framing == ClientFraming::Chunked && !terminated {
@@ -374,10 +379,10 @@ fn feed(
         }
         UpstreamBody::Chunked(decoder) => {
             let used = decoder.decode(input, &mut emit).map_err(|e| {
-                GatewayError::bad_gateway(format!(
-                    "malformed chunked response from the upstream: {}",
-                    e.0
-                ))
+                GatewayError::bad_gateway(
+                    UpstreamFault::Protocol,
+                    format!("malformed chunked response from the upstream: {}", e.0),
+                )
             })?;
             let extra = used < input.len();
             if decoder.is_done() {

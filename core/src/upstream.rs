@@ -21,7 +21,7 @@ use monoio::net::TcpStream;
 use rustls_pki_types::ServerName;
 
 use crate::config::{Backend, Cluster, Timeouts, UpstreamLimits};
-use crate::error::GatewayError;
+use crate::error::{GatewayError, UpstreamFault};
 
 /// A plain or TLS connection to a backend.
 pub enum UpstreamIo {
@@ -155,30 +155,37 @@ pub async fn connect(
     timeouts: &Timeouts,
 ) -> Result<UpstreamConn, GatewayError> {
     let Some(open) = pools.open_counter(backend.id) else {
-        return Err(GatewayError::bad_gateway("unknown backend"));
+        return Err(GatewayError::bad_gateway(
+            UpstreamFault::Connect,
+            "unknown backend",
+        ));
     };
     if open.get() >= pools.limits.max_connections_per_backend {
         return Err(GatewayError::overloaded(
             "upstream connection limit reached; retry shortly",
         ));
     }
+    // Errors carry which step failed: TCP (`Connect`) or the TLS handshake (`Tls`).
     let attempt = async {
-        let stream = connect_tcp(&backend.addrs).await?;
+        let stream = connect_tcp(&backend.addrs)
+            .await
+            .map_err(|e| (UpstreamFault::Connect, e))?;
         let fd = stream.as_raw_fd();
         let _ = stream.set_nodelay(true);
         let io = if backend.tls {
+            let tls_error = |e: io::Error| (UpstreamFault::Tls, e);
             let Some(tls) = &cluster.tls else {
-                return Err(io::Error::other(
+                return Err(tls_error(io::Error::other(
                     "no TLS configuration for an https backend",
-                ));
+                )));
             };
             let name = ServerName::try_from(backend.server_name.clone())
-                .map_err(|_| io::Error::other("invalid TLS server name"))?;
+                .map_err(|_| tls_error(io::Error::other("invalid TLS server name")))?;
             let connector = monoio_rustls::TlsConnector::from(Arc::clone(tls));
             let tls_stream = connector
                 .connect(name, stream)
                 .await
-                .map_err(|e| io::Error::other(format!("TLS handshake failed: {e}")))?;
+                .map_err(|e| tls_error(io::Error::other(format!("TLS handshake failed: {e}"))))?;
             UpstreamIo::Tls(Box::new(tls_stream))
         } else {
             UpstreamIo::Plain(stream)
@@ -197,10 +204,13 @@ pub async fn connect(
                 open: Rc::clone(open),
             })
         }
-        Ok(Err(e)) => Err(GatewayError::bad_gateway(format!(
-            "could not connect to the upstream: {}",
-            connect_error_text(&e)
-        ))),
+        Ok(Err((fault, e))) => Err(GatewayError::bad_gateway(
+            fault,
+            format!(
+                "could not connect to the upstream: {}",
+                connect_error_text(&e)
+            ),
+        )),
         Err(_) => Err(GatewayError::gateway_timeout(
             "timed out connecting to the upstream",
         )),

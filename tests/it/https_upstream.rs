@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
@@ -92,9 +93,18 @@ fn https_backend_trusted_via_ca_file_by_ip() {
 fn https_backend_with_unknown_issuer_is_502() {
     let pki = pki(&["localhost", "127.0.0.1"]);
     let mock = Mock::start_tls(&pki.cert, &pki.key, &[]);
-    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let gw = Sluice::start(&Config::one_cluster(&mock).admin());
     let r = gw.chat(&chat_body("gpt-4o"));
     assert_openai_error(&r, 502);
+    // Counted as a TLS failure of that backend, not as a refused connection.
+    let errors = |m: &Metrics, kind: &str| -> f64 {
+        m.matching("sluice_upstream_errors_total", &[("kind", kind)])
+            .map(|s| s.value)
+            .sum()
+    };
+    let m = gw.wait_metrics(Duration::from_secs(5), |m| errors(m, "tls") == 1.0);
+    assert_eq!(errors(&m, "tls"), 1.0, "{}", m.text);
+    assert_eq!(errors(&m, "connect"), 0.0, "{}", m.text);
 }
 
 #[test]
