@@ -215,7 +215,8 @@ impl std::fmt::Display for GatewayError {
     }
 }
 
-fn truncate(s: &str, max: usize) -> &str {
+/// `s` cut to at most `max` bytes, at a character boundary.
+pub fn truncate(s: &str, max: usize) -> &str {
     if s.len() <= max {
         return s;
     }

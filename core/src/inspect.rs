@@ -14,7 +14,7 @@
 
 use simd_json::{Buffers, Node, StaticNode};
 
-use crate::error::GatewayError;
+use crate::error::{truncate, GatewayError};
 
 /// What the pipeline needs from a request body.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -110,7 +110,7 @@ fn read_top_level(
             return Err(GatewayError::invalid_request(
                 format!(
                     "Duplicate top-level key `{}` in the request body.",
-                    truncate(key)
+                    truncate(key, 64)
                 ),
                 None,
             ));
@@ -260,14 +260,6 @@ fn top_level_value_span(
         }
     }
     None
-}
-
-fn truncate(s: &str) -> &str {
-    let mut end = s.len().min(64);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@
 //! place, so the data is first copied into a reused scratch buffer with the padding simd-json
 //! needs), then the few fields that matter are read off the tape.
 
+use crate::error::truncate;
 use std::time::Instant;
 
 use simd_json::{Buffers, Node, StaticNode, Tape, INPUT_PADDING};
@@ -585,15 +586,4 @@ impl Iterator for Elements<'_, '_> {
         self.next = at.saturating_add(span(node));
         Some(at)
     }
-}
-
-fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
