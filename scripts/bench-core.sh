@@ -40,41 +40,11 @@ cleanup() {
 trap cleanup EXIT
 ulimit -n 65536 || true
 
-wait_line() { # file pattern
-  for _ in $(seq 100); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.05; done
-  echo "timed out waiting for '$2' in $1" >&2; cat "$1" >&2; exit 1
-}
-port_of() { grep -o 'listening on [0-9.]*:[0-9]*' "$1" | head -1 | sed 's/.*://'; }
+. scripts/bench-lib.sh  # the cd above put us at the repository root
 
-# --- upstream ---------------------------------------------------------------------------------
-taskset -c "$CORE" "$BIN/mock-llm" --listen 127.0.0.1:0 --tokens 16 >"$TMP/mock.log" 2>&1 &
-PIDS+=($!)
-wait_line "$TMP/mock.log" listening
-MOCK=$(port_of "$TMP/mock.log")
-
-# --- sluice -------------------------------------------------------------------------------------
-cat >"$TMP/sluice.toml" <<TOML
-[server]
-listen = "127.0.0.1:0"
-workers = 1
-pin_workers = false
-[clusters.mock]
-backends = [{ base_url = "http://127.0.0.1:$MOCK/v1" }]
-[[routes]]
-model = "*"
-cluster = "mock"
-TOML
-if [ "$SLUICE_OBSERVE" = 1 ]; then
-  cat >>"$TMP/sluice.toml" <<TOML
-[admin]
-listen = "127.0.0.1:0"
-[access_log]
-dir = "$TMP/accesslog"
-[pricing."gpt-4o"]
-input = 2.5
-output = 10.0
-TOML
-fi
+# --- upstream and sluice ------------------------------------------------------------------------
+start_mock
+write_sluice_config "$TMP/sluice.toml" "$SLUICE_OBSERVE" "$TMP/accesslog"
 taskset -c "$CORE" "${SLUICE_BIN:-$BIN/sluice}" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
 SLUICE_PID=$!
 PIDS+=($SLUICE_PID)
@@ -119,16 +89,7 @@ PIDS+=($NGINX_PID)
 for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$NGINX/v1/models" && break; sleep 0.05; done
 
 # --- 1. throughput and CPU per request --------------------------------------------------------
-python3 - "$TMP/post.lua" <<'PY'
-import json, sys
-# Exactly 1024 bytes of JSON.
-base = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": ""}]})
-body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * (1024 - len(base))}]})
-assert len(body) == 1024, len(body)
-open(sys.argv[1], "w").write(
-    'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\nwrk.body = [[' + body + ']]\n'
-)
-PY
+write_post_lua "$TMP/post.lua"
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 CLK=$(getconf CLK_TCK)

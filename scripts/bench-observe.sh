@@ -27,37 +27,11 @@ TMP=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$TMP"; }
 trap cleanup EXIT
-wait_line() { for _ in $(seq 100); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.05; done; cat "$1" >&2; exit 1; }
-port_of() { grep -o 'listening on [0-9.]*:[0-9]*' "$1" | head -1 | sed 's/.*://'; }
-
-taskset -c "$CORE" "$BIN/mock-llm" --listen 127.0.0.1:0 --tokens 16 >"$TMP/mock.log" 2>&1 &
-PIDS+=($!)
-wait_line "$TMP/mock.log" listening
-MOCK=$(port_of "$TMP/mock.log")
+. scripts/bench-lib.sh  # the cd above put us at the repository root
+start_mock
 
 start_sluice() { # name binary observe(0/1)
-  cat >"$TMP/$1.toml" <<TOML
-[server]
-listen = "127.0.0.1:0"
-workers = 1
-pin_workers = false
-[clusters.mock]
-backends = [{ base_url = "http://127.0.0.1:$MOCK/v1" }]
-[[routes]]
-model = "*"
-cluster = "mock"
-TOML
-  if [ "$3" = 1 ]; then
-    cat >>"$TMP/$1.toml" <<TOML
-[admin]
-listen = "127.0.0.1:0"
-[access_log]
-dir = "$TMP/log-$1"
-[pricing."gpt-4o"]
-input = 2.5
-output = 10.0
-TOML
-  fi
+  write_sluice_config "$TMP/$1.toml" "$3" "$TMP/log-$1"
   taskset -c "$CORE" "$2" --config "$TMP/$1.toml" >"$TMP/$1.log" 2>&1 &
   PIDS+=($!)
   eval "${1}_PID=$!"
@@ -67,12 +41,7 @@ TOML
 start_sluice base "$BASE_BIN" 0
 start_sluice observed "$BIN/sluice" 1
 
-python3 - "$TMP/post.lua" <<'PY'
-import json, sys
-base = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": ""}]})
-body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * (1024 - len(base))}]})
-open(sys.argv[1], "w").write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\nwrk.body = [[' + body + ']]\n')
-PY
+write_post_lua "$TMP/post.lua"
 run() { # port -> "rps p99_us"
   taskset -c "$CORE" wrk -t1 -c"$CONNS" -d"${DURATION}s" --latency -s "$TMP/post.lua" "http://127.0.0.1:$1/v1/chat/completions" |
     awk '/Requests\/sec/ {rps=$2} /^ +99%/ {v=$2; u=v; gsub(/[0-9.]/,"",u); gsub(/[a-z]/,"",v); m=(u=="ms")?1000:(u=="s")?1e6:1; p99=v*m} END {print rps, p99}'
