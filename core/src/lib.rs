@@ -9,6 +9,7 @@ pub mod error;
 pub mod forward;
 pub mod http;
 pub mod inspect;
+pub mod limits;
 pub mod meter;
 pub mod metrics;
 pub mod models;

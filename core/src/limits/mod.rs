@@ -1,0 +1,4 @@
+//! Limits: API-key quotas and RPM / TPM / concurrency policies, decided per core and shared
+//! through a sync backend.
+
+pub mod sync;
