@@ -51,6 +51,12 @@ struct RawConfig {
     access_log: Option<RawAccessLog>,
     #[serde(default)]
     pricing: BTreeMap<String, RawPrice>,
+    #[serde(default)]
+    keys: Vec<crate::limits::config::RawKey>,
+    #[serde(default)]
+    policies: Vec<crate::limits::config::RawPolicy>,
+    #[serde(default)]
+    limits: crate::limits::config::RawLimits,
 }
 
 #[derive(Debug, Deserialize)]
@@ -246,6 +252,9 @@ pub struct Snapshot {
     pub access_log: Option<AccessLogSettings>,
     /// Prices per model name, per million tokens.
     pub prices: BTreeMap<String, Price>,
+    /// API keys, quota plans, limit policies and the sync backend. Shared, not copied, by the
+    /// workers: a key table can be large.
+    pub limits: Arc<crate::limits::config::LimitsConfig>,
 }
 
 #[derive(Debug, Clone)]
@@ -759,6 +768,15 @@ pub fn load(
         );
     }
 
+    let limits = crate::limits::config::resolve(
+        &raw.keys,
+        &raw.policies,
+        &raw.limits,
+        workers,
+        env,
+        &mut err,
+    );
+
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -797,6 +815,7 @@ pub fn load(
         admin_listen,
         access_log,
         prices,
+        limits: Arc::new(limits),
     })
 }
 

@@ -296,7 +296,9 @@ async fn dispatch(
             }
         }
         b"/v1/models" => match head.method {
-            Method::Get | Method::Head => Ok(()),
+            Method::Get | Method::Head => {
+                crate::auth::authenticate(&worker.snapshot.limits, request)
+            }
             _ => Err(GatewayError::method_not_allowed(
                 "/v1/models only accepts GET",
                 "GET, HEAD",
@@ -308,16 +310,17 @@ async fn dispatch(
         ))),
     };
     match result {
-        Ok(()) => {
-            write_json(
-                worker,
-                client,
-                200,
-                &worker.models_body,
-                head.keep_alive,
-                head_only,
-            )
-            .await
+        Ok(key) => {
+            // A key with model lists sees only what it may use.
+            let own;
+            let body = match key.and_then(|k| worker.snapshot.limits.keys.get(k)) {
+                Some(k) if !k.models_allow.is_empty() || !k.models_block.is_empty() => {
+                    own = crate::models::list_body_for(&worker.snapshot, k);
+                    &own
+                }
+                _ => &worker.models_body,
+            };
+            write_json(worker, client, 200, body, head.keep_alive, head_only).await
         }
         Err(e) => write_error(worker, client, &e, head.keep_alive, head_only).await,
     }

@@ -52,6 +52,9 @@ pub struct GatewayError {
     pub allow: Option<&'static str>,
     /// For upstream failures: which kind.
     pub upstream_fault: Option<UpstreamFault>,
+    /// Extra header lines (each ending in CRLF), e.g. the `x-ratelimit-*` set. Boxed: errors
+    /// travel in `Result`s everywhere and should stay small.
+    pub extra_headers: Option<Box<String>>,
 }
 
 impl GatewayError {
@@ -67,7 +70,45 @@ impl GatewayError {
             retry_after: None,
             allow: None,
             upstream_fault: None,
+            extra_headers: None,
         }
+    }
+
+    /// 401: no key, or one that is unknown, disabled or expired (those three answer alike).
+    pub fn unauthorized(message: impl Into<String>, code: &'static str) -> Self {
+        let mut e = Self::new(401, "invalid_request_error", Origin::Client, message);
+        e.code = Some(code);
+        e
+    }
+
+    /// 403: the key may not use this model, or not from this address.
+    pub fn permission_denied(message: impl Into<String>, code: &'static str) -> Self {
+        let mut e = Self::new(403, "permission_error", Origin::Client, message);
+        e.code = Some(code);
+        e
+    }
+
+    /// 429 from a limit policy (`rate_limit_error`) or an exhausted quota
+    /// (`insufficient_quota`).
+    pub fn rate_limited(
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+        retry_after: Option<u32>,
+    ) -> Self {
+        let mut e = Self::new(429, kind, Origin::Client, message);
+        e.code = Some(code);
+        e.retry_after = retry_after;
+        e
+    }
+
+    /// 503: the shared limit ledger is unreachable and the request is not covered by what this
+    /// worker holds.
+    pub fn limits_unavailable(message: impl Into<String>) -> Self {
+        let mut e = Self::new(503, "server_error", Origin::Gateway, message);
+        e.code = Some("limits_unavailable");
+        e.retry_after = Some(1);
+        e
     }
 
     /// A malformed request at the HTTP layer: 400 and close.
@@ -193,6 +234,9 @@ impl GatewayError {
         if let Some(secs) = self.retry_after {
             let _ = write!(head, "retry-after: {secs}\r\n");
         }
+        if let Some(extra) = &self.extra_headers {
+            head.push_str(extra);
+        }
         if !keep_alive || self.close {
             head.push_str("connection: close\r\n");
         }
@@ -200,6 +244,15 @@ impl GatewayError {
         out.extend_from_slice(head.as_bytes());
         if !head_only {
             out.extend_from_slice(body.as_bytes());
+        }
+    }
+
+    /// Header lines to add to the response (written as given).
+    pub fn add_headers(&mut self, lines: &str) {
+        if !lines.is_empty() {
+            self.extra_headers
+                .get_or_insert_with(Default::default)
+                .push_str(lines);
         }
     }
 

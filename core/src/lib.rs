@@ -3,6 +3,8 @@
 
 pub mod accesslog;
 pub mod admin;
+pub mod admit;
+pub mod auth;
 pub mod config;
 pub mod conn;
 pub mod error;

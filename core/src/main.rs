@@ -11,6 +11,9 @@ usage:
   sluice check --config FILE    validate a config file and exit (non-zero on errors)
   sluice logs FILE... [--follow] print access-log files as JSON lines (--follow: keep
                                 reading the last file as it grows, across rotation)
+  sluice key hash [KEY]          print a key's SHA-256 for `[[keys]] sha256` (reads the key
+                                from stdin when not given, keeping it out of shell history)
+  sluice key new                print a new random key and its SHA-256
   sluice --version";
 
 fn main() -> ExitCode {
@@ -18,6 +21,7 @@ fn main() -> ExitCode {
     let (check, rest) = match args.first().map(String::as_str) {
         Some("check") => (true, &args[1..]),
         Some("logs") => return logs(&args[1..]),
+        Some("key") => return key(&args[1..]),
         Some("--version" | "-V") => {
             println!("sluice {}", env!("CARGO_PKG_VERSION"));
             return ExitCode::SUCCESS;
@@ -61,6 +65,50 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("sluice: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// `sluice key hash [KEY]` / `sluice key new`.
+fn key(args: &[String]) -> ExitCode {
+    use sluice::auth::{digest, hex};
+    match args {
+        [cmd, key] if cmd == "hash" => {
+            println!("{}", hex(&digest(key.as_bytes())));
+            ExitCode::SUCCESS
+        }
+        [cmd] if cmd == "hash" => {
+            let mut line = String::new();
+            if let Err(e) = std::io::stdin().read_line(&mut line) {
+                eprintln!("sluice key hash: reading stdin: {e}");
+                return ExitCode::FAILURE;
+            }
+            let key = line.trim_end_matches(['\r', '\n']);
+            if key.is_empty() {
+                eprintln!("sluice key hash: no key on stdin");
+                return ExitCode::from(2);
+            }
+            println!("{}", hex(&digest(key.as_bytes())));
+            ExitCode::SUCCESS
+        }
+        [cmd] if cmd == "new" => {
+            use ring::rand::SecureRandom as _;
+            let mut bytes = [0u8; 20];
+            if ring::rand::SystemRandom::new().fill(&mut bytes).is_err() {
+                eprintln!("sluice key new: no system randomness");
+                return ExitCode::FAILURE;
+            }
+            let mut key = String::from("sk-sluice-");
+            for b in bytes {
+                key.push_str(&format!("{b:02x}"));
+            }
+            println!("key:    {key}");
+            println!("sha256: {}", hex(&digest(key.as_bytes())));
+            ExitCode::SUCCESS
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            ExitCode::from(2)
         }
     }
 }

@@ -5,8 +5,19 @@
 
 use crate::config::{ModelPattern, Snapshot};
 use crate::error::push_json_string;
+use crate::limits::config::ApiKey;
 
 pub fn list_body(snapshot: &Snapshot) -> Vec<u8> {
+    body(snapshot, |_| true)
+}
+
+/// The list as one key sees it: only models its allow / block lists let it use (built per
+/// request, for keys that have such lists).
+pub fn list_body_for(snapshot: &Snapshot, key: &ApiKey) -> Vec<u8> {
+    body(snapshot, |m| key.may_use(m))
+}
+
+fn body(snapshot: &Snapshot, keep: impl Fn(&str) -> bool) -> Vec<u8> {
     let mut names: Vec<&str> = snapshot
         .routes
         .iter()
@@ -14,6 +25,7 @@ pub fn list_body(snapshot: &Snapshot) -> Vec<u8> {
             ModelPattern::Exact(m) => Some(m.as_str()),
             ModelPattern::Glob { .. } => None,
         })
+        .filter(|m| keep(m))
         .collect();
     names.sort_unstable();
     let mut s = String::from("{\"object\":\"list\",\"data\":[");

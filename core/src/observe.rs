@@ -12,6 +12,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::accesslog::UsageSource as LogUsageSource;
+use crate::admit::Caller;
 use crate::config::Snapshot;
 use crate::conn::Request;
 use crate::error::{GatewayError, Origin, UpstreamFault};
@@ -67,6 +68,8 @@ pub struct Observation {
     pub retries: u32,
     /// The cluster and backend chosen, once routed.
     pub routed: Option<(usize, usize)>,
+    /// `x-ratelimit-*` header lines for the client's response, once admitted.
+    pub rate_headers: String,
     metering: Metering,
     meter: SseMeter,
     json: Vec<u8>,
@@ -88,6 +91,7 @@ impl Default for Observation {
             upstream_cut: None,
             retries: 0,
             routed: None,
+            rate_headers: String::new(),
             metering: Metering::Off,
             meter: SseMeter::new(),
             json: Vec::new(),
@@ -133,6 +137,7 @@ impl Observation {
         self.upstream_cut = None;
         self.retries = 0;
         self.routed = None;
+        self.rate_headers.clear();
         self.metering = Metering::Off;
         self.meter.reset();
         self.json.clear();
@@ -286,8 +291,10 @@ pub fn emit(
     obs: &Observation,
     outcome: &Outcome,
     error: Option<&GatewayError>,
+    caller: &Caller,
 ) {
     let snapshot = &worker.snapshot;
+    let key = caller.key.and_then(|k| snapshot.limits.keys.get(k));
     let status = error.map_or(obs.status, |e| e.status);
     let path = request.head.path(request.buf);
 
@@ -296,7 +303,9 @@ pub fn emit(
     let names = m.names();
     let route = names.route(route_name(path));
     let model = names.model(&inspection.model);
-    let entity = EntityIdx::OTHER;
+    let entity = key
+        .and_then(|k| k.entity)
+        .map_or(EntityIdx::OTHER, |e| names.entity_at(e));
     m.request_done(route, model, entity, StatusClass::from_status(status));
     if outcome.usage_source != UsageSource::None {
         let u = &outcome.usage;
@@ -379,6 +388,30 @@ pub fn emit(
             }
         }
     }
+    rec.key_id.clear();
+    rec.entity.clear();
+    rec.tags.clear();
+    if let Some(k) = key {
+        set_str(&mut rec.key_id, &k.id);
+        if let Some(e) = k.entity.and_then(|e| snapshot.limits.entities.get(e)) {
+            set_str(&mut rec.entity, e);
+        }
+        rec.tags.extend(k.tags.iter().cloned());
+    }
+    rec.rejected_policy.clear();
+    rec.rejected_dimension.clear();
+    if let Some(r) = &caller.refusal {
+        let policy = r
+            .policy
+            .and_then(|p| snapshot.limits.policies.get(p))
+            .map_or("quota", |p| p.id.as_str());
+        set_str(&mut rec.rejected_policy, policy);
+        set_str(&mut rec.rejected_dimension, r.dimension.label());
+    }
+    set_str(
+        &mut rec.auth_rejection_reason,
+        caller.auth_failure.unwrap_or(""),
+    );
     rec.stream = inspection.stream;
     let u = &outcome.usage;
     rec.prompt_tokens = u.prompt_tokens;

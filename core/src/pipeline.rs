@@ -5,13 +5,14 @@
 //! body. Returns whether the client connection can be kept, or the error to answer with when
 //! nothing was sent to the client yet (errors after the response started are the relay's).
 
+use crate::admit::Caller;
 use crate::conn::{ClientSocket, Request};
 use crate::error::GatewayError;
 use crate::inspect::Inspection;
 use crate::observe::{estimate_prompt_tokens, Observation};
 use crate::relay::ClientSide;
 use crate::worker::Worker;
-use crate::{forward, observe, relay, route};
+use crate::{admit, auth, forward, observe, relay, route};
 
 pub async fn proxy(
     worker: &Worker,
@@ -24,14 +25,33 @@ pub async fn proxy(
         request.received_at,
         (request.head.head_len + request.body.len()) as u64,
     );
-    let result = proxy_observed(worker, client, request, inspection, &mut obs).await;
+    let mut caller = Caller::default();
+    let mut result =
+        proxy_observed(worker, client, request, inspection, &mut obs, &mut caller).await;
 
-    // Observe: usage, cost and timings of what happened, whatever happened; then metrics and
-    // the access-log record.
+    // Observe: usage, cost and timings of what happened, whatever happened.
     let mapped = result.as_ref().ok().and_then(|(_, mapped)| *mapped);
     let outcome = obs.outcome(&worker.snapshot, &inspection.model, mapped, || {
         estimate_prompt_tokens(request.body.len())
     });
+
+    // Settle: what the request used goes into every budget it reserved from, exactly once —
+    // success, upstream error (released), client or upstream abort (billed).
+    if caller.admitted {
+        let status = result.as_ref().map_or(0, |_| obs.status);
+        admit::settle(
+            worker,
+            &mut caller.permit,
+            admit::billable_tokens(status, &outcome),
+        );
+    }
+    if let Err(e) = &mut result {
+        if e.extra_headers.is_none() {
+            e.add_headers(&obs.rate_headers);
+        }
+    }
+
+    // Metrics and the access-log record.
     observe::emit(
         worker,
         request,
@@ -39,6 +59,7 @@ pub async fn proxy(
         &obs,
         &outcome,
         result.as_ref().err(),
+        &caller,
     );
     worker.give_observation(obs);
     result.map(|(keep_alive, _)| keep_alive)
@@ -51,16 +72,53 @@ async fn proxy_observed<'s>(
     request: &Request<'_>,
     inspection: &mut Inspection,
     obs: &mut Observation,
+    caller: &mut Caller,
 ) -> Result<(bool, Option<&'s str>), GatewayError> {
+    let limits = &*worker.snapshot.limits;
+
+    // Authenticate: which key is calling — before any JSON work is spent on the body.
+    caller.key = auth::authenticate(limits, request).inspect_err(|e| caller.auth_failed(e))?;
+
     // Inspect: the top-level model and friends, exactly as the upstream will read them.
     worker
         .inspector
         .borrow_mut()
         .inspect(request.body, inspection)?;
 
+    // Authorize: may this key use this model, from this address.
+    auth::authorize(
+        limits,
+        caller.key,
+        &inspection.model,
+        request.peer.map(|p| p.ip()),
+    )
+    .inspect_err(|e| caller.auth_failed(e))?;
+
     // Route: cluster, backend and the model name the upstream sees.
     let target = route::route(&worker.snapshot, &inspection.model, &worker.rng)?;
     obs.routed = Some((target.cluster_id, target.backend.id));
+
+    // Admit: a reservation under every policy and quota plan that applies (waits at most one
+    // sync for a lease).
+    let prompt_estimate = estimate_prompt_tokens(request.body.len());
+    if let Err(refusal) = admit::admit(
+        worker,
+        caller.key,
+        inspection,
+        prompt_estimate,
+        &mut caller.permit,
+    )
+    .await
+    {
+        let mut error = admit::refusal_error(worker, &refusal);
+        caller.refused(worker, refusal);
+        let mut lines = String::new();
+        caller.permit.headers.write(&mut lines);
+        error.add_headers(&lines);
+        return Err(error);
+    }
+    caller.admitted = true;
+    caller.permit.headers.write(&mut obs.rate_headers);
 
     // Forward: the rewritten request out, the response head back (one retry on a stale
     // pooled connection).

@@ -131,6 +131,7 @@ pub async fn relay(
         event_stream,
         client_framing != ClientFraming::Empty,
     );
+    out.extend_from_slice(obs.rate_headers.as_bytes());
     let _ = write!(
         out,
         "x-sluice-overhead-us: {}\r\n\r\n",

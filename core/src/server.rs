@@ -256,12 +256,20 @@ fn metrics_hub(snapshot: &Snapshot) -> Arc<MetricsHub> {
             }
         }
     }
+    // Quota refusals count under a last pseudo-policy, `quota`.
+    let mut policies: Vec<String> = snapshot
+        .limits
+        .policies
+        .iter()
+        .map(|p| p.id.clone())
+        .collect();
+    policies.push("quota".into());
     MetricsHub::new(LabelLists {
         routes: &routes,
         models: &models,
-        entities: &[],
+        entities: &snapshot.limits.entities,
         backends: &backends,
-        policies: &[],
+        policies: &policies,
     })
 }
 

@@ -7,6 +7,7 @@ use std::rc::Rc;
 use crate::accesslog::{AccessLog, AccessRecord};
 use crate::config::Snapshot;
 use crate::inspect::Inspector;
+use crate::limits::shard::LimiterShard;
 use crate::metrics::{MetricsHub, MetricsShard};
 use crate::observe::Observation;
 use crate::upstream::Pools;
@@ -69,6 +70,8 @@ pub struct Worker {
     pub record: RefCell<AccessRecord>,
     /// The `/v1/models` response body, built once per snapshot.
     pub models_body: Vec<u8>,
+    /// This worker's limiter: local budgets, reconciled by the sync task.
+    pub limiter: RefCell<LimiterShard>,
 }
 
 impl Worker {
@@ -114,6 +117,10 @@ impl Worker {
             access_log: RefCell::new(access_log),
             record: RefCell::new(AccessRecord::default()),
             models_body,
+            limiter: RefCell::new(LimiterShard::new(
+                &snapshot.limits,
+                crate::limits::node_name(id),
+            )),
             snapshot,
         }
     }

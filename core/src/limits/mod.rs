@@ -1,4 +1,97 @@
 //! Limits: API-key quotas and RPM / TPM / concurrency policies, decided per core and shared
 //! through a sync backend.
 
+pub mod config;
+pub mod shard;
 pub mod sync;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use crate::worker::Worker;
+use shard::LimiterShard;
+use sync::{BudgetState, BudgetSync, SyncBackend};
+
+/// Limits need a sync task only when something is limited.
+pub fn any_limits(cfg: &config::LimitsConfig) -> bool {
+    !cfg.policies.is_empty() || cfg.keys.iter().any(|k| !k.plans.is_empty())
+}
+
+/// A name for this worker in the ledger, unique per process start: `host:pid:nonce:worker`.
+pub fn node_name(worker: usize) -> String {
+    let mut host = [0u8; 64];
+    // SAFETY: gethostname writes at most `len` bytes into the buffer we own.
+    let ok = unsafe { libc::gethostname(host.as_mut_ptr().cast(), host.len()) } == 0;
+    let host = if ok {
+        let end = host.iter().position(|&b| b == 0).unwrap_or(host.len());
+        String::from_utf8_lossy(&host[..end]).into_owned()
+    } else {
+        "node".into()
+    };
+    let nonce = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!("{host}:{}:{nonce:08x}:{worker}", std::process::id())
+}
+
+/// The worker's sync task: every interval (or sooner when a request waits for a lease), one
+/// exchange of all its budgets with the backend. Runs for the life of the worker.
+pub async fn run_sync<B: SyncBackend>(worker: Rc<Worker>, mut backend: B) {
+    let settings = worker.snapshot.limits.sync.clone();
+    let node = worker.limiter.borrow().node().to_string();
+    let lease_ttl_ms = settings.lease_ttl.as_millis() as u64;
+    let mut batch: Vec<BudgetSync> = Vec::new();
+    let mut states: Vec<BudgetState> = Vec::new();
+    loop {
+        {
+            let urgent = Urgent {
+                shard: &worker.limiter,
+            };
+            monoio::select! {
+                _ = monoio::time::sleep(settings.interval) => {}
+                _ = urgent => {}
+            }
+        }
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        worker
+            .limiter
+            .borrow_mut()
+            .prepare(now_ms, settings.interval, &mut batch);
+        if batch.is_empty() {
+            worker.limiter.borrow_mut().tick();
+            continue;
+        }
+        let sent_at = Instant::now();
+        let result = backend
+            .exchange(&node, lease_ttl_ms, &batch, &mut states, settings.timeout)
+            .await;
+        worker.metrics.sync_flush(sent_at.elapsed(), result.is_ok());
+        worker.limiter.borrow_mut().apply(
+            result.map(|()| states.as_slice()).map_err(|_| ()),
+            &batch,
+            sent_at,
+        );
+    }
+}
+
+/// Resolves when a request asks the sync task to hurry.
+struct Urgent<'a> {
+    shard: &'a std::cell::RefCell<LimiterShard>,
+}
+
+impl Future for Urgent<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.shard.borrow_mut().take_urgent(cx.waker()) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}

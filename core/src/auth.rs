@@ -1,0 +1,198 @@
+//! Authenticate and authorize: which API key is calling, and may it use this model from here.
+//!
+//! [`authenticate`] runs first for every OpenAI endpoint (before the body is parsed, so a
+//! caller without a valid key costs no JSON work). It takes the request head; returns the key's
+//! index, or `None` when no `[[keys]]` are configured (an open gateway). It raises 400 when the
+//! request carries two different keys (`Authorization: Bearer …` and `x-api-key`, or either one
+//! twice), and 401 `invalid_api_key` for a key that is unknown, disabled or expired — the same
+//! body for all three, and the same work: the key's SHA-256 is compared in constant time with a
+//! stored digest (a decoy when nothing matched), and the enabled / expiry checks run either way.
+//! A missing key gets 401 `missing_api_key`.
+//!
+//! [`authorize`] runs after inspection (it needs the model). It raises 403 `source_not_allowed`
+//! when the peer address is outside the key's subnets and 403 `model_not_allowed` when the model
+//! is outside the key's allow list or inside its block list (block wins).
+
+use std::net::IpAddr;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::conn::Request;
+use crate::error::{truncate, GatewayError};
+use crate::limits::config::{KeyIdx, LimitsConfig};
+
+/// The SHA-256 of a key, as stored in the config.
+pub fn digest(key: &[u8]) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, key);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// Lowercase hex of a digest (what `sluice key hash` prints).
+pub fn hex(digest: &[u8; 32]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(64);
+    for b in digest {
+        s.push(HEX[(b >> 4) as usize] as char);
+        s.push(HEX[(b & 15) as usize] as char);
+    }
+    s
+}
+
+/// Equal in time independent of where the inputs differ.
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let mut diff = 0u8;
+    for i in 0..32 {
+        diff |= a[i] ^ b[i];
+    }
+    std::hint::black_box(diff) == 0
+}
+
+/// The key the request presents, if any: the `Bearer` token of `Authorization`, or `x-api-key`.
+fn presented_key<'a>(request: &Request<'a>) -> Result<Option<&'a [u8]>, GatewayError> {
+    let mut found: Option<&'a [u8]> = None;
+    for h in &request.head.headers {
+        let name = h.name(request.buf);
+        let value = h.value(request.buf);
+        let key = if name.eq_ignore_ascii_case(b"authorization") {
+            match value.get(..7) {
+                Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => trim(&value[7..]),
+                // Another scheme (Basic, …) carries no API key for us.
+                _ => continue,
+            }
+        } else if name.eq_ignore_ascii_case(b"x-api-key") {
+            trim(value)
+        } else {
+            continue;
+        };
+        match found {
+            Some(prev) if prev != key => {
+                return Err(GatewayError::invalid_request(
+                    "The request carries two different API keys (Authorization and x-api-key, \
+                     or one of them twice); send exactly one.",
+                    None,
+                ))
+            }
+            _ => found = Some(key),
+        }
+    }
+    Ok(found.filter(|k| !k.is_empty()))
+}
+
+fn trim(v: &[u8]) -> &[u8] {
+    let start = v
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(v.len());
+    let end = v
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &v[start..end.max(start)]
+}
+
+fn invalid_key() -> GatewayError {
+    GatewayError::unauthorized(
+        "Incorrect API key provided. You can find your API key with your gateway operator.",
+        "invalid_api_key",
+    )
+}
+
+/// Who is calling. `Ok(None)`: no keys are configured, so nobody is asked.
+pub fn authenticate(
+    limits: &LimitsConfig,
+    request: &Request<'_>,
+) -> Result<Option<KeyIdx>, GatewayError> {
+    if !limits.auth_required() {
+        return Ok(None);
+    }
+    let Some(key) = presented_key(request)? else {
+        return Err(GatewayError::unauthorized(
+            "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY` or \
+             `x-api-key: YOUR_KEY`.",
+            "missing_api_key",
+        ));
+    };
+    let presented = digest(key);
+    // The map finds a candidate; the decision is the constant-time comparison, which runs
+    // whether or not a candidate was found.
+    const DECOY: [u8; 32] = [0x5a; 32];
+    let candidate = limits.by_digest.get(&presented).copied();
+    let stored = candidate
+        .and_then(|i| limits.keys.get(i))
+        .map_or(&DECOY, |k| &k.digest);
+    let matches = constant_time_eq(&presented, stored);
+    let now = unix_now();
+    let (enabled, unexpired) = candidate
+        .and_then(|i| limits.keys.get(i))
+        .map_or((false, false), |k| {
+            (k.enabled, k.expires.is_none_or(|e| now < e))
+        });
+    match candidate {
+        Some(i) if matches & enabled & unexpired => Ok(Some(i)),
+        _ => Err(invalid_key()),
+    }
+}
+
+/// May this key use `model` from `peer`?
+pub fn authorize(
+    limits: &LimitsConfig,
+    key: Option<KeyIdx>,
+    model: &str,
+    peer: Option<IpAddr>,
+) -> Result<(), GatewayError> {
+    let Some(key) = key.and_then(|k| limits.keys.get(k)) else {
+        return Ok(());
+    };
+    if !key.source_allowed(peer) {
+        return Err(GatewayError::permission_denied(
+            "This API key may not be used from your network address.",
+            "source_not_allowed",
+        ));
+    }
+    if !key.may_use(model) {
+        return Err(GatewayError::permission_denied(
+            format!(
+                "This API key is not allowed to use the model `{}`.",
+                truncate(model, 128)
+            ),
+            "model_not_allowed",
+        ));
+    }
+    Ok(())
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn sha256_matches_the_standard_vector() {
+        assert_eq!(
+            hex(&digest(b"abc")),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn comparison() {
+        let a = digest(b"one");
+        let mut b = a;
+        assert!(constant_time_eq(&a, &b));
+        b[31] ^= 1;
+        assert!(!constant_time_eq(&a, &b));
+    }
+
+    #[test]
+    fn trims() {
+        assert_eq!(trim(b"  sk-1 \t"), b"sk-1");
+        assert_eq!(trim(b"   "), b"");
+    }
+}

@@ -1,0 +1,1031 @@
+//! The `[[keys]]`, `[[policies]]` and `[limits]` sections: raw serde types and their validation
+//! into the typed [`LimitsConfig`] that workers read.
+//!
+//! Runs once per config load, inside [`crate::config::load`]. Takes the raw sections and the
+//! worker count; returns a [`LimitsConfig`], pushing every problem found (with its key path) to
+//! the caller's error list rather than stopping at the first.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::config::ModelPattern;
+
+// ---------------------------------------------------------------------------------------------
+// Raw types
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKey {
+    id: String,
+    /// Hex SHA-256 of the key (`sluice key hash`); the plaintext is never in the config.
+    sha256: String,
+    entity: Option<String>,
+    #[serde(default)]
+    tags: Vec<String>,
+    #[serde(default = "yes")]
+    enabled: bool,
+    expires: Option<toml::value::Datetime>,
+    #[serde(default)]
+    models_allow: Vec<String>,
+    #[serde(default)]
+    models_block: Vec<String>,
+    #[serde(default)]
+    source_subnets: Vec<String>,
+    #[serde(default)]
+    plans: Vec<RawPlan>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPlan {
+    id: String,
+    /// Tokens per period (or in all, for a one-time plan); absent = unlimited.
+    tokens: Option<u64>,
+    /// `"once"`, `"monthly"` or `"<N>d"` (every N days).
+    #[serde(default = "once")]
+    period: String,
+    /// Where periods start counting from (default 1970-01-01T00:00:00Z).
+    anchor: Option<toml::value::Datetime>,
+    expires: Option<toml::value::Datetime>,
+    /// Lower is tried first.
+    #[serde(default)]
+    priority: i64,
+}
+
+fn once() -> String {
+    "once".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPolicy {
+    id: String,
+    #[serde(default = "yes")]
+    enabled: bool,
+    /// Which requests it applies to; every list given must match (empty lists match all).
+    #[serde(default)]
+    keys: Vec<String>,
+    #[serde(default)]
+    entities: Vec<String>,
+    #[serde(default)]
+    tags: Vec<String>,
+    #[serde(default)]
+    models: Vec<String>,
+    /// Who gets their own counter: `"global"` (one for all matching requests), `"key"`,
+    /// `"entity"` or `"model"`.
+    #[serde(default = "global")]
+    per: String,
+    max_requests: Option<u64>,
+    requests_window_secs: Option<u64>,
+    requests_burst: Option<u64>,
+    max_tokens: Option<u64>,
+    tokens_window_secs: Option<u64>,
+    tokens_burst: Option<u64>,
+    max_concurrency: Option<u64>,
+    reserve: Option<RawReserve>,
+}
+
+fn global() -> String {
+    "global".into()
+}
+
+#[derive(Debug, Deserialize, Clone, Copy)]
+#[serde(deny_unknown_fields)]
+pub struct RawReserve {
+    coefficient: Option<f64>,
+    offset: Option<u64>,
+    max_tokens_cap: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLimits {
+    /// `"local"` (in-process: the workers of one node share limits) or `"redis"`.
+    backend: String,
+    sync_interval_ms: u64,
+    sync_timeout_ms: u64,
+    lease_ttl_ms: u64,
+    lease_wait_ms: u64,
+    /// `"allow"` or `"deny"`.
+    on_backend_down: String,
+    /// How many Sluice nodes share the limits: a node's share while Redis is down is 1/nodes.
+    nodes: u32,
+    /// Ask for `stream_options.include_usage` … (see `[upstream]`); here only the reservation.
+    reserve: Option<RawReserve>,
+    /// `"estimate"` or `"tiktoken"`: how streamed output is counted when the upstream reports no
+    /// usage.
+    settle_tokenizer: String,
+    redis: Option<RawRedis>,
+}
+
+impl Default for RawLimits {
+    fn default() -> Self {
+        RawLimits {
+            backend: "local".into(),
+            sync_interval_ms: 50,
+            sync_timeout_ms: 100,
+            lease_ttl_ms: 10_000,
+            lease_wait_ms: 250,
+            on_backend_down: "allow".into(),
+            nodes: 1,
+            reserve: None,
+            settle_tokenizer: "estimate".into(),
+            redis: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRedis {
+    /// `host:port`.
+    address: String,
+    username: Option<String>,
+    /// Name of an environment variable holding the password.
+    password_env: Option<String>,
+    #[serde(default)]
+    db: u32,
+    #[serde(default = "default_prefix")]
+    key_prefix: String,
+    #[serde(default = "default_connect_ms")]
+    connect_timeout_ms: u64,
+}
+
+fn default_prefix() -> String {
+    "sluice".into()
+}
+fn default_connect_ms() -> u64 {
+    500
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resolved types
+// ---------------------------------------------------------------------------------------------
+
+pub type KeyIdx = usize;
+pub type PolicyIdx = usize;
+
+#[derive(Debug, Clone, Default)]
+pub struct LimitsConfig {
+    pub keys: Vec<ApiKey>,
+    /// Digest → key, for authentication.
+    pub by_digest: HashMap<[u8; 32], KeyIdx>,
+    /// Entity names, sorted; keys refer to them by index (metrics label slots too).
+    pub entities: Vec<String>,
+    pub policies: Vec<Policy>,
+    /// Policies that apply to requests without a key (no key/entity/tag filter).
+    pub anonymous_policies: Vec<PolicyIdx>,
+    pub sync: SyncSettings,
+    /// The default reservation rule (quota plans, and policies without their own).
+    pub reserve: Reserve,
+    pub settle_tokenizer: SettleTokenizer,
+}
+
+impl LimitsConfig {
+    /// Keys are configured: every request must carry one.
+    pub fn auth_required(&self) -> bool {
+        !self.keys.is_empty()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ApiKey {
+    pub id: String,
+    pub digest: [u8; 32],
+    pub entity: Option<usize>,
+    pub tags: Vec<String>,
+    pub enabled: bool,
+    /// Unix seconds.
+    pub expires: Option<u64>,
+    /// Empty: every model.
+    pub models_allow: Vec<ModelPattern>,
+    pub models_block: Vec<ModelPattern>,
+    /// Empty: any source.
+    pub subnets: Vec<Cidr>,
+    /// By priority (lowest first), file order among equals.
+    pub plans: Vec<Plan>,
+    /// Policies whose key / entity / tag filters match this key (models are checked per
+    /// request).
+    pub policies: Vec<PolicyIdx>,
+}
+
+impl ApiKey {
+    /// Block wins over allow; an empty allow list allows everything.
+    pub fn may_use(&self, model: &str) -> bool {
+        if self.models_block.iter().any(|p| p.matches(model)) {
+            return false;
+        }
+        self.models_allow.is_empty() || self.models_allow.iter().any(|p| p.matches(model))
+    }
+
+    pub fn source_allowed(&self, ip: Option<IpAddr>) -> bool {
+        if self.subnets.is_empty() {
+            return true;
+        }
+        ip.is_some_and(|ip| self.subnets.iter().any(|c| c.contains(ip)))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub id: String,
+    /// None: unlimited.
+    pub tokens: Option<u64>,
+    pub period: Period,
+    /// Unix seconds.
+    pub anchor: u64,
+    pub expires: Option<u64>,
+    pub priority: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Period {
+    Once,
+    Days(u32),
+    Monthly,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Per {
+    Global,
+    Key,
+    Entity,
+    Model,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimit {
+    pub max: u64,
+    pub window: Duration,
+    /// How much of a window's allowance may be used at once; the rest accrues evenly over the
+    /// window. Equal to `max`: a plain fixed window.
+    pub burst: u64,
+}
+
+impl RateLimit {
+    /// The allowance of the window that started at `window_start_ms`, as of `now_ms`.
+    pub fn allowance(&self, window_start_ms: u64, now_ms: u64) -> u64 {
+        if self.burst >= self.max {
+            return self.max;
+        }
+        let window_ms = self.window.as_millis().max(1) as u64;
+        let elapsed = now_ms.saturating_sub(window_start_ms).min(window_ms);
+        let accrued = (self.max as u128 * elapsed as u128 / window_ms as u128) as u64;
+        (self.burst + accrued).min(self.max)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reserve {
+    pub coefficient: f64,
+    pub offset: u64,
+    pub max_tokens_cap: u64,
+}
+
+impl Default for Reserve {
+    fn default() -> Self {
+        Reserve {
+            coefficient: 1.0,
+            offset: 512,
+            max_tokens_cap: 16_384,
+        }
+    }
+}
+
+impl Reserve {
+    /// Tokens to reserve for a request: the prompt estimate plus its (capped) output cap when it
+    /// sets one, else `coefficient × prompt + offset`. `n` choices multiply the output part.
+    pub fn tokens(&self, prompt_estimate: u64, max_tokens: Option<u64>, n: Option<u64>) -> u64 {
+        let choices = n.unwrap_or(1).clamp(1, 128);
+        match max_tokens {
+            Some(m) => prompt_estimate + m.min(self.max_tokens_cap).saturating_mul(choices),
+            None => {
+                (self.coefficient * prompt_estimate as f64).ceil() as u64
+                    + self.offset.saturating_mul(choices)
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub id: String,
+    pub enabled: bool,
+    pub keys: Vec<String>,
+    pub entities: Vec<String>,
+    pub tags: Vec<String>,
+    pub models: Vec<ModelPattern>,
+    pub per: Per,
+    pub requests: Option<RateLimit>,
+    pub tokens: Option<RateLimit>,
+    pub concurrency: Option<u64>,
+    pub reserve: Reserve,
+}
+
+impl Policy {
+    pub fn applies_to_model(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|p| p.matches(model))
+    }
+
+    fn is_global(&self) -> bool {
+        self.keys.is_empty() && self.entities.is_empty() && self.tags.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DownPolicy {
+    /// Serve on local caps (a limit / (nodes × workers) share per core).
+    Allow,
+    /// 503 with Retry-After when what a core holds does not cover the request.
+    Deny,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SettleTokenizer {
+    #[default]
+    Estimate,
+    Tiktoken,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisSettings {
+    pub address: SocketAddr,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    pub db: u32,
+    pub key_prefix: String,
+    pub connect_timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncSettings {
+    /// None: the in-process ledger.
+    pub redis: Option<RedisSettings>,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub lease_ttl: Duration,
+    pub lease_wait: Duration,
+    pub on_down: DownPolicy,
+    pub nodes: u32,
+    /// Workers per node (from `[server]`), for the local share while the backend is down.
+    pub workers: u32,
+}
+
+impl Default for SyncSettings {
+    fn default() -> Self {
+        SyncSettings {
+            redis: None,
+            interval: Duration::from_millis(50),
+            timeout: Duration::from_millis(100),
+            lease_ttl: Duration::from_secs(10),
+            lease_wait: Duration::from_millis(250),
+            on_down: DownPolicy::Allow,
+            nodes: 1,
+            workers: 1,
+        }
+    }
+}
+
+impl SyncSettings {
+    /// The key prefix budgets live under (hash tags start after it).
+    pub fn prefix(&self) -> &str {
+        self.redis
+            .as_ref()
+            .map_or("sluice", |r| r.key_prefix.as_str())
+    }
+}
+
+/// An IPv4 or IPv6 network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    net: u128,
+    mask: u128,
+    v4: bool,
+}
+
+impl Cidr {
+    pub fn parse(s: &str) -> Result<Cidr, String> {
+        let (addr, len) = match s.split_once('/') {
+            Some((a, l)) => (a, Some(l)),
+            None => (s, None),
+        };
+        let ip: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("`{s}` is not an address or network like 10.0.0.0/8"))?;
+        let (bits, v4, value) = match ip {
+            IpAddr::V4(v4) => (32u32, true, u32::from(v4) as u128),
+            IpAddr::V6(v6) => (128u32, false, u128::from(v6)),
+        };
+        let len = match len {
+            None => bits,
+            Some(l) => l
+                .parse::<u32>()
+                .ok()
+                .filter(|l| *l <= bits)
+                .ok_or_else(|| format!("`{s}`: prefix length must be 0..={bits}"))?,
+        };
+        let mask = if len == 0 {
+            0
+        } else {
+            (u128::MAX << (bits - len)) & (u128::MAX >> (128 - bits))
+        };
+        if value & !mask != 0 {
+            return Err(format!("`{s}` has host bits set"));
+        }
+        Ok(Cidr {
+            net: value,
+            mask,
+            v4,
+        })
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let (v4, value) = match ip {
+            IpAddr::V4(a) => (true, u32::from(a) as u128),
+            // An IPv4-mapped IPv6 peer (dual-stack listener) is the IPv4 address it carries.
+            IpAddr::V6(a) => match a.to_ipv4_mapped() {
+                Some(m) => (true, u32::from(m) as u128),
+                None => (false, u128::from(a)),
+            },
+        };
+        v4 == self.v4 && value & self.mask == self.net
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+// ---------------------------------------------------------------------------------------------
+
+/// Unix seconds of a TOML datetime with a date, a time and an offset.
+fn unix_seconds(dt: &toml::value::Datetime) -> Result<u64, String> {
+    let (Some(date), Some(time)) = (dt.date, dt.time) else {
+        return Err(format!(
+            "`{dt}` needs a date and a time, like 2027-01-01T00:00:00Z"
+        ));
+    };
+    let offset_minutes: i64 = match dt.offset {
+        Some(toml::value::Offset::Z) => 0,
+        Some(toml::value::Offset::Custom { minutes }) => i64::from(minutes),
+        None => {
+            return Err(format!(
+                "`{dt}` needs a UTC offset, like 2027-01-01T00:00:00Z"
+            ))
+        }
+    };
+    let days = days_from_civil(
+        i64::from(date.year),
+        u32::from(date.month),
+        u32::from(date.day),
+    );
+    let secs = days * 86_400
+        + i64::from(time.hour) * 3600
+        + i64::from(time.minute) * 60
+        + i64::from(time.second)
+        - offset_minutes * 60;
+    u64::try_from(secs).map_err(|_| format!("`{dt}` is before 1970"))
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
+pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = if y >= 0 { y } else { y - 399 } / 400;
+    let yoe = y - era * 400;
+    let m = i64::from(m);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// (year, month) of a day count since 1970-01-01.
+pub fn civil_year_month(days: i64) -> (i64, u32) {
+    let z = days + 719_468;
+    let era = if z >= 0 { z } else { z - 146_096 } / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m)
+}
+
+fn parse_period(s: &str) -> Result<Period, String> {
+    match s {
+        "once" => Ok(Period::Once),
+        "monthly" => Ok(Period::Monthly),
+        _ => s
+            .strip_suffix('d')
+            .and_then(|n| n.parse::<u32>().ok())
+            .filter(|n| (1..=3660).contains(n))
+            .map(Period::Days)
+            .ok_or_else(|| format!("`{s}` is not \"once\", \"monthly\" or \"<N>d\" (N ≥ 1)")),
+    }
+}
+
+fn parse_digest(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(s.get(i * 2..i * 2 + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Ids end up in Redis keys, metric labels and log lines: keep them plain.
+fn check_id(s: &str) -> Result<(), String> {
+    if s.is_empty() || s.len() > 64 {
+        return Err("must be 1 to 64 characters".into());
+    }
+    if !s
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Err(format!(
+            "`{s}` may only hold letters, digits, `-`, `_` and `.`"
+        ));
+    }
+    Ok(())
+}
+
+fn resolve_reserve(
+    raw: Option<RawReserve>,
+    base: Reserve,
+    path: &str,
+    err: &mut dyn FnMut(String, String),
+) -> Reserve {
+    let Some(r) = raw else {
+        return base;
+    };
+    let reserve = Reserve {
+        coefficient: r.coefficient.unwrap_or(base.coefficient),
+        offset: r.offset.unwrap_or(base.offset),
+        max_tokens_cap: r.max_tokens_cap.unwrap_or(base.max_tokens_cap),
+    };
+    if !reserve.coefficient.is_finite() || reserve.coefficient < 0.0 || reserve.coefficient > 100.0
+    {
+        err(
+            format!("{path}.coefficient"),
+            "must be between 0 and 100".into(),
+        );
+    }
+    reserve
+}
+
+fn rate(
+    max: Option<u64>,
+    window_secs: Option<u64>,
+    burst: Option<u64>,
+    path: &str,
+    what: &str,
+    err: &mut dyn FnMut(String, String),
+) -> Option<RateLimit> {
+    let Some(max) = max else {
+        if window_secs.is_some() || burst.is_some() {
+            err(
+                format!("{path}.max_{what}"),
+                format!("{what}_window_secs / {what}_burst need max_{what}"),
+            );
+        }
+        return None;
+    };
+    let window = window_secs.unwrap_or(60);
+    if window == 0 || window > 31 * 86_400 {
+        err(
+            format!("{path}.{what}_window_secs"),
+            "must be 1 s to 31 days".into(),
+        );
+    }
+    if max == 0 {
+        err(format!("{path}.max_{what}"), "must be at least 1".into());
+    }
+    let burst = burst.unwrap_or(max);
+    if burst == 0 {
+        err(format!("{path}.{what}_burst"), "must be at least 1".into());
+    }
+    Some(RateLimit {
+        max,
+        window: Duration::from_secs(window),
+        burst: burst.min(max),
+    })
+}
+
+/// Validate the sections. `workers` is the resolved worker count.
+pub fn resolve(
+    raw_keys: &[RawKey],
+    raw_policies: &[RawPolicy],
+    raw: &RawLimits,
+    workers: usize,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: &mut dyn FnMut(String, String),
+) -> LimitsConfig {
+    let reserve = resolve_reserve(raw.reserve, Reserve::default(), "limits.reserve", err);
+
+    // Sync settings.
+    let mut sync = SyncSettings {
+        interval: Duration::from_millis(raw.sync_interval_ms),
+        timeout: Duration::from_millis(raw.sync_timeout_ms),
+        lease_ttl: Duration::from_millis(raw.lease_ttl_ms),
+        lease_wait: Duration::from_millis(raw.lease_wait_ms),
+        nodes: raw.nodes,
+        workers: workers as u32,
+        ..SyncSettings::default()
+    };
+    if !(1..=10_000).contains(&raw.sync_interval_ms) {
+        err(
+            "limits.sync_interval_ms".into(),
+            "must be 1 to 10000".into(),
+        );
+    }
+    if raw.sync_timeout_ms == 0 {
+        err("limits.sync_timeout_ms".into(), "must be at least 1".into());
+    }
+    if raw.lease_ttl_ms < raw.sync_interval_ms.saturating_mul(4) {
+        err(
+            "limits.lease_ttl_ms".into(),
+            "must be at least 4 × sync_interval_ms (leases are renewed every interval)".into(),
+        );
+    }
+    if raw.nodes == 0 {
+        err("limits.nodes".into(), "must be at least 1".into());
+    }
+    sync.on_down = match raw.on_backend_down.as_str() {
+        "allow" => DownPolicy::Allow,
+        "deny" => DownPolicy::Deny,
+        other => {
+            err(
+                "limits.on_backend_down".into(),
+                format!("`{other}` is not \"allow\" or \"deny\""),
+            );
+            DownPolicy::Allow
+        }
+    };
+    let settle_tokenizer = match raw.settle_tokenizer.as_str() {
+        "estimate" => SettleTokenizer::Estimate,
+        "tiktoken" => SettleTokenizer::Tiktoken,
+        other => {
+            err(
+                "limits.settle_tokenizer".into(),
+                format!("`{other}` is not \"estimate\" or \"tiktoken\""),
+            );
+            SettleTokenizer::Estimate
+        }
+    };
+    match (raw.backend.as_str(), &raw.redis) {
+        ("local", _) => {}
+        ("redis", None) => err(
+            "limits.redis".into(),
+            "backend = \"redis\" needs a [limits.redis] section with an address".into(),
+        ),
+        ("redis", Some(r)) => {
+            let address = match r.address.to_socket_addrs().map(|mut a| a.next()) {
+                Ok(Some(a)) => Some(a),
+                _ => {
+                    err(
+                        "limits.redis.address".into(),
+                        format!("`{}` is not a host:port that resolves", r.address),
+                    );
+                    None
+                }
+            };
+            let password = match &r.password_env {
+                None => None,
+                Some(var) => match env(var) {
+                    Some(p) => Some(p),
+                    None => {
+                        err(
+                            "limits.redis.password_env".into(),
+                            format!("environment variable `{var}` is not set"),
+                        );
+                        None
+                    }
+                },
+            };
+            if let Err(e) = check_id(&r.key_prefix) {
+                err("limits.redis.key_prefix".into(), e);
+            }
+            if let Some(address) = address {
+                sync.redis = Some(RedisSettings {
+                    address,
+                    username: r.username.clone(),
+                    password,
+                    db: r.db,
+                    key_prefix: r.key_prefix.clone(),
+                    connect_timeout: Duration::from_millis(r.connect_timeout_ms.max(1)),
+                });
+            }
+        }
+        (other, _) => err(
+            "limits.backend".into(),
+            format!("`{other}` is not \"local\" or \"redis\""),
+        ),
+    }
+
+    // Policies.
+    let mut policies = Vec::new();
+    let mut policy_ids = BTreeMap::new();
+    for (i, rp) in raw_policies.iter().enumerate() {
+        let path = format!("policies[{i}]");
+        if let Err(e) = check_id(&rp.id) {
+            err(format!("{path}.id"), e);
+        }
+        if let Some(prev) = policy_ids.insert(rp.id.clone(), i) {
+            err(
+                format!("{path}.id"),
+                format!("`{}` is already used by policies[{prev}]", rp.id),
+            );
+        }
+        let per = match rp.per.as_str() {
+            "global" => Per::Global,
+            "key" => Per::Key,
+            "entity" => Per::Entity,
+            "model" => Per::Model,
+            other => {
+                err(
+                    format!("{path}.per"),
+                    format!("`{other}` is not \"global\", \"key\", \"entity\" or \"model\""),
+                );
+                Per::Global
+            }
+        };
+        let requests = rate(
+            rp.max_requests,
+            rp.requests_window_secs,
+            rp.requests_burst,
+            &path,
+            "requests",
+            err,
+        );
+        let tokens = rate(
+            rp.max_tokens,
+            rp.tokens_window_secs,
+            rp.tokens_burst,
+            &path,
+            "tokens",
+            err,
+        );
+        if rp.max_concurrency == Some(0) {
+            err(
+                format!("{path}.max_concurrency"),
+                "must be at least 1".into(),
+            );
+        }
+        if requests.is_none() && tokens.is_none() && rp.max_concurrency.is_none() {
+            err(
+                path.clone(),
+                "a policy needs max_requests, max_tokens or max_concurrency".into(),
+            );
+        }
+        policies.push(Policy {
+            id: rp.id.clone(),
+            enabled: rp.enabled,
+            keys: rp.keys.clone(),
+            entities: rp.entities.clone(),
+            tags: rp.tags.clone(),
+            models: rp.models.iter().map(|m| ModelPattern::parse(m)).collect(),
+            per,
+            requests,
+            tokens,
+            concurrency: rp.max_concurrency,
+            reserve: resolve_reserve(rp.reserve, reserve, &format!("{path}.reserve"), err),
+        });
+    }
+
+    // Keys.
+    let mut entities: Vec<String> = raw_keys.iter().filter_map(|k| k.entity.clone()).collect();
+    entities.sort();
+    entities.dedup();
+    let mut keys = Vec::new();
+    let mut by_digest = HashMap::new();
+    let mut key_ids = BTreeMap::new();
+    for (i, rk) in raw_keys.iter().enumerate() {
+        let path = format!("keys[{i}]");
+        if let Err(e) = check_id(&rk.id) {
+            err(format!("{path}.id"), e);
+        }
+        if let Some(prev) = key_ids.insert(rk.id.clone(), i) {
+            err(
+                format!("{path}.id"),
+                format!("`{}` is already used by keys[{prev}]", rk.id),
+            );
+        }
+        let digest = match parse_digest(&rk.sha256.to_ascii_lowercase()) {
+            Some(d) => d,
+            None => {
+                err(
+                    format!("{path}.sha256"),
+                    "must be 64 hex digits (`sluice key hash` prints it)".into(),
+                );
+                [0; 32]
+            }
+        };
+        if let Some(prev) = by_digest.insert(digest, i) {
+            err(
+                format!("{path}.sha256"),
+                format!("the same key as keys[{prev}]"),
+            );
+        }
+        if let Some(e) = &rk.entity {
+            if let Err(m) = check_id(e) {
+                err(format!("{path}.entity"), m);
+            }
+        }
+        let expires = rk.expires.as_ref().and_then(|dt| {
+            unix_seconds(dt)
+                .map_err(|m| err(format!("{path}.expires"), m))
+                .ok()
+        });
+        let mut subnets = Vec::new();
+        for (j, s) in rk.source_subnets.iter().enumerate() {
+            match Cidr::parse(s) {
+                Ok(c) => subnets.push(c),
+                Err(m) => err(format!("{path}.source_subnets[{j}]"), m),
+            }
+        }
+        let mut plans = Vec::new();
+        let mut plan_ids = BTreeMap::new();
+        for (j, rp) in rk.plans.iter().enumerate() {
+            let ppath = format!("{path}.plans[{j}]");
+            if let Err(m) = check_id(&rp.id) {
+                err(format!("{ppath}.id"), m);
+            }
+            if plan_ids.insert(rp.id.clone(), j).is_some() {
+                err(
+                    format!("{ppath}.id"),
+                    format!("`{}` is used twice in this key", rp.id),
+                );
+            }
+            let period = parse_period(&rp.period).unwrap_or_else(|m| {
+                err(format!("{ppath}.period"), m);
+                Period::Once
+            });
+            let anchor = rp.anchor.as_ref().map_or(0, |dt| {
+                unix_seconds(dt).unwrap_or_else(|m| {
+                    err(format!("{ppath}.anchor"), m);
+                    0
+                })
+            });
+            let expires = rp.expires.as_ref().and_then(|dt| {
+                unix_seconds(dt)
+                    .map_err(|m| err(format!("{ppath}.expires"), m))
+                    .ok()
+            });
+            plans.push(Plan {
+                id: rp.id.clone(),
+                tokens: rp.tokens,
+                period,
+                anchor,
+                expires,
+                priority: rp.priority,
+            });
+        }
+        plans.sort_by_key(|p| p.priority);
+        let entity = rk
+            .entity
+            .as_ref()
+            .and_then(|e| entities.binary_search(e).ok());
+        let key_policies = policies
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| {
+                (p.keys.is_empty() || p.keys.contains(&rk.id))
+                    && (p.entities.is_empty()
+                        || rk.entity.as_ref().is_some_and(|e| p.entities.contains(e)))
+                    && (p.tags.is_empty() || p.tags.iter().any(|t| rk.tags.contains(t)))
+            })
+            .map(|(j, _)| j)
+            .collect();
+        keys.push(ApiKey {
+            id: rk.id.clone(),
+            digest,
+            entity,
+            tags: rk.tags.clone(),
+            enabled: rk.enabled,
+            expires,
+            models_allow: rk
+                .models_allow
+                .iter()
+                .map(|m| ModelPattern::parse(m))
+                .collect(),
+            models_block: rk
+                .models_block
+                .iter()
+                .map(|m| ModelPattern::parse(m))
+                .collect(),
+            subnets,
+            plans,
+            policies: key_policies,
+        });
+    }
+    // A policy naming a key or entity that does not exist is a typo that would silently
+    // never apply.
+    for (i, p) in policies.iter().enumerate() {
+        for k in &p.keys {
+            if !key_ids.contains_key(k) {
+                err(
+                    format!("policies[{i}].keys"),
+                    format!("no key with id `{k}`"),
+                );
+            }
+        }
+        for e in &p.entities {
+            if entities.binary_search(e).is_err() {
+                err(
+                    format!("policies[{i}].entities"),
+                    format!("no key has entity `{e}`"),
+                );
+            }
+        }
+        if p.per == Per::Key && p.is_global() && raw_keys.is_empty() {
+            err(
+                format!("policies[{i}].per"),
+                "per = \"key\" needs [[keys]]".into(),
+            );
+        }
+    }
+    let anonymous_policies = policies
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.is_global())
+        .map(|(i, _)| i)
+        .collect();
+    LimitsConfig {
+        keys,
+        by_digest,
+        entities,
+        policies,
+        anonymous_policies,
+        sync,
+        reserve,
+        settle_tokenizer,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn cidrs() {
+        let c = Cidr::parse("10.0.0.0/8").unwrap();
+        assert!(c.contains("10.1.2.3".parse().unwrap()));
+        assert!(!c.contains("11.0.0.1".parse().unwrap()));
+        assert!(c.contains("::ffff:10.0.0.1".parse().unwrap()));
+        let c6 = Cidr::parse("2001:db8::/32").unwrap();
+        assert!(c6.contains("2001:db8::1".parse().unwrap()));
+        assert!(!c6.contains("2001:db9::1".parse().unwrap()));
+        assert!(!c6.contains("10.0.0.1".parse().unwrap()));
+        assert!(Cidr::parse("0.0.0.0/0")
+            .unwrap()
+            .contains("1.2.3.4".parse().unwrap()));
+        assert!(Cidr::parse("::1").unwrap().contains("::1".parse().unwrap()));
+        assert!(Cidr::parse("10.0.0.1/8").is_err());
+        assert!(Cidr::parse("10.0.0.0/33").is_err());
+        assert!(Cidr::parse("nonsense").is_err());
+    }
+
+    #[test]
+    fn civil_dates_round_trip() {
+        assert_eq!(days_from_civil(1970, 1, 1), 0);
+        assert_eq!(days_from_civil(2000, 3, 1), 11_017);
+        for days in [0i64, 59, 60, 365, 11_016, 11_017, 20_000, 24_000] {
+            let (y, m) = civil_year_month(days);
+            assert!(days_from_civil(y, m, 1) <= days);
+            let (ny, nm) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
+            assert!(days_from_civil(ny, nm, 1) > days);
+        }
+    }
+
+    #[test]
+    fn paced_allowance() {
+        let r = RateLimit {
+            max: 600,
+            window: Duration::from_secs(60),
+            burst: 100,
+        };
+        assert_eq!(r.allowance(0, 0), 100);
+        assert_eq!(r.allowance(0, 30_000), 400);
+        assert_eq!(r.allowance(0, 60_000), 600);
+        let plain = RateLimit { burst: 600, ..r };
+        assert_eq!(plain.allowance(0, 0), 600);
+    }
+
+    #[test]
+    fn reservations() {
+        let r = Reserve::default();
+        assert_eq!(r.tokens(100, Some(50), None), 150);
+        assert_eq!(r.tokens(100, Some(50), Some(3)), 250);
+        assert_eq!(r.tokens(100, Some(1 << 40), None), 100 + 16_384);
+        assert_eq!(r.tokens(100, None, None), 612);
+    }
+}

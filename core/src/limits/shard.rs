@@ -1,0 +1,773 @@
+//! One worker's limiter: local budgets decided without locks or round trips, reconciled with
+//! every other core by the sync task.
+//!
+//! [`LimiterShard::try_admit`] runs on the request path (from the admit phase): it takes the
+//! caller (key, model, token reservation inputs) and either records a [`Permit`] — a
+//! reservation on every budget that applies — or returns a [`Refusal`] saying which budget
+//! refused and whether waiting for the next sync could help. [`LimiterShard::settle`] runs
+//! exactly once per permit when the request ends and turns reservations into spend.
+//! [`LimiterShard::prepare`] / [`LimiterShard::apply`] run on the worker's sync task once per
+//! sync interval: deltas and lease wishes out, grants and global totals back.
+//!
+//! ## Budgets and leases
+//! Every limit is a budget in the shared ledger (see [`super::sync`]): a policy's requests or
+//! tokens in the current window (`window` = wall-clock time / window length, so all nodes agree
+//! on windows within their clock skew), a policy's concurrent slots, a key's quota plan in its
+//! current period. A core admits against the lease it holds: `free = granted − spent since the
+//! grant − reserved`. Quotas and concurrency are strict — no lease, no admission (the request
+//! may wait one sync for a lease). Rate budgets (requests, tokens per window) may also admit one
+//! request *on credit* per sync interval when the last global view still showed headroom; that
+//! is their only overshoot, bounded by 2 × (cores across all nodes) × (largest single
+//! reservation) per window — see README "How limits behave".
+
+use std::collections::HashMap;
+use std::task::Waker;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::config::{KeyIdx, LimitsConfig, Per, Period, Plan, RateLimit};
+use super::sync::{BudgetState, BudgetSync};
+use crate::metrics::LimitDimension;
+
+const KIND_REQUESTS: u8 = 0;
+const KIND_TOKENS: u8 = 1;
+const KIND_CONCURRENCY: u8 = 2;
+const KIND_PLAN: u8 = 3;
+
+/// A subject id for requests without one (no key, or a key without an entity).
+const NO_SUBJECT: u32 = u32::MAX;
+
+/// Distinct model names a `per = "model"` policy tracks per worker; beyond this they share one
+/// overflow counter (bounded memory, documented).
+const MAX_MODEL_SUBJECTS: usize = 4096;
+
+/// Which budget: kind, owner (policy or key), subject (key / entity / model / plan), window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BudgetId {
+    kind: u8,
+    owner: u32,
+    subject: u32,
+    window: u64,
+}
+
+#[derive(Debug)]
+struct Budget {
+    /// The ledger key.
+    key: String,
+    limit: u64,
+    strict: bool,
+    /// For paced rate windows: the limit grows with the window's age.
+    rate: Option<(RateLimit, u64)>,
+    key_ttl_ms: u64,
+    /// When the window or period ends (unix ms); 0: never.
+    ends_at_ms: u64,
+    /// This core's cumulative spend.
+    spent: u64,
+    /// Spend the ledger has acknowledged.
+    flushed: u64,
+    granted: u64,
+    spent_at_grant: u64,
+    reserved: u64,
+    /// Admitted on credit since the last successful exchange.
+    credit: bool,
+    view: Option<BudgetState>,
+    used_since_sync: u64,
+    demand: u64,
+    idle_syncs: u32,
+}
+
+impl Budget {
+    fn free(&self, lease_valid: bool) -> i64 {
+        if !lease_valid {
+            return 0;
+        }
+        self.granted as i64 - (self.spent - self.spent_at_grant) as i64 - self.reserved as i64
+    }
+
+    /// Left of the limit as far as this core knows (exact on one core; across cores as of the
+    /// last exchange plus this core's own use since).
+    fn remaining(&self) -> u64 {
+        let others = self.view.map_or(0, |v| {
+            v.spent_total.saturating_sub(self.flushed) + v.leased_others
+        });
+        self.limit
+            .saturating_sub(others)
+            .saturating_sub(self.spent)
+            .saturating_sub(self.reserved)
+    }
+
+    /// The last global view still had room for `cost` (or there is none yet).
+    fn view_has_room(&self, cost: u64) -> bool {
+        match self.view {
+            None => true,
+            Some(v) => v.spent_total + v.leased_others + cost <= self.limit.max(1) + cost / 2,
+        }
+    }
+
+    fn busy(&self) -> bool {
+        self.reserved > 0 || self.spent != self.flushed || self.granted > 0
+    }
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalKind {
+    /// The limit is used up (as far as anyone knows).
+    Exhausted,
+    /// This core holds too little but the ledger may have more: wait for the next sync.
+    NeedLease,
+    /// The ledger is unreachable and what this core holds does not cover the request.
+    BackendDown,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    pub kind: RefusalKind,
+    /// The refusing policy (None: a quota plan).
+    pub policy: Option<usize>,
+    pub dimension: LimitDimension,
+    /// Seconds until it may work again, when known.
+    pub retry_after: Option<u32>,
+    pub limit: u64,
+}
+
+/// The `x-ratelimit-*` numbers of the tightest requests and tokens budgets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RateHeaders {
+    /// (limit, remaining, reset ms)
+    pub requests: Option<(u64, u64, u64)>,
+    pub tokens: Option<(u64, u64, u64)>,
+}
+
+impl RateHeaders {
+    /// Append OpenAI's header lines.
+    pub fn write(&self, out: &mut impl std::fmt::Write) {
+        for (name, v) in [("requests", self.requests), ("tokens", self.tokens)] {
+            if let Some((limit, remaining, reset_ms)) = v {
+                let _ = write!(
+                    out,
+                    "x-ratelimit-limit-{name}: {limit}\r\nx-ratelimit-remaining-{name}: {remaining}\r\nx-ratelimit-reset-{name}: "
+                );
+                write_duration(out, reset_ms);
+                let _ = out.write_str("\r\n");
+            }
+        }
+    }
+}
+
+/// OpenAI's reset format: `20ms`, `1s`, `6m0s`, `1h2m3s`.
+fn write_duration(out: &mut impl std::fmt::Write, ms: u64) {
+    if ms < 1000 {
+        let _ = write!(out, "{ms}ms");
+        return;
+    }
+    let s = ms.div_ceil(1000);
+    let (h, m, s) = (s / 3600, (s / 60) % 60, s % 60);
+    let _ = match (h, m) {
+        (0, 0) => write!(out, "{s}s"),
+        (0, _) => write!(out, "{m}m{s}s"),
+        _ => write!(out, "{h}h{m}m{s}s"),
+    };
+}
+
+/// What a request asks of the limiter.
+pub struct Ask<'a> {
+    pub key: Option<KeyIdx>,
+    pub model: &'a str,
+    pub prompt_estimate: u64,
+    pub max_tokens: Option<u64>,
+    pub n: Option<u64>,
+}
+
+/// Reservations held by one admitted request; give it back to [`LimiterShard::settle`].
+#[derive(Debug, Default)]
+pub struct Permit {
+    entries: Vec<(BudgetId, u64)>,
+    /// The quota plan charged (index into the key's plans).
+    pub plan: Option<usize>,
+    /// The largest token reservation (for the access log).
+    pub reserved_tokens: u64,
+    pub headers: RateHeaders,
+    settled: bool,
+}
+
+impl Permit {
+    pub fn is_settled(&self) -> bool {
+        self.settled
+    }
+}
+
+pub struct LimiterShard {
+    node: String,
+    prefix: String,
+    budgets: HashMap<BudgetId, Budget>,
+    models: HashMap<Box<str>, u32>,
+    spare_entries: Vec<Vec<(BudgetId, u64)>>,
+    /// The last exchange succeeded.
+    backend_ok: bool,
+    /// When the last successful exchange was sent: leases are valid for `lease_ttl` from it.
+    last_ok_sent: Option<Instant>,
+    lease_ttl: Duration,
+    /// Completed exchanges (ok or not): requests waiting for a lease wait for this to move.
+    pub epoch: u64,
+    waiters: Vec<Waker>,
+    /// A request is waiting: sync now rather than at the end of the interval.
+    urgent: bool,
+    sync_waker: Option<Waker>,
+    /// Cores sharing a budget while the backend is down: nodes × workers.
+    down_share: u64,
+    down_allow: bool,
+    /// Budgets in the last prepared batch, in order.
+    in_flight: Vec<BudgetId>,
+    /// An exchange was prepared and has not been applied yet.
+    exchanging: bool,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl LimiterShard {
+    pub fn new(cfg: &LimitsConfig, node: String) -> LimiterShard {
+        LimiterShard {
+            node,
+            prefix: cfg.sync.prefix().to_string(),
+            budgets: HashMap::new(),
+            models: HashMap::new(),
+            spare_entries: Vec::new(),
+            backend_ok: true,
+            last_ok_sent: None,
+            lease_ttl: cfg.sync.lease_ttl,
+            epoch: 0,
+            waiters: Vec::new(),
+            urgent: false,
+            sync_waker: None,
+            down_share: u64::from(cfg.sync.nodes.max(1)) * u64::from(cfg.sync.workers.max(1)),
+            down_allow: cfg.sync.on_down == super::config::DownPolicy::Allow,
+            in_flight: Vec::new(),
+            exchanging: false,
+        }
+    }
+
+    /// The epoch a request that needs a lease now must wait for: an exchange already on its
+    /// way was prepared before the request's demand, so it takes the one after.
+    pub fn lease_epoch(&self) -> u64 {
+        self.epoch + 1 + u64::from(self.exchanging)
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    pub fn backend_ok(&self) -> bool {
+        self.backend_ok
+    }
+
+    fn lease_valid(&self, now: Instant) -> bool {
+        // Before the first exchange nothing is held, so validity does not matter.
+        self.last_ok_sent
+            .is_none_or(|t| now.saturating_duration_since(t) < self.lease_ttl)
+    }
+
+    fn model_subject(&mut self, model: &str) -> u32 {
+        if let Some(&id) = self.models.get(model) {
+            return id;
+        }
+        if self.models.len() >= MAX_MODEL_SUBJECTS {
+            return NO_SUBJECT - 1;
+        }
+        let id = self.models.len() as u32;
+        self.models.insert(model.into(), id);
+        id
+    }
+
+    /// Try to reserve everything `ask` needs. On success the permit holds the reservations.
+    pub fn try_admit(
+        &mut self,
+        cfg: &LimitsConfig,
+        ask: &Ask<'_>,
+        permit: &mut Permit,
+        matched: &mut dyn FnMut(usize, LimitDimension),
+    ) -> Result<(), Refusal> {
+        let now = Instant::now();
+        let now_ms = unix_ms();
+        let lease_valid = self.lease_valid(now);
+        let mut entries = self.spare_entries.pop().unwrap_or_default();
+        entries.clear();
+        let key = ask.key.and_then(|k| cfg.keys.get(k));
+        let policies = match key {
+            Some(k) => k.policies.as_slice(),
+            None => cfg.anonymous_policies.as_slice(),
+        };
+        let mut headers = RateHeaders::default();
+        let mut reserved_tokens = 0;
+        let mut refusal = None;
+        let mut refused: Option<(BudgetId, u64)> = None;
+        // Check every budget first (creating it if new); reserve only if all pass.
+        for &p in policies {
+            let Some(policy) = cfg.policies.get(p) else {
+                continue;
+            };
+            if !policy.enabled || !policy.applies_to_model(ask.model) {
+                continue;
+            }
+            let subject = match policy.per {
+                Per::Global => 0,
+                Per::Key => ask.key.map_or(NO_SUBJECT, |k| k as u32),
+                Per::Entity => key.and_then(|k| k.entity).map_or(NO_SUBJECT, |e| e as u32),
+                Per::Model => self.model_subject(ask.model),
+            };
+            let subject_name = || match policy.per {
+                Per::Global => String::from("all"),
+                Per::Key => key.map_or_else(|| "-".into(), |k| format!("k:{}", k.id)),
+                Per::Entity => key
+                    .and_then(|k| k.entity)
+                    .and_then(|e| cfg.entities.get(e))
+                    .map_or_else(|| "-".into(), |e| format!("e:{e}")),
+                Per::Model if subject == NO_SUBJECT - 1 => "m:*overflow*".into(),
+                Per::Model => format!("m:{}", ask.model),
+            };
+            let mut checks: [(u8, Option<RateLimit>, u64, LimitDimension); 3] = [
+                (KIND_REQUESTS, policy.requests, 1, LimitDimension::Rpm),
+                (KIND_TOKENS, policy.tokens, 0, LimitDimension::Tpm),
+                (KIND_CONCURRENCY, None, 1, LimitDimension::Concurrency),
+            ];
+            checks[1].2 = policy
+                .reserve
+                .tokens(ask.prompt_estimate, ask.max_tokens, ask.n);
+            for (kind, rate, cost, dimension) in checks {
+                let (limit, window_ms) = match (kind, rate, policy.concurrency) {
+                    (KIND_CONCURRENCY, _, Some(c)) => (c, 0),
+                    (KIND_CONCURRENCY, _, None) => continue,
+                    (_, Some(r), _) => (r.max, r.window.as_millis() as u64),
+                    (_, None, _) => continue,
+                };
+                matched(p, dimension);
+                let window = now_ms.checked_div(window_ms).unwrap_or(0);
+                let id = BudgetId {
+                    kind,
+                    owner: p as u32,
+                    subject,
+                    window,
+                };
+                if !self.budgets.contains_key(&id) {
+                    let kind_name = ["r", "t", "c"][kind as usize];
+                    let mut k = String::with_capacity(64);
+                    k.push('{');
+                    k.push_str(&self.prefix);
+                    k.push_str(":p:");
+                    k.push_str(&policy.id);
+                    k.push(':');
+                    k.push_str(&subject_name());
+                    k.push('}');
+                    k.push(':');
+                    k.push_str(kind_name);
+                    if window_ms > 0 {
+                        k.push(':');
+                        k.push_str(&window.to_string());
+                    }
+                    let start = window * window_ms;
+                    self.budgets.insert(
+                        id,
+                        new_budget(
+                            k,
+                            rate.map_or(limit, |r| r.allowance(start, now_ms)),
+                            kind == KIND_CONCURRENCY,
+                            rate.map(|r| (r, start)),
+                            if window_ms > 0 { 2 * window_ms } else { 0 },
+                            if window_ms > 0 { start + window_ms } else { 0 },
+                        ),
+                    );
+                }
+                let Some(budget) = self.budgets.get(&id) else {
+                    continue;
+                };
+                if kind == KIND_TOKENS {
+                    reserved_tokens = reserved_tokens.max(cost);
+                }
+                let reset_ms = budget.ends_at_ms.saturating_sub(now_ms);
+                let remaining = budget.remaining().saturating_sub(cost);
+                let slot = match kind {
+                    KIND_REQUESTS => Some(&mut headers.requests),
+                    KIND_TOKENS => Some(&mut headers.tokens),
+                    _ => None,
+                };
+                if let Some(slot) = slot {
+                    if slot.is_none_or(|(_, r, _)| remaining < r) {
+                        *slot = Some((limit, remaining, reset_ms));
+                    }
+                }
+                if refusal.is_none() {
+                    match self.check(&id, cost, lease_valid) {
+                        Ok(()) => entries.push((id, cost)),
+                        Err(kind) => {
+                            refused = Some((id, cost));
+                            refusal = Some(Refusal {
+                                kind,
+                                policy: Some(p),
+                                dimension,
+                                retry_after: match dimension {
+                                    LimitDimension::Concurrency => Some(1),
+                                    _ => Some(reset_ms.div_ceil(1000).max(1) as u32),
+                                },
+                                limit,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+
+        // Quota plans: the first, by priority, that can cover the reservation.
+        let mut plan_choice = None;
+        if let (Some(k), Some(key_idx), None) = (key, ask.key, refusal) {
+            if !k.plans.is_empty() {
+                let cost = cfg
+                    .reserve
+                    .tokens(ask.prompt_estimate, ask.max_tokens, ask.n);
+                reserved_tokens = reserved_tokens.max(cost);
+                let now_s = now_ms / 1000;
+                let mut first_hope: Option<BudgetId> = None;
+                let mut any_down = false;
+                let mut soonest_reset: Option<u64> = None;
+                for (i, plan) in k.plans.iter().enumerate() {
+                    if plan.expires.is_some_and(|e| now_s >= e) {
+                        continue;
+                    }
+                    let Some(tokens) = plan.tokens else {
+                        plan_choice = Some((i, None));
+                        break;
+                    };
+                    let (period, start_s, end_s) = period_of(plan, now_s);
+                    let id = BudgetId {
+                        kind: KIND_PLAN,
+                        owner: key_idx as u32,
+                        subject: i as u32,
+                        window: period,
+                    };
+                    if !self.budgets.contains_key(&id) {
+                        let mut name = format!("{{{}:q:{}:{}}}", self.prefix, k.id, plan.id);
+                        let ttl = match plan.period {
+                            Period::Once => 0,
+                            _ => {
+                                name.push_str(&format!(":{period}"));
+                                (end_s - start_s + 86_400) * 1000
+                            }
+                        };
+                        self.budgets.insert(
+                            id,
+                            new_budget(name, tokens, true, None, ttl, end_s.saturating_mul(1000)),
+                        );
+                    }
+                    if plan.period != Period::Once {
+                        let reset = end_s.saturating_sub(now_s);
+                        soonest_reset = Some(soonest_reset.map_or(reset, |r| r.min(reset)));
+                    }
+                    match self.check(&id, cost, lease_valid) {
+                        Ok(()) => {
+                            plan_choice = Some((i, Some((id, cost))));
+                            break;
+                        }
+                        Err(RefusalKind::NeedLease) => {
+                            first_hope.get_or_insert(id);
+                        }
+                        Err(RefusalKind::BackendDown) => any_down = true,
+                        Err(RefusalKind::Exhausted) => {}
+                    }
+                }
+                if plan_choice.is_none() {
+                    let kind = if first_hope.is_some() {
+                        RefusalKind::NeedLease
+                    } else if any_down {
+                        RefusalKind::BackendDown
+                    } else {
+                        RefusalKind::Exhausted
+                    };
+                    if let Some(id) = first_hope {
+                        if let Some(b) = self.budgets.get_mut(&id) {
+                            b.demand += cost;
+                        }
+                    }
+                    refusal = Some(Refusal {
+                        kind,
+                        policy: None,
+                        dimension: LimitDimension::Quota,
+                        retry_after: soonest_reset.map(|s| s.clamp(1, u32::MAX as u64) as u32),
+                        limit: 0,
+                    });
+                }
+            }
+        }
+
+        if let Some(r) = refusal {
+            if r.kind == RefusalKind::NeedLease {
+                // Ask for enough at the next sync.
+                if let Some(b) =
+                    refused.and_then(|(id, cost)| self.budgets.get_mut(&id).map(|b| (b, cost)))
+                {
+                    b.0.demand += b.1;
+                }
+            }
+            permit.headers = headers;
+            entries.clear();
+            self.spare_entries.push(entries);
+            return Err(r);
+        }
+        if let Some((_, Some(entry))) = plan_choice {
+            entries.push(entry);
+        }
+        // All pass: reserve.
+        let valid = lease_valid;
+        for (id, cost) in &entries {
+            if let Some(b) = self.budgets.get_mut(id) {
+                if !b.strict && b.free(valid) < *cost as i64 {
+                    b.credit = true;
+                }
+                b.reserved += cost;
+                b.used_since_sync += cost;
+                b.idle_syncs = 0;
+            }
+        }
+        permit.entries = entries;
+        permit.plan = plan_choice.map(|(i, _)| i);
+        permit.reserved_tokens = reserved_tokens;
+        permit.headers = headers;
+        permit.settled = false;
+        Ok(())
+    }
+
+    /// Can `cost` be taken from budget `id` now?
+    fn check(&self, id: &BudgetId, cost: u64, lease_valid: bool) -> Result<(), RefusalKind> {
+        let Some(b) = self.budgets.get(id) else {
+            return Err(RefusalKind::Exhausted);
+        };
+        if b.free(lease_valid) >= cost as i64 {
+            return Ok(());
+        }
+        if !self.backend_ok || !lease_valid {
+            // The ledger is unreachable. Rate limits and concurrency may serve on this core's
+            // share when so configured; quotas spend only what is held.
+            let plan = id.kind == KIND_PLAN;
+            if self.down_allow && !plan {
+                // This core's use of the budget (a window's or the slots) within its share.
+                let share = b.limit.div_ceil(self.down_share).max(1);
+                if b.spent + b.reserved + cost <= share {
+                    return Ok(());
+                }
+                return Err(RefusalKind::Exhausted);
+            }
+            return Err(RefusalKind::BackendDown);
+        }
+        if !b.strict && !b.credit && b.view_has_room(cost) {
+            return Ok(());
+        }
+        let room = b
+            .view
+            .is_none_or(|v| v.spent_total + v.leased_others + cost <= b.limit);
+        if room {
+            Err(RefusalKind::NeedLease)
+        } else {
+            Err(RefusalKind::Exhausted)
+        }
+    }
+
+    /// End a permit: turn its reservations into spend. `tokens`: what the request used (0 to
+    /// release, e.g. after an upstream error). Runs once; a second call does nothing.
+    pub fn settle(&mut self, permit: &mut Permit, tokens: u64) {
+        if permit.settled {
+            return;
+        }
+        permit.settled = true;
+        for (id, reserved) in permit.entries.drain(..) {
+            if let Some(b) = self.budgets.get_mut(&id) {
+                b.reserved = b.reserved.saturating_sub(reserved);
+                b.spent += match id.kind {
+                    KIND_REQUESTS => 1,
+                    KIND_CONCURRENCY => 0,
+                    _ => tokens,
+                };
+            }
+        }
+        let spare = std::mem::take(&mut permit.entries);
+        if self.spare_entries.len() < 1024 {
+            self.spare_entries.push(spare);
+        }
+    }
+
+    /// Fill `out` with this core's exchange for every budget in use. Leases are lowered
+    /// locally to what is guaranteed whatever the exchange's fate (see the module doc).
+    pub fn prepare(&mut self, now_ms: u64, interval: Duration, out: &mut Vec<BudgetSync>) {
+        out.clear();
+        self.in_flight.clear();
+        let lease_valid = self.lease_valid(Instant::now());
+        let ahead = interval.as_millis() as u64;
+        self.budgets.retain(|_, b| {
+            // A finished window or period with nothing left to report is dropped.
+            let over = b.ends_at_ms > 0 && now_ms >= b.ends_at_ms;
+            b.busy() || (!over && b.idle_syncs < 200)
+        });
+        for (id, b) in self.budgets.iter_mut() {
+            if !b.busy() && b.used_since_sync == 0 && b.demand == 0 {
+                b.idle_syncs += 1;
+                continue;
+            }
+            if let Some((rate, start)) = b.rate {
+                b.limit = rate.allowance(start, now_ms + ahead);
+            }
+            let held = if lease_valid {
+                b.granted as i64 - (b.spent - b.spent_at_grant) as i64
+            } else {
+                0
+            }
+            .max(0) as u64;
+            let over = b.ends_at_ms > 0 && now_ms >= b.ends_at_ms;
+            let target_free = if over {
+                0
+            } else {
+                (2 * b.used_since_sync + b.demand).min(b.limit)
+            };
+            let lease = b.reserved + target_free;
+            let floor = lease.min(held).max(b.reserved);
+            b.granted = floor;
+            b.spent_at_grant = b.spent;
+            b.used_since_sync = 0;
+            b.demand = 0;
+            out.push(BudgetSync {
+                key: b.key.clone(),
+                limit: b.limit,
+                spent: b.spent,
+                lease,
+                floor,
+                key_ttl_ms: b.key_ttl_ms,
+            });
+            self.in_flight.push(*id);
+        }
+        self.exchanging = true;
+    }
+
+    /// Take the exchange's result. `sent_at`: when it was sent (leases count from then).
+    pub fn apply(
+        &mut self,
+        result: Result<&[BudgetState], ()>,
+        sent: &[BudgetSync],
+        sent_at: Instant,
+    ) {
+        match result {
+            Ok(states) => {
+                self.backend_ok = true;
+                self.last_ok_sent = Some(sent_at);
+                for ((id, state), s) in self.in_flight.iter().zip(states).zip(sent) {
+                    if let Some(b) = self.budgets.get_mut(id) {
+                        b.granted = state.granted;
+                        b.view = Some(*state);
+                        b.flushed = b.flushed.max(s.spent);
+                        b.credit = false;
+                    }
+                }
+            }
+            Err(()) => self.backend_ok = false,
+        }
+        self.in_flight.clear();
+        self.exchanging = false;
+        self.epoch += 1;
+        for w in self.waiters.drain(..) {
+            w.wake();
+        }
+    }
+
+    /// An interval with nothing to exchange still counts as a completed exchange for waiters.
+    pub fn tick(&mut self) {
+        self.exchanging = false;
+        self.epoch += 1;
+        for w in self.waiters.drain(..) {
+            w.wake();
+        }
+    }
+
+    /// A request waits for the next exchange: register its waker and hurry the sync task.
+    pub fn wait_for_sync(&mut self, waker: &Waker) {
+        self.waiters.push(waker.clone());
+        self.urgent = true;
+        if let Some(w) = self.sync_waker.take() {
+            w.wake();
+        }
+    }
+
+    /// The sync task asks whether to run now; otherwise it is woken when a request waits.
+    pub fn take_urgent(&mut self, waker: &Waker) -> bool {
+        if std::mem::take(&mut self.urgent) {
+            return true;
+        }
+        self.sync_waker = Some(waker.clone());
+        false
+    }
+
+    /// Budgets tracked (for tests and metrics).
+    pub fn budget_count(&self) -> usize {
+        self.budgets.len()
+    }
+}
+
+fn new_budget(
+    key: String,
+    limit: u64,
+    strict: bool,
+    rate: Option<(RateLimit, u64)>,
+    key_ttl_ms: u64,
+    ends_at_ms: u64,
+) -> Budget {
+    Budget {
+        key,
+        limit,
+        strict,
+        rate,
+        key_ttl_ms,
+        ends_at_ms,
+        spent: 0,
+        flushed: 0,
+        granted: 0,
+        spent_at_grant: 0,
+        reserved: 0,
+        credit: false,
+        view: None,
+        used_since_sync: 0,
+        demand: 0,
+        idle_syncs: 0,
+    }
+}
+
+/// (period index, start, end) in unix seconds of the plan's period containing `now_s`.
+pub fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
+    match plan.period {
+        Period::Once => (0, plan.anchor, u64::MAX / 2000),
+        Period::Days(n) => {
+            let len = u64::from(n) * 86_400;
+            let since = now_s.saturating_sub(plan.anchor);
+            let idx = since / len;
+            let start = plan.anchor + idx * len;
+            (idx, start, start + len)
+        }
+        Period::Monthly => {
+            // Calendar months from the anchor's day-of-month and time (clamped to short
+            // months by counting from the 1st plus the anchor's offset into its month).
+            let anchor_days = (plan.anchor / 86_400) as i64;
+            let (ay, am) = super::config::civil_year_month(anchor_days);
+            let anchor_month_start = super::config::days_from_civil(ay, am, 1) as u64 * 86_400;
+            let offset = plan.anchor - anchor_month_start;
+            let (ny, nm) = super::config::civil_year_month((now_s / 86_400) as i64);
+            let mut months = (ny - ay) * 12 + i64::from(nm) - i64::from(am);
+            let start_of = |m: i64| -> u64 {
+                let total = i64::from(am) - 1 + m;
+                let y = ay + total.div_euclid(12);
+                let mo = total.rem_euclid(12) as u32 + 1;
+                super::config::days_from_civil(y, mo, 1).max(0) as u64 * 86_400 + offset
+            };
+            if now_s < start_of(months) {
+                months -= 1;
+            }
+            let months = months.max(0);
+            (months as u64, start_of(months), start_of(months + 1))
+        }
+    }
+}
