@@ -95,12 +95,13 @@ impl Budget {
             .saturating_sub(self.reserved)
     }
 
-    /// The last global view still had room for `cost` (or there is none yet).
-    fn view_has_room(&self, cost: u64) -> bool {
-        match self.view {
-            None => true,
-            Some(v) => v.spent_total + v.leased_others + cost <= self.limit.max(1) + cost / 2,
-        }
+    /// What the ledger had left beyond every lease, this core's included, at the last
+    /// exchange (None: no exchange yet).
+    fn ledger_room(&self) -> Option<u64> {
+        self.view.map(|v| {
+            self.limit
+                .saturating_sub(v.spent_total + v.leased_others + v.granted)
+        })
     }
 
     fn busy(&self) -> bool {
@@ -559,12 +560,12 @@ impl LimiterShard {
             }
             return Err(RefusalKind::BackendDown);
         }
-        if !b.strict && !b.credit && b.view_has_room(cost) {
+        let need = cost - b.free(lease_valid).max(0) as u64;
+        let room = b.ledger_room().is_none_or(|room| room >= need);
+        if !b.strict && !b.credit && room {
+            // One admission on credit per exchange: the rate limits' bounded overshoot.
             return Ok(());
         }
-        let room = b
-            .view
-            .is_none_or(|v| v.spent_total + v.leased_others + cost <= b.limit);
         if room {
             Err(RefusalKind::NeedLease)
         } else {

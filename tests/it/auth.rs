@@ -1,0 +1,297 @@
+//! API keys (issue #3, point 1): how keys are presented, who gets 401 / 403 / 400, the
+//! filtered model list, and what the access log and metrics say about the caller.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use sluice_tests::*;
+
+const ALICE: &str = "sk-alice-3c7e1f";
+const BOB: &str = "sk-bob-9a0d22";
+const OLD: &str = "sk-old-key-77";
+const OFF: &str = "sk-disabled-55";
+
+/// The SHA-256 of a key, printed by `sluice key hash` (the tool operators use).
+fn key_hash(key: &str) -> String {
+    let out = std::process::Command::new(bin("sluice"))
+        .args(["key", "hash", key])
+        .output()
+        .expect("run sluice key hash");
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+fn keys_toml() -> String {
+    format!(
+        r#"
+[[keys]]
+id = "alice"
+sha256 = "{}"
+entity = "team-a"
+tags = ["prod", "gold"]
+models_allow = ["mock-*", "gpt-4o"]
+models_block = ["mock-secret*"]
+
+[[keys]]
+id = "bob"
+sha256 = "{}"
+entity = "team-b"
+source_subnets = ["10.0.0.0/8", "2001:db8::/32"]
+
+[[keys]]
+id = "old"
+sha256 = "{}"
+expires = 2020-01-01T00:00:00Z
+
+[[keys]]
+id = "off"
+sha256 = "{}"
+enabled = false
+"#,
+        key_hash(ALICE),
+        key_hash(BOB),
+        key_hash(OLD),
+        key_hash(OFF)
+    )
+}
+
+fn gateway(mock: &Mock) -> Sluice {
+    Sluice::start(
+        &Config::one_cluster(mock)
+            .route("mock-*", "main")
+            .raw(&keys_toml()),
+    )
+}
+
+fn chat_as(gw: &Sluice, headers: &[(&str, &str)], model: &str) -> Response {
+    let mut req = Req::post("/v1/chat/completions", &chat_body(model));
+    for (k, v) in headers {
+        req = req.header(k, v);
+    }
+    gw.request(&req)
+}
+
+fn error_code(r: &Response) -> String {
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    v["error"]["code"].as_str().unwrap_or("").to_string()
+}
+
+#[test]
+fn key_hash_prints_sha256() {
+    // FIPS 180-2 test vector.
+    assert_eq!(
+        key_hash("abc"),
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    );
+}
+
+#[test]
+fn bearer_and_x_api_key_are_both_accepted() {
+    let mock = Mock::start(&[]);
+    let gw = gateway(&mock);
+    let bearer = format!("Bearer {ALICE}");
+    let r = chat_as(&gw, &[("authorization", &bearer)], "gpt-4o");
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let r = chat_as(&gw, &[("x-api-key", ALICE)], "gpt-4o");
+    assert_eq!(r.status, 200, "{}", r.dump());
+    // The same key twice is one key.
+    let r = chat_as(
+        &gw,
+        &[("authorization", &bearer), ("x-api-key", ALICE)],
+        "gpt-4o",
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    // The client's key never reaches the upstream.
+    let echo = echo_of(&r);
+    let seen: Vec<String> = echo_headers(&echo).into_iter().map(|(k, _)| k).collect();
+    assert!(!seen
+        .iter()
+        .any(|k| k.eq_ignore_ascii_case("authorization") || k.eq_ignore_ascii_case("x-api-key")));
+}
+
+#[test]
+fn two_different_keys_are_a_bad_request() {
+    let mock = Mock::start(&[]);
+    let gw = gateway(&mock);
+    let before = mock.stat("requests");
+    let r = chat_as(
+        &gw,
+        &[
+            ("authorization", &format!("Bearer {ALICE}")),
+            ("x-api-key", BOB),
+        ],
+        "gpt-4o",
+    );
+    assert_eq!(r.status, 400, "{}", r.dump());
+    let r = chat_as(
+        &gw,
+        &[("x-api-key", ALICE), ("x-api-key", "sk-other")],
+        "gpt-4o",
+    );
+    assert_eq!(r.status, 400, "{}", r.dump());
+    assert_eq!(mock.stat("requests"), before, "nothing was forwarded");
+}
+
+#[test]
+fn unknown_disabled_and_expired_keys_get_the_same_401() {
+    let mock = Mock::start(&[]);
+    let gw = gateway(&mock);
+    let mut bodies = Vec::new();
+    for key in ["sk-nobody-123", OLD, OFF] {
+        let r = chat_as(
+            &gw,
+            &[("authorization", &format!("Bearer {key}"))],
+            "gpt-4o",
+        );
+        assert_eq!(r.status, 401, "{}", r.dump());
+        assert_eq!(error_code(&r), "invalid_api_key");
+        bodies.push((
+            r.body.clone(),
+            r.header("content-length").map(str::to_string),
+        ));
+    }
+    assert!(
+        bodies.windows(2).all(|w| w[0] == w[1]),
+        "bodies differ: {bodies:?}"
+    );
+    // No key at all says so.
+    let r = chat_as(&gw, &[], "gpt-4o");
+    assert_eq!(r.status, 401);
+    assert_eq!(error_code(&r), "missing_api_key");
+    // A non-Bearer scheme carries no key.
+    let r = chat_as(&gw, &[("authorization", "Basic YWxpY2U6eA==")], "gpt-4o");
+    assert_eq!(r.status, 401);
+    assert_eq!(error_code(&r), "missing_api_key");
+    assert_eq!(mock.stat("requests"), 0, "nothing was forwarded");
+}
+
+#[test]
+fn model_lists_decide_403_and_block_wins() {
+    let mock = Mock::start(&[]);
+    let gw = gateway(&mock);
+    let alice = [("x-api-key", ALICE)];
+    assert_eq!(chat_as(&gw, &alice, "mock-small").status, 200);
+    // Matches the allow glob but also the block glob.
+    let r = chat_as(&gw, &alice, "mock-secret-1");
+    assert_eq!(r.status, 403, "{}", r.dump());
+    assert_eq!(error_code(&r), "model_not_allowed");
+    // Routed, but outside the allow list.
+    let gw2 = Sluice::start(
+        &Config::one_cluster(&mock)
+            .route("other-*", "main")
+            .raw(&keys_toml()),
+    );
+    let r = chat_as(&gw2, &alice, "other-model");
+    assert_eq!(r.status, 403, "{}", r.dump());
+    // A key without lists may use anything routed.
+    let r = chat_as(&gw2, &[("x-api-key", BOB)], "other-model");
+    assert_eq!(
+        r.status,
+        403,
+        "bob is refused by subnet, not model: {}",
+        r.dump()
+    );
+    assert_eq!(error_code(&r), "source_not_allowed");
+}
+
+#[test]
+fn source_subnets_are_enforced() {
+    let mock = Mock::start(&[]);
+    // bob may only come from 10/8 or 2001:db8::/32; the test connects from 127.0.0.1.
+    let gw = gateway(&mock);
+    let r = chat_as(&gw, &[("x-api-key", BOB)], "gpt-4o");
+    assert_eq!(r.status, 403, "{}", r.dump());
+    assert_eq!(error_code(&r), "source_not_allowed");
+    // Same key, subnets that include loopback (v4 and v6 listeners).
+    let toml = keys_toml().replace(
+        r#"source_subnets = ["10.0.0.0/8", "2001:db8::/32"]"#,
+        r#"source_subnets = ["127.0.0.0/8", "::1/128"]"#,
+    );
+    let gw = Sluice::start(&Config::one_cluster(&mock).raw(&toml));
+    let r = chat_as(&gw, &[("x-api-key", BOB)], "gpt-4o");
+    assert_eq!(r.status, 200, "{}", r.dump());
+    if std::net::TcpListener::bind("[::1]:0").is_ok() {
+        let gw6 = Sluice::start(&Config::one_cluster(&mock).listen("[::1]:0").raw(&toml));
+        let r = chat_as(&gw6, &[("x-api-key", BOB)], "gpt-4o");
+        assert_eq!(r.status, 200, "{}", r.dump());
+        let only_v4 = keys_toml().replace(
+            r#"source_subnets = ["10.0.0.0/8", "2001:db8::/32"]"#,
+            r#"source_subnets = ["127.0.0.0/8"]"#,
+        );
+        let gw6 = Sluice::start(&Config::one_cluster(&mock).listen("[::1]:0").raw(&only_v4));
+        let r = chat_as(&gw6, &[("x-api-key", BOB)], "gpt-4o");
+        assert_eq!(r.status, 403, "{}", r.dump());
+    }
+}
+
+#[test]
+fn models_list_shows_what_the_key_may_use() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .route("mock-small", "main")
+            .route("mock-secret-x", "main")
+            .route("other", "main")
+            .raw(&keys_toml()),
+    );
+    let ids = |r: &Response| -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let r = gw.request(&Req::get("/v1/models").header("x-api-key", ALICE));
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(ids(&r), ["gpt-4o", "mock-small"]);
+    let r = gw.request(&Req::get("/v1/models"));
+    assert_eq!(r.status, 401);
+    let toml = keys_toml().replace(r#"source_subnets = ["10.0.0.0/8", "2001:db8::/32"]"#, "");
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .route("mock-small", "main")
+            .route("other", "main")
+            .raw(&toml),
+    );
+    let r = gw.request(&Req::get("/v1/models").header("x-api-key", BOB));
+    assert_eq!(ids(&r), ["gpt-4o", "mock-small", "other"]);
+}
+
+#[test]
+fn the_log_and_metrics_name_the_caller() {
+    let mock = Mock::start(&[]);
+    let dir = TempDir::new("auth-log");
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .admin()
+            .access_log(dir.path())
+            .access_log_opt("flush_interval_ms", 20)
+            .raw(&keys_toml()),
+    );
+    assert_eq!(chat_as(&gw, &[("x-api-key", ALICE)], "gpt-4o").status, 200);
+    assert_eq!(chat_as(&gw, &[("x-api-key", OFF)], "gpt-4o").status, 401);
+    assert_eq!(
+        chat_as(&gw, &[("x-api-key", ALICE)], "mock-secret").status,
+        403
+    );
+    let records = wait_records(dir.path(), 3, Duration::from_secs(10));
+    let ok = records.iter().find(|r| r["status"] == 200).unwrap();
+    assert_eq!(ok["key_id"], "alice");
+    assert_eq!(ok["entity"], "team-a");
+    assert_eq!(ok["tags"], serde_json::json!(["prod", "gold"]));
+    let denied = records.iter().find(|r| r["status"] == 401).unwrap();
+    assert_eq!(denied["auth_rejection_reason"], "invalid_api_key");
+    assert_eq!(denied["key_id"], "");
+    let forbidden = records.iter().find(|r| r["status"] == 403).unwrap();
+    assert_eq!(forbidden["auth_rejection_reason"], "model_not_allowed");
+    let m = gw.wait_metrics(Duration::from_secs(5), |m| {
+        m.sum("sluice_requests_total", &[("entity", "team-a")]) >= 2.0
+    });
+    assert_eq!(
+        m.sum("sluice_requests_total", &[("entity", "team-a")]),
+        2.0,
+        "alice's 200 and 403 count under her entity"
+    );
+}
