@@ -28,12 +28,12 @@ cat "$tmp/sluice.log"
 echo
 echo "== non-streaming: POST /v1/chat/completions (model gpt-4o-mini, mapped to mock-small upstream)"
 curl -sS http://127.0.0.1:8080/v1/chat/completions \
-  -H 'content-type: application/json' -H 'authorization: Bearer sk-client-key' \
+  -H 'content-type: application/json' -H 'authorization: Bearer sk-demo-pro' \
   -d '{"model":"gpt-4o-mini","messages":[{"role":"user","content":"Say hello"}]}'
 echo
 echo
 echo "== streaming: the same request with \"stream\": true (events arrive as they are generated)"
-curl -sSN http://127.0.0.1:8080/v1/chat/completions \
+curl -sSN http://127.0.0.1:8080/v1/chat/completions -H 'x-api-key: sk-demo-pro' \
   -H 'content-type: application/json' \
   -d '{"model":"gpt-4o-mini","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello"}]}' \
   | grep -v '^: echo'

@@ -1,1 +1,388 @@
+//! Limit policies and quota plans on the in-process backend (issue #3, points 2–4): RPM, TPM
+//! and concurrency policies, stacking, reservation and settlement, quota plans by priority, the
+//! 429 bodies and OpenAI's rate-limit headers. The Redis backend is in `limits_redis.rs`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::time::Duration;
+
+use sluice_tests::*;
+
+const KEY: &str = "sk-limits-test-1";
+const OTHER: &str = "sk-limits-test-2";
+
+fn key_hash(key: &str) -> String {
+    let out = std::process::Command::new(bin("sluice"))
+        .args(["key", "hash", key])
+        .output()
+        .expect("run sluice key hash");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// Two keys of entity `team`, plus whatever `extra` TOML (policies, plans).
+fn config(mock: &Mock, extra: &str, plans: &str) -> Config {
+    Config::one_cluster(mock).raw(&format!(
+        r#"
+[[keys]]
+id = "k1"
+sha256 = "{}"
+entity = "team"
+tags = ["free"]
+{plans}
+
+[[keys]]
+id = "k2"
+sha256 = "{}"
+entity = "team"
+{extra}
+"#,
+        key_hash(KEY),
+        key_hash(OTHER)
+    ))
+}
+
+fn send(gw: &Sluice, key: &str, body: &str) -> Response {
+    gw.request(&Req::post("/v1/chat/completions", body).header("x-api-key", key))
+}
+
+fn body_with_max_tokens(max_tokens: u64) -> String {
+    serde_json::json!({"model": "gpt-4o", "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hello there"}]})
+    .to_string()
+}
+
+fn error_of(r: &Response) -> serde_json::Value {
+    serde_json::from_slice::<serde_json::Value>(&r.body).unwrap()["error"].clone()
+}
+
+fn usage_total(r: &Response) -> u64 {
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    v["usage"]["total_tokens"].as_u64().unwrap()
+}
+
+fn num(r: &Response, name: &str) -> u64 {
+    r.header(name)
+        .unwrap_or_else(|| panic!("no {name}: {}", r.dump()))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn rpm_admits_the_limit_then_429_with_openai_headers() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&config(
+        &mock,
+        r#"
+[[policies]]
+id = "free-rpm"
+tags = ["free"]
+per = "key"
+max_requests = 5
+requests_window_secs = 60
+"#,
+        "",
+    ));
+    let body = chat_body("gpt-4o");
+    for i in 0..5u64 {
+        let r = send(&gw, KEY, &body);
+        assert_eq!(r.status, 200, "request {i}: {}", r.dump());
+        assert_eq!(num(&r, "x-ratelimit-limit-requests"), 5);
+        assert_eq!(num(&r, "x-ratelimit-remaining-requests"), 4 - i);
+        let reset = r.header("x-ratelimit-reset-requests").unwrap();
+        assert!(reset.ends_with('s'), "{reset}");
+    }
+    let r = send(&gw, KEY, &body);
+    assert_eq!(r.status, 429, "{}", r.dump());
+    let e = error_of(&r);
+    assert_eq!(e["type"], "rate_limit_error");
+    assert_eq!(e["code"], "rate_limit_exceeded");
+    let msg = e["message"].as_str().unwrap();
+    assert!(
+        msg.contains("free-rpm") && msg.contains("requests"),
+        "{msg}"
+    );
+    let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    assert_eq!(num(&r, "x-ratelimit-remaining-requests"), 0);
+    assert_eq!(
+        mock.stat("requests"),
+        5,
+        "the refused request was not forwarded"
+    );
+    // Per key: the other key (not tagged `free`) is untouched by this policy.
+    assert_eq!(send(&gw, OTHER, &body).status, 200);
+    assert!(send(&gw, OTHER, &body)
+        .header("x-ratelimit-limit-requests")
+        .is_none());
+}
+
+#[test]
+fn tpm_reserves_then_settles_on_reported_usage() {
+    let mock = Mock::start(&["--tokens", "8"]);
+    let gw = Sluice::start(&config(
+        &mock,
+        r#"
+[[policies]]
+id = "team-tpm"
+entities = ["team"]
+per = "entity"
+max_tokens = 1000
+tokens_window_secs = 60
+"#,
+        "",
+    ));
+    let body = body_with_max_tokens(300);
+    let mut admitted = 0;
+    let mut used = 0;
+    let last = loop {
+        let r = send(&gw, if admitted % 2 == 0 { KEY } else { OTHER }, &body);
+        if r.status != 200 {
+            break r;
+        }
+        admitted += 1;
+        used += usage_total(&r);
+        assert!(admitted < 200, "never refused");
+    };
+    assert_eq!(last.status, 429, "{}", last.dump());
+    let e = error_of(&last);
+    assert!(e["message"].as_str().unwrap().contains("team-tpm"));
+    assert!(e["message"].as_str().unwrap().contains("tokens"));
+    // Each request reserved > 300 tokens: without settlement only 3 would fit in 1000. With
+    // it, the budget is spent by real usage, never past the limit.
+    assert!(
+        admitted > 10,
+        "admitted {admitted}: reservations were not settled"
+    );
+    assert!(used <= 1000, "used {used} > 1000");
+    assert!(used + 300 > 1000 - 2 * 30, "refused too early: used {used}");
+    assert_eq!(num(&last, "x-ratelimit-limit-tokens"), 1000);
+}
+
+#[test]
+fn concurrency_limit_holds_across_workers() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(
+        &config(
+            &mock,
+            r#"
+[[policies]]
+id = "two-at-once"
+max_concurrency = 2
+"#,
+            "",
+        )
+        .workers(2),
+    );
+    let addr = gw.addr;
+    let handles: Vec<_> = (0..8)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let req = Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+                    .header("x-api-key", KEY)
+                    .header("x-mock-delay-ms", "600");
+                let mut c = Conn::open(addr);
+                c.send(&req.build());
+                c.read_response()
+            })
+        })
+        .collect();
+    let responses: Vec<Response> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let ok = responses.iter().filter(|r| r.status == 200).count();
+    let limited: Vec<&Response> = responses.iter().filter(|r| r.status == 429).collect();
+    assert_eq!(ok + limited.len(), 8);
+    assert!((1..=2).contains(&ok), "{ok} admitted");
+    assert!(mock.stat("max_active_requests") <= 2);
+    for r in limited {
+        assert!(error_of(r)["message"]
+            .as_str()
+            .unwrap()
+            .contains("two-at-once"));
+        assert_eq!(r.header("retry-after"), Some("1"));
+    }
+    // Slots come back: later requests are admitted again.
+    assert!(wait_until(Duration::from_secs(3), || send(
+        &gw,
+        KEY,
+        &chat_body("gpt-4o")
+    )
+    .status
+        == 200));
+}
+
+#[test]
+fn stacked_policies_all_apply_and_disabled_ones_do_not() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&config(
+        &mock,
+        r#"
+[[policies]]
+id = "global-rpm"
+max_requests = 1000
+
+[[policies]]
+id = "k2-only"
+keys = ["k2"]
+max_requests = 2
+
+[[policies]]
+id = "off"
+enabled = false
+max_requests = 1
+
+[[policies]]
+id = "gpt4o-rpm"
+models = ["gpt-4*"]
+per = "model"
+max_requests = 3
+"#,
+        "",
+    ));
+    let body = chat_body("gpt-4o");
+    // k2: its own policy (2) is the tightest.
+    assert_eq!(send(&gw, OTHER, &body).status, 200);
+    assert_eq!(send(&gw, OTHER, &body).status, 200);
+    let r = send(&gw, OTHER, &body);
+    assert_eq!(r.status, 429);
+    assert!(error_of(&r)["message"]
+        .as_str()
+        .unwrap()
+        .contains("k2-only"));
+    // k1: the model policy (3 per model, shared by all keys: k2 used 2) refuses next.
+    assert_eq!(send(&gw, KEY, &body).status, 200);
+    let r = send(&gw, KEY, &body);
+    assert_eq!(r.status, 429, "{}", r.dump());
+    assert!(error_of(&r)["message"]
+        .as_str()
+        .unwrap()
+        .contains("gpt4o-rpm"));
+}
+
+#[test]
+fn quota_plans_by_priority_then_insufficient_quota() {
+    let mock = Mock::start(&["--tokens", "8"]);
+    let gw = Sluice::start(&config(
+        &mock,
+        "",
+        r#"
+plans = [
+  { id = "expired", priority = -1, expires = 2020-01-01T00:00:00Z },
+  { id = "trial", tokens = 500, priority = 0 },
+  { id = "monthly", tokens = 300, period = "monthly", anchor = 2026-01-15T00:00:00Z, priority = 1 },
+]
+"#,
+    ));
+    let body = body_with_max_tokens(50);
+    let mut used = 0;
+    let last = loop {
+        let r = send(&gw, KEY, &body);
+        if r.status != 200 {
+            break r;
+        }
+        used += usage_total(&r);
+        assert!(used < 5000, "never refused");
+    };
+    assert_eq!(last.status, 429, "{}", last.dump());
+    let e = error_of(&last);
+    assert_eq!(e["type"], "insufficient_quota");
+    assert_eq!(e["code"], "insufficient_quota");
+    // The monthly plan resets: Retry-After says when (at most a month).
+    let retry: u64 = last.header("retry-after").unwrap().parse().unwrap();
+    assert!(retry > 0 && retry <= 31 * 86_400, "{retry}");
+    // Both plans were drawn on (more than the first holds), neither past its balance.
+    assert!(
+        used > 500,
+        "only {used} used: the second plan was never charged"
+    );
+    assert!(used <= 800, "{used} > 500 + 300");
+    // A key without plans is not limited by them.
+    assert_eq!(send(&gw, OTHER, &body).status, 200);
+}
+
+#[test]
+fn client_abort_mid_stream_is_billed() {
+    let mock = Mock::start(&["--tokens", "40", "--inter-token-ms", "25"]);
+    let gw = Sluice::start(&config(
+        &mock,
+        r#"
+[[policies]]
+id = "tpm"
+per = "key"
+max_tokens = 100000
+"#,
+        "",
+    ));
+    let probe = || send(&gw, KEY, &body_with_max_tokens(10));
+    let a = probe();
+    assert_eq!(a.status, 200);
+    let before = num(&a, "x-ratelimit-remaining-tokens");
+    // A stream the client abandons after the first content event.
+    let mut conn = gw.conn();
+    let stream = serde_json::json!({"model": "gpt-4o", "stream": true, "max_tokens": 40,
+        "messages": [{"role": "user", "content": "tell me a long story"}]})
+    .to_string();
+    conn.send(
+        &Req::post("/v1/chat/completions", &stream)
+            .header("x-api-key", KEY)
+            .build(),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !conn.buffered().windows(4).any(|w| w == b"tok1") {
+        assert!(std::time::Instant::now() < deadline, "no content arrived");
+        assert!(
+            conn.read_more().expect("read stream") > 0,
+            "stream ended early"
+        );
+    }
+    drop(conn);
+    assert!(wait_until(Duration::from_secs(5), || mock
+        .stat("streams_aborted")
+        == 1));
+    std::thread::sleep(Duration::from_millis(100));
+    let b = probe();
+    let after = num(&b, "x-ratelimit-remaining-tokens");
+    // remaining(a) − remaining(b) = what `a` used + what the aborted stream was billed.
+    let billed = before - after - usage_total(&a);
+    assert!(billed >= 5, "the aborted stream was billed {billed}");
+    assert!(billed < 100, "billed {billed}: more than prompt + streamed");
+}
+
+#[test]
+fn bad_limits_config_is_reported_with_paths() {
+    let mock = Mock::start(&[]);
+    let out = Sluice::check(&Config::one_cluster(&mock).raw(
+        r#"
+[limits]
+backend = "redis"
+on_backend_down = "maybe"
+
+[[keys]]
+id = "a"
+sha256 = "xyz"
+source_subnets = ["10.0.0.1/8"]
+plans = [{ id = "p", period = "weekly" }]
+
+[[policies]]
+id = "p1"
+keys = ["nobody"]
+
+[[policies]]
+id = "p2"
+per = "team"
+max_requests = 0
+"#,
+    ));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for path in [
+        "limits.redis",
+        "limits.on_backend_down",
+        "keys[0].sha256",
+        "keys[0].source_subnets[0]",
+        "keys[0].plans[0].period",
+        "policies[0].keys",
+        "policies[0]",
+        "policies[1].per",
+        "policies[1].max_requests",
+    ] {
+        assert!(err.contains(path), "missing {path} in:\n{err}");
+    }
+}

@@ -1,0 +1,493 @@
+//! Limits shared through a real `redis-server` by several Sluice processes (issue #3, points 4–6):
+//! a strict quota under 1,000 concurrent requests, an RPM limit under a burst, a concurrency
+//! limit, Redis killed and restarted mid-load, and a client abort billed in the ledger.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use sluice_tests::*;
+
+const KEY: &str = "sk-redis-shared-1";
+
+fn key_hash(key: &str) -> String {
+    let out = std::process::Command::new(bin("sluice"))
+        .args(["key", "hash", key])
+        .output()
+        .expect("run sluice key hash");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// `n` Sluice processes with `workers` each, sharing limits through `redis`.
+fn gateways(mock: &Mock, redis: &Redis, n: usize, workers: u32, extra: &str) -> Vec<Sluice> {
+    let toml = format!(
+        r#"
+[limits]
+backend = "redis"
+nodes = {n}
+lease_ttl_ms = 2000
+{extra_limits}
+
+[limits.redis]
+address = "{}"
+key_prefix = "t"
+
+[[keys]]
+id = "shared"
+sha256 = "{}"
+{plans}
+{policies}
+"#,
+        redis.addr,
+        key_hash(KEY),
+        extra_limits = section(extra, "limits"),
+        plans = section(extra, "plans"),
+        policies = section(extra, "policies"),
+    );
+    (0..n)
+        .map(|_| Sluice::start(&Config::one_cluster(mock).workers(workers).raw(&toml)))
+        .collect()
+}
+
+/// The part of `extra` after the line `#<name>` up to the next `#…` marker line.
+fn section(extra: &str, name: &str) -> String {
+    let mut out = String::new();
+    let mut on = false;
+    for line in extra.lines() {
+        if let Some(tag) = line.trim().strip_prefix('#') {
+            on = tag == name;
+            continue;
+        }
+        if on {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+fn request(addr: SocketAddr, body: &str, headers: &[(&str, &str)]) -> Response {
+    let mut req = Req::post("/v1/chat/completions", body).header("x-api-key", KEY);
+    for (k, v) in headers {
+        req = req.header(k, v);
+    }
+    let mut c = Conn::open(addr);
+    c.set_timeout(Duration::from_secs(30));
+    c.send(&req.build());
+    c.read_response()
+}
+
+fn usage_total(r: &Response) -> u64 {
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    v["usage"]["total_tokens"].as_u64().unwrap()
+}
+
+/// Σ of every worker's cumulative spend in a budget hash (fields `s:<node>`).
+fn ledger_spent(redis: &Redis, pattern: &str) -> u64 {
+    redis
+        .keys(pattern)
+        .iter()
+        .flat_map(|k| redis.hgetall(k))
+        .filter(|(f, _)| f.starts_with("s:"))
+        .map(|(_, v)| v.parse::<u64>().unwrap())
+        .sum()
+}
+
+fn body(max_tokens: u64) -> String {
+    serde_json::json!({"model": "gpt-4o", "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hi"}]})
+    .to_string()
+}
+
+/// Not in the last `margin` of a wall-clock minute: a 60 s window won't roll over mid-test.
+fn away_from_minute_boundary(margin: Duration) {
+    loop {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        let into = Duration::from_millis((now.as_millis() % 60_000) as u64);
+        if into + margin < Duration::from_secs(60) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn quota_holds_under_1000_concurrent_requests_from_3_processes() {
+    let redis = Redis::start();
+    let mock = Mock::start(&["--tokens", "8"]);
+    let gws = gateways(
+        &mock,
+        &redis,
+        3,
+        2,
+        "#plans\nplans = [{ id = \"prepaid\", tokens = 10000 }]",
+    );
+    let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
+    let start = Arc::new(std::sync::Barrier::new(1000));
+    let handles: Vec<_> = (0..1000)
+        .map(|i| {
+            let addr = addrs[i % 3];
+            let start = Arc::clone(&start);
+            std::thread::Builder::new()
+                .stack_size(256 << 10)
+                .spawn(move || {
+                    start.wait();
+                    request(addr, &body(100), &[("x-mock-delay-ms", "100")])
+                })
+                .unwrap()
+        })
+        .collect();
+    let responses: Vec<Response> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let admitted: Vec<&Response> = responses.iter().filter(|r| r.status == 200).collect();
+    for r in &responses {
+        assert!(
+            r.status == 200 || r.status == 429,
+            "unexpected answer: {}",
+            r.dump()
+        );
+        if r.status == 429 {
+            let e: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            assert_eq!(e["error"]["type"], "insufficient_quota", "{}", r.dump());
+        }
+    }
+    // Each admitted request reserved at least 100 + 1 tokens: their sum fits the balance.
+    assert!(
+        admitted.len() * 101 <= 10_000,
+        "{} admitted: reservations exceed the quota",
+        admitted.len()
+    );
+    assert!(admitted.len() >= 30, "only {} admitted", admitted.len());
+    // The ledger settles to exactly what the upstream reported.
+    let reported: u64 = admitted.iter().map(|r| usage_total(r)).sum();
+    let settled = wait_until(Duration::from_secs(5), || {
+        ledger_spent(&redis, "{t:q:shared:prepaid}") == reported
+    });
+    assert!(
+        settled,
+        "ledger {} != reported usage {reported}",
+        ledger_spent(&redis, "{t:q:shared:prepaid}")
+    );
+    assert_eq!(
+        mock.stat("usage_prompt_tokens") + mock.stat("usage_completion_tokens"),
+        reported
+    );
+}
+
+#[test]
+fn rpm_600_under_a_5000_request_burst_from_3_processes() {
+    let redis = Redis::start();
+    let mock = Mock::start(&["--tokens", "1"]);
+    let gws = gateways(
+        &mock,
+        &redis,
+        3,
+        2,
+        "#policies\n[[policies]]\nid = \"rpm\"\nmax_requests = 600\nrequests_window_secs = 60",
+    );
+    away_from_minute_boundary(Duration::from_secs(20));
+    let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
+    let admitted = Arc::new(AtomicU64::new(0));
+    let refused = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..50)
+        .map(|t| {
+            let addr = addrs[t % 3];
+            let (admitted, refused) = (Arc::clone(&admitted), Arc::clone(&refused));
+            std::thread::spawn(move || {
+                let mut c = Conn::open(addr);
+                let req = Req::post("/v1/chat/completions", &body(1)).header("x-api-key", KEY);
+                for _ in 0..100 {
+                    c.send(&req.build());
+                    let r = c.read_response();
+                    match r.status {
+                        200 => admitted.fetch_add(1, Ordering::Relaxed),
+                        429 => refused.fetch_add(1, Ordering::Relaxed),
+                        _ => panic!("unexpected: {}", r.dump()),
+                    };
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let admitted = admitted.load(Ordering::Relaxed);
+    assert_eq!(admitted + refused.load(Ordering::Relaxed), 5000);
+    // The documented bound: at most 2 × cores (3 processes × 2 workers) × 1 request over.
+    assert!(admitted <= 600 + 2 * 6, "{admitted} admitted");
+    assert!(
+        admitted >= 590,
+        "{admitted} admitted: leases were left unused"
+    );
+    assert_eq!(mock.stat("requests"), admitted);
+}
+
+#[test]
+fn concurrency_5_across_processes() {
+    let redis = Redis::start();
+    let mock = Mock::start(&[]);
+    let gws = gateways(
+        &mock,
+        &redis,
+        3,
+        2,
+        "#policies\n[[policies]]\nid = \"five\"\nmax_concurrency = 5",
+    );
+    let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..30)
+        .map(|t| {
+            let addr = addrs[t % 3];
+            let (stop, ok) = (Arc::clone(&stop), Arc::clone(&ok));
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let r = request(addr, &body(1), &[("x-mock-delay-ms", "50")]);
+                    match r.status {
+                        200 => {
+                            ok.fetch_add(1, Ordering::Relaxed);
+                        }
+                        429 => std::thread::sleep(Duration::from_millis(5)),
+                        _ => panic!("unexpected: {}", r.dump()),
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().unwrap();
+    }
+    let peak = mock.stat("max_active_requests");
+    assert!(peak <= 5, "{peak} requests in flight at mock-llm");
+    assert!(peak >= 2, "peak {peak}: slots never shared");
+    assert!(
+        ok.load(Ordering::Relaxed) >= 20,
+        "{} served",
+        ok.load(Ordering::Relaxed)
+    );
+}
+
+/// Continuous load from `threads` threads; returns the counts by status when `stop` is set.
+fn load(
+    addrs: &[SocketAddr],
+    threads: usize,
+    stop: &Arc<AtomicBool>,
+    log: &Arc<std::sync::Mutex<Vec<(Instant, u16, u64)>>>,
+) -> Vec<std::thread::JoinHandle<()>> {
+    (0..threads)
+        .map(|t| {
+            let addr = addrs[t % addrs.len()];
+            let (stop, log) = (Arc::clone(stop), Arc::clone(log));
+            std::thread::spawn(move || {
+                let mut c = Conn::open(addr);
+                let req = Req::post("/v1/chat/completions", &body(5)).header("x-api-key", KEY);
+                while !stop.load(Ordering::Relaxed) {
+                    c.send(&req.build());
+                    let r = c.read_response();
+                    let used = if r.status == 200 { usage_total(&r) } else { 0 };
+                    if r.status != 200 {
+                        assert!(
+                            r.status == 503 || r.status == 429,
+                            "unexpected: {}",
+                            r.dump()
+                        );
+                    }
+                    log.lock().unwrap().push((Instant::now(), r.status, used));
+                    if r.header("connection") == Some("close") {
+                        c = Conn::open(addr);
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn redis_killed_and_restarted_allow_policy_serves_and_reconciles() {
+    let mut redis = Redis::start();
+    let mock = Mock::start(&["--tokens", "2"]);
+    let mut gws = gateways(
+        &mock,
+        &redis,
+        3,
+        2,
+        "#policies\n[[policies]]\nid = \"big-rpm\"\nmax_requests = 1000000\nrequests_window_secs = 3600",
+    );
+    let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handles = load(&addrs, 6, &stop, &log);
+    std::thread::sleep(Duration::from_millis(500));
+    redis.kill();
+    let killed_at = Instant::now();
+    std::thread::sleep(Duration::from_millis(1500));
+    // Restarted empty (no persistence): the workers' absolute counts refill it.
+    redis.restart();
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().unwrap();
+    }
+    for g in gws.iter_mut() {
+        assert!(g.is_running(), "sluice died: {}", g.stderr_text());
+    }
+    let log = log.lock().unwrap();
+    let during: Vec<u16> = log
+        .iter()
+        .filter(|(t, _, _)| *t > killed_at && *t < killed_at + Duration::from_millis(1400))
+        .map(|(_, s, _)| *s)
+        .collect();
+    assert!(
+        during.len() > 50,
+        "only {} requests while Redis was down",
+        during.len()
+    );
+    assert!(
+        during.iter().all(|s| *s == 200),
+        "allow: served on local shares while Redis was down"
+    );
+    let admitted = log.iter().filter(|(_, s, _)| *s == 200).count() as u64;
+    let ok = wait_until(Duration::from_secs(5), || {
+        ledger_spent(&redis, "{t:p:big-rpm:all}:r:*") == admitted
+    });
+    assert!(
+        ok,
+        "ledger {} != {admitted} admitted",
+        ledger_spent(&redis, "{t:p:big-rpm:all}:r:*")
+    );
+}
+
+#[test]
+fn redis_down_deny_policy_answers_503_then_recovers() {
+    let mut redis = Redis::start();
+    let mock = Mock::start(&["--tokens", "2"]);
+    let gws = gateways(
+        &mock,
+        &redis,
+        1,
+        2,
+        "#limits\non_backend_down = \"deny\"\n#policies\n[[policies]]\nid = \"rpm\"\nmax_requests = 1000000\nrequests_window_secs = 3600",
+    );
+    let addr = gws[0].addr;
+    assert_eq!(request(addr, &body(5), &[]).status, 200);
+    redis.kill();
+    // Leases held are spent first; then 503 with Retry-After.
+    let mut refused = None;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while refused.is_none() && Instant::now() < deadline {
+        let r = request(addr, &body(5), &[]);
+        if r.status == 503 {
+            refused = Some(r);
+        } else {
+            assert_eq!(r.status, 200, "{}", r.dump());
+        }
+    }
+    let r = refused.expect("never refused while Redis was down");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let e: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(e["error"]["code"], "limits_unavailable");
+    redis.restart();
+    assert!(wait_until(Duration::from_secs(10), || request(
+        addr,
+        &body(5),
+        &[]
+    )
+    .status
+        == 200));
+}
+
+#[test]
+fn quota_spends_only_held_leases_while_redis_is_down() {
+    let mut redis = Redis::start();
+    let mock = Mock::start(&["--tokens", "2"]);
+    let mut gws = gateways(
+        &mock,
+        &redis,
+        2,
+        2,
+        "#plans\nplans = [{ id = \"pre\", tokens = 100000000 }]",
+    );
+    let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handles = load(&addrs, 4, &stop, &log);
+    std::thread::sleep(Duration::from_millis(400));
+    redis.kill();
+    // Leases (valid 2 s) run out, then 503s; a restart serves again.
+    std::thread::sleep(Duration::from_millis(3000));
+    redis.restart();
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().unwrap();
+    }
+    for g in gws.iter_mut() {
+        assert!(g.is_running(), "sluice died: {}", g.stderr_text());
+    }
+    let log = log.lock().unwrap();
+    assert!(log.iter().any(|(_, s, _)| *s == 503), "never refused");
+    let last = log
+        .iter()
+        .rev()
+        .take(20)
+        .filter(|(_, s, _)| *s == 200)
+        .count();
+    assert!(last > 0, "not serving again after Redis came back");
+    let used: u64 = log.iter().map(|(_, _, u)| *u).sum();
+    let ok = wait_until(Duration::from_secs(5), || {
+        ledger_spent(&redis, "{t:q:shared:pre}") == used
+    });
+    assert!(
+        ok,
+        "ledger {} != {used} used",
+        ledger_spent(&redis, "{t:q:shared:pre}")
+    );
+}
+
+#[test]
+fn client_abort_mid_stream_is_billed_in_the_ledger() {
+    let redis = Redis::start();
+    let mock = Mock::start(&["--tokens", "40", "--inter-token-ms", "25"]);
+    let gws = gateways(
+        &mock,
+        &redis,
+        1,
+        1,
+        "#plans\nplans = [{ id = \"pre\", tokens = 100000 }]",
+    );
+    let stream = serde_json::json!({"model": "gpt-4o", "stream": true, "max_tokens": 40,
+        "messages": [{"role": "user", "content": "tell me a long story"}]})
+    .to_string();
+    let mut conn = gws[0].conn();
+    conn.send(
+        &Req::post("/v1/chat/completions", &stream)
+            .header("x-api-key", KEY)
+            .build(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !conn.buffered().windows(4).any(|w| w == b"tok2") {
+        assert!(Instant::now() < deadline, "no content arrived");
+        assert!(
+            conn.read_more().expect("read stream") > 0,
+            "stream ended early"
+        );
+    }
+    drop(conn);
+    assert!(wait_until(Duration::from_secs(5), || mock
+        .stat("streams_aborted")
+        == 1));
+    let billed = |r: &Redis| ledger_spent(r, "{t:q:shared:pre}");
+    assert!(
+        wait_until(Duration::from_secs(5), || billed(&redis) > 0),
+        "the aborted stream was not billed"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let b = billed(&redis);
+    // The prompt estimate plus the few tokens streamed: more than nothing, less than the
+    // whole 40-token answer plus prompt.
+    assert!((3..60).contains(&b), "billed {b}");
+}
