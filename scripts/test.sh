@@ -31,6 +31,10 @@ if ! command -v promtool >/dev/null 2>&1; then
   log "installing promtool (Debian package prometheus): validates the alert rules and /metrics"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
+if ! command -v redis-server >/dev/null 2>&1; then
+  log "installing redis-server (Debian package): the harness runs a real one for the sync backend's tests"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+fi
 
 log "format and lints"
 cargo fmt --all -- --check

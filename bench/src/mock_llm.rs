@@ -50,6 +50,7 @@ On start it prints `mock-llm listening on IP:PORT` to stdout.
 ENDPOINTS:
     POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings
     GET  /v1/models, /_mock/stats
+    POST /_mock/reset_peak
 
 REQUEST HEADERS:
     x-mock-status: N, x-mock-retry-after: S, x-mock-ttft-ms: N, x-mock-inter-token-ms: N,
@@ -111,6 +112,17 @@ pub struct Stats {
     pub streams_aborted: Cell<u64>,
     /// Connections closed by `--idle-close-ms`.
     pub idle_closed: Cell<u64>,
+    /// Requests (not `/_mock/*`) read and not yet answered in full.
+    pub active_requests: Cell<u64>,
+    /// Peak of `active_requests` since start or the last `POST /_mock/reset_peak`.
+    pub max_active_requests: Cell<u64>,
+    /// Sums of the `usage` the mock reported, in bodies and streams, as sent.
+    pub usage_prompt_tokens: Cell<u64>,
+    pub usage_completion_tokens: Cell<u64>,
+    /// Streaming requests that asked for `stream_options.include_usage: true`.
+    pub include_usage_requests: Cell<u64>,
+    /// Usage-only chunks (`choices: []`) sent at the end of chat / completions streams.
+    pub usage_chunks: Cell<u64>,
 }
 
 impl Stats {
@@ -123,7 +135,10 @@ impl Stats {
             out,
             "{{\"connections_accepted\":{},\"connections_open\":{},\"requests\":{},\
              \"streams_started\":{},\"streams_completed\":{},\"streams_aborted\":{},\
-             \"active_streams\":{},\"idle_closed\":{}}}",
+             \"active_streams\":{},\"idle_closed\":{},\"active_requests\":{},\
+             \"max_active_requests\":{},\"usage_prompt_tokens\":{},\
+             \"usage_completion_tokens\":{},\"include_usage_requests\":{},\
+             \"usage_chunks\":{}}}",
             self.connections_accepted.get(),
             self.connections_open.get(),
             self.requests.get(),
@@ -131,8 +146,41 @@ impl Stats {
             self.streams_completed.get(),
             self.streams_aborted.get(),
             active,
-            self.idle_closed.get()
+            self.idle_closed.get(),
+            self.active_requests.get(),
+            self.max_active_requests.get(),
+            self.usage_prompt_tokens.get(),
+            self.usage_completion_tokens.get(),
+            self.include_usage_requests.get(),
+            self.usage_chunks.get()
         );
+    }
+
+    /// A request starts being answered.
+    pub fn request_began(&self) {
+        let active = self.active_requests.get() + 1;
+        self.active_requests.set(active);
+        self.max_active_requests
+            .set(self.max_active_requests.get().max(active));
+    }
+
+    /// A request's answer ended (sent in full, cut on purpose, or the client left).
+    pub fn request_ended(&self) {
+        self.active_requests
+            .set(self.active_requests.get().saturating_sub(1));
+    }
+
+    /// Usage the mock put in a body or event it sent.
+    pub fn reported_usage(&self, prompt: u64, completion: u64) {
+        let p = &self.usage_prompt_tokens;
+        p.set(p.get().saturating_add(prompt));
+        let c = &self.usage_completion_tokens;
+        c.set(c.get().saturating_add(completion));
+    }
+
+    /// `POST /_mock/reset_peak`: the peak starts over from the requests in flight now.
+    pub fn reset_peak(&self) {
+        self.max_active_requests.set(self.active_requests.get());
     }
 }
 
@@ -357,6 +405,37 @@ mod tests {
         assert_eq!(Fault::parse("chunk-ext"), Some(Fault::ChunkExt));
         assert_eq!(Fault::parse("status=abc"), None);
         assert_eq!(Fault::parse("nope"), None);
+    }
+
+    #[test]
+    fn peak_and_usage_counters() {
+        let s = Stats::default();
+        s.request_began();
+        s.request_began();
+        s.request_ended();
+        s.request_began();
+        assert_eq!(
+            (s.active_requests.get(), s.max_active_requests.get()),
+            (2, 2)
+        );
+        s.request_ended();
+        s.reset_peak();
+        assert_eq!(s.max_active_requests.get(), 1);
+        s.request_ended();
+        s.request_ended();
+        assert_eq!(s.active_requests.get(), 0);
+        s.reported_usage(3, 4);
+        s.reported_usage(1, 0);
+        let mut out = Vec::new();
+        s.write_json(&mut out);
+        let v: serde_json::Value = match serde_json::from_slice(&out) {
+            Ok(v) => v,
+            Err(e) => panic!("{e}: {}", String::from_utf8_lossy(&out)),
+        };
+        assert_eq!(v["usage_prompt_tokens"], 4);
+        assert_eq!(v["usage_completion_tokens"], 4);
+        assert_eq!(v["max_active_requests"], 1);
+        assert_eq!(v["active_requests"], 0);
     }
 
     #[test]

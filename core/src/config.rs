@@ -175,6 +175,7 @@ struct RawUpstream {
     max_idle_per_backend: usize,
     max_connections_per_backend: usize,
     idle_timeout_ms: u64,
+    request_stream_usage: bool,
 }
 
 impl Default for RawUpstream {
@@ -183,6 +184,7 @@ impl Default for RawUpstream {
             max_idle_per_backend: 64,
             max_connections_per_backend: 1024,
             idle_timeout_ms: 30_000,
+            request_stream_usage: true,
         }
     }
 }
@@ -319,6 +321,10 @@ pub struct UpstreamLimits {
     pub max_idle_per_backend: usize,
     pub max_connections_per_backend: usize,
     pub idle_timeout: Duration,
+    /// Ask the upstream for usage on streamed chat completions and completions
+    /// (`stream_options.include_usage`) even when the client did not, so limits settle on
+    /// reported usage; that client never sees the extra usage chunk.
+    pub request_stream_usage: bool,
 }
 
 pub type ClusterId = usize;
@@ -808,6 +814,7 @@ pub fn load(
             max_idle_per_backend: raw.upstream.max_idle_per_backend,
             max_connections_per_backend: raw.upstream.max_connections_per_backend,
             idle_timeout: Duration::from_millis(raw.upstream.idle_timeout_ms),
+            request_stream_usage: raw.upstream.request_stream_usage,
         },
         clusters,
         routes,
@@ -972,6 +979,22 @@ mod tests {
         );
         assert!(paths.contains(&"clusters.a.credential.env"), "{paths:?}");
         assert!(paths.contains(&"routes[0].cluster"), "{paths:?}");
+    }
+
+    #[test]
+    fn request_stream_usage_defaults_on() {
+        let cluster = "[clusters.a]\nbackends = [{ base_url = \"http://127.0.0.1:1/v1\" }]\n\
+                       [[routes]]\nmodel = \"*\"\ncluster = \"a\"\n";
+        let s = load(cluster, &|_| None).unwrap();
+        assert!(s.upstream.request_stream_usage);
+        let off = format!("[upstream]\nrequest_stream_usage = false\n{cluster}");
+        assert!(!load(&off, &|_| None).unwrap().upstream.request_stream_usage);
+        let errs = load("[upstream]\nrequest_stream_usage = 1\n", &|_| None).unwrap_err();
+        assert!(
+            errs.iter()
+                .any(|e| e.message.contains("expected a boolean")),
+            "{errs:?}"
+        );
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Forward: write the request to the chosen backend and wait for its response head.
 //!
 //! Runs after routing. Takes the client's request, the inspection and the [`Target`]; builds the
-//! upstream request (the mapped model spliced into an otherwise byte-identical body, the
-//! cluster's credential in place of the client's, hop-by-hop headers dropped), sends it on a
+//! upstream request (the mapped model spliced into an otherwise byte-identical body, for a
+//! streamed chat completion or completion `stream_options.include_usage: true` spliced in when
+//! configured and the client did not ask, the cluster's credential in place of the client's,
+//! hop-by-hop headers dropped), sends it on a
 //! pooled or new connection and reads the response head within `upstream_first_byte`. Returns an
 //! [`UpstreamResponse`]: the connection, the head, and any body bytes read with it. A pooled
 //! connection that turns out dead before answering a single byte is retried once on a fresh one.
@@ -16,7 +18,7 @@ use crate::conn::Request;
 use crate::error::{GatewayError, UpstreamFault};
 use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
-use crate::inspect::Inspection;
+use crate::inspect::{Inspection, StreamOptionsAt};
 use crate::observe::Observation;
 use crate::route::Target;
 use crate::upstream::{connect, UpstreamConn};
@@ -39,13 +41,17 @@ fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
         || credential_header.is_some_and(|c| c.as_bytes().eq_ignore_ascii_case(name))
 }
 
-/// Build the upstream request into `out`.
+/// Build the upstream request into `out`. With `request_usage` (`upstream.request_stream_usage`),
+/// a streamed `/v1/chat/completions` or `/v1/completions` request whose client did not set
+/// `stream_options.include_usage: true` gets it spliced in; returns whether that happened (the
+/// relay then withholds the usage chunk from this client).
 pub fn build_request(
     out: &mut Vec<u8>,
     request: &Request<'_>,
     inspection: &Inspection,
     target: &Target<'_>,
-) {
+    request_usage: bool,
+) -> bool {
     let buf = request.buf;
     let head = request.head;
     let backend = target.backend;
@@ -54,15 +60,23 @@ pub fn build_request(
     let suffix = target_path.strip_prefix(b"/v1").unwrap_or(target_path);
 
     let body = request.body;
-    let (model_start, model_end) = inspection.model_span;
     let mut mapped_literal = String::new();
-    let body_len = match target.mapped_model {
-        Some(model) => {
-            crate::error::push_json_string(&mut mapped_literal, model);
-            body.len() - (model_end - model_start) + mapped_literal.len()
-        }
-        None => body.len(),
-    };
+    if let Some(model) = target.mapped_model {
+        crate::error::push_json_string(&mut mapped_literal, model);
+    }
+    let request_usage =
+        request_usage && matches!(head.path(buf), b"/v1/chat/completions" | b"/v1/completions");
+    let edits = body_edits(
+        inspection,
+        target.mapped_model.map(|_| mapped_literal.as_bytes()),
+        request_usage,
+    );
+    let body_len = edits
+        .iter()
+        .flatten()
+        .fold(body.len(), |len, (start, end, with, _)| {
+            len - (end - start) + with.len()
+        });
 
     out.clear();
     out.extend_from_slice(b"POST ");
@@ -87,14 +101,77 @@ pub fn build_request(
         out.extend_from_slice(b"\r\n");
     }
     let _ = write!(out, "content-length: {body_len}\r\n\r\n");
-    match target.mapped_model {
-        Some(_) => {
-            out.extend_from_slice(&body[..model_start]);
-            out.extend_from_slice(mapped_literal.as_bytes());
-            out.extend_from_slice(&body[model_end..]);
-        }
-        None => out.extend_from_slice(body),
+    splice(out, body, edits.iter().flatten().copied());
+    edits.iter().flatten().any(|e| e.3)
+}
+
+/// A replacement of `body[start..end]` (empty for an insertion) by the bytes given, and whether
+/// it is the `include_usage` one.
+type Edit<'a> = (usize, usize, &'a [u8], bool);
+
+/// The body's edits, in body order: the mapped model's literal in place of the client's, and
+/// (with `request_usage`) `include_usage` made true. They touch disjoint top-level values.
+fn body_edits<'a>(
+    inspection: &Inspection,
+    mapped_literal: Option<&'a [u8]>,
+    request_usage: bool,
+) -> [Option<Edit<'a>>; 2] {
+    let (start, end) = inspection.model_span;
+    let model = mapped_literal.map(|m| (start, end, m, false));
+    let usage = request_usage
+        .then(|| include_usage_edit(inspection))
+        .flatten();
+    match (model, usage) {
+        (Some(m), Some(u)) if u.0 < m.0 => [usage, model],
+        _ => [model, usage],
     }
+}
+
+/// The edit that makes a streaming request's `stream_options.include_usage` true, or `None`
+/// when the client asked for usage itself (or the request does not stream). Only the value or
+/// key concerned is touched, so the body stays byte-identical around it.
+fn include_usage_edit(inspection: &Inspection) -> Option<Edit<'static>> {
+    if !inspection.stream || inspection.include_usage == Some(true) {
+        return None;
+    }
+    let (start, end, with): (usize, usize, &'static [u8]) = match inspection.stream_options {
+        // The body always has `model` after its `{`, so a comma can follow.
+        StreamOptionsAt::Absent { insert_at } => (
+            insert_at,
+            insert_at,
+            b"\"stream_options\":{\"include_usage\":true},",
+        ),
+        StreamOptionsAt::Null { span: (start, end) } => (start, end, b"{\"include_usage\":true}"),
+        StreamOptionsAt::Object {
+            inside,
+            empty,
+            include_usage: None,
+        } => {
+            let with: &[u8] = if empty {
+                b"\"include_usage\":true"
+            } else {
+                b"\"include_usage\":true,"
+            };
+            (inside, inside, with)
+        }
+        // `false` or `null`.
+        StreamOptionsAt::Object {
+            include_usage: Some((start, end)),
+            ..
+        } => (start, end, b"true"),
+    };
+    Some((start, end, with, true))
+}
+
+/// Append `body` to `out` with `edits` (in body order, not overlapping) applied.
+fn splice<'a>(out: &mut Vec<u8>, body: &[u8], edits: impl Iterator<Item = Edit<'a>>) {
+    let mut at = 0;
+    for (start, end, with, _) in edits {
+        out.extend_from_slice(&body[at..start]);
+        out.extend_from_slice(with);
+        at = end;
+    }
+    out.extend_from_slice(&body[at..]);
 }
 
 /// An upstream's answer, head parsed, body not yet relayed.
@@ -282,5 +359,123 @@ async fn attempt(
                 request,
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::inspect::Inspector;
+
+    /// The body the upstream gets: `mapped` spliced in as the model (when given) and
+    /// `include_usage` asked for (when `request_usage`). Also returns whether usage was asked.
+    fn rewrite(body: &str, mapped: Option<&str>, request_usage: bool) -> (String, bool) {
+        let mut inspection = Inspection::default();
+        Inspector::default()
+            .inspect(body.as_bytes(), &mut inspection)
+            .unwrap();
+        let mut literal = String::new();
+        if let Some(m) = mapped {
+            crate::error::push_json_string(&mut literal, m);
+        }
+        let edits = body_edits(
+            &inspection,
+            mapped.map(|_| literal.as_bytes()),
+            request_usage,
+        );
+        let mut out = Vec::new();
+        splice(&mut out, body.as_bytes(), edits.iter().flatten().copied());
+        let len = edits
+            .iter()
+            .flatten()
+            .fold(body.len(), |len, (s, e, w, _)| len - (e - s) + w.len());
+        assert_eq!(out.len(), len, "content-length must match the body");
+        let injected = edits.iter().flatten().any(|e| e.3);
+        (String::from_utf8(out).unwrap(), injected)
+    }
+
+    #[test]
+    fn include_usage_is_spliced_touching_nothing_else() {
+        for (body, want) in [
+            // Absent: a new first key.
+            (
+                r#"{"model":"m","stream":true,"messages":[]}"#,
+                r#"{"stream_options":{"include_usage":true},"model":"m","stream":true,"messages":[]}"#,
+            ),
+            (
+                " {\n \"stream\":true, \"model\":\"m\" }",
+                " {\"stream_options\":{\"include_usage\":true},\n \"stream\":true, \"model\":\"m\" }",
+            ),
+            // null.
+            (
+                r#"{"model":"m","stream":true,"stream_options": null }"#,
+                r#"{"model":"m","stream":true,"stream_options": {"include_usage":true} }"#,
+            ),
+            // An empty object, and one with other keys.
+            (
+                r#"{"model":"m","stream":true,"stream_options":{ }}"#,
+                r#"{"model":"m","stream":true,"stream_options":{"include_usage":true }}"#,
+            ),
+            (
+                r#"{"stream_options":{"x":1},"model":"m","stream":true}"#,
+                r#"{"stream_options":{"include_usage":true,"x":1},"model":"m","stream":true}"#,
+            ),
+            // false and null flipped in place.
+            (
+                r#"{"model":"m","stream":true,"stream_options":{"x":{"include_usage":false},"include_usage" : false}}"#,
+                r#"{"model":"m","stream":true,"stream_options":{"x":{"include_usage":false},"include_usage" : true}}"#,
+            ),
+            (
+                r#"{"model":"m","stream":true,"stream_options":{"include_usage":null,"y":2}}"#,
+                r#"{"model":"m","stream":true,"stream_options":{"include_usage":true,"y":2}}"#,
+            ),
+        ] {
+            let (got, injected) = rewrite(body, None, true);
+            assert_eq!(got, want);
+            assert!(injected, "{body}");
+            let v: serde_json::Value = serde_json::from_str(&got).unwrap();
+            assert_eq!(v["stream_options"]["include_usage"], true, "{got}");
+        }
+    }
+
+    #[test]
+    fn left_alone_when_asked_already_not_streaming_or_off() {
+        for (body, request_usage) in [
+            (
+                r#"{"model":"m","stream":true,"stream_options":{"include_usage":true}}"#,
+                true,
+            ),
+            (r#"{"model":"m","stream":false}"#, true),
+            (
+                r#"{"model":"m","stream_options":{"include_usage":false}}"#,
+                true,
+            ),
+            (r#"{"model":"m","stream":true}"#, false),
+        ] {
+            assert_eq!(rewrite(body, None, request_usage), (body.to_owned(), false));
+        }
+    }
+
+    #[test]
+    fn model_and_usage_splices_together_in_either_order() {
+        let (got, injected) = rewrite(r#"{"model":"a","stream":true}"#, Some("bb\"c"), true);
+        assert!(injected);
+        assert_eq!(
+            got,
+            r#"{"stream_options":{"include_usage":true},"model":"bb\"c","stream":true}"#
+        );
+        let body = r#"{"stream":true,"stream_options":{"include_usage":false},"model":"a"}"#;
+        let (got, _) = rewrite(body, Some("long-model-name"), true);
+        assert_eq!(
+            got,
+            r#"{"stream":true,"stream_options":{"include_usage":true},"model":"long-model-name"}"#
+        );
+        let body = r#"{"model":"a","stream":true,"stream_options":{}}"#;
+        let (got, _) = rewrite(body, Some("z"), true);
+        assert_eq!(
+            got,
+            r#"{"model":"z","stream":true,"stream_options":{"include_usage":true}}"#
+        );
     }
 }

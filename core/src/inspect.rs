@@ -4,9 +4,11 @@
 //! with the top-level `model` (decoded, so `"\u006dodel"` is `model`), `stream`,
 //! `stream_options.include_usage`, the token cap (`max_tokens`, `max_completion_tokens` or
 //! `max_output_tokens`), `n`, and the byte span of the model's string literal so the forward phase
-//! can splice a mapped name in without touching any other byte. The whole document is validated
-//! by simd-json (grammar and UTF-8). Raises 400 `invalid_request_error` for invalid JSON or UTF-8,
-//! a body that is not an object, a duplicate top-level key (the upstream might read the other
+//! can splice a mapped name in without touching any other byte; for a streaming request also
+//! where `stream_options` sits ([`StreamOptionsAt`]), so the forward phase can ask for usage the
+//! same way. The whole document is validated by simd-json (grammar and UTF-8). Raises 400
+//! `invalid_request_error` for invalid JSON or UTF-8, a body that is not an object, a duplicate
+//! top-level key or a duplicate `stream_options.include_usage` (the upstream might read the other
 //! copy), a missing or non-string `model`, or a wrongly typed field above.
 //!
 //! Only top-level keys count: the tape is walked at depth one, so a `"model"` inside messages or
@@ -26,6 +28,33 @@ pub struct Inspection {
     pub include_usage: Option<bool>,
     pub max_tokens: Option<u64>,
     pub n: Option<u64>,
+    /// Where `stream_options` is, for splicing in `include_usage`. Found for streaming requests
+    /// only (nothing else needs it); otherwise left at its default.
+    pub stream_options: StreamOptionsAt,
+}
+
+/// Where a streaming request's `stream_options` sits in the body, as byte offsets: enough for
+/// the forward phase to make `include_usage` true while touching no other byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamOptionsAt {
+    /// No `stream_options` key; a new top-level key can go at `insert_at` (just past the
+    /// body's opening `{`, which always has `model` after it, so a comma can follow).
+    Absent { insert_at: usize },
+    /// `"stream_options": null`: the span of the `null`.
+    Null { span: (usize, usize) },
+    /// An object: the offset just past its `{`, whether it has no keys, and the span of
+    /// `include_usage`'s value when that key is present.
+    Object {
+        inside: usize,
+        empty: bool,
+        include_usage: Option<(usize, usize)>,
+    },
+}
+
+impl Default for StreamOptionsAt {
+    fn default() -> Self {
+        StreamOptionsAt::Absent { insert_at: 0 }
+    }
 }
 
 /// Per-worker scratch space, reused across requests so inspection allocates nothing in the
@@ -82,6 +111,10 @@ fn read_top_level(
     };
     *out = Inspection::default();
     let mut model_key_index = None;
+    // `stream_options`: its key index, how many keys it has, and which of them is
+    // `include_usage` (spans are found after the walk, for streaming requests only).
+    let mut options_at: Option<(usize, usize, Option<usize>)> = None;
+    let mut options_null_at = None;
     // Keys seen so far, for the duplicate check: a stack array covers ordinary requests
     // without allocating; a body with more top-level keys spills to a hash set.
     let mut seen_small: [&str; 32] = [""; 32];
@@ -135,9 +168,11 @@ fn read_top_level(
             }
             "stream_options" => match value {
                 Some(Node::Object { len, .. }) => {
-                    out.include_usage = find_include_usage(nodes, value_idx + 1, len)?;
+                    let (include_usage, usage_key) = find_include_usage(nodes, value_idx + 1, len)?;
+                    out.include_usage = include_usage;
+                    options_at = Some((key_index, len, usage_key));
                 }
-                Some(Node::Static(StaticNode::Null)) => {}
+                Some(Node::Static(StaticNode::Null)) => options_null_at = Some(key_index),
                 _ => {
                     return Err(invalid(
                         "`stream_options` must be an object.",
@@ -163,8 +198,38 @@ fn read_top_level(
     let Some(model_key_index) = model_key_index else {
         return Err(invalid("You must provide a model parameter.", "model"));
     };
-    out.model_span = top_level_value_span(body, structurals, model_key_index)
-        .ok_or_else(|| GatewayError::invalid_request("malformed JSON object", None))?;
+    let malformed = || GatewayError::invalid_request("malformed JSON object", None);
+    out.model_span = member_value_span(body, structurals, model_key_index).ok_or_else(malformed)?;
+    if out.stream {
+        out.stream_options = match (options_at, options_null_at) {
+            (Some((key_index, len, usage_key)), _) => {
+                let (start, _) =
+                    member_value_span(body, structurals, key_index).ok_or_else(malformed)?;
+                let include_usage = match usage_key {
+                    Some(k) => {
+                        // The object's own structurals start at its `{`.
+                        let at = structurals
+                            .binary_search(&(start as u32))
+                            .map_err(|_| malformed())?;
+                        let inner = structurals.get(at..).ok_or_else(malformed)?;
+                        Some(member_value_span(body, inner, k).ok_or_else(malformed)?)
+                    }
+                    None => None,
+                };
+                StreamOptionsAt::Object {
+                    inside: start + 1,
+                    empty: len == 0,
+                    include_usage,
+                }
+            }
+            (None, Some(key_index)) => StreamOptionsAt::Null {
+                span: member_value_span(body, structurals, key_index).ok_or_else(malformed)?,
+            },
+            (None, None) => StreamOptionsAt::Absent {
+                insert_at: *structurals.first().ok_or_else(malformed)? as usize + 1,
+            },
+        };
+    }
     Ok(())
 }
 
@@ -176,17 +241,26 @@ fn node_span(node: Node<'_>) -> usize {
     }
 }
 
-/// `include_usage` among the `len` entries of the object whose first key is at `nodes[idx]`.
+/// `include_usage` among the `len` entries of the object whose first key is at `nodes[idx]`: its
+/// value, and which entry it is. A second `include_usage` is an error: upstreams differ on which
+/// copy they read, and whether the client asked for usage decides what it is shown.
 fn find_include_usage(
     nodes: &[Node<'_>],
     mut idx: usize,
     len: usize,
-) -> Result<Option<bool>, GatewayError> {
+) -> Result<(Option<bool>, Option<usize>), GatewayError> {
     let mut found = None;
-    for _ in 0..len {
+    let mut key_index = None;
+    for i in 0..len {
         let key = nodes.get(idx).copied();
         let value = nodes.get(idx + 1).copied();
         if let (Some(Node::String("include_usage")), Some(value)) = (key, value) {
+            if key_index.replace(i).is_some() {
+                return Err(invalid(
+                    "Duplicate key `include_usage` in `stream_options`.",
+                    "stream_options",
+                ));
+            }
             found = match value {
                 Node::Static(StaticNode::Bool(b)) => Some(b),
                 Node::Static(StaticNode::Null) => None,
@@ -200,7 +274,7 @@ fn find_include_usage(
         }
         idx += 1 + value.map_or(1, node_span);
     }
-    Ok(found)
+    Ok((found, key_index))
 }
 
 fn non_negative_int(
@@ -222,14 +296,11 @@ fn non_negative_int(
     }
 }
 
-/// Byte span of the value of the `key_index`-th top-level key, found from simd-json's stage-1
-/// structural indexes: at depth one, the structural right after the k-th `:` starts the value,
-/// and the next depth-one structural (`,` or `}`) ends it, less trailing whitespace.
-fn top_level_value_span(
-    body: &[u8],
-    structurals: &[u32],
-    key_index: usize,
-) -> Option<(usize, usize)> {
+/// Byte span of the value of the `key_index`-th key of the object whose `{` is the first of
+/// `structurals` (simd-json's stage-1 structural indexes; the whole list for the top level): at
+/// depth one, the structural right after the k-th `:` starts the value, and the next depth-one
+/// structural (`,` or `}`) ends it, less trailing whitespace.
+fn member_value_span(body: &[u8], structurals: &[u32], key_index: usize) -> Option<(usize, usize)> {
     let mut depth = 0usize;
     let mut colons = 0usize;
     let mut value_next = false;
@@ -251,7 +322,13 @@ fn top_level_value_span(
         }
         match c {
             b'{' | b'[' => depth += 1,
-            b'}' | b']' => depth = depth.saturating_sub(1),
+            b'}' | b']' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    // Past the object's end: no such key in it.
+                    return None;
+                }
+            }
             b':' if depth == 1 && start.is_none() => {
                 value_next = colons == key_index;
                 colons += 1;
@@ -347,6 +424,91 @@ mod tests {
         keys.push("\"k3\":1".into());
         let dup_early = format!("{{{}}}", keys.join(","));
         assert_eq!(inspect(&dup_early).unwrap_err().status, 400);
+    }
+
+    fn options(body: &str) -> StreamOptionsAt {
+        inspect(body).unwrap().stream_options
+    }
+
+    #[test]
+    fn stream_options_absent_null_or_object() {
+        let body = " \n{ \"model\":\"m\",\"stream\":true}";
+        let StreamOptionsAt::Absent { insert_at } = options(body) else {
+            panic!("{:?}", options(body))
+        };
+        assert_eq!(&body[..insert_at], " \n{");
+
+        let body = r#"{"model":"m","stream_options" : null ,"stream":true}"#;
+        let StreamOptionsAt::Null { span: null } = options(body) else {
+            panic!("{:?}", options(body))
+        };
+        assert_eq!(&body[null.0..null.1], "null");
+
+        let body = r#"{"stream":true,"stream_options":{ },"model":"m"}"#;
+        let StreamOptionsAt::Object {
+            inside,
+            empty,
+            include_usage,
+        } = options(body)
+        else {
+            panic!("{:?}", options(body))
+        };
+        assert_eq!(&body[inside..], " },\"model\":\"m\"}");
+        assert!(empty);
+        assert_eq!(include_usage, None);
+
+        // `include_usage` after a nested object that has its own `include_usage`, before a
+        // top-level key of the same name inside `messages`.
+        let body = r#"{"model":"m","stream":true,"stream_options":{"x":{"include_usage":true,"y":[1,{}]},"include_usage" :	false },"messages":[{"include_usage":1}]}"#;
+        let r = inspect(body).unwrap();
+        assert_eq!(r.include_usage, Some(false));
+        let StreamOptionsAt::Object {
+            inside,
+            empty,
+            include_usage: Some(value),
+        } = r.stream_options
+        else {
+            panic!("{:?}", r.stream_options)
+        };
+        assert!(!empty);
+        assert_eq!(&body[inside - 1..inside], "{");
+        assert_eq!(&body[value.0..value.1], "false");
+        assert_eq!(span(body), r#""m""#);
+
+        for (value, want) in [("null", None), ("true", Some(true))] {
+            let body = format!(
+                r#"{{"model":"m","stream":true,"stream_options":{{"include_usage":{value}}}}}"#
+            );
+            let r = inspect(&body).unwrap();
+            assert_eq!(r.include_usage, want);
+            let StreamOptionsAt::Object {
+                include_usage: Some(at),
+                ..
+            } = r.stream_options
+            else {
+                panic!("{:?}", r.stream_options)
+            };
+            assert_eq!(&body[at.0..at.1], value);
+        }
+    }
+
+    #[test]
+    fn stream_options_left_alone_when_not_streaming() {
+        let body = r#"{"model":"m","stream_options":{"include_usage":false}}"#;
+        assert_eq!(options(body), StreamOptionsAt::default());
+        assert_eq!(inspect(body).unwrap().include_usage, Some(false));
+    }
+
+    #[test]
+    fn stream_options_rejects() {
+        for bad in [
+            r#"{"model":"m","stream":true,"stream_options":[]}"#,
+            r#"{"model":"m","stream":true,"stream_options":"x"}"#,
+            r#"{"model":"m","stream":true,"stream_options":true}"#,
+            r#"{"model":"m","stream_options":{"include_usage":false,"include_usage":true}}"#,
+        ] {
+            assert_eq!(inspect(bad).unwrap_err().status, 400, "{bad}");
+        }
     }
 
     #[test]

@@ -171,6 +171,13 @@ impl Observation {
         }
     }
 
+    /// Whether `event` (one whole SSE event of the response) is the usage-only chunk that
+    /// `stream_options.include_usage` adds; for the relay, which withholds it from clients that
+    /// did not ask for it. The meter's parse buffers are reused; nothing is recorded.
+    pub fn is_usage_only_event(&mut self, event: &[u8]) -> bool {
+        self.meter.is_usage_only_event(event)
+    }
+
     /// Sluice's time before the request left for the upstream, plus the response head's own
     /// handling so far: the `x-sluice-overhead-us` a client sees.
     pub fn overhead_so_far(&self, now: Instant) -> Duration {

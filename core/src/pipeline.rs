@@ -120,17 +120,25 @@ async fn proxy_observed<'s>(
     caller.admitted = true;
     caller.permit.headers.write(&mut obs.rate_headers);
 
-    // Forward: the rewritten request out, the response head back (one retry on a stale
-    // pooled connection).
+    // Forward: the rewritten request out (with stream usage asked for, so limits settle on
+    // reported usage), the response head back (one retry on a stale pooled connection).
     let mut upstream_request = worker.bufs.take();
-    forward::build_request(&mut upstream_request, request, inspection, &target);
+    let usage_requested = forward::build_request(
+        &mut upstream_request,
+        request,
+        inspection,
+        &target,
+        worker.snapshot.upstream.request_stream_usage,
+    );
     let response = forward::send(worker, &target, upstream_request, obs).await?;
 
-    // Relay: the body to the client as it arrives, metered on the side.
+    // Relay: the body to the client as it arrives, metered on the side; a usage chunk the
+    // client did not ask for is metered but not relayed.
     let side = ClientSide {
         head_only: false,
         minor_version: request.head.minor_version,
         keep_alive: request.head.keep_alive,
+        strip_usage: usage_requested,
     };
     let keep_alive = relay::relay(worker, client, response, side, obs).await?;
     Ok((keep_alive, target.mapped_model))

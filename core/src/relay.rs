@@ -11,6 +11,11 @@
 //! `stream_idle`, ends early or sends a malformed chunk, an event stream ends with an SSE error
 //! event (its framing stays valid), any other body is cut by closing the client connection. The
 //! upstream connection goes back to the pool only after a complete, well-framed response.
+//!
+//! When the forward phase asked the upstream for stream usage on the client's behalf
+//! ([`ClientSide::strip_usage`]), the usage-only chunk is metered but not relayed
+//! ([`strip::UsageStrip`]): the one exception to relaying each read whole is that the unfinished
+//! event at the end of a read is then held until it ends (bounded by the meter's event limit).
 
 use std::io::Write as _;
 use std::pin::pin;
@@ -21,8 +26,13 @@ use crate::error::{reason, GatewayError, UpstreamFault};
 use crate::forward::UpstreamResponse;
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::{is_hop_by_hop, BodyFraming};
+use crate::meter::DEFAULT_MAX_EVENT;
 use crate::observe::Observation;
 use crate::worker::Worker;
+
+mod strip;
+
+use strip::UsageStrip;
 
 /// How the client asked for the response.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +40,9 @@ pub struct ClientSide {
     pub head_only: bool,
     pub minor_version: u8,
     pub keep_alive: bool,
+    /// Usage was requested from the upstream for this client, which did not ask for it: an
+    /// event stream's usage-only chunk goes to the meter but not to the client.
+    pub strip_usage: bool,
 }
 
 /// How the body reaches the client.
@@ -77,9 +90,16 @@ pub async fn relay(
     let framing = head.framing();
     let event_stream = head.event_stream;
     let mut keep_client = side.keep_alive;
+    let strip_usage = side.strip_usage && event_stream;
     let client_framing = match framing {
         BodyFraming::None => ClientFraming::Empty,
         _ if side.head_only => ClientFraming::Empty,
+        // A stripped body is shorter than the upstream's Content-Length: re-frame it.
+        BodyFraming::Length(_) if strip_usage && side.minor_version >= 1 => ClientFraming::Chunked,
+        BodyFraming::Length(_) if strip_usage => {
+            keep_client = false;
+            ClientFraming::Close
+        }
         BodyFraming::Length(_) => ClientFraming::Passthrough,
         BodyFraming::Chunked | BodyFraming::UntilClose if side.minor_version >= 1 => {
             ClientFraming::Chunked
@@ -149,6 +169,9 @@ pub async fn relay(
         body = UpstreamBody::Done;
     }
 
+    let mut strip = (strip_usage && client_framing != ClientFraming::Empty)
+        .then(|| UsageStrip::new(DEFAULT_MAX_EVENT, worker.bufs.take()));
+
     // Body bytes that arrived with the head go out in the same write as the head.
     // `clean`: no bytes beyond the body's end arrived, so the connection may be reused.
     let mut clean;
@@ -160,6 +183,7 @@ pub async fn relay(
         client_framing,
         &mut out,
         obs,
+        strip.as_mut(),
         head_read_at,
     ) {
         Ok(extra) => clean = !extra,
@@ -167,6 +191,9 @@ pub async fn relay(
             // Nothing reached the client yet: it gets a plain 502 instead.
             conn.abort();
             worker.bufs.give(out);
+            if let Some(strip) = strip {
+                worker.bufs.give(strip.into_buffer());
+            }
             return Err(e);
         }
     }
@@ -264,6 +291,7 @@ pub async fn relay(
             client_framing,
             &mut out,
             obs,
+            strip.as_mut(),
             read_at,
         ) {
             Ok(extra) => clean &= !extra,
@@ -301,9 +329,15 @@ pub async fn relay(
     };
     let finished = match cut {
         None => {
+            out.clear();
+            // A close-delimited body ended: an unfinished event held back goes out as it came.
+            if let Some(strip) = strip.as_mut() {
+                strip.finish(|data| frame(client_framing, data, &mut out));
+            }
             if client_framing == ClientFraming::Chunked && !terminated {
-                out.clear();
                 out.extend_from_slice(LAST_CHUNK);
+            }
+            if !out.is_empty() {
                 obs.bytes_out += out.len() as u64;
                 let (res, returned) = client
                     .write_all(out, timeouts.stream_idle, worker.direct_writes())
@@ -328,6 +362,10 @@ pub async fn relay(
             // body can only be cut, so the client sees it incomplete. `out` still holds the
             // well-formed data decoded before the fault.
             if event_stream && client_framing == ClientFraming::Chunked {
+                // What was held back goes first, as it would have without stripping.
+                if let Some(strip) = strip.as_mut() {
+                    strip.finish(|data| frame(client_framing, data, &mut out));
+                }
                 encode_chunk(error.sse_event().as_bytes(), &mut out);
                 out.extend_from_slice(LAST_CHUNK);
                 obs.bytes_out += out.len() as u64;
@@ -344,28 +382,60 @@ pub async fn relay(
     obs.finished_at = Some(Instant::now());
     worker.bufs.give(out);
     worker.bufs.give(ubuf);
+    if let Some(strip) = strip {
+        worker.bufs.give(strip.into_buffer());
+    }
     Ok(finished)
 }
 
-/// Move `input` (upstream body bytes) into `out` in the client's framing. Returns whether bytes
-/// beyond the end of the body arrived (the upstream connection then can't be reused).
+/// Append decoded body bytes to `out` in the client's framing.
+fn frame(framing: ClientFraming, data: &[u8], out: &mut Vec<u8>) {
+    match framing {
+        ClientFraming::Chunked => encode_chunk(data, out),
+        ClientFraming::Passthrough | ClientFraming::Close => out.extend_from_slice(data),
+        ClientFraming::Empty => {}
+    }
+}
+
+/// Move `input` (upstream body bytes) into `out` in the client's framing, through `strip` when
+/// the usage chunk is withheld. Returns whether bytes beyond the end of the body arrived (the
+/// upstream connection then can't be reused).
 fn feed(
     body: &mut UpstreamBody,
     input: &[u8],
     framing: ClientFraming,
     out: &mut Vec<u8>,
     obs: &mut Observation,
+    mut strip: Option<&mut UsageStrip>,
     now: Instant,
 ) -> Result<bool, GatewayError> {
     let mut emit = |data: &[u8]| {
-        // The meter looks at the decoded bytes; it never holds them back.
+        // The meter looks at the decoded bytes, all of them; it never holds them back.
         obs.body(data, now);
-        match framing {
-            ClientFraming::Chunked => encode_chunk(data, out),
-            ClientFraming::Passthrough | ClientFraming::Close => out.extend_from_slice(data),
-            ClientFraming::Empty => {}
+        match strip.as_deref_mut() {
+            Some(strip) => strip.feed(
+                data,
+                |event| obs.is_usage_only_event(event),
+                |data| frame(framing, data, out),
+            ),
+            None => frame(framing, data, out),
         }
     };
+    let extra = emit_body(body, input, &mut emit)?;
+    if let (UpstreamBody::Done, Some(strip)) = (body, strip) {
+        // The body ended: an unfinished event held back goes out as it came.
+        strip.finish(|data| frame(framing, data, out));
+    }
+    Ok(extra)
+}
+
+/// Decode `input` per the upstream's framing, passing the body bytes to `emit`. Returns whether
+/// bytes beyond the end of the body arrived.
+fn emit_body(
+    body: &mut UpstreamBody,
+    input: &[u8],
+    mut emit: impl FnMut(&[u8]),
+) -> Result<bool, GatewayError> {
     match body {
         UpstreamBody::Done => Ok(!input.is_empty()),
         UpstreamBody::Length(remaining) => {

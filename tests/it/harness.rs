@@ -319,3 +319,133 @@ fn admin_startup_line_is_parsed() {
         None
     );
 }
+
+#[test]
+fn redis_starts_answers_and_comes_back_on_the_same_port() {
+    let mut redis = Redis::start();
+    redis.cmd(&["SET", "k", "v"]).assert_ok();
+    assert_eq!(redis.cmd(&["GET", "k"]).as_str().as_deref(), Some("v"));
+    assert_eq!(
+        redis.cmd(&["HSET", "h", "a", "1", "b", "2"]).as_int(),
+        Some(2)
+    );
+    let owned = |p: &[(&str, &str)]| -> Vec<(String, String)> {
+        p.iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
+    };
+    assert_eq!(redis.hgetall("h"), owned(&[("a", "1"), ("b", "2")]));
+    assert_eq!(redis.keys("*"), ["h", "k"]);
+    assert!(matches!(redis.cmd(&["NOSUCHCOMMAND"]), RespValue::Error(_)));
+    assert!(redis.cmd(&["GET", "missing"]).is_nil());
+    let before = redis.commands_processed();
+    redis.cmd(&["PING"]);
+    // The PING and the second INFO.
+    assert_eq!(redis.commands_processed() - before, 2);
+    assert_eq!(
+        redis.info_field("persistence", "aof_enabled").as_deref(),
+        Some("0")
+    );
+
+    let (port, pid) = (redis.port, redis.pid().unwrap());
+    redis.kill();
+    assert!(!redis.is_running());
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
+    assert!(redis.try_cmd(&["PING"]).is_err(), "killed redis answered");
+    redis.restart();
+    assert_eq!(redis.port, port);
+    assert_ne!(redis.pid(), Some(pid));
+    // Not persisted: the data went with the process.
+    assert!(redis.cmd(&["GET", "k"]).is_nil());
+    redis.cmd(&["SET", "k", "again"]).assert_ok();
+    // A pipelined batch on a connection of its own.
+    let mut c = redis.client();
+    let replies = c
+        .pipeline(&[&["INCRBY", "n", "2"], &["INCRBY", "n", "3"], &["GET", "k"]])
+        .unwrap();
+    assert_eq!(replies[1].as_int(), Some(5));
+    assert_eq!(replies[2].as_str().as_deref(), Some("again"));
+}
+
+#[test]
+fn redis_with_aof_keeps_acknowledged_writes_across_a_crash() {
+    let mut redis = Redis::start_with_aof();
+    assert_eq!(
+        redis.info_field("persistence", "aof_enabled").as_deref(),
+        Some("1")
+    );
+    redis.cmd(&["SET", "k", "kept"]).assert_ok();
+    redis.cmd(&["HINCRBY", "h", "f", "7"]);
+    redis.kill();
+    redis.restart();
+    assert_eq!(redis.cmd(&["GET", "k"]).as_str().as_deref(), Some("kept"));
+    assert_eq!(redis.hgetall("h"), [("f".to_string(), "7".to_string())]);
+    let pid = redis.pid().unwrap();
+    drop(redis);
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "redis outlived its guard"
+    );
+}
+
+#[test]
+fn mock_counts_requests_in_flight_and_the_usage_it_reported() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    // Three requests held 300 ms at once.
+    let mut conns: Vec<Conn> = (0..3).map(|_| Conn::open(mock.addr)).collect();
+    for c in &mut conns {
+        c.send(
+            &Req::post("/v1/chat/completions", &chat_body("m"))
+                .header("x-mock-delay-ms", "300")
+                .build(),
+        );
+    }
+    assert!(wait_until(Duration::from_secs(2), || mock
+        .stat("active_requests")
+        == 3));
+    let mut prompt = 0;
+    for c in &mut conns {
+        let r = c.read_response();
+        assert_eq!(r.status, 200, "{}", r.dump());
+        prompt += r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    }
+    let s = mock.stats();
+    assert_eq!(s["active_requests"], 0, "{s}");
+    assert_eq!(s["max_active_requests"], 3, "{s}");
+    assert_eq!(s["usage_prompt_tokens"], prompt, "{s}");
+    assert_eq!(s["usage_completion_tokens"], 9, "{s}");
+    let s = mock.reset_peak();
+    assert_eq!(s["max_active_requests"], 0, "{s}");
+
+    // A stream reports usage only when asked; errors report none.
+    let mut c = Conn::open(mock.addr);
+    c.send(&Req::post("/v1/chat/completions", &chat_stream_body("m")).build());
+    assert_eq!(c.read_response().status, 200);
+    let asked =
+        json!({"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[]});
+    c.send(&Req::post("/v1/completions", &asked.to_string()).build());
+    let r = c.read_response();
+    let usage = r
+        .sse_events()
+        .iter()
+        .filter_map(|e| e.json())
+        .find(|v| v["choices"] == json!([]))
+        .expect("usage chunk")["usage"]
+        .clone();
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_body("m"))
+            .header("x-mock-status", "500")
+            .build(),
+    );
+    assert_eq!(c.read_response().status, 500);
+    let s = mock.stats();
+    assert_eq!(s["include_usage_requests"], 1, "{s}");
+    assert_eq!(s["usage_chunks"], 1, "{s}");
+    assert_eq!(
+        s["usage_prompt_tokens"].as_u64().unwrap(),
+        prompt + usage["prompt_tokens"].as_u64().unwrap(),
+        "{s}"
+    );
+    assert_eq!(s["usage_completion_tokens"], 12, "{s}");
+    assert_eq!(s["max_active_requests"], 1, "{s}");
+}

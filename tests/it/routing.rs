@@ -58,9 +58,12 @@ fn mapping_applies_to_streams() {
     assert_eq!(r.status, 200, "{}", r.dump());
     let echo = echo_of(&r);
     assert_eq!(echo["model"], "mock-small");
+    // Byte for byte but for the model and the stream usage Sluice asks for by default
+    // (`upstream.request_stream_usage`, see stream_usage.rs).
+    let mapped = body.replace("\"gpt-4o\"", "\"mock-small\"");
     assert_eq!(
         echo["body"].as_str().unwrap(),
-        body.replace("\"gpt-4o\"", "\"mock-small\"")
+        mapped.replacen('{', "{\"stream_options\":{\"include_usage\":true},", 1)
     );
 }
 

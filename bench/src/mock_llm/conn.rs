@@ -91,7 +91,15 @@ enum Route {
     Embeddings,
     Models,
     Stats,
+    ResetPeak,
     NotFound,
+}
+
+impl Route {
+    /// `/_mock/*`: control endpoints, which ignore faults and controls and are not counted.
+    fn is_control(self) -> bool {
+        matches!(self, Route::Stats | Route::ResetPeak)
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -423,11 +431,20 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             self.rbuf.shrink_to(8192);
         }
         self.peer_data = false;
+        // In flight from here until its answer ends, whichever way it ends (both paths below
+        // return, the client going away included).
+        let counted = !plan.route.is_control();
+        if counted {
+            self.st.stats.request_began();
+        }
         let next = if plan.stream && plan.status.is_none() {
             self.stream(&plan).await
         } else {
             self.plain(&plan).await
         };
+        if counted {
+            self.st.stats.request_ended();
+        }
         if self.body.capacity() > 1 << 20 {
             self.body = Vec::new();
         }
@@ -455,6 +472,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             (b"POST", b"/v1/embeddings") => Route::Embeddings,
             (b"GET", b"/v1/models") => Route::Models,
             (b"GET", b"/_mock/stats") => Route::Stats,
+            (b"POST", b"/_mock/reset_peak") => Route::ResetPeak,
             _ => Route::NotFound,
         };
         let cfg = &st.cfg;
@@ -478,8 +496,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             http10: head.minor == 0,
             what: String::new(),
         };
-        if route == Route::Stats {
-            // The control endpoint ignores faults and controls.
+        if route.is_control() {
+            // The control endpoints ignore faults and controls.
             plan.fault = None;
             return plan;
         }
@@ -502,6 +520,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         }
         if !matches!(route, Route::Chat | Route::Completions | Route::Responses) {
             plan.stream = false;
+        }
+        if plan.stream && plan.include_usage && matches!(route, Route::Chat | Route::Completions) {
+            let n = &st.stats.include_usage_requests;
+            n.set(n.get() + 1);
         }
 
         // Per-request controls, and the echo object.
@@ -609,7 +631,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             }
             Len::Unframed => w.extend_from_slice(b"cache-control: no-cache\r\n"),
         }
-        if p.route != Route::Stats {
+        if !p.route.is_control() {
             w.extend_from_slice(b"x-mock-model: ");
             w.extend_from_slice(&p.model_header);
             w.extend_from_slice(b"\r\n");
@@ -639,8 +661,21 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         body.clear();
         let g = self.gen(p);
         let echo = &self.echo;
+        // The usage this body reports, counted once it is sent.
+        let usage = match (p.status, p.route) {
+            (None, Route::Chat | Route::Completions | Route::Responses) => {
+                Some((p.prompt_tokens, p.tokens))
+            }
+            (None, Route::Embeddings) => Some((p.prompt_tokens, 0)),
+            _ => None,
+        };
         let status = match (p.status, p.route) {
             (_, Route::Stats) => {
+                self.st.stats.write_json(&mut body);
+                200
+            }
+            (_, Route::ResetPeak) => {
+                self.st.stats.reset_peak();
                 self.st.stats.write_json(&mut body);
                 200
             }
@@ -693,7 +728,11 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             self.wbuf.extend_from_slice(&body);
         }
         self.body = body;
-        match self.flush_wbuf().await {
+        let sent = self.flush_wbuf().await;
+        if let (Ok(()), Some((prompt, completion)), false) = (&sent, usage, no_body) {
+            self.st.stats.reported_usage(prompt, completion);
+        }
+        match sent {
             Ok(()) if close => Next::Close,
             Ok(()) => Next::KeepAlive,
             Err(Gone) => Next::Drop,
@@ -804,8 +843,12 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             Route::Completions => body::ev_completion_finish(&mut self.ev, &g),
             _ => body::ev_response_completed(&mut self.ev, &g),
         }
+        let st = Rc::clone(&self.st);
+        let stats = &st.stats;
         if p.route == Route::Responses {
             self.send_ev(framing, terminator(framing)).await?;
+            // `response.completed` carries the usage.
+            stats.reported_usage(p.prompt_tokens, p.tokens);
         } else {
             self.send_ev(framing, b"").await?;
             if p.include_usage {
@@ -816,6 +859,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                     body::ev_completion_usage(&mut self.ev, &g);
                 }
                 self.send_ev(framing, b"").await?;
+                stats.reported_usage(p.prompt_tokens, p.tokens);
+                stats.usage_chunks.set(stats.usage_chunks.get() + 1);
             }
             self.ev.clear();
             body::ev_done(&mut self.ev);

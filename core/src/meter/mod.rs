@@ -61,6 +61,14 @@ impl SseMeter {
         });
     }
 
+    /// Whether `event` (one whole event, as [`SseSplitter`] delimits it; line endings around it
+    /// are fine) is the usage-only chunk `stream_options.include_usage` adds (see
+    /// [`StreamMeter::is_usage_only`]). Records nothing; reuses this meter's parse buffers.
+    pub fn is_usage_only_event(&mut self, event: &[u8]) -> bool {
+        let Self { meter, data, .. } = self;
+        event_data(event, data).is_some_and(|d| meter.is_usage_only(d))
+    }
+
     /// A whole non-streamed JSON body (see [`StreamMeter::on_json_body`]).
     pub fn on_json_body(&mut self, body: &[u8]) {
         self.meter.on_json_body(body);
@@ -368,6 +376,37 @@ mod tests {
         );
         let m = meter(&[long.as_bytes()]).error.unwrap().message;
         assert_eq!(m.len(), usage::MAX_ERROR_MESSAGE);
+    }
+
+    #[test]
+    fn usage_only_events() {
+        let mut m = SseMeter::new();
+        let mut is = |e: &str| m.is_usage_only_event(e.as_bytes());
+        let usage_chunk = CHAT_STREAM
+            .split("\n\n")
+            .find(|e| e.contains("\"choices\":[]"))
+            .unwrap();
+        assert!(is(usage_chunk));
+        assert!(is(&format!("{usage_chunk}\r\n\r\n")));
+        // Python's spacing, data split over lines, other fields around it.
+        assert!(is(
+            "id: 1\ndata: {\"choices\" : [ ] ,\ndata: \"usage\":\t{\"prompt_tokens\": 1}}"
+        ));
+        for not in [
+            "data: {\"choices\":[{\"delta\":{}}],\"usage\":{\"prompt_tokens\":1}}",
+            "data: {\"choices\":[],\"usage\":null}",
+            "data: {\"usage\":{\"prompt_tokens\":1}}",
+            "data: {\"choices\":[],\"x\":{\"usage\":{\"prompt_tokens\":1}}}",
+            "data: {\"x\":{\"choices\":[]},\"usage\":{\"prompt_tokens\":1}}",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}",
+            ": {\"choices\":[],\"usage\":{}}",
+            "data: [DONE]",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":1}}}",
+        ] {
+            assert!(!is(not), "{not}");
+        }
+        // Asking records nothing.
+        assert_eq!(m.summary(), SseMeter::new().summary());
     }
 
     #[test]

@@ -161,6 +161,54 @@ impl StreamMeter {
     }
 }
 
+impl StreamMeter {
+    /// Whether `data` (one SSE event's data) is the extra chunk `stream_options.include_usage`
+    /// adds at the end of a chat or completions stream: a JSON object whose top-level `choices`
+    /// is an empty array and whose `usage` is an object. Records nothing. A byte screen comes
+    /// first, so ordinary chunks (`"usage":null` or no usage at all) are never parsed twice; a
+    /// key written with escapes (`"\u0075sage"`) fails the screen, and the chunk is then simply
+    /// not recognized.
+    pub fn is_usage_only(&mut self, data: &[u8]) -> bool {
+        let doc = data.trim_ascii();
+        let empty_array = |v: &[u8]| {
+            v.strip_prefix(b"[")
+                .is_some_and(|r| r.trim_ascii_start().starts_with(b"]"))
+        };
+        if doc.first() != Some(&b'{')
+            || !key_followed_by(doc, b"\"choices\"", empty_array)
+            || !key_followed_by(doc, b"\"usage\"", |v| v.starts_with(b"{"))
+        {
+            return false;
+        }
+        self.json
+            .parse(doc, |nodes| {
+                let (mut no_choices, mut usage) = (false, false);
+                for (key, v) in entries(nodes, 0) {
+                    match key {
+                        "choices" => {
+                            no_choices = matches!(nodes.get(v), Some(Node::Array { len: 0, .. }));
+                        }
+                        "usage" => usage = matches!(nodes.get(v), Some(Node::Object { .. })),
+                        _ => {}
+                    }
+                }
+                no_choices && usage
+            })
+            .unwrap_or(false)
+    }
+}
+
+/// Whether `key` (quotes included) occurs in `doc` followed by a colon and a value (whitespace
+/// skipped) that `value` accepts.
+fn key_followed_by(doc: &[u8], key: &[u8], value: impl Fn(&[u8]) -> bool) -> bool {
+    memchr::memmem::find_iter(doc, key).any(|at| {
+        doc.get(at + key.len()..)
+            .map(<[u8]>::trim_ascii_start)
+            .and_then(|rest| rest.strip_prefix(b":"))
+            .is_some_and(|rest| value(rest.trim_ascii_start()))
+    })
+}
+
 /// Buffers that stay between parses. Past `KEEP_BYTES` of input they are freed after use, so a
 /// single large body does not pin memory for the life of the worker.
 #[derive(Default)]
