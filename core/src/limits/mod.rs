@@ -1,4 +1,5 @@
 //! Limits: API-key quotas and RPM / TPM / concurrency policies, decided per core and shared
 //! through a sync backend.
 
+pub mod ledger;
 pub mod sync;
