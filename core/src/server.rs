@@ -59,6 +59,8 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
         listeners.push(reuseport_listener(addr)?);
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The in-process ledger the workers share when limits are not kept in Redis.
+    let ledger = crate::limits::ledger::InProcessLedger::new();
     let (ready_tx, ready_rx) = mpsc::channel::<io::Result<Driver>>();
     let mut handles = Vec::with_capacity(workers);
     for (id, listener) in listeners.into_iter().enumerate() {
@@ -78,9 +80,23 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
             ),
             None => None,
         };
+        let ledger = ledger.clone();
         let handle = std::thread::Builder::new()
             .name(format!("sluice-worker-{id}"))
-            .spawn(move || worker_thread(id, pin, listener, own, hub, access_log, ready))?;
+            .spawn(move || {
+                worker_thread(
+                    WorkerSetup {
+                        id,
+                        pin,
+                        listener,
+                        snapshot: own,
+                        hub,
+                        access_log,
+                        ledger,
+                    },
+                    ready,
+                )
+            })?;
         handles.push(handle);
     }
     drop(ready_tx);
@@ -134,15 +150,28 @@ fn reuseport_listener(addr: SocketAddr) -> io::Result<StdListener> {
     Ok(socket.into())
 }
 
-fn worker_thread(
+/// What one worker thread starts from.
+struct WorkerSetup {
     id: usize,
     pin: Option<usize>,
     listener: StdListener,
     snapshot: Snapshot,
     hub: Arc<MetricsHub>,
     access_log: Option<AccessLog>,
-    ready: mpsc::Sender<io::Result<Driver>>,
-) {
+    /// The process's shared in-process ledger (used unless limits live in Redis).
+    ledger: crate::limits::ledger::InProcessLedger,
+}
+
+fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
+    let WorkerSetup {
+        id,
+        pin,
+        listener,
+        snapshot,
+        hub,
+        access_log,
+        ledger,
+    } = setup;
     if let Some(core) = pin {
         pin_to_core(core);
     }
@@ -174,6 +203,17 @@ fn worker_thread(
         monoio::spawn(publish_metrics(Rc::clone(&worker)));
         if worker.access_log.borrow().is_some() {
             monoio::spawn(flush_access_log(Rc::clone(&worker)));
+        }
+        if crate::limits::any_limits(&worker.snapshot.limits) {
+            match worker.snapshot.limits.sync.redis.clone() {
+                Some(settings) => {
+                    let _ = settings; // REDIS-PENDING
+                    monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), ledger));
+                }
+                None => {
+                    monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), ledger));
+                }
+            }
         }
         let _ = ready.send(Ok(driver));
         accept_loop(worker, listener).await;

@@ -2,6 +2,7 @@
 //! through a sync backend.
 
 pub mod config;
+pub mod ledger;
 pub mod shard;
 pub mod sync;
 
