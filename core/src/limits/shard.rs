@@ -304,7 +304,9 @@ impl LimiterShard {
         let mut headers = RateHeaders::default();
         let mut reserved_tokens = 0;
         let mut refusal = None;
-        let mut refused: Option<(BudgetId, u64)> = None;
+        // Budgets short of a lease: demand is registered on all of them, so one exchange can
+        // cure every shortfall of this request.
+        let mut short: Vec<(BudgetId, u64)> = Vec::new();
         // Check every budget first (creating it if new); reserve only if all pass.
         for &p in policies {
             let Some(policy) = cfg.policies.get(p) else {
@@ -399,11 +401,16 @@ impl LimiterShard {
                         *slot = Some((limit, remaining, reset_ms));
                     }
                 }
-                if refusal.is_none() {
-                    match self.check(&id, cost, lease_valid) {
-                        Ok(()) => entries.push((id, cost)),
-                        Err(kind) => {
-                            refused = Some((id, cost));
+                match self.check(&id, cost, lease_valid) {
+                    Ok(()) => entries.push((id, cost)),
+                    Err(kind) => {
+                        if kind == RefusalKind::NeedLease {
+                            short.push((id, cost));
+                        }
+                        // A refusal waiting cannot cure beats one a lease might.
+                        if refusal.is_none_or(|r: Refusal| {
+                            r.kind == RefusalKind::NeedLease && kind != RefusalKind::NeedLease
+                        }) {
                             refusal = Some(Refusal {
                                 kind,
                                 policy: Some(p),
@@ -422,7 +429,8 @@ impl LimiterShard {
 
         // Quota plans: the first, by priority, that can cover the reservation.
         let mut plan_choice = None;
-        if let (Some(k), Some(key_idx), None) = (key, ask.key, refusal) {
+        let plans_matter = refusal.is_none_or(|r| r.kind == RefusalKind::NeedLease);
+        if let (Some(k), Some(key_idx), true) = (key, ask.key, plans_matter) {
             if !k.plans.is_empty() {
                 let cost = cfg
                     .reserve
@@ -471,13 +479,16 @@ impl LimiterShard {
                             break;
                         }
                         Err(RefusalKind::NeedLease) => {
-                            first_hope.get_or_insert(id);
+                            if first_hope.is_none() {
+                                first_hope = Some(id);
+                                short.push((id, cost));
+                            }
                         }
                         Err(RefusalKind::BackendDown) => any_down = true,
                         Err(RefusalKind::Exhausted) => {}
                     }
                 }
-                if plan_choice.is_none() {
+                if plan_choice.is_none() && refusal.is_none() {
                     let kind = if first_hope.is_some() {
                         RefusalKind::NeedLease
                     } else if any_down {
@@ -485,11 +496,6 @@ impl LimiterShard {
                     } else {
                         RefusalKind::Exhausted
                     };
-                    if let Some(id) = first_hope {
-                        if let Some(b) = self.budgets.get_mut(&id) {
-                            b.demand += cost;
-                        }
-                    }
                     refusal = Some(Refusal {
                         kind,
                         policy: None,
@@ -504,10 +510,10 @@ impl LimiterShard {
         if let Some(r) = refusal {
             if r.kind == RefusalKind::NeedLease {
                 // Ask for enough at the next sync.
-                if let Some(b) =
-                    refused.and_then(|(id, cost)| self.budgets.get_mut(&id).map(|b| (b, cost)))
-                {
-                    b.0.demand += b.1;
+                for (id, cost) in &short {
+                    if let Some(b) = self.budgets.get_mut(id) {
+                        b.demand += cost;
+                    }
                 }
             }
             permit.headers = headers;
@@ -603,10 +609,14 @@ impl LimiterShard {
         self.in_flight.clear();
         let lease_valid = self.lease_valid(Instant::now());
         let ahead = interval.as_millis() as u64;
-        self.budgets.retain(|_, b| {
-            // A finished window or period with nothing left to report is dropped.
+        self.budgets.retain(|id, b| {
+            // A budget is dropped only when forgetting it loses nothing: its window or period
+            // is over, or it never spends (concurrency) and has been idle a while. Any other
+            // budget keeps this core's cumulative spend, which the ledger needs as it is
+            // (a recreated budget would restart from 0 and be ignored until it passed it).
             let over = b.ends_at_ms > 0 && now_ms >= b.ends_at_ms;
-            b.busy() || (!over && b.idle_syncs < 200)
+            let idle_slots = id.kind == KIND_CONCURRENCY && b.idle_syncs >= 200;
+            b.busy() || !(over || idle_slots)
         });
         for (id, b) in self.budgets.iter_mut() {
             if !b.busy() && b.used_since_sync == 0 && b.demand == 0 {
@@ -770,5 +780,249 @@ pub fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
             let months = months.max(0);
             (months as u64, start_of(months), start_of(months + 1))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::limits::config::LimitsConfig;
+    use crate::limits::ledger::InProcessLedger;
+    use std::sync::Arc;
+
+    fn limits(extra: &str) -> Arc<LimitsConfig> {
+        let text = format!(
+            r#"
+[clusters.main]
+backends = [{{ base_url = "http://127.0.0.1:9/v1" }}]
+[[routes]]
+model = "m"
+cluster = "main"
+[limits]
+lease_ttl_ms = 60000
+{extra}
+[[keys]]
+id = "k"
+sha256 = "{}"
+entity = "e"
+plans = [{{ id = "q", tokens = 10000 }}]
+"#,
+            crate::auth::hex(&crate::auth::digest(b"k"))
+        );
+        crate::config::load(&text, &|_| None).unwrap().limits
+    }
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+    }
+
+    fn ask(max_tokens: u64) -> Ask<'static> {
+        Ask {
+            key: Some(0),
+            model: "m",
+            prompt_estimate: 20,
+            max_tokens: Some(max_tokens),
+            n: None,
+        }
+    }
+
+    /// One sync round for every shard, in the given order.
+    fn sync_all(shards: &mut [LimiterShard], ledger: &InProcessLedger, order: &[usize]) {
+        let mut batch = Vec::new();
+        let mut states = Vec::new();
+        for &i in order {
+            let s = &mut shards[i];
+            s.prepare(unix_ms(), Duration::from_millis(50), &mut batch);
+            let node = s.node().to_string();
+            ledger.exchange_at(Instant::now(), &node, 60_000, &batch, &mut states);
+            s.apply(Ok(&states), &batch, Instant::now());
+        }
+    }
+
+    fn plan_use(shards: &[LimiterShard]) -> (u64, u64) {
+        let mut spent = 0;
+        let mut reserved = 0;
+        for s in shards {
+            for (id, b) in &s.budgets {
+                if id.kind == KIND_PLAN {
+                    spent += b.spent;
+                    reserved += b.reserved;
+                }
+            }
+        }
+        (spent, reserved)
+    }
+
+    #[test]
+    fn quota_reservations_never_pass_the_balance_across_cores() {
+        let cfg = limits("");
+        let ledger = InProcessLedger::new();
+        let mut shards: Vec<LimiterShard> = (0..6)
+            .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+            .collect();
+        let mut inflight: Vec<Vec<Permit>> = (0..6).map(|_| Vec::new()).collect();
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut admitted = 0;
+        let mut billed = 0;
+        for _round in 0..400 {
+            for i in 0..6 {
+                for _ in 0..rng.next() % 4 {
+                    let mut p = Permit::default();
+                    let ask = ask(rng.next() % 200);
+                    if shards[i]
+                        .try_admit(&cfg, &ask, &mut p, &mut |_, _| {})
+                        .is_ok()
+                    {
+                        admitted += 1;
+                        inflight[i].push(p);
+                    }
+                }
+                // Settle some, each for at most what it reserved.
+                while rng.next() % 3 == 0 {
+                    let Some(mut p) = inflight[i].pop() else {
+                        break;
+                    };
+                    let used = rng.next() % (p.reserved_tokens + 1);
+                    billed += used;
+                    shards[i].settle(&mut p, used);
+                    shards[i].settle(&mut p, used); // a second settle is a no-op
+                }
+            }
+            let (spent, reserved) = plan_use(&shards);
+            assert_eq!(spent, billed, "spend is exactly what was settled, once");
+            assert!(
+                spent + reserved <= 10_000,
+                "spent {spent} + reserved {reserved} > balance"
+            );
+            let mut order: Vec<usize> = (0..6).collect();
+            order.rotate_left((rng.next() % 6) as usize);
+            sync_all(&mut shards, &ledger, &order);
+        }
+        assert!(admitted > 50, "only {admitted} admitted");
+    }
+
+    #[test]
+    fn rate_limit_overshoot_stays_within_the_bound() {
+        let cfg =
+            limits("[[policies]]\nid = \"rpm\"\nmax_requests = 100\nrequests_window_secs = 3600");
+        let ledger = InProcessLedger::new();
+        let cores = 6;
+        let mut shards: Vec<LimiterShard> = (0..cores)
+            .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+            .collect();
+        let mut rng = Rng(42);
+        let mut admitted = 0u64;
+        let unlimited = Ask {
+            key: None,
+            ..ask(0)
+        };
+        for _round in 0..100 {
+            for s in shards.iter_mut() {
+                for _ in 0..rng.next() % 8 {
+                    let mut p = Permit::default();
+                    if s.try_admit(&cfg, &unlimited, &mut p, &mut |_, _| {})
+                        .is_ok()
+                    {
+                        admitted += 1;
+                        s.settle(&mut p, 0);
+                    }
+                }
+            }
+            let order: Vec<usize> = (0..cores).collect();
+            sync_all(&mut shards, &ledger, &order);
+        }
+        assert!(admitted >= 100, "{admitted}: the limit was never reached");
+        assert!(
+            admitted <= 100 + 2 * cores as u64,
+            "{admitted} admitted: past the documented bound"
+        );
+    }
+
+    #[test]
+    fn backend_down_spends_leases_then_serves_local_shares_or_refuses() {
+        let cfg = limits("nodes = 2\n[[policies]]\nid = \"c\"\nmax_concurrency = 8");
+        let ledger = InProcessLedger::new();
+        let mut s = LimiterShard::new(&cfg, "n0".into());
+        let quota_only = Ask {
+            key: Some(0),
+            ..ask(10)
+        };
+        // Get leases, then lose the backend.
+        let mut p = Permit::default();
+        assert!(s
+            .try_admit(&cfg, &quota_only, &mut p, &mut |_, _| {})
+            .is_err());
+        sync_all(std::slice::from_mut(&mut s), &ledger, &[0]);
+        assert!(s
+            .try_admit(&cfg, &quota_only, &mut p, &mut |_, _| {})
+            .is_ok());
+        s.settle(&mut p, 30);
+        let mut batch = Vec::new();
+        s.prepare(unix_ms(), Duration::from_millis(50), &mut batch);
+        s.apply(Err(()), &batch, Instant::now());
+        assert!(!s.backend_ok());
+        // Concurrency now runs on this core's share: 8 / (2 nodes × 1 worker) = 4 slots.
+        let mut held = Vec::new();
+        let outcome = loop {
+            let mut p = Permit::default();
+            match s.try_admit(&cfg, &quota_only, &mut p, &mut |_, _| {}) {
+                Ok(()) => held.push(p),
+                Err(r) => break r,
+            }
+            assert!(held.len() < 100);
+        };
+        assert!(
+            held.len() <= 4,
+            "{} in flight on a 4-slot share",
+            held.len()
+        );
+        // Refused by the share (rate/concurrency) or by the quota lease running out.
+        assert!(matches!(
+            outcome.kind,
+            RefusalKind::Exhausted | RefusalKind::BackendDown
+        ));
+    }
+
+    #[test]
+    fn monthly_periods_follow_the_calendar() {
+        let plan = Plan {
+            id: "p".into(),
+            tokens: Some(1),
+            period: Period::Monthly,
+            anchor: 1_768_435_200, // 2026-01-15T00:00:00Z
+            expires: None,
+            priority: 0,
+        };
+        // 2026-03-01T00:00:00Z: inside the period that began on 2026-02-15.
+        let (idx, start, end) = period_of(&plan, 1_772_323_200);
+        assert_eq!(idx, 1);
+        assert_eq!(start, 1_771_113_600); // 2026-02-15
+        assert_eq!(end, 1_773_532_800); // 2026-03-15
+        let days = Plan {
+            period: Period::Days(30),
+            ..plan
+        };
+        let (idx, start, end) = period_of(&days, 1_768_435_200 + 31 * 86_400);
+        assert_eq!((idx, end - start), (1, 30 * 86_400));
+    }
+
+    #[test]
+    fn reset_durations_in_openai_format() {
+        let f = |ms| {
+            let mut s = String::new();
+            write_duration(&mut s, ms);
+            s
+        };
+        assert_eq!(f(20), "20ms");
+        assert_eq!(f(1000), "1s");
+        assert_eq!(f(360_000), "6m0s");
+        assert_eq!(f(3_723_000), "1h2m3s");
     }
 }
