@@ -885,7 +885,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
                     }
                 }
                 // Settle some, each for at most what it reserved.
-                while rng.next() % 3 == 0 {
+                while rng.next().is_multiple_of(3) {
                     let Some(mut p) = inflight[i].pop() else {
                         break;
                     };
