@@ -74,6 +74,11 @@ impl SseMeter {
         self.meter.on_json_body(body);
     }
 
+    /// The generated text seen so far (see [`StreamMeter::captured`]).
+    pub fn captured(&self) -> &[u8] {
+        self.meter.captured()
+    }
+
     /// What has been recorded so far.
     pub fn summary(&self) -> MeterSummary {
         let mut s = self.meter.summary().clone();

@@ -85,7 +85,14 @@ pub struct MeterSummary {
 pub struct StreamMeter {
     summary: MeterSummary,
     json: JsonScratch,
+    /// The generated text itself, up to [`MAX_CAPTURE`] bytes: what a settlement estimate
+    /// counts when the upstream reports no usage.
+    captured: Vec<u8>,
 }
+
+/// Generated text kept per response for settlement estimates; beyond it, the estimate scales
+/// by the byte count.
+pub const MAX_CAPTURE: usize = 64 * 1024;
 
 impl std::fmt::Debug for StreamMeter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -103,6 +110,13 @@ impl StreamMeter {
     /// Forget the response, keeping the parse buffers.
     pub fn reset(&mut self) {
         self.summary = MeterSummary::default();
+        self.captured.clear();
+    }
+
+    /// The generated text seen so far (UTF-8 pieces as decoded; at most [`MAX_CAPTURE`] bytes,
+    /// so it may be a prefix of `summary().content_bytes`).
+    pub fn captured(&self) -> &[u8] {
+        &self.captured
     }
 
     /// What has been recorded so far.
@@ -132,7 +146,9 @@ impl StreamMeter {
         }
         let Some(content) = self
             .json
-            .parse(doc, |nodes| read_document(nodes, &mut self.summary))
+            .parse(doc, |nodes| {
+                read_document(nodes, &mut self.summary, &mut self.captured)
+            })
         else {
             self.summary.unparsed_events += 1;
             return;
@@ -151,7 +167,7 @@ impl StreamMeter {
     /// content bytes (no timing and no content events).
     pub fn on_json_body(&mut self, body: &[u8]) {
         let parsed = self.json.parse(body, |nodes| {
-            let content = read_document(nodes, &mut self.summary);
+            let content = read_document(nodes, &mut self.summary, &mut self.captured);
             let s = &mut self.summary;
             s.content_bytes = s.content_bytes.saturating_add(content.bytes);
         });
@@ -249,25 +265,38 @@ impl JsonScratch {
     }
 }
 
-/// Generated content found in one document.
-#[derive(Default)]
-struct Content {
+/// Generated content found in one document; its text is appended to the capture buffer.
+struct Content<'c> {
     present: bool,
     bytes: u64,
+    capture: &'c mut Vec<u8>,
 }
 
-impl Content {
+impl Content<'_> {
     fn add_str(&mut self, s: &str) {
         if !s.is_empty() {
             self.present = true;
             self.bytes = self.bytes.saturating_add(s.len() as u64);
+            let room = MAX_CAPTURE.saturating_sub(self.capture.len());
+            // Whole pieces only, so the capture stays valid UTF-8.
+            if s.len() <= room {
+                self.capture.extend_from_slice(s.as_bytes());
+            }
         }
     }
 }
 
 /// Record what `nodes` (one JSON document) says in `s`; return the content it carries.
-fn read_document(nodes: &[Node<'_>], s: &mut MeterSummary) -> Content {
-    let mut content = Content::default();
+fn read_document<'c>(
+    nodes: &[Node<'_>],
+    s: &mut MeterSummary,
+    capture: &'c mut Vec<u8>,
+) -> Content<'c> {
+    let mut content = Content {
+        present: false,
+        bytes: 0,
+        capture,
+    };
     if !matches!(nodes.first(), Some(Node::Object { .. })) {
         return content;
     }
@@ -346,7 +375,7 @@ fn read_document(nodes: &[Node<'_>], s: &mut MeterSummary) -> Content {
 }
 
 /// A chat `delta` or `message` object: text, reasoning, refusal and tool calls.
-fn message_content(nodes: &[Node<'_>], idx: usize, content: &mut Content) {
+fn message_content(nodes: &[Node<'_>], idx: usize, content: &mut Content<'_>) {
     for (key, v) in entries(nodes, idx) {
         match key {
             "content" | "reasoning_content" | "reasoning" | "refusal" => {
