@@ -2,4 +2,5 @@
 //! through a sync backend.
 
 pub mod ledger;
+pub mod redis;
 pub mod sync;
