@@ -346,72 +346,100 @@ impl RedisBackend {
         Ok(())
     }
 
-    /// The exchange itself (without the deadline): one pipelined round trip, plus one more
-    /// with the script reloaded when Redis no longer knew it.
-    async fn exchange_inner(
+    /// Run the ledger script for each of `budgets` in one pipelined round trip (plus one more
+    /// with the script reloaded when Redis no longer knew it), within `deadline`. Returns the
+    /// replies, one per budget in order, error replies included: the caller maps them (a
+    /// cluster client reroutes `MOVED` / `ASK` ones). With `asking`, each call is preceded by
+    /// `ASKING` (a cluster slot being imported by this node).
+    pub(crate) async fn script_replies<'a, I>(
         &mut self,
         node: &str,
         lease_ttl_ms: u64,
-        batch: &[BudgetSync],
-        out: &mut Vec<BudgetState>,
-    ) -> Result<(), SyncError> {
+        budgets: I,
+        asking: bool,
+        deadline: Duration,
+    ) -> Result<&[BytesFrame], SyncError>
+    where
+        I: Iterator<Item = &'a BudgetSync> + Clone,
+    {
+        self.check_backoff()?;
+        let res = monoio::time::timeout(
+            deadline,
+            self.script_replies_inner(node, lease_ttl_ms, budgets, asking),
+        )
+        .await;
+        self.settle(res)?;
+        Ok(&self.frames)
+    }
+
+    async fn script_replies_inner<'a, I>(
+        &mut self,
+        node: &str,
+        lease_ttl_ms: u64,
+        budgets: I,
+        asking: bool,
+    ) -> Result<(), SyncError>
+    where
+        I: Iterator<Item = &'a BudgetSync> + Clone,
+    {
         self.ensure_connected().await?;
         let (Some(conn), Some(sha)) = (self.conn.as_mut(), self.sha.as_deref()) else {
             return Err(SyncError::Unavailable("not connected".into()));
         };
+        let per_budget = if asking { 2 } else { 1 };
+        let encode_all = |buf: &mut BytesMut| -> Result<usize, SyncError> {
+            let mut n = 0;
+            for b in budgets.clone() {
+                if asking {
+                    encode(buf, &[bulk(b"ASKING")])?;
+                }
+                encode_evalsha(buf, sha, node, lease_ttl_ms, b)?;
+                n += 1;
+            }
+            Ok(n)
+        };
         conn.wbuf.clear();
-        for b in batch {
-            encode_evalsha(&mut conn.wbuf, sha, node, lease_ttl_ms, b)?;
-        }
+        let count = encode_all(&mut conn.wbuf)?;
         if let Err(e) = conn
-            .round_trip(batch.len(), &mut self.frames, &mut self.stats)
+            .round_trip(count * per_budget, &mut self.frames, &mut self.stats)
             .await
         {
             self.conn = None;
             return Err(e);
         }
-        let mut first = 0;
         if self.frames.iter().any(is_noscript) {
             // Redis lost the script (restart, SCRIPT FLUSH, failover). Load it and run the whole
             // batch again in the same write: the exchange is idempotent (spend is a maximum, the
             // lease absolute), so budgets whose first run succeeded are not counted twice.
             conn.wbuf.clear();
             encode_script_load(&mut conn.wbuf)?;
-            for b in batch {
-                encode_evalsha(&mut conn.wbuf, sha, node, lease_ttl_ms, b)?;
-            }
+            encode_all(&mut conn.wbuf)?;
             self.stats.script_loads += 1;
             if let Err(e) = conn
-                .round_trip(batch.len() + 1, &mut self.frames, &mut self.stats)
+                .round_trip(count * per_budget + 1, &mut self.frames, &mut self.stats)
                 .await
             {
                 self.conn = None;
                 return Err(e);
             }
-            let loaded = self
-                .frames
-                .first()
-                .map(script_sha)
-                .unwrap_or_else(|| Err(SyncError::Protocol("no SCRIPT LOAD reply".into())))?;
+            if self.frames.is_empty() {
+                return Err(SyncError::Protocol("no SCRIPT LOAD reply".into()));
+            }
+            let loaded = script_sha(&self.frames.remove(0))?;
             if loaded != sha {
                 return Err(SyncError::Protocol(format!(
                     "SCRIPT LOAD returned {loaded}, expected {sha}"
                 )));
             }
-            first = 1;
         }
-        out.clear();
-        out.reserve(batch.len());
-        for frame in self.frames.get(first..).unwrap_or_default() {
-            match budget_state(frame) {
-                Ok(s) => out.push(s),
-                Err(e) => {
-                    out.clear();
-                    return Err(e);
-                }
-            }
+        if asking {
+            // Keep the script's replies, drop the ASKING ones (+OK) before each.
+            let mut i = 0;
+            self.frames.retain(|_| {
+                i += 1;
+                i % 2 == 0
+            });
         }
-        self.frames.clear();
         Ok(())
     }
 }
@@ -429,17 +457,20 @@ impl SyncBackend for RedisBackend {
         if batch.is_empty() {
             return Ok(());
         }
-        self.check_backoff()?;
-        let res = monoio::time::timeout(
-            deadline,
-            self.exchange_inner(node, lease_ttl_ms, batch, out),
-        )
-        .await;
-        let res = self.settle(res);
-        if res.is_err() {
-            out.clear();
+        let replies = self
+            .script_replies(node, lease_ttl_ms, batch.iter(), false, deadline)
+            .await?;
+        out.reserve(replies.len());
+        for frame in replies {
+            match budget_state(frame) {
+                Ok(s) => out.push(s),
+                Err(e) => {
+                    out.clear();
+                    return Err(e);
+                }
+            }
         }
-        res
+        Ok(())
     }
 }
 
@@ -625,7 +656,7 @@ fn script_sha(frame: &BytesFrame) -> Result<String, SyncError> {
 }
 
 /// One script reply: `{granted, spent_total, leased_others}`.
-fn budget_state(frame: &BytesFrame) -> Result<BudgetState, SyncError> {
+pub(crate) fn budget_state(frame: &BytesFrame) -> Result<BudgetState, SyncError> {
     let num = |f: &BytesFrame| match f {
         BytesFrame::Integer(i) => u64::try_from(*i).ok(),
         _ => None,
