@@ -207,8 +207,13 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         if crate::limits::any_limits(&worker.snapshot.limits) {
             match worker.snapshot.limits.sync.redis.clone() {
                 Some(settings) => {
-                    let _ = settings; // REDIS-PENDING
-                    monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), ledger));
+                    let mut redis = crate::limits::redis::RedisSettings::new(settings.address);
+                    redis.username = settings.username;
+                    redis.password = settings.password;
+                    redis.db = settings.db;
+                    redis.connect_timeout = settings.connect_timeout;
+                    let backend = crate::limits::redis::RedisBackend::new(redis);
+                    monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), backend));
                 }
                 None => {
                     monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), ledger));

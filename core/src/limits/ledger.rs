@@ -358,8 +358,9 @@ pub(crate) mod conformance {
         .await?;
         assert_eq!(out, vec![state(2, 45, 55)]);
 
-        // A lease lapses after its TTL: the budget comes back, the spend stays.
-        let out = step(backend, &mut log, "n1", 100, &[budget(&e, 10, 4, 6, 0)]).await?;
+        // A lease lapses after its TTL: the budget comes back, the spend stays. (The TTL leaves
+        // room for a busy machine between the first two steps.)
+        let out = step(backend, &mut log, "n1", 400, &[budget(&e, 10, 4, 6, 0)]).await?;
         assert_eq!(out, vec![state(6, 4, 0)]);
         let out = step(
             backend,
@@ -370,7 +371,7 @@ pub(crate) mod conformance {
         )
         .await?;
         assert_eq!(out, vec![state(0, 4, 6)]);
-        monoio::time::sleep(Duration::from_millis(250)).await;
+        monoio::time::sleep(Duration::from_millis(600)).await;
         let out = step(
             backend,
             &mut log,
@@ -383,7 +384,7 @@ pub(crate) mod conformance {
 
         // A budget with a key TTL vanishes whole after it (window budgets).
         let mut windowed = budget(&k, 10, 7, 2, 0);
-        windowed.key_ttl_ms = 150;
+        windowed.key_ttl_ms = 200;
         let out = step(
             backend,
             &mut log,
@@ -393,7 +394,7 @@ pub(crate) mod conformance {
         )
         .await?;
         assert_eq!(out, vec![state(2, 7, 0)]);
-        monoio::time::sleep(Duration::from_millis(300)).await;
+        monoio::time::sleep(Duration::from_millis(400)).await;
         let out = step(
             backend,
             &mut log,

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod ledger;
+pub mod redis;
 pub mod shard;
 pub mod sync;
 

@@ -144,12 +144,9 @@ impl StreamMeter {
             s.unparsed_events += 1;
             return;
         }
-        let Some(content) = self
-            .json
-            .parse(doc, |nodes| {
-                read_document(nodes, &mut self.summary, &mut self.captured)
-            })
-        else {
+        let Some(content) = self.json.parse(doc, |nodes| {
+            read_document(nodes, &mut self.summary, &mut self.captured)
+        }) else {
             self.summary.unparsed_events += 1;
             return;
         };
