@@ -134,7 +134,9 @@ fn quota_holds_under_1000_concurrent_requests_from_3_processes() {
                 .stack_size(256 << 10)
                 .spawn(move || {
                     start.wait();
-                    request(addr, &body(100), &[("x-mock-delay-ms", "100")])
+                    // Long enough that every admitted request is still in flight when the
+                    // last one is decided: then their reservations are outstanding together.
+                    request(addr, &body(100), &[("x-mock-delay-ms", "3000")])
                 })
                 .unwrap()
         })
@@ -152,7 +154,8 @@ fn quota_holds_under_1000_concurrent_requests_from_3_processes() {
             assert_eq!(e["error"]["type"], "insufficient_quota", "{}", r.dump());
         }
     }
-    // Each admitted request reserved at least 100 + 1 tokens: their sum fits the balance.
+    // Each admitted request reserved at least 100 + 1 tokens, all at once: their sum fits the
+    // balance.
     assert!(
         admitted.len() * 101 <= 10_000,
         "{} admitted: reservations exceed the quota",
@@ -270,12 +273,15 @@ fn concurrency_5_across_processes() {
     );
 }
 
-/// Continuous load from `threads` threads; returns the counts by status when `stop` is set.
+/// Each answer of a load run: when, its status, the tokens it used.
+type AnswerLog = Arc<std::sync::Mutex<Vec<(Instant, u16, u64)>>>;
+
+/// Continuous load from `threads` threads, logging every answer, until `stop` is set.
 fn load(
     addrs: &[SocketAddr],
     threads: usize,
     stop: &Arc<AtomicBool>,
-    log: &Arc<std::sync::Mutex<Vec<(Instant, u16, u64)>>>,
+    log: &AnswerLog,
 ) -> Vec<std::thread::JoinHandle<()>> {
     (0..threads)
         .map(|t| {

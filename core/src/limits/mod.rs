@@ -73,6 +73,22 @@ pub async fn run_sync<B: SyncBackend>(worker: Rc<Worker>, mut backend: B) {
             .exchange(&node, lease_ttl_ms, &batch, &mut states, settings.timeout)
             .await;
         worker.metrics.sync_flush(sent_at.elapsed(), result.is_ok());
+        // State changes only, so a flapping backend can't flood stderr: one line each way.
+        let was_ok = worker.limiter.borrow().backend_ok();
+        match (&result, was_ok) {
+            (Err(e), true) => eprintln!(
+                "sluice: worker {}: limit ledger unreachable ({e}); serving on held leases{}",
+                worker.id,
+                match settings.on_down {
+                    config::DownPolicy::Allow => " and local shares",
+                    config::DownPolicy::Deny => ", refusing beyond them",
+                }
+            ),
+            (Ok(()), false) => {
+                eprintln!("sluice: worker {}: limit ledger reachable again", worker.id)
+            }
+            _ => {}
+        }
         worker.limiter.borrow_mut().apply(
             result.map(|()| states.as_slice()).map_err(|_| ()),
             &batch,

@@ -552,7 +552,9 @@ impl LimiterShard {
         if b.free(lease_valid) >= cost as i64 {
             return Ok(());
         }
-        if !self.backend_ok || !lease_valid {
+        // A lease gone stale while the ledger answers is no outage: this worker simply had
+        // nothing to exchange for a while; the next (hurried) exchange renews it.
+        if !self.backend_ok {
             // The ledger is unreachable. Rate limits and concurrency may serve on this core's
             // share when so configured; quotas spend only what is held.
             let plan = id.kind == KIND_PLAN;
@@ -784,14 +786,14 @@ pub fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
 }
 
 #[cfg(test)]
-mod tests {
+mod tests_support {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::limits::config::LimitsConfig;
     use crate::limits::ledger::InProcessLedger;
     use std::sync::Arc;
 
-    fn limits(extra: &str) -> Arc<LimitsConfig> {
+    pub fn limits(extra: &str) -> Arc<LimitsConfig> {
         let text = format!(
             r#"
 [clusters.main]
@@ -800,7 +802,7 @@ backends = [{{ base_url = "http://127.0.0.1:9/v1" }}]
 model = "m"
 cluster = "main"
 [limits]
-lease_ttl_ms = 60000
+{ttl}
 {extra}
 [[keys]]
 id = "k"
@@ -808,14 +810,19 @@ sha256 = "{}"
 entity = "e"
 plans = [{{ id = "q", tokens = 10000 }}]
 "#,
-            crate::auth::hex(&crate::auth::digest(b"k"))
+            crate::auth::hex(&crate::auth::digest(b"k")),
+            ttl = if extra.contains("lease_ttl_ms") {
+                ""
+            } else {
+                "lease_ttl_ms = 60000"
+            },
         );
         crate::config::load(&text, &|_| None).unwrap().limits
     }
 
-    struct Rng(u64);
+    pub struct Rng(pub u64);
     impl Rng {
-        fn next(&mut self) -> u64 {
+        pub fn next(&mut self) -> u64 {
             self.0 ^= self.0 << 13;
             self.0 ^= self.0 >> 7;
             self.0 ^= self.0 << 17;
@@ -823,7 +830,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
         }
     }
 
-    fn ask(max_tokens: u64) -> Ask<'static> {
+    pub fn ask(max_tokens: u64) -> Ask<'static> {
         Ask {
             key: Some(0),
             model: "m",
@@ -834,7 +841,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
     }
 
     /// One sync round for every shard, in the given order.
-    fn sync_all(shards: &mut [LimiterShard], ledger: &InProcessLedger, order: &[usize]) {
+    pub fn sync_all(shards: &mut [LimiterShard], ledger: &InProcessLedger, order: &[usize]) {
         let mut batch = Vec::new();
         let mut states = Vec::new();
         for &i in order {
@@ -846,7 +853,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
         }
     }
 
-    fn plan_use(shards: &[LimiterShard]) -> (u64, u64) {
+    pub fn plan_use(shards: &[LimiterShard]) -> (u64, u64) {
         let mut spent = 0;
         let mut reserved = 0;
         for s in shards {
@@ -859,6 +866,14 @@ plans = [{{ id = "q", tokens = 10000 }}]
         }
         (spent, reserved)
     }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::tests_support::*;
+    use super::*;
+    use crate::limits::ledger::InProcessLedger;
 
     #[test]
     fn quota_reservations_never_pass_the_balance_across_cores() {
@@ -1024,5 +1039,125 @@ plans = [{{ id = "q", tokens = 10000 }}]
         assert_eq!(f(1000), "1s");
         assert_eq!(f(360_000), "6m0s");
         assert_eq!(f(3_723_000), "1h2m3s");
+    }
+}
+
+#[cfg(test)]
+mod concurrency_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::tests_support::*;
+    use super::*;
+
+    #[test]
+    fn concurrency_slots_never_exceed_the_limit_across_cores() {
+        let cfg = limits("nodes = 3\n[[policies]]\nid = \"five\"\nmax_concurrency = 5");
+        let ledger = crate::limits::ledger::InProcessLedger::new();
+        let mut shards: Vec<LimiterShard> = (0..6)
+            .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+            .collect();
+        let mut inflight: Vec<Vec<Permit>> = (0..6).map(|_| Vec::new()).collect();
+        let mut rng = Rng(7);
+        let anon = Ask {
+            key: None,
+            model: "m",
+            prompt_estimate: 1,
+            max_tokens: Some(1),
+            n: None,
+        };
+        for _round in 0..500 {
+            for i in 0..6 {
+                for _ in 0..rng.next() % 4 {
+                    let mut p = Permit::default();
+                    if shards[i]
+                        .try_admit(&cfg, &anon, &mut p, &mut |_, _| {})
+                        .is_ok()
+                    {
+                        inflight[i].push(p);
+                    }
+                }
+                let total: usize = inflight.iter().map(Vec::len).sum();
+                assert!(total <= 5, "{total} in flight");
+                while rng.next().is_multiple_of(2) {
+                    let Some(mut p) = inflight[i].pop() else {
+                        break;
+                    };
+                    shards[i].settle(&mut p, 0);
+                }
+            }
+            // Exchanges overlap admissions and settlements, as on a worker: prepare, work,
+            // the ledger answers, more work, apply.
+            let mut batches: Vec<Vec<BudgetSync>> = Vec::new();
+            for s in shards.iter_mut() {
+                let mut batch = Vec::new();
+                s.prepare(unix_ms(), Duration::from_millis(50), &mut batch);
+                batches.push(batch);
+            }
+            let mut work =
+                |shards: &mut Vec<LimiterShard>, inflight: &mut Vec<Vec<Permit>>, rng: &mut Rng| {
+                    for i in 0..6 {
+                        let mut p = Permit::default();
+                        if rng.next().is_multiple_of(2)
+                            && shards[i]
+                                .try_admit(&cfg, &anon, &mut p, &mut |_, _| {})
+                                .is_ok()
+                        {
+                            inflight[i].push(p);
+                        }
+                        if rng.next().is_multiple_of(3) {
+                            if let Some(mut p) = inflight[i].pop() {
+                                shards[i].settle(&mut p, 0);
+                            }
+                        }
+                        let total: usize = inflight.iter().map(Vec::len).sum();
+                        assert!(total <= 5, "{total} in flight");
+                    }
+                };
+            work(&mut shards, &mut inflight, &mut rng);
+            let mut states: Vec<Vec<BudgetState>> = Vec::new();
+            for (i, s) in shards.iter().enumerate() {
+                let mut out = Vec::new();
+                ledger.exchange_at(Instant::now(), s.node(), 60_000, &batches[i], &mut out);
+                states.push(out);
+                let _ = i;
+            }
+            work(&mut shards, &mut inflight, &mut rng);
+            for (i, s) in shards.iter_mut().enumerate() {
+                s.apply(Ok(&states[i]), &batches[i], Instant::now());
+            }
+        }
+    }
+
+    #[test]
+    fn a_stale_lease_on_an_idle_worker_is_not_an_outage() {
+        // Leases lapse 8 ms after the last exchange; a worker with nothing to exchange for
+        // longer must wait for a lease, not fall back to its outage share.
+        let cfg = limits(
+            "sync_interval_ms = 1\nlease_ttl_ms = 8\nnodes = 1\n[[policies]]\nid = \"one\"\nmax_concurrency = 1",
+        );
+        let ledger = crate::limits::ledger::InProcessLedger::new();
+        let mut shards = vec![
+            LimiterShard::new(&cfg, "a".into()),
+            LimiterShard::new(&cfg, "b".into()),
+        ];
+        let anon = Ask {
+            key: None,
+            model: "m",
+            prompt_estimate: 1,
+            max_tokens: None,
+            n: None,
+        };
+        let mut held = Permit::default();
+        assert!(shards[0]
+            .try_admit(&cfg, &anon, &mut held, &mut |_, _| {})
+            .is_err());
+        sync_all(&mut shards, &ledger, &[0, 1]);
+        assert!(shards[0]
+            .try_admit(&cfg, &anon, &mut held, &mut |_, _| {})
+            .is_ok());
+        sync_all(&mut shards, &ledger, &[0, 1]);
+        std::thread::sleep(Duration::from_millis(20));
+        let mut p = Permit::default();
+        let r = shards[1].try_admit(&cfg, &anon, &mut p, &mut |_, _| {});
+        assert_eq!(r.map_err(|r| r.kind), Err(RefusalKind::NeedLease));
     }
 }
