@@ -1092,7 +1092,7 @@ mod concurrency_tests {
                 s.prepare(unix_ms(), Duration::from_millis(50), &mut batch);
                 batches.push(batch);
             }
-            let mut work =
+            let work =
                 |shards: &mut Vec<LimiterShard>, inflight: &mut Vec<Vec<Permit>>, rng: &mut Rng| {
                     for i in 0..6 {
                         let mut p = Permit::default();
