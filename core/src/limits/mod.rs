@@ -4,6 +4,7 @@
 pub mod config;
 pub mod ledger;
 pub mod redis;
+pub mod redis_cluster;
 pub mod shard;
 pub mod sync;
 

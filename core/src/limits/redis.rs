@@ -700,35 +700,33 @@ fn describe(frame: &BytesFrame) -> String {
     }
 }
 
+/// A real `redis-server` for tests (this module's and the cluster client's).
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-    use std::io::{BufRead, BufReader, Read, Write};
-    use std::net::{TcpListener, TcpStream as StdStream};
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::{SocketAddr, TcpListener, TcpStream as StdStream};
     use std::process::{Child, Command, Stdio};
     use std::thread;
+    use std::time::{Duration, Instant};
 
-    use super::super::ledger::conformance::{self, block_on, budget};
-    use super::super::ledger::InProcessLedger;
-    use super::*;
-
-    const DEADLINE: Duration = Duration::from_millis(500);
+    use super::{RedisBackend, RedisSettings};
 
     /// A `redis-server` of our own on a free loopback port, killed (by PID) when dropped.
-    struct Server {
-        child: Option<Child>,
-        port: u16,
-        extra: Vec<String>,
+    pub(crate) struct Server {
+        pub(crate) child: Option<Child>,
+        pub(crate) port: u16,
+        pub(crate) extra: Vec<String>,
     }
 
-    fn free_port() -> u16 {
+    pub(crate) fn free_port() -> u16 {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     }
 
     impl Server {
-        fn start(extra: &[&str]) -> Server {
+        pub(crate) fn start(extra: &[&str]) -> Server {
             let mut s = Server {
                 child: None,
                 port: free_port(),
@@ -739,7 +737,7 @@ mod tests {
         }
 
         /// (Re)start on the same port, empty (no persistence), and wait until it answers.
-        fn restart(&mut self) {
+        pub(crate) fn restart(&mut self) {
             let child = Command::new("redis-server")
                 .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
                 .args(["--save", "", "--appendonly", "no"])
@@ -768,18 +766,18 @@ mod tests {
             panic!("redis-server on port {} did not come up", self.port);
         }
 
-        fn stop(&mut self) {
+        pub(crate) fn stop(&mut self) {
             if let Some(mut c) = self.child.take() {
                 let _ = c.kill();
                 let _ = c.wait();
             }
         }
 
-        fn addr(&self) -> SocketAddr {
+        pub(crate) fn addr(&self) -> SocketAddr {
             SocketAddr::from(([127, 0, 0, 1], self.port))
         }
 
-        fn backend(&self) -> RedisBackend {
+        pub(crate) fn backend(&self) -> RedisBackend {
             RedisBackend::new(RedisSettings::new(self.addr()))
         }
     }
@@ -789,6 +787,22 @@ mod tests {
             self.stop();
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::{TcpListener, TcpStream as StdStream};
+    use std::thread;
+
+    use super::super::ledger::conformance::{self, block_on, budget};
+    use super::super::ledger::InProcessLedger;
+    use super::testing::{free_port, Server};
+    use super::*;
+
+    const DEADLINE: Duration = Duration::from_millis(500);
 
     async fn exchange(
         b: &mut RedisBackend,
