@@ -190,14 +190,16 @@ impl Observation {
         before + head + self.relay_overhead
     }
 
-    /// Sum the request up. `estimate_prompt` estimates the prompt's tokens when the upstream
+    /// Sum the request up. `estimate` counts text when the upstream reported no usage: the
+    /// prompt (`prompt_body`, the request body) and the generated text the meter kept.
     /// reported none.
     pub fn outcome(
         &mut self,
         snapshot: &Snapshot,
         requested_model: &str,
         mapped_model: Option<&str>,
-        estimate_prompt: impl FnOnce() -> u64,
+        prompt_body: &[u8],
+        estimate: Estimator,
     ) -> Outcome {
         let finished = self.finished_at.unwrap_or_else(Instant::now);
         if let Metering::Json { truncated: false } = self.metering {
@@ -211,9 +213,17 @@ impl Observation {
             }
             None => {
                 // No usage reported (or the stream was cut before it): bill what we know —
-                // the prompt estimate, and ~4 bytes of generated text per token.
-                let prompt = estimate_prompt();
-                let completion = summary.content_bytes.div_ceil(4);
+                // the prompt, and the generated text the meter kept (scaled up by bytes when
+                // there was more than it keeps).
+                let prompt = estimate.count(prompt_body).max(1);
+                let captured = self.meter.captured();
+                let mut completion = estimate.count(captured);
+                if summary.content_bytes > captured.len() as u64 && !captured.is_empty() {
+                    completion = (completion as u128 * summary.content_bytes as u128
+                        / captured.len() as u128) as u64;
+                } else if captured.is_empty() {
+                    completion = summary.content_bytes.div_ceil(4);
+                }
                 (
                     Usage {
                         prompt_tokens: prompt,
@@ -268,10 +278,26 @@ impl Observation {
     }
 }
 
-/// A cheap prompt-token estimate: ~4 bytes of JSON per token. Calibrated estimators come with
-/// the limits work; this one only stands in when an upstream reports no usage.
-pub fn estimate_prompt_tokens(body_len: usize) -> u64 {
-    (body_len as u64).div_ceil(4).max(1)
+/// How text is counted when an upstream reports no usage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Estimator {
+    /// The calibrated byte-class estimate ([`crate::tokens::estimate_tokens`]).
+    Bytes,
+    /// Exact counts with the model's tiktoken encoding (`limits.settle_tokenizer =
+    /// "tiktoken"`); slower, used only at settlement.
+    Tiktoken(crate::tokens::Encoding),
+}
+
+impl Estimator {
+    pub fn count(self, text: &[u8]) -> u64 {
+        match self {
+            Estimator::Bytes => crate::tokens::estimate_tokens(text),
+            Estimator::Tiktoken(encoding) => match std::str::from_utf8(text) {
+                Ok(t) => crate::tokens::count_tokens(encoding, t) as u64,
+                Err(_) => crate::tokens::estimate_tokens(text),
+            },
+        }
+    }
 }
 
 /// What kind of failure a request ended in, for the access log (`error_class`).

@@ -9,7 +9,8 @@ use crate::admit::Caller;
 use crate::conn::{ClientSocket, Request};
 use crate::error::GatewayError;
 use crate::inspect::Inspection;
-use crate::observe::{estimate_prompt_tokens, Observation};
+use crate::limits::config::SettleTokenizer;
+use crate::observe::{Estimator, Observation};
 use crate::relay::ClientSide;
 use crate::worker::Worker;
 use crate::{admit, auth, forward, observe, relay, route};
@@ -31,9 +32,19 @@ pub async fn proxy(
 
     // Observe: usage, cost and timings of what happened, whatever happened.
     let mapped = result.as_ref().ok().and_then(|(_, mapped)| *mapped);
-    let outcome = obs.outcome(&worker.snapshot, &inspection.model, mapped, || {
-        estimate_prompt_tokens(request.body.len())
-    });
+    let estimator = match worker.snapshot.limits.settle_tokenizer {
+        SettleTokenizer::Estimate => Estimator::Bytes,
+        SettleTokenizer::Tiktoken => Estimator::Tiktoken(crate::tokens::Encoding::for_model(
+            mapped.unwrap_or(&inspection.model),
+        )),
+    };
+    let outcome = obs.outcome(
+        &worker.snapshot,
+        &inspection.model,
+        mapped,
+        request.body,
+        estimator,
+    );
 
     // Settle: what the request used goes into every budget it reserved from, exactly once —
     // success, upstream error (released), client or upstream abort (billed).
@@ -100,7 +111,7 @@ async fn proxy_observed<'s>(
 
     // Admit: a reservation under every policy and quota plan that applies (waits at most one
     // sync for a lease).
-    let prompt_estimate = estimate_prompt_tokens(request.body.len());
+    let prompt_estimate = crate::tokens::estimate_tokens(request.body);
     if let Err(refusal) = admit::admit(
         worker,
         caller.key,

@@ -42,6 +42,20 @@ impl Driver {
 /// Run the gateway until the process is stopped.
 pub fn run(snapshot: Snapshot) -> io::Result<()> {
     raise_fd_limit();
+    if snapshot.limits.settle_tokenizer == crate::limits::config::SettleTokenizer::Tiktoken {
+        // Building the BPE tables takes a while: do it before serving, not on a request.
+        for encoding in [
+            crate::tokens::Encoding::Cl100k,
+            crate::tokens::Encoding::O200k,
+        ] {
+            if !crate::tokens::warm_up(encoding) {
+                eprintln!(
+                    "sluice: tiktoken {} unavailable; settling with the estimate",
+                    encoding.name()
+                );
+            }
+        }
+    }
     let addr = claim_port(snapshot.server.listen)?;
     let hub = metrics_hub(&snapshot);
     let ready = Arc::new(AtomicBool::new(false));
@@ -206,15 +220,28 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         }
         if crate::limits::any_limits(&worker.snapshot.limits) {
             match worker.snapshot.limits.sync.redis.clone() {
-                Some(settings) => {
-                    let mut redis = crate::limits::redis::RedisSettings::new(settings.address);
-                    redis.username = settings.username;
-                    redis.password = settings.password;
-                    redis.db = settings.db;
-                    redis.connect_timeout = settings.connect_timeout;
-                    let backend = crate::limits::redis::RedisBackend::new(redis);
-                    monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), backend));
-                }
+                Some(settings) => match settings.cluster_seeds.clone() {
+                    Some(seeds) => {
+                        use crate::limits::redis_cluster::{
+                            RedisClusterBackend, RedisClusterSettings,
+                        };
+                        let mut cluster = RedisClusterSettings::new(seeds);
+                        cluster.username = settings.username;
+                        cluster.password = settings.password;
+                        cluster.connect_timeout = settings.connect_timeout;
+                        let backend = RedisClusterBackend::new(cluster);
+                        monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), backend));
+                    }
+                    None => {
+                        let mut redis = crate::limits::redis::RedisSettings::new(settings.address);
+                        redis.username = settings.username;
+                        redis.password = settings.password;
+                        redis.db = settings.db;
+                        redis.connect_timeout = settings.connect_timeout;
+                        let backend = crate::limits::redis::RedisBackend::new(redis);
+                        monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), backend));
+                    }
+                },
                 None => {
                     monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), ledger));
                 }

@@ -157,6 +157,12 @@ pub struct RawRedis {
     key_prefix: String,
     #[serde(default = "default_connect_ms")]
     connect_timeout_ms: u64,
+    /// A Redis Cluster: `address` and `seeds` are nodes to learn the slot map from; budgets go
+    /// to the master owning their hash tag's slot.
+    #[serde(default)]
+    cluster: bool,
+    #[serde(default)]
+    seeds: Vec<String>,
 }
 
 fn default_prefix() -> String {
@@ -358,6 +364,8 @@ pub enum SettleTokenizer {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisSettings {
     pub address: SocketAddr,
+    /// Some: a Redis Cluster, with these seed nodes (`address` first).
+    pub cluster_seeds: Option<Vec<SocketAddr>>,
     pub username: Option<String>,
     pub password: Option<String>,
     pub db: u32,
@@ -713,9 +721,36 @@ pub fn resolve(
             if let Err(e) = check_id(&r.key_prefix) {
                 err("limits.redis.key_prefix".into(), e);
             }
+            let mut seeds = Vec::new();
+            for (i, seed) in r.seeds.iter().enumerate() {
+                match seed.to_socket_addrs().map(|mut a| a.next()) {
+                    Ok(Some(a)) => seeds.push(a),
+                    _ => err(
+                        format!("limits.redis.seeds[{i}]"),
+                        format!("`{seed}` is not a host:port that resolves"),
+                    ),
+                }
+            }
+            if r.cluster && r.db != 0 {
+                err(
+                    "limits.redis.db".into(),
+                    "a Redis Cluster has only database 0".into(),
+                );
+            }
+            if !r.cluster && !r.seeds.is_empty() {
+                err(
+                    "limits.redis.seeds".into(),
+                    "seeds are for a Redis Cluster: set cluster = true".into(),
+                );
+            }
             if let Some(address) = address {
                 sync.redis = Some(RedisSettings {
                     address,
+                    cluster_seeds: r.cluster.then(|| {
+                        let mut all = vec![address];
+                        all.extend(seeds.iter().copied().filter(|s| *s != address));
+                        all
+                    }),
                     username: r.username.clone(),
                     password,
                     db: r.db,
