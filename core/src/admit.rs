@@ -94,34 +94,34 @@ pub async fn admit(
         Err(r) if r.kind == RefusalKind::NeedLease => r,
         Err(r) => return Err(r),
     };
-    // Too small a lease here, maybe room in the ledger: wait for the next exchange, once.
-    let target = worker.limiter.borrow().lease_epoch();
-    let wait = SyncWait {
-        shard: &worker.limiter,
-        target,
-    };
-    if monoio::time::timeout(cfg.sync.lease_wait, wait)
-        .await
-        .is_err()
-    {
-        return Err(Refusal {
-            kind: RefusalKind::Exhausted,
-            ..refusal
-        });
-    }
-    let mut no_count = |_: usize, _: LimitDimension| {};
-    match worker
-        .limiter
-        .borrow_mut()
-        .try_admit(cfg, &ask, permit, &mut no_count)
-    {
-        Ok(()) => Ok(()),
-        // Still short after a fresh exchange: as good as exhausted for this request.
-        Err(r) if r.kind == RefusalKind::NeedLease => Err(Refusal {
-            kind: RefusalKind::Exhausted,
-            ..r
-        }),
-        Err(r) => Err(r),
+    // Too small a lease here, maybe room in the ledger: wait for exchanges — until the lease
+    // comes or `lease_wait` is up (other requests may take a fresh lease first).
+    let deadline = std::time::Instant::now() + cfg.sync.lease_wait;
+    let mut last = refusal;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let target = worker.limiter.borrow().lease_epoch();
+        let wait = SyncWait {
+            shard: &worker.limiter,
+            target,
+        };
+        if left.is_zero() || monoio::time::timeout(left, wait).await.is_err() {
+            // Still short when the wait is up: as good as exhausted for this request.
+            return Err(Refusal {
+                kind: RefusalKind::Exhausted,
+                ..last
+            });
+        }
+        let mut no_count = |_: usize, _: LimitDimension| {};
+        match worker
+            .limiter
+            .borrow_mut()
+            .try_admit(cfg, &ask, permit, &mut no_count)
+        {
+            Ok(()) => return Ok(()),
+            Err(r) if r.kind == RefusalKind::NeedLease => last = r,
+            Err(r) => return Err(r),
+        }
     }
 }
 

@@ -635,10 +635,17 @@ impl LimiterShard {
             }
             .max(0) as u64;
             let over = b.ends_at_ms > 0 && now_ms >= b.ends_at_ms;
+            // Enough for twice the last interval's use plus what waiting requests need, and at
+            // least 1/64 of the limit, so a busy core rarely runs dry between exchanges while
+            // a handful of cores can't hoard a strict budget.
             let target_free = if over {
                 0
+            } else if b.used_since_sync == 0 && b.demand == 0 {
+                0
             } else {
-                (2 * b.used_since_sync + b.demand).min(b.limit)
+                (2 * b.used_since_sync + b.demand)
+                    .max(b.limit / 64)
+                    .min(b.limit)
             };
             let lease = b.reserved + target_free;
             let floor = lease.min(held).max(b.reserved);
