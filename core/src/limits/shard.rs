@@ -638,9 +638,8 @@ impl LimiterShard {
             // Enough for twice the last interval's use plus what waiting requests need, and at
             // least 1/64 of the limit, so a busy core rarely runs dry between exchanges while
             // a handful of cores can't hoard a strict budget.
-            let target_free = if over {
-                0
-            } else if b.used_since_sync == 0 && b.demand == 0 {
+            let idle = b.used_since_sync == 0 && b.demand == 0;
+            let target_free = if over || idle {
                 0
             } else {
                 (2 * b.used_since_sync + b.demand)
