@@ -9,6 +9,7 @@ pub mod config;
 pub mod conn;
 pub mod error;
 pub mod forward;
+pub mod hotpath;
 pub mod http;
 pub mod inspect;
 pub mod limits;

@@ -1,0 +1,32 @@
+//! Run one hot path N times (for instruction counts under callgrind; see perf/callgrind.sh).
+//!
+//!   hotpath <inspect|sse|estimate|admit|route|pipeline> <iterations>
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::hint::black_box;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (Some(which), Some(n)) = (args.first(), args.get(1).and_then(|n| n.parse::<u64>().ok()))
+    else {
+        eprintln!("usage: hotpath <inspect|sse|estimate|admit|route|pipeline> <iterations>");
+        std::process::exit(2);
+    };
+    let mut f = sluice::hotpath::Fixture::new();
+    let mut acc = 0u64;
+    for _ in 0..n {
+        acc = acc.wrapping_add(match which.as_str() {
+            "inspect" => f.inspect() as u64,
+            "sse" => f.split_sse() as u64,
+            "estimate" => f.estimate(),
+            "admit" => u64::from(f.admit_settle()),
+            "route" => f.route() as u64,
+            "pipeline" => f.pipeline() as u64,
+            other => {
+                eprintln!("unknown path {other}");
+                std::process::exit(2);
+            }
+        });
+    }
+    black_box(acc);
+}
