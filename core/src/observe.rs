@@ -423,13 +423,20 @@ pub fn emit(
     }
     rec.key_id.clear();
     rec.entity.clear();
-    rec.tags.clear();
+    let tags: &[String] = key.map_or(&[], |k| k.tags.as_slice());
+    // Refill the record's tag strings in place, keeping their allocations.
+    rec.tags.truncate(tags.len());
+    for (i, tag) in tags.iter().enumerate() {
+        match rec.tags.get_mut(i) {
+            Some(slot) => set_str(slot, tag),
+            None => rec.tags.push(tag.clone()),
+        }
+    }
     if let Some(k) = key {
         set_str(&mut rec.key_id, &k.id);
         if let Some(e) = k.entity.and_then(|e| snapshot.limits.entities.get(e)) {
             set_str(&mut rec.entity, e);
         }
-        rec.tags.extend(k.tags.iter().cloned());
     }
     rec.rejected_policy.clear();
     rec.rejected_dimension.clear();
