@@ -2699,6 +2699,20 @@ pub fn assert_error_and_close(conn: &mut Conn, status: u16) -> Value {
 }
 
 /// A minimal valid chat body for `model`.
+/// The SHA-256 of an API key, as `sluice key hash` prints it for `[[keys]] sha256` (the tool
+/// operators use, run here for real).
+pub fn key_hash(key: &str) -> String {
+    let out = Command::new(bin("sluice"))
+        .args(["key", "hash", key])
+        .output()
+        .expect("run sluice key hash");
+    assert!(out.status.success(), "sluice key hash failed");
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_string()
+}
+
 pub fn chat_body(model: &str) -> String {
     json!({"model": model, "messages": [{"role": "user", "content": "hello"}]}).to_string()
 }

@@ -11,16 +11,6 @@ const BOB: &str = "sk-bob-9a0d22";
 const OLD: &str = "sk-old-key-77";
 const OFF: &str = "sk-disabled-55";
 
-/// The SHA-256 of a key, printed by `sluice key hash` (the tool operators use).
-fn key_hash(key: &str) -> String {
-    let out = std::process::Command::new(bin("sluice"))
-        .args(["key", "hash", key])
-        .output()
-        .expect("run sluice key hash");
-    assert!(out.status.success());
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
-}
-
 fn keys_toml() -> String {
     format!(
         r#"

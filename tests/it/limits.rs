@@ -10,14 +10,6 @@ use sluice_tests::*;
 const KEY: &str = "sk-limits-test-1";
 const OTHER: &str = "sk-limits-test-2";
 
-fn key_hash(key: &str) -> String {
-    let out = std::process::Command::new(bin("sluice"))
-        .args(["key", "hash", key])
-        .output()
-        .expect("run sluice key hash");
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
-}
-
 /// Two keys of entity `team`, plus whatever `extra` TOML (policies, plans).
 fn config(mock: &Mock, extra: &str, plans: &str) -> Config {
     Config::one_cluster(mock).raw(&format!(

@@ -12,14 +12,6 @@ use sluice_tests::*;
 
 const KEY: &str = "sk-redis-shared-1";
 
-fn key_hash(key: &str) -> String {
-    let out = std::process::Command::new(bin("sluice"))
-        .args(["key", "hash", key])
-        .output()
-        .expect("run sluice key hash");
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
-}
-
 /// `n` Sluice processes with `workers` each, sharing limits through `redis`.
 fn gateways(mock: &Mock, redis: &Redis, n: usize, workers: u32, extra: &str) -> Vec<Sluice> {
     let toml = format!(
