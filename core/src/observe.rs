@@ -289,6 +289,17 @@ pub enum Estimator {
 }
 
 impl Estimator {
+    /// The one `limits.settle_tokenizer` asks for; tiktoken's encoding follows the model the
+    /// upstream saw.
+    pub fn configured(limits: &crate::limits::config::LimitsConfig, model: &str) -> Estimator {
+        match limits.settle_tokenizer {
+            crate::limits::config::SettleTokenizer::Estimate => Estimator::Bytes,
+            crate::limits::config::SettleTokenizer::Tiktoken => {
+                Estimator::Tiktoken(crate::tokens::Encoding::for_model(model))
+            }
+        }
+    }
+
     pub fn count(self, text: &[u8]) -> u64 {
         match self {
             Estimator::Bytes => crate::tokens::estimate_tokens(text),

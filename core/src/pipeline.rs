@@ -9,7 +9,6 @@ use crate::admit::Caller;
 use crate::conn::{ClientSocket, Request};
 use crate::error::GatewayError;
 use crate::inspect::Inspection;
-use crate::limits::config::SettleTokenizer;
 use crate::observe::{Estimator, Observation};
 use crate::relay::ClientSide;
 use crate::worker::Worker;
@@ -32,12 +31,8 @@ pub async fn proxy(
 
     // Observe: usage, cost and timings of what happened, whatever happened.
     let mapped = result.as_ref().ok().and_then(|(_, mapped)| *mapped);
-    let estimator = match worker.snapshot.limits.settle_tokenizer {
-        SettleTokenizer::Estimate => Estimator::Bytes,
-        SettleTokenizer::Tiktoken => Estimator::Tiktoken(crate::tokens::Encoding::for_model(
-            mapped.unwrap_or(&inspection.model),
-        )),
-    };
+    let estimator =
+        Estimator::configured(&worker.snapshot.limits, mapped.unwrap_or(&inspection.model));
     let outcome = obs.outcome(
         &worker.snapshot,
         &inspection.model,
