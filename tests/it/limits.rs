@@ -378,3 +378,42 @@ max_requests = 0
         assert!(err.contains(path), "missing {path} in:\n{err}");
     }
 }
+
+/// With no usage from the upstream, settlement counts the prompt body and the text that was
+/// streamed: exactly, with tiktoken (the model's encoding) when configured, else with the
+/// calibrated estimate. The access log shows what was billed.
+#[test]
+fn settlement_counts_the_streamed_text_when_the_upstream_reports_no_usage() {
+    use sluice::tokens::{count_tokens, estimate_tokens, Encoding};
+    let mock = Mock::start(&["--tokens", "12"]);
+    for tokenizer in ["tiktoken", "estimate"] {
+        let dir = TempDir::new("settle-log");
+        let gw = Sluice::start(
+            &Config::one_cluster(&mock)
+                // Nobody asks the upstream for usage, so there is none.
+                .set("upstream", "request_stream_usage", "false")
+                .set("limits", "settle_tokenizer", &toml_str(tokenizer))
+                .access_log(dir.path())
+                .access_log_opt("flush_interval_ms", 20),
+        );
+        let body = chat_stream_body("gpt-4o");
+        let r = gw.chat(&body);
+        assert_eq!(r.status, 200, "{}", r.dump());
+        let text: String = r.sse_events().iter().filter_map(|e| e.content()).collect();
+        assert!(!text.is_empty());
+        let rec = &wait_records(dir.path(), 1, Duration::from_secs(10))[0];
+        assert_eq!(rec["usage_source"], "USAGE_SOURCE_ESTIMATED", "{rec}");
+        let (prompt, completion) = match tokenizer {
+            "tiktoken" => (
+                count_tokens(Encoding::O200k, &body) as u64,
+                count_tokens(Encoding::O200k, &text) as u64,
+            ),
+            _ => (
+                estimate_tokens(body.as_bytes()),
+                estimate_tokens(text.as_bytes()),
+            ),
+        };
+        assert_eq!(rec["prompt_tokens"], prompt, "{tokenizer}: {rec}");
+        assert_eq!(rec["completion_tokens"], completion, "{tokenizer}: {rec}");
+    }
+}
