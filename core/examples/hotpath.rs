@@ -7,8 +7,10 @@ use std::hint::black_box;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (Some(which), Some(n)) = (args.first(), args.get(1).and_then(|n| n.parse::<u64>().ok()))
-    else {
+    let (Some(which), Some(n)) = (
+        args.first(),
+        args.get(1).and_then(|n| n.parse::<u64>().ok()),
+    ) else {
         eprintln!("usage: hotpath <inspect|sse|estimate|admit|route|pipeline> <iterations>");
         std::process::exit(2);
     };

@@ -81,7 +81,10 @@ max_concurrency = 1000000
         let base = r#"{"model":"gpt-4o","stream":true,"max_tokens":256,"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":""}]}"#;
         let pad = 1024 - base.len();
         let body = base
-            .replace(r#""content":""}"#, &format!(r#""content":"{}"}}"#, "a".repeat(pad)))
+            .replace(
+                r#""content":""}"#,
+                &format!(r#""content":"{}"}}"#, "a".repeat(pad)),
+            )
             .into_bytes();
         let mut request = format!(
             "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
@@ -124,7 +127,8 @@ max_concurrency = 1000000
                     self.shard.settle(&mut p, 10);
                 }
             }
-            self.shard.prepare(unix_ms(), std::time::Duration::from_millis(50), &mut batch);
+            self.shard
+                .prepare(unix_ms(), std::time::Duration::from_millis(50), &mut batch);
             ledger.exchange_at(Instant::now(), "bench", 60_000, &batch, &mut states);
             self.shard.apply(Ok(&states), &batch, Instant::now());
         }
@@ -200,8 +204,8 @@ max_concurrency = 1000000
             .inspect(request.body, &mut self.inspection)
             .expect("inspect");
         crate::auth::authorize(limits, key, &self.inspection.model, None).expect("authorize");
-        let target = crate::route::route(&self.snapshot, &self.inspection.model, &self.rng)
-            .expect("route");
+        let target =
+            crate::route::route(&self.snapshot, &self.inspection.model, &self.rng).expect("route");
         let prompt = crate::tokens::estimate_tokens(request.body);
         let ask = Ask {
             key,
