@@ -40,6 +40,34 @@ const NO_SUBJECT: u32 = u32::MAX;
 /// overflow counter (bounded memory, documented).
 const MAX_MODEL_SUBJECTS: usize = 4096;
 
+/// A cheap hasher for [`BudgetId`]s: they are small integers we make ourselves (no adversary
+/// picks them), so SipHash's flood resistance buys nothing on this per-request lookup.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u8(&mut self, n: u8) {
+        self.write_u64(u64::from(n));
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+    fn write_u64(&mut self, n: u64) {
+        // Fx-style mixing: rotate, xor, multiply by an odd constant.
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+type IdMap<V> = HashMap<BudgetId, V, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// Which budget: kind, owner (policy or key), subject (key / entity / model / plan), window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BudgetId {
@@ -200,7 +228,7 @@ impl Permit {
 pub struct LimiterShard {
     node: String,
     prefix: String,
-    budgets: HashMap<BudgetId, Budget>,
+    budgets: IdMap<Budget>,
     models: HashMap<Box<str>, u32>,
     spare_entries: Vec<Vec<(BudgetId, u64)>>,
     /// The last exchange succeeded.
@@ -234,7 +262,7 @@ impl LimiterShard {
         LimiterShard {
             node,
             prefix: cfg.sync.prefix().to_string(),
-            budgets: HashMap::new(),
+            budgets: IdMap::default(),
             models: HashMap::new(),
             spare_entries: Vec::new(),
             backend_ok: true,
