@@ -3,7 +3,7 @@
 //! ```text
 //! sluice-load --url http://127.0.0.1:8080/v1/chat/completions [--connections 10]
 //!     [--duration 10s] [--warmup 0s] [--rate R] [--stream] [--body-bytes N]
-//!     [--models a,b,c] [--keys k1,k2] [--timeout 10s] [--json FILE]
+//!     [--models a,b,c] [--keys k1,k2] [--header 'Name: value']... [--timeout 10s] [--json FILE]
 //! ```
 //!
 //! One std thread per keep-alive connection, blocking sockets, a read timeout on every socket.
@@ -27,7 +27,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const USAGE: &str = "usage: sluice-load --url http://HOST:PORT/PATH [--connections N] \
 [--duration 10s] [--warmup 0s] [--rate R] [--stream] [--body-bytes N] [--models a,b] \
-[--keys k1,k2] [--timeout 10s] [--json FILE]";
+[--keys k1,k2] [--header 'Name: value']... [--timeout 10s] [--json FILE]";
 
 // ---------------------------------------------------------------------------------------------
 // Options
@@ -45,6 +45,8 @@ struct Opts {
     body_bytes: usize,
     models: Vec<String>,
     keys: Vec<String>,
+    /// Extra request header lines (`Name: value`), sent on every request in the order given.
+    headers: Vec<String>,
     timeout: Duration,
     json: Option<String>,
 }
@@ -86,6 +88,7 @@ fn parse_opts() -> Result<Opts, String> {
     let mut body_bytes = 0usize;
     let mut models = vec!["mock-model".to_string()];
     let mut keys = Vec::new();
+    let mut headers = Vec::new();
     let mut timeout = Duration::from_secs(10);
     let mut json = None;
     while let Some(a) = args.next() {
@@ -101,7 +104,7 @@ fn parse_opts() -> Result<Opts, String> {
             println!("{USAGE}");
             std::process::exit(0);
         }
-        const VALUED: [&str; 12] = [
+        const VALUED: [&str; 13] = [
             "--url",
             "--connections",
             "-c",
@@ -112,6 +115,7 @@ fn parse_opts() -> Result<Opts, String> {
             "--body-bytes",
             "--models",
             "--keys",
+            "--header",
             "--timeout",
             "--json",
         ];
@@ -138,6 +142,7 @@ fn parse_opts() -> Result<Opts, String> {
             "--body-bytes" => body_bytes = int(&v)?,
             "--models" => models = list(&v),
             "--keys" => keys = list(&v),
+            "--header" => headers.push(header_line(&v)?),
             "--timeout" => timeout = parse_duration(&v)?,
             "--json" => json = Some(v),
             _ => return Err(format!("unknown option {name}\n{USAGE}")),
@@ -182,9 +187,22 @@ fn parse_opts() -> Result<Opts, String> {
         body_bytes,
         models,
         keys,
+        headers,
         timeout,
         json,
     })
+}
+
+/// A `--header` value as a header line without its CRLF: `Name: value`, the name a valid token.
+fn header_line(v: &str) -> Result<String, String> {
+    let bad = || format!("bad --header {v:?} (use 'Name: value')");
+    let (name, value) = v.split_once(':').ok_or_else(bad)?;
+    let name = name.trim();
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    if name.is_empty() || !name.chars().all(token) || value.contains(['\r', '\n']) {
+        return Err(bad());
+    }
+    Ok(format!("{name}: {}", value.trim()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -229,6 +247,10 @@ fn build_requests(o: &Opts) -> Vec<Vec<Vec<u8>>> {
             }
             if let Some(k) = k {
                 r.push_str(&format!("Authorization: Bearer {k}\r\n"));
+            }
+            for h in &o.headers {
+                r.push_str(h);
+                r.push_str("\r\n");
             }
             r.push_str("\r\n");
             let mut r = r.into_bytes();
@@ -934,6 +956,7 @@ fn run() -> Result<(), String> {
             "warmup_s": o.warmup.as_secs_f64(),
             "stream": o.stream,
             "body_bytes": o.body_bytes,
+            "headers": o.headers,
             "requests": total.ok + err_total,
             "ok": total.ok,
             "rps": total.ok as f64 / secs,
@@ -960,5 +983,23 @@ fn main() {
     if let Err(e) = run() {
         eprintln!("sluice-load: {e}");
         std::process::exit(2);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::header_line;
+
+    #[test]
+    fn header_option() {
+        assert_eq!(
+            header_line("x-mock-tokens: 64").unwrap(),
+            "x-mock-tokens: 64"
+        );
+        assert_eq!(header_line(" A-B :v w ").unwrap(), "A-B: v w");
+        for bad in ["novalue", ": v", "a b: v", "a: v\r\nInjected: 1"] {
+            assert!(header_line(bad).is_err(), "{bad:?}");
+        }
     }
 }
