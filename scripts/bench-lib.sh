@@ -57,3 +57,164 @@ open(sys.argv[1], "w").write(
 )
 PY
 }
+
+# ---- Used by scripts/bench.sh (the comparison kit); the functions above are unchanged. --------
+
+# A free TCP port on 127.0.0.1 (for servers whose config needs a fixed port).
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# Wait until URL answers any HTTP status (the server is up), or fail after about 20 s. With a
+# PID, fail at once if that process has exited.
+wait_http() { # url [pid]
+  for _ in $(seq 400); do
+    curl -s -o /dev/null --max-time 1 "$1" && return 0
+    if [ -n "${2:-}" ] && ! kill -0 "$2" 2>/dev/null; then
+      echo "process $2 exited before $1 answered" >&2; return 1
+    fi
+    sleep 0.05
+  done
+  echo "timed out waiting for $1" >&2; return 1
+}
+
+# CPU time of a process, all its threads, in clock ticks: utime + stime from /proc/PID/stat.
+proc_ticks() { # pid
+  local stat rest
+  stat=$(<"/proc/$1/stat") || { echo 0; return; }
+  rest=${stat##*) }             # the fields after "(comm) "; comm may hold spaces
+  set -- $rest                  # $1 = state (field 3), so utime (14) is $12, stime (15) $13
+  echo $(( ${12} + ${13} ))
+}
+
+# Resident set size of a process in KiB.
+rss_kib() { # pid
+  awk '/^VmRSS:/ {print $2; f=1} END {if (!f) print 0}' "/proc/$1/status" 2>/dev/null || echo 0
+}
+
+# nginx: one worker, no master, upstream keep-alive, access log off, no buffering either way (as
+# an SSE gateway must run). Writes DIR/nginx.conf.
+write_nginx_config() { # dir port upstream_port [worker_connections]
+  local conns=${4:-16384}
+  mkdir -p "$1"
+  cat >"$1/nginx.conf" <<CONF
+daemon off;
+master_process off;
+worker_processes 1;
+worker_rlimit_nofile $((conns + 64));
+user root;
+pid $1/nginx.pid;
+error_log $1/error.log warn;
+events { worker_connections $conns; }
+http {
+  access_log off;
+  client_body_temp_path $1/body;
+  proxy_temp_path $1/proxy;
+  fastcgi_temp_path $1/fcgi;
+  uwsgi_temp_path $1/uwsgi;
+  scgi_temp_path $1/scgi;
+  keepalive_requests 1000000;
+  keepalive_timeout 75s;
+  client_max_body_size 16m;
+  upstream mock { server 127.0.0.1:$3; keepalive 64; keepalive_requests 1000000; }
+  server {
+    listen 127.0.0.1:$2 backlog=16384;
+    location / {
+      proxy_pass http://mock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }
+  }
+}
+CONF
+}
+
+# haproxy: one thread, HTTP mode, server-side keep-alive with connection reuse, no log lines
+# (no "log" directive), every piece of a response forwarded at once (http-no-delay, for SSE).
+write_haproxy_config() { # file port upstream_port [maxconn]
+  cat >"$1" <<CONF
+global
+  nbthread 1
+  maxconn ${4:-16384}
+defaults
+  mode http
+  option http-keep-alive
+  # Send each piece as it comes: without it haproxy sends with MSG_MORE and the kernel holds
+  # small SSE events back (measured: ~150 ms to the first event, events coalesced).
+  option http-no-delay
+  http-reuse always
+  timeout connect 5s
+  timeout client 120s
+  timeout server 120s
+  timeout http-keep-alive 75s
+  timeout http-request 10s
+frontend bench
+  bind 127.0.0.1:$2 backlog 16384
+  default_backend mock
+backend mock
+  server mock1 127.0.0.1:$3
+CONF
+}
+
+# monolake: one worker thread on io_uring, not pinned by itself (taskset pins it). Its router
+# replaces the request path with the upstream URI's path, so each path the kit sends gets its own
+# route.
+write_monolake_config() { # file port upstream_port
+  cat >"$1" <<CONF
+[runtime]
+worker_threads = 1
+cpu_affinity = false
+
+[servers.bench]
+name = "bench"
+listener = { type = "socket", value = "127.0.0.1:$2" }
+http_timeout = { server_keepalive_timeout_sec = 75, upstream_read_timeout_sec = 120 }
+
+[[servers.bench.routes]]
+path = "/v1/chat/completions"
+upstreams = [{ endpoint = { type = "uri", value = "http://127.0.0.1:$3/v1/chat/completions" } }]
+
+[[servers.bench.routes]]
+path = "/v1/models"
+upstreams = [{ endpoint = { type = "uri", value = "http://127.0.0.1:$3/v1/models" } }]
+CONF
+}
+
+# Sluice with its AI pipeline on: the admin listener (metrics) and the access log (LOGDIR), API-key
+# auth, and three stacked policies (key RPM, entity TPM, model concurrency) on the Redis backend;
+# limits set high enough never to reject. Needs MOCK (see start_mock) and BIN.
+write_sluice_ai_config() { # file redis_port key logdir
+  write_sluice_config "$1" 1 "$4"
+  cat >>"$1" <<TOML
+[limits]
+backend = "redis"
+[limits.redis]
+address = "127.0.0.1:$2"
+
+[[keys]]
+id = "bench"
+sha256 = "$("$BIN/sluice" key hash "$3")"
+entity = "bench-team"
+tags = ["pro"]
+
+[[policies]]
+id = "key-rpm"
+tags = ["pro"]
+per = "key"
+max_requests = 1000000000
+
+[[policies]]
+id = "entity-tpm"
+entities = ["bench-team"]
+per = "entity"
+max_tokens = 1000000000000
+
+[[policies]]
+id = "model-concurrency"
+models = ["*"]
+per = "model"
+max_concurrency = 100000
+TOML
+}
