@@ -36,6 +36,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
 fi
 
+if ! command -v nginx >/dev/null 2>&1 || ! command -v haproxy >/dev/null 2>&1; then
+  log "installing nginx-light and haproxy (Debian packages): the comparison kit's smoke test runs scripts/bench.sh --quick against them"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light haproxy >/dev/null
+fi
+
 log "format and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
