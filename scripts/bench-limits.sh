@@ -37,6 +37,8 @@ HASH=$("$BIN/sluice" key hash "$KEY")
 write_sluice_config "$TMP/plain.toml" 0 ""
 write_sluice_config "$TMP/limited.toml" 0 ""
 cat >>"$TMP/limited.toml" <<TOML
+[admin]
+listen = "127.0.0.1:0"
 [limits]
 backend = "redis"
 [limits.redis]
@@ -83,6 +85,9 @@ run() { # port -> "rps p99_us"
     awk '/Requests\/sec/ {rps=$2} /Non-2xx/ {bad=$NF} /^ +99%/ {v=$2; u=v; gsub(/[0-9.]/,"",u); gsub(/[a-z]/,"",v); m=(u=="ms")?1000:(u=="s")?1e6:1; p99=v*m} END {if (bad) {print "non-2xx responses: " bad > "/dev/stderr"; exit 1}; print rps, p99}'
 }
 
+ADMIN=$(grep -o 'admin listening on [0-9.]*:[0-9]*' "$TMP/limited.log" | sed 's/.*on //')
+refusals() { curl -s "http://$ADMIN/metrics" | grep -E '^sluice_(limiter_hits_total|requests_total)' | grep -v ' 0$' | grep -v '2xx' || echo '  none'; }
+trap 'echo "limited gateway refusals:"; refusals; cleanup' EXIT
 echo "== plain proxy vs auth + 3 stacked policies on Redis, $ROUNDS interleaved rounds, core $CORE"
 run "$plain_PORT" >/dev/null; run "$limited_PORT" >/dev/null
 : >"$TMP/rounds"

@@ -48,6 +48,7 @@ pub async fn run_sync<B: SyncBackend>(worker: Rc<Worker>, mut backend: B) {
     let lease_ttl_ms = settings.lease_ttl.as_millis() as u64;
     let mut batch: Vec<BudgetSync> = Vec::new();
     let mut states: Vec<BudgetState> = Vec::new();
+    let mut last_exchange: Option<Instant> = None;
     loop {
         {
             let urgent = Urgent {
@@ -58,6 +59,17 @@ pub async fn run_sync<B: SyncBackend>(worker: Rc<Worker>, mut backend: B) {
                 _ = urgent => {}
             }
         }
+        // A hurried exchange still waits a tenth of the interval after the last one, so a
+        // storm of waiting requests can't turn into a storm of round trips: at most ten
+        // exchanges per interval per worker, whatever the request rate.
+        if let Some(last) = last_exchange {
+            let gap = settings.interval / 10;
+            let since = last.elapsed();
+            if since < gap {
+                monoio::time::sleep(gap - since).await;
+            }
+        }
+        last_exchange = Some(Instant::now());
         let now_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);

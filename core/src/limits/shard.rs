@@ -99,6 +99,10 @@ struct Budget {
     credit: bool,
     view: Option<BudgetState>,
     used_since_sync: u64,
+    /// Use per sync interval, smoothed: the last exchange's use scaled to a whole interval
+    /// (an exchange hurried by a waiting request covers less time), decaying by half per
+    /// exchange when quieter, so one short gap can't shrink the lease to nothing.
+    recent_use: u64,
     demand: u64,
     idle_syncs: u32,
 }
@@ -249,6 +253,8 @@ pub struct LimiterShard {
     in_flight: Vec<BudgetId>,
     /// An exchange was prepared and has not been applied yet.
     exchanging: bool,
+    /// When the last exchange was prepared (unix ms), to scale use to a whole interval.
+    last_prepare_ms: u64,
 }
 
 fn unix_ms() -> u64 {
@@ -276,6 +282,7 @@ impl LimiterShard {
             down_allow: cfg.sync.on_down == super::config::DownPolicy::Allow,
             in_flight: Vec::new(),
             exchanging: false,
+            last_prepare_ms: 0,
         }
     }
 
@@ -639,6 +646,9 @@ impl LimiterShard {
         self.in_flight.clear();
         let lease_valid = self.lease_valid(Instant::now());
         let ahead = interval.as_millis() as u64;
+        let interval_ms = ahead.max(1);
+        let elapsed_ms = now_ms.saturating_sub(self.last_prepare_ms).clamp(1, 60_000);
+        self.last_prepare_ms = now_ms;
         self.budgets.retain(|id, b| {
             // A budget is dropped only when forgetting it loses nothing: its window or period
             // is over, or it never spends (concurrency) and has been idle a while. Any other
@@ -649,7 +659,10 @@ impl LimiterShard {
             b.busy() || !(over || idle_slots)
         });
         for (id, b) in self.budgets.iter_mut() {
-            if !b.busy() && b.used_since_sync == 0 && b.demand == 0 {
+            let scaled = (u128::from(b.used_since_sync) * u128::from(interval_ms)
+                / u128::from(elapsed_ms)) as u64;
+            b.recent_use = scaled.max(b.recent_use / 2);
+            if !b.busy() && b.recent_use == 0 && b.demand == 0 {
                 b.idle_syncs += 1;
                 continue;
             }
@@ -666,13 +679,11 @@ impl LimiterShard {
             // Enough for twice the last interval's use plus what waiting requests need, and at
             // least 1/64 of the limit, so a busy core rarely runs dry between exchanges while
             // a handful of cores can't hoard a strict budget.
-            let idle = b.used_since_sync == 0 && b.demand == 0;
+            let idle = b.recent_use == 0 && b.demand == 0;
             let target_free = if over || idle {
                 0
             } else {
-                (2 * b.used_since_sync + b.demand)
-                    .max(b.limit / 64)
-                    .min(b.limit)
+                (2 * b.recent_use + b.demand).max(b.limit / 64).min(b.limit)
             };
             let lease = b.reserved + target_free;
             let floor = lease.min(held).max(b.reserved);
@@ -779,6 +790,7 @@ fn new_budget(
         credit: false,
         view: None,
         used_since_sync: 0,
+        recent_use: 0,
         demand: 0,
         idle_syncs: 0,
     }
