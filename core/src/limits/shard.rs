@@ -1174,6 +1174,52 @@ mod concurrency_tests {
     }
 
     #[test]
+    fn a_hurried_exchange_does_not_shrink_the_lease() {
+        let cfg = limits("[[policies]]\nid = \"c\"\nmax_concurrency = 1000");
+        let ledger = crate::limits::ledger::InProcessLedger::new();
+        let mut s = LimiterShard::new(&cfg, "n".into());
+        let anon = Ask {
+            key: None,
+            model: "m",
+            prompt_estimate: 1,
+            max_tokens: None,
+            n: None,
+        };
+        let mut batch = Vec::new();
+        let mut states = Vec::new();
+        let mut exchange = |s: &mut LimiterShard, now_ms: u64, batch: &mut Vec<BudgetSync>| {
+            s.prepare(now_ms, Duration::from_millis(50), batch);
+            ledger.exchange_at(Instant::now(), "n", 60_000, batch, &mut states);
+            s.apply(Ok(&states), batch, Instant::now());
+        };
+        let t = unix_ms();
+        // The first request finds no lease and asks for one.
+        let mut p = Permit::default();
+        assert!(s.try_admit(&cfg, &anon, &mut p, &mut |_, _| {}).is_err());
+        exchange(&mut s, t, &mut batch);
+        // 100 requests in one 50 ms interval, each done before the next.
+        for _ in 0..100 {
+            let mut p = Permit::default();
+            assert!(s.try_admit(&cfg, &anon, &mut p, &mut |_, _| {}).is_ok());
+            s.settle(&mut p, 0);
+        }
+        exchange(&mut s, t + 50, &mut batch);
+        let steady = batch[0].lease;
+        assert!(
+            steady >= 200,
+            "lease {steady} for 100 requests per interval"
+        );
+        // A request hurries the next exchange 1 ms later, with no use in between: the lease
+        // asked for stays sized for the rate, not for 1 ms of nothing.
+        exchange(&mut s, t + 51, &mut batch);
+        assert!(
+            batch[0].lease >= steady / 2,
+            "lease fell to {}",
+            batch[0].lease
+        );
+    }
+
+    #[test]
     fn a_stale_lease_on_an_idle_worker_is_not_an_outage() {
         // Leases lapse 8 ms after the last exchange; a worker with nothing to exchange for
         // longer must wait for a lease, not fall back to its outage share.
