@@ -21,5 +21,6 @@ pub mod relay;
 pub mod route;
 pub mod server;
 pub mod sock;
+pub mod tokens;
 pub mod upstream;
 pub mod worker;
