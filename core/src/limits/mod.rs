@@ -49,6 +49,9 @@ pub async fn run_sync<B: SyncBackend>(worker: Rc<Worker>, mut backend: B) {
     let mut batch: Vec<BudgetSync> = Vec::new();
     let mut states: Vec<BudgetState> = Vec::new();
     let mut last_exchange: Option<Instant> = None;
+    backend
+        .warm_up(settings.timeout.max(settings.interval))
+        .await;
     loop {
         {
             let urgent = Urgent {

@@ -445,6 +445,11 @@ impl RedisBackend {
 }
 
 impl SyncBackend for RedisBackend {
+    async fn warm_up(&mut self, deadline: Duration) {
+        // Connecting sends AUTH, SELECT and SCRIPT LOAD; a PING rides along.
+        let _ = self.command(&[b"PING"], deadline).await;
+    }
+
     async fn exchange(
         &mut self,
         node: &str,

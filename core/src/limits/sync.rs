@@ -98,4 +98,8 @@ pub trait SyncBackend {
         out: &mut Vec<BudgetState>,
         deadline: std::time::Duration,
     ) -> Result<(), SyncError>;
+
+    /// Get ready before the first request needs the ledger (e.g. connect and load scripts), so
+    /// the first lease a request waits for costs one round trip, not a connect. Best effort.
+    async fn warm_up(&mut self, _deadline: std::time::Duration) {}
 }
