@@ -1,5 +1,16 @@
-//! Limits: API-key quotas and RPM / TPM / concurrency policies, decided per core and shared
+//! Limits: API-key quota plans and RPM / TPM / concurrency policies, decided per core and shared
 //! through a sync backend.
+//!
+//! - [`config`]: the `[[keys]]`, `[[policies]]` and `[limits]` sections, validated once.
+//! - [`shard`]: one worker's budgets; admission and settlement run there, on the request path,
+//!   with no lock and no round trip.
+//! - [`sync`]: the ledger contract every backend implements; [`ledger`] (in-process, the
+//!   default), [`redis`] and [`redis_cluster`] implement it.
+//! - [`run_sync`]: the worker's sync task. Runs for the life of a worker when anything is
+//!   limited; once per `sync_interval_ms` (sooner, but at most ten times per interval, when a
+//!   request waits for a lease) it sends every active budget's spend and lease wish in one
+//!   round trip and applies the grants. A failed exchange marks the ledger unreachable until one
+//!   succeeds (logged once each way); it never fails a request by itself.
 
 pub mod config;
 pub mod ledger;
