@@ -36,6 +36,10 @@ const KIND_PLAN: u8 = 3;
 /// A subject id for requests without one (no key, or a key without an entity).
 const NO_SUBJECT: u32 = u32::MAX;
 
+/// Quiet exchanges (≈ 5 s at the default 50 ms interval) after which a budget's minimum
+/// slice goes back to the ledger.
+const KEEP_QUIET_SYNCS: u32 = 100;
+
 /// Distinct model names a `per = "model"` policy tracks per worker; beyond this they share one
 /// overflow counter (bounded memory, documented).
 const MAX_MODEL_SUBJECTS: usize = 4096;
@@ -679,9 +683,17 @@ impl LimiterShard {
             // Enough for twice the last interval's use plus what waiting requests need, and at
             // least 1/64 of the limit, so a busy core rarely runs dry between exchanges while
             // a handful of cores can't hoard a strict budget.
-            let idle = b.recent_use == 0 && b.demand == 0;
-            let target_free = if over || idle {
+            if b.used_since_sync == 0 {
+                b.idle_syncs += 1;
+            }
+            // A budget gone quiet keeps its minimum slice (1/64 of the limit) for a while, so
+            // the next request of a slow caller (one stream every few seconds) doesn't wait a
+            // round trip for a lease; after KEEP_QUIET_SYNCS quiet exchanges it goes back.
+            let quiet = b.recent_use == 0 && b.demand == 0;
+            let target_free = if over || (quiet && b.idle_syncs >= KEEP_QUIET_SYNCS) {
                 0
+            } else if quiet {
+                (b.limit / 64).min(b.limit)
             } else {
                 (2 * b.recent_use + b.demand).max(b.limit / 64).min(b.limit)
             };
@@ -1217,6 +1229,46 @@ mod concurrency_tests {
             "lease fell to {}",
             batch[0].lease
         );
+    }
+
+    #[test]
+    fn a_quiet_budget_keeps_its_minimum_slice_for_a_while() {
+        let cfg = limits("[[policies]]\nid = \"c\"\nmax_concurrency = 6400");
+        let ledger = crate::limits::ledger::InProcessLedger::new();
+        let mut s = LimiterShard::new(&cfg, "n".into());
+        let anon = Ask {
+            key: None,
+            model: "m",
+            prompt_estimate: 1,
+            max_tokens: None,
+            n: None,
+        };
+        let mut batch = Vec::new();
+        let mut states = Vec::new();
+        let mut p = Permit::default();
+        assert!(s.try_admit(&cfg, &anon, &mut p, &mut |_, _| {}).is_err());
+        let t = unix_ms();
+        let mut at = |s: &mut LimiterShard, i: u64| {
+            s.prepare(t + 50 * i, Duration::from_millis(50), &mut batch);
+            ledger.exchange_at(Instant::now(), "n", 60_000, &batch, &mut states);
+            s.apply(Ok(&states), &batch, Instant::now());
+        };
+        at(&mut s, 0);
+        assert!(s.try_admit(&cfg, &anon, &mut p, &mut |_, _| {}).is_ok());
+        s.settle(&mut p, 0);
+        // A few quiet seconds later a request is admitted without waiting: 100 = 6400 / 64.
+        for i in 1..=60 {
+            at(&mut s, i);
+        }
+        let mut p = Permit::default();
+        assert!(s.try_admit(&cfg, &anon, &mut p, &mut |_, _| {}).is_ok());
+        s.settle(&mut p, 0);
+        // Long quiet: the slice goes back to the ledger.
+        for i in 61..=300 {
+            at(&mut s, i);
+        }
+        let mut p = Permit::default();
+        assert!(s.try_admit(&cfg, &anon, &mut p, &mut |_, _| {}).is_err());
     }
 
     #[test]
