@@ -182,11 +182,9 @@ upstreams = [{ endpoint = { type = "uri", value = "http://127.0.0.1:$3/v1/models
 CONF
 }
 
-# Sluice with its AI pipeline on: the admin listener (metrics) and the access log (LOGDIR), API-key
-# auth, and three stacked policies (key RPM, entity TPM, model concurrency) on the Redis backend;
-# limits set high enough never to reject. Needs MOCK (see start_mock) and BIN.
-write_sluice_ai_config() { # file redis_port key logdir
-  write_sluice_config "$1" 1 "$4"
+# Append API-key auth and three stacked policies (key RPM, entity TPM, model concurrency) on the
+# Redis backend to a Sluice config; limits set high enough never to reject. Needs BIN.
+append_limits_config() { # file redis_port key
   cat >>"$1" <<TOML
 [limits]
 backend = "redis"
@@ -217,4 +215,11 @@ models = ["*"]
 per = "model"
 max_concurrency = 100000
 TOML
+}
+
+# Sluice with its AI pipeline on: the admin listener (metrics) and the access log (LOGDIR), and
+# the limits above. Needs MOCK (see start_mock) and BIN.
+write_sluice_ai_config() { # file redis_port key logdir
+  write_sluice_config "$1" 1 "$4"
+  append_limits_config "$1" "$2" "$3"
 }

@@ -33,41 +33,10 @@ PIDS+=($!)
 for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
 
 KEY=sk-bench-limits-1
-HASH=$("$BIN/sluice" key hash "$KEY")
 write_sluice_config "$TMP/plain.toml" 0 ""
 write_sluice_config "$TMP/limited.toml" 0 ""
-cat >>"$TMP/limited.toml" <<TOML
-[admin]
-listen = "127.0.0.1:0"
-[limits]
-backend = "redis"
-[limits.redis]
-address = "127.0.0.1:$REDIS_PORT"
-
-[[keys]]
-id = "bench"
-sha256 = "$HASH"
-entity = "bench-team"
-tags = ["pro"]
-
-[[policies]]
-id = "key-rpm"
-tags = ["pro"]
-per = "key"
-max_requests = 1000000000
-
-[[policies]]
-id = "entity-tpm"
-entities = ["bench-team"]
-per = "entity"
-max_tokens = 1000000000000
-
-[[policies]]
-id = "model-concurrency"
-models = ["*"]
-per = "model"
-max_concurrency = 100000
-TOML
+printf '[admin]\nlisten = "127.0.0.1:0"\n' >>"$TMP/limited.toml"
+append_limits_config "$TMP/limited.toml" "$REDIS_PORT" "$KEY"
 
 start_sluice() { # name
   taskset -c "$CORE" "$BIN/sluice" --config "$TMP/$1.toml" >"$TMP/$1.log" 2>&1 &

@@ -888,6 +888,17 @@ plans = [{{ id = "q", tokens = 10000 }}]
         }
     }
 
+    /// A request without a key, for model `m`, reserving 1 token.
+    pub fn anonymous() -> Ask<'static> {
+        Ask {
+            key: None,
+            model: "m",
+            prompt_estimate: 1,
+            max_tokens: Some(1),
+            n: None,
+        }
+    }
+
     pub fn ask(max_tokens: u64) -> Ask<'static> {
         Ask {
             key: Some(0),
@@ -1115,13 +1126,7 @@ mod concurrency_tests {
             .collect();
         let mut inflight: Vec<Vec<Permit>> = (0..6).map(|_| Vec::new()).collect();
         let mut rng = Rng(7);
-        let anon = Ask {
-            key: None,
-            model: "m",
-            prompt_estimate: 1,
-            max_tokens: Some(1),
-            n: None,
-        };
+        let anon = anonymous();
         for _round in 0..500 {
             for i in 0..6 {
                 for _ in 0..rng.next() % 4 {
@@ -1190,13 +1195,7 @@ mod concurrency_tests {
         let cfg = limits("[[policies]]\nid = \"c\"\nmax_concurrency = 1000");
         let ledger = crate::limits::ledger::InProcessLedger::new();
         let mut s = LimiterShard::new(&cfg, "n".into());
-        let anon = Ask {
-            key: None,
-            model: "m",
-            prompt_estimate: 1,
-            max_tokens: None,
-            n: None,
-        };
+        let anon = anonymous();
         let mut batch = Vec::new();
         let mut states = Vec::new();
         let mut exchange = |s: &mut LimiterShard, now_ms: u64, batch: &mut Vec<BudgetSync>| {
@@ -1236,13 +1235,7 @@ mod concurrency_tests {
         let cfg = limits("[[policies]]\nid = \"c\"\nmax_concurrency = 6400");
         let ledger = crate::limits::ledger::InProcessLedger::new();
         let mut s = LimiterShard::new(&cfg, "n".into());
-        let anon = Ask {
-            key: None,
-            model: "m",
-            prompt_estimate: 1,
-            max_tokens: None,
-            n: None,
-        };
+        let anon = anonymous();
         let mut batch = Vec::new();
         let mut states = Vec::new();
         let mut p = Permit::default();
@@ -1283,13 +1276,7 @@ mod concurrency_tests {
             LimiterShard::new(&cfg, "a".into()),
             LimiterShard::new(&cfg, "b".into()),
         ];
-        let anon = Ask {
-            key: None,
-            model: "m",
-            prompt_estimate: 1,
-            max_tokens: None,
-            n: None,
-        };
+        let anon = anonymous();
         let mut held = Permit::default();
         assert!(shards[0]
             .try_admit(&cfg, &anon, &mut held, &mut |_, _| {})
