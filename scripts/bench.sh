@@ -9,8 +9,8 @@
 #
 # What it does:
 #   - installs what is missing: nginx (Debian nginx-light), haproxy, redis-server (apt), and
-#     monolake (cargo install monolake --version 0.3.0, which needs Rust older than 1.88: see
-#     MONOLAKE_BIN; a full run only — --quick notes it as not run when it is missing);
+#     monolake 0.3.0 (built from crates.io, with one `if let` chain un-chained for Rust ≥ 1.88;
+#     a full run only — --quick notes it as not run when it is missing);
 #   - starts every proxy once with one worker, upstream keep-alive, no access log, no response
 #     buffering: nginx, haproxy, monolake, Sluice plain (default config) and Sluice "ai" (API-key
 #     auth, three stacked policies on the Redis backend, admin metrics, protobuf access log);
@@ -43,6 +43,7 @@
 #   MONOLAKE_TOOLCHAIN  e.g. +1.87.0: the rustup toolchain to build monolake with
 set -euo pipefail
 cd "$(dirname "$0")/.."
+KIT_ROOT=$PWD
 export LC_ALL=C
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -143,28 +144,45 @@ fi
 want nginx || die "nginx must be in PROXIES: every ratio is against it"
 MONOLAKE=${MONOLAKE_BIN:-}
 MONOLAKE_VERSION=${MONOLAKE_VERSION:-0.3.0}
-# monolake 0.3.0, its only release, needs a compiler older than Rust 1.88: monolake-services
-# 0.3.2 chains `let`s in edition 2021 behind #![feature(let_chains)], which 1.88 and later refuse
-# whatever the feature flags (and the monoio-http its lockfile pins needs #![feature(cell_leak)]).
-# RUSTC_BOOTSTRAP=1 lets an older stable compiler accept those feature attributes.
+# monolake 0.3.0 is its only release. Its monolake-services 0.3.2 chains `let`s in edition 2021
+# (src/http/util.rs), which Rust 1.88 and later refuse whatever the feature flags; it also needs
+# nightly features (impl_trait_in_assoc_type), which RUSTC_BOOTSTRAP=1 lets a stable compiler
+# accept. With a compiler that new, the kit builds the crates.io sources with that one `if`
+# un-chained (scripts/monolake-services-0.3.2-let-chains.patch: same behaviour, nested `if let`);
+# with an older one (or MONOLAKE_TOOLCHAIN=+1.87.0) it runs `cargo install` unchanged.
+CRATES_DL=${CRATES_DL:-https://static.crates.io/crates}
 monolake_install() {
-  local tc=${MONOLAKE_TOOLCHAIN:-} minor
-  if [ -z "$tc" ] && [ "$MONOLAKE_VERSION" = 0.3.0 ]; then
-    minor=$(rustc --version | sed -n 's/^rustc 1\.\([0-9]*\).*/\1/p')
-    if [ "${minor:-0}" -ge 88 ]; then
-      MONOLAKE_WHY="monolake 0.3.0, its only release, does not build with $(rustc --version | cut -d' ' -f1-2): monolake-services 0.3.2 uses let chains in edition 2021 (#![feature(let_chains)]), which Rust 1.88 and later reject. Build it with an older toolchain (RUSTC_BOOTSTRAP=1 cargo +1.87.0 install monolake --version 0.3.0) and pass MONOLAKE_BIN=path, or set MONOLAKE_TOOLCHAIN=+1.87.0"
-      return 1
-    fi
-  fi
-  echo "== installing monolake: cargo ${tc:+$tc }install monolake --version $MONOLAKE_VERSION (builds for several minutes)"
+  local tc=${MONOLAKE_TOOLCHAIN:-} minor src log=$RAW/monolake-install.log
   # Its default TLS feature links OpenSSL.
   pkg-config --exists openssl 2>/dev/null || apt_install pkg-config libssl-dev || true
-  if RUSTC_BOOTSTRAP=1 cargo ${tc:+"$tc"} install monolake --version "$MONOLAKE_VERSION" \
-    >"$RAW/monolake-install.log" 2>&1; then
+  minor=$(rustc ${tc:+"$tc"} --version | sed -n 's/^rustc 1\.\([0-9]*\).*/\1/p')
+  if [ "${minor:-0}" -lt 88 ] || [ "$MONOLAKE_VERSION" != 0.3.0 ]; then
+    echo "== installing monolake: cargo ${tc:+$tc }install monolake --version $MONOLAKE_VERSION (builds for several minutes)"
+    if RUSTC_BOOTSTRAP=1 cargo ${tc:+"$tc"} install monolake --version "$MONOLAKE_VERSION" >"$log" 2>&1; then
+      MONOLAKE=$HOME/.cargo/bin/monolake
+      return 0
+    fi
+    MONOLAKE_WHY="\`cargo install monolake --version $MONOLAKE_VERSION\` failed: $({ grep -m 1 '^error' "$log" || true; } | cut -c1-200)"
+    return 1
+  fi
+  echo "== installing monolake 0.3.0 from crates.io with monolake-services 0.3.2 patched for $(rustc --version | cut -d' ' -f1-2) (builds for ~4 minutes)"
+  src=$(mktemp -d "${TMPDIR:-/tmp}/monolake-src.XXXXXX")
+  if (
+    set -e
+    cd "$src"
+    curl -fsSL "$CRATES_DL/monolake/monolake-0.3.0.crate" | tar xz
+    curl -fsSL "$CRATES_DL/monolake-services/monolake-services-0.3.2.crate" | tar xz
+    (cd monolake-services-0.3.2 && git apply "$KIT_ROOT/scripts/monolake-services-0.3.2-let-chains.patch")
+    printf '\n[patch.crates-io]\nmonolake-services = { path = "../monolake-services-0.3.2" }\n' \
+      >>monolake-0.3.0/Cargo.toml
+    RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$src/target" cargo install --path monolake-0.3.0
+  ) >"$log" 2>&1; then
+    rm -rf "$src"
     MONOLAKE=$HOME/.cargo/bin/monolake
     return 0
   fi
-  MONOLAKE_WHY="\`cargo install monolake --version $MONOLAKE_VERSION\` failed: $({ grep -m 1 '^error' "$RAW/monolake-install.log" || true; } | cut -c1-200)"
+  rm -rf "$src"
+  MONOLAKE_WHY="building monolake 0.3.0 from crates.io failed: $({ grep -m 1 '^error' "$log" || tail -n 1 "$log"; } | cut -c1-200) (log: $log)"
   return 1
 }
 if want monolake; then
