@@ -271,12 +271,14 @@ fn quick_run_compares_every_proxy() {
     for conc in ["1", "10"] {
         for p in &proxies {
             let row = sse.row(&[conc, p]);
-            positive(
-                row,
-                &sse,
-                &["streams/s", "TTFT p50 ms", "gap p50 ms", "gap p99 ms"],
-            );
+            positive(row, &sse, &["streams/s", "TTFT p50 ms"]);
             assert_eq!(row[sse.col("errors")], "0", "{row:?}");
+            if *p == "monolake" {
+                // monolake 0.3.0 hands a streamed response on when it has all of it (its events
+                // arrive together), so the spacing checks below don't apply to it.
+                continue;
+            }
+            positive(row, &sse, &["gap p50 ms", "gap p99 ms"]);
             let gap = num(&row[sse.col("gap p50 ms")], "gap p50");
             assert!(
                 (5.0..100.0).contains(&gap),
@@ -284,14 +286,17 @@ fn quick_run_compares_every_proxy() {
             );
             if *p != "direct" {
                 // Added TTFT is left out ("–") only where the direct path itself was
-                // overloaded (more than ~N streams in flight); otherwise it is a number.
+                // overloaded (more than ~N streams in flight, or a first event later than
+                // one 10 ms gap); otherwise it is a number. One round: the table's figures
+                // are that round's.
                 let added = &row[sse.col("added TTFT p50 ms")];
                 if added == "–" {
                     let direct = sse.row(&[conc, "direct"]);
                     let in_flight = num(&direct[sse.col("in flight")], "direct in flight");
+                    let ttft99 = num(&direct[sse.col("TTFT p99 ms")], "direct TTFT p99");
                     let n: f64 = conc.parse().unwrap();
                     assert!(
-                        in_flight > 1.05 * n,
+                        in_flight > 1.05 * n || ttft99 > 10.0,
                         "added TTFT missing though direct kept up: {row:?} / {direct:?}"
                     );
                 } else {
