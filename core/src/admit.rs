@@ -59,12 +59,13 @@ impl Caller {
     }
 }
 
-/// Reserve for one request. `prompt_estimate`: the body's estimated prompt tokens.
+/// Reserve for one request whose body is `body` (its prompt tokens are estimated from it, only
+/// when some limit applies).
 pub async fn admit(
     worker: &Worker,
     key: Option<KeyIdx>,
     inspection: &Inspection,
-    prompt_estimate: u64,
+    body: &[u8],
     permit: &mut Permit,
 ) -> Result<(), Refusal> {
     let cfg = &*worker.snapshot.limits;
@@ -76,7 +77,7 @@ pub async fn admit(
     let ask = Ask {
         key,
         model: &inspection.model,
-        prompt_estimate,
+        prompt_estimate: crate::tokens::estimate_tokens(body),
         max_tokens: inspection.max_tokens,
         n: inspection.n,
     };

@@ -106,12 +106,11 @@ async fn proxy_observed<'s>(
 
     // Admit: a reservation under every policy and quota plan that applies (waits at most one
     // sync for a lease).
-    let prompt_estimate = crate::tokens::estimate_tokens(request.body);
     if let Err(refusal) = admit::admit(
         worker,
         caller.key,
         inspection,
-        prompt_estimate,
+        request.body,
         &mut caller.permit,
     )
     .await
