@@ -81,7 +81,7 @@ for p in $PROXIES; do
       ;;
     haproxy)
       PORT_OF[$p]=$(free_port)
-      write_haproxy_config "$TMP/haproxy.cfg" "${PORT_OF[$p]}" "$MOCK"
+      write_haproxy_config "$TMP/haproxy.cfg" "${PORT_OF[$p]}" "$MOCK" 4096 # 2 fds per connection
       taskset -c "$CORE" haproxy -db -f "$TMP/haproxy.cfg" >"$TMP/haproxy.log" 2>&1 &
       PID_OF[$p]=$!
       ;;

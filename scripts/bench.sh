@@ -167,15 +167,15 @@ monolake_install() {
   fi
   echo "== installing monolake 0.3.0 from crates.io with monolake-services 0.3.2 patched for $(rustc --version | cut -d' ' -f1-2) (builds for ~4 minutes)"
   src=$(mktemp -d "${TMPDIR:-/tmp}/monolake-src.XXXXXX")
+  # (`set -e` does not apply inside an `if` condition, hence the && chain.)
   if (
-    set -e
-    cd "$src"
-    curl -fsSL "$CRATES_DL/monolake/monolake-0.3.0.crate" | tar xz
-    curl -fsSL "$CRATES_DL/monolake-services/monolake-services-0.3.2.crate" | tar xz
-    (cd monolake-services-0.3.2 && git apply "$KIT_ROOT/scripts/monolake-services-0.3.2-let-chains.patch")
-    printf '\n[patch.crates-io]\nmonolake-services = { path = "../monolake-services-0.3.2" }\n' \
-      >>monolake-0.3.0/Cargo.toml
-    RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$src/target" cargo install --path monolake-0.3.0
+    cd "$src" &&
+      curl -fsSL "$CRATES_DL/monolake/monolake-0.3.0.crate" | tar xz &&
+      curl -fsSL "$CRATES_DL/monolake-services/monolake-services-0.3.2.crate" | tar xz &&
+      (cd monolake-services-0.3.2 && git apply "$KIT_ROOT/scripts/monolake-services-0.3.2-let-chains.patch") &&
+      printf '\n[patch.crates-io]\nmonolake-services = { path = "../monolake-services-0.3.2" }\n' \
+        >>monolake-0.3.0/Cargo.toml &&
+      RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$src/target" cargo install --path monolake-0.3.0
   ) >"$log" 2>&1; then
     rm -rf "$src"
     MONOLAKE=$HOME/.cargo/bin/monolake
