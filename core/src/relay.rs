@@ -285,19 +285,39 @@ pub async fn relay(
             break;
         }
         let read_at = Instant::now();
-        match feed(
-            &mut body,
-            &ubuf[..n],
-            client_framing,
-            &mut out,
-            obs,
-            strip.as_mut(),
-            read_at,
-        ) {
-            Ok(extra) => clean &= !extra,
-            Err(e) => {
-                cut = Some(Cut::Upstream(e));
-                break;
+        let mut handed_over = false;
+        if let (ClientFraming::Passthrough, None, UpstreamBody::Length(remaining)) =
+            (client_framing, &strip, &mut body)
+        {
+            if *remaining >= n as u64 {
+                // The whole read is body the client gets unchanged: hand the read buffer itself
+                // to the client write instead of copying it into `out` (one copy less of every
+                // read after the first; the first, which carries the head, is still copied).
+                obs.body(&ubuf[..n], read_at);
+                *remaining -= n as u64;
+                if *remaining == 0 {
+                    body = UpstreamBody::Done;
+                }
+                ubuf.truncate(n);
+                std::mem::swap(&mut out, &mut ubuf);
+                handed_over = true;
+            }
+        }
+        if !handed_over {
+            match feed(
+                &mut body,
+                &ubuf[..n],
+                client_framing,
+                &mut out,
+                obs,
+                strip.as_mut(),
+                read_at,
+            ) {
+                Ok(extra) => clean &= !extra,
+                Err(e) => {
+                    cut = Some(Cut::Upstream(e));
+                    break;
+                }
             }
         }
         if client_framing == ClientFraming::Chunked && matches!(body, UpstreamBody::Done) {

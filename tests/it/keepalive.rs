@@ -131,3 +131,61 @@ fn dead_pooled_upstream_connection_is_retried_on_a_fresh_one() {
     // The dead connection never delivered a request: the mock saw each request once.
     assert_eq!(s["requests"], 2, "{s}");
 }
+
+/// A response far larger than one read (the mock echoes the ~300 KB request body) reaches the
+/// client byte for byte, with its Content-Length framing, and the connection then serves the
+/// next request: the relay hands whole reads of a Content-Length body to the client write
+/// without copying, and must still count them, end the body on the last byte and meter usage.
+#[test]
+fn a_response_spanning_many_reads_arrives_intact_and_the_connection_is_reused() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).workers(1).admin());
+    // Distinct lines, so a dropped, repeated or reordered read changes the text.
+    let content: String = (0..12_000)
+        .map(|i| format!("line {i:05} of the prompt; "))
+        .collect();
+    let body = serde_json::json!({
+        "model": "gpt-4o",
+        "messages": [{"role": "user", "content": content}],
+    })
+    .to_string();
+    assert!(body.len() > 300_000, "{}", body.len());
+    let mut c = gw.conn();
+    let mut prompt_tokens = 0;
+    for i in 0..2 {
+        c.send(&Req::post("/v1/chat/completions", &body).build());
+        let r = c.read_response();
+        assert_eq!(r.status, 200, "request {i}: {}", r.dump());
+        assert_eq!(r.end, BodyEnd::Complete, "request {i}");
+        let length: usize = r
+            .header("content-length")
+            .expect("a Content-Length response")
+            .parse()
+            .unwrap();
+        assert_eq!(length, r.body.len(), "request {i}");
+        assert!(r.body.len() > body.len(), "request {i}: {}", r.body.len());
+        let json = r.json();
+        assert_eq!(json["echo"]["body"], body.as_str(), "request {i}");
+        assert_eq!(json["usage"]["completion_tokens"], 3, "request {i}");
+        prompt_tokens += json["usage"]["prompt_tokens"].as_u64().unwrap();
+    }
+    // The meter saw every byte: it settles the usage the response reports (an incomplete JSON
+    // body would leave it estimating instead).
+    let completion = |m: &Metrics| {
+        m.get(
+            "sluice_tokens_total",
+            &[("model", "gpt-4o"), ("type", "completion")],
+        )
+    };
+    let m = gw.wait_metrics(Duration::from_secs(5), |m| completion(m) == Some(6.0));
+    assert_eq!(completion(&m), Some(6.0), "{}", m.text);
+    assert_eq!(
+        m.get(
+            "sluice_tokens_total",
+            &[("model", "gpt-4o"), ("type", "prompt")]
+        ),
+        Some(prompt_tokens as f64),
+        "{}",
+        m.text
+    );
+}
