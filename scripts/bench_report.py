@@ -640,14 +640,14 @@ class Report:
         if p == "sluice":
             v = median(rr)
             self.targets.append(("Sluice plain proxy ≥ 1.2× nginx req/s (cost rig, 1 KB)", v,
-                                 v is not None and v >= 1.2, f_range(rr, f_num)))
+                                 v is not None and v >= 1.2, f_range(rr, f_num), None))
             v = median(cr)
             self.targets.append(("Sluice plain proxy ≤ 0.8× nginx CPU µs/request", v,
-                                 v is not None and v <= 0.8, f_range(cr, f_num)))
+                                 v is not None and v <= 0.8, f_range(cr, f_num), None))
         else:
             v = median(rr)
             self.targets.append(("Sluice with the AI pipeline ≥ 1.0× nginx req/s", v,
-                                 v is not None and v >= 1.0, f_range(rr, f_num)))
+                                 v is not None and v >= 1.0, f_range(rr, f_num), None))
 
     # -- latency rig ------------------------------------------------------------------------
 
@@ -778,7 +778,8 @@ class Report:
             "content event; *added* TTFT is the proxy's p50 (p99) minus direct's in the same "
             "round, median over rounds — shown only where direct itself kept up (about N streams "
             "in flight, and its TTFT p99 within one inter-event gap): an overloaded direct path "
-            "queues streams, and the difference would mean nothing. The gap is between reads that delivered content events "
+            "queues streams, and the difference would mean nothing. The gap is between reads "
+            "that delivered content events "
             f"(ideal: {m['sse_gap_ms']} ms). Coalesced: content events that arrived in the same "
             "read as another (a buffering proxy coalesces).",
             "",
@@ -811,7 +812,8 @@ class Report:
                 gap = [r.j.get("event_gap", {}) for r in rs]
                 rows.append([
                     c, p, f_num(median([r.rps for r in rs]), 1), f_num(in_flight, 0),
-                    f_ms(median(fe50)), f_ms(median(fe99)), f_ms(median(add50)) if add50 else "–",
+                    f_ms(median(fe50)), f_ms(median(fe99)),
+                    f_ms(median(add50)) if add50 else "–",
                     f_ms(median(add99)) if add99 else "–",
                     f_ms(median([g.get("p50_ms") for g in gap])),
                     f_ms(median([g.get("p99_ms") for g in gap])),
@@ -829,8 +831,8 @@ class Report:
                 f"SSE at {c} concurrent stream(s): inter-event gap by percentile, rounds merged",
             )
         text.append(table(
-            ["streams", "proxy", "streams/s", "in flight", "TTFT p50 ms", "TTFT p99 ms", "added TTFT p50 ms",
-             "added TTFT p99 ms", "gap p50 ms", "gap p99 ms", "gap p99.9 ms", "coalesced %",
+            ["streams", "proxy", "streams/s", "in flight", "TTFT p50 ms", "TTFT p99 ms",
+             "added TTFT p50 ms", "added TTFT p99 ms", "gap p50 ms", "gap p99 ms", "gap p99.9 ms", "coalesced %",
              "CPU µs/stream", "RSS MiB", "errors", "disturbed"], rows))
         return "\n".join(text)
 
@@ -917,10 +919,11 @@ class Report:
         if self.targets:
             out += ["### The issue's targets", ""]
             rows = []
-            for name, v, ok, rng, *caveat in self.targets:
+            # (name, median ratio, met, min–max, caveat or None)
+            for name, v, ok, rng, caveat in self.targets:
                 verdict = "met" if ok else "**not met**"
-                if caveat and caveat[0]:
-                    verdict += f" ({caveat[0]})"
+                if caveat:
+                    verdict += f" ({caveat})"
                 rows.append([name, f_num(v), rng, verdict])
             out += [table(["target", "measured (median ratio)", "min–max", ""], rows), ""]
         for s in sections:

@@ -285,25 +285,18 @@ pub async fn relay(
             break;
         }
         let read_at = Instant::now();
-        let mut handed_over = false;
-        if let (ClientFraming::Passthrough, None, UpstreamBody::Length(remaining)) =
-            (client_framing, &strip, &mut body)
-        {
-            if *remaining >= n as u64 {
-                // The whole read is body the client gets unchanged: hand the read buffer itself
-                // to the client write instead of copying it into `out` (one copy less of every
-                // read after the first; the first, which carries the head, is still copied).
-                obs.body(&ubuf[..n], read_at);
-                *remaining -= n as u64;
-                if *remaining == 0 {
-                    body = UpstreamBody::Done;
-                }
-                ubuf.truncate(n);
-                std::mem::swap(&mut out, &mut ubuf);
-                handed_over = true;
-            }
-        }
-        if !handed_over {
+        let whole_read_passes_through = client_framing == ClientFraming::Passthrough
+            && strip.is_none()
+            && matches!(body, UpstreamBody::Length(remaining) if remaining >= n as u64);
+        if whole_read_passes_through {
+            // The whole read is body the client gets unchanged: hand the read buffer itself to
+            // the client write instead of copying it into `out` (one copy less of every read
+            // after the first; the first, which carries the head, is still copied). The body
+            // is counted down and metered as `feed` would; a Length body can't fail or overrun.
+            let _ = emit_body(&mut body, &ubuf[..n], |data| obs.body(data, read_at));
+            ubuf.truncate(n);
+            std::mem::swap(&mut out, &mut ubuf);
+        } else {
             match feed(
                 &mut body,
                 &ubuf[..n],
