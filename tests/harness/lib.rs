@@ -848,6 +848,55 @@ impl Cluster {
     }
 }
 
+/// Threads that spin until dropped: a loaded machine, on which timing bugs in limits and leases
+/// show (the sync task of a pinned worker runs late when its core is shared).
+pub struct BusyLoops {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<u64>>,
+}
+
+impl BusyLoops {
+    pub fn start(n: usize) -> BusyLoops {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|_| {
+                let stop = Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut spins: u64 = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        spins = std::hint::black_box(spins.wrapping_add(1));
+                    }
+                    spins
+                })
+            })
+            .collect();
+        BusyLoops { stop, threads }
+    }
+}
+
+impl Drop for BusyLoops {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Sleep past the next edge of a wall-clock-aligned window of `window_secs` when fewer than
+/// `margin_secs` of the current one are left, so a test's requests all land in one window
+/// (limits' windows are aligned to unix time).
+pub fn wait_out_window_edge(window_secs: u64, margin_secs: u64) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970");
+    let window_ms = window_secs * 1000;
+    let left_ms = window_ms - (now.as_millis() as u64 % window_ms);
+    if left_ms < margin_secs * 1000 {
+        std::thread::sleep(Duration::from_millis(left_ms + 50));
+    }
+}
+
 /// Builds a Sluice TOML config (format: `conf/sluice.toml`) plus the environment the process
 /// gets. Defaults: `listen = 127.0.0.1:0`, one worker, no pinning.
 #[derive(Clone, Debug)]

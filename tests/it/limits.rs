@@ -292,20 +292,34 @@ plans = [
 #[test]
 fn client_abort_mid_stream_is_billed() {
     let mock = Mock::start(&["--tokens", "40", "--inter-token-ms", "25"]);
-    let gw = Sluice::start(&config(
-        &mock,
-        r#"
+    // An hour-long window, and never started within 20 s of its end: `remaining` is only
+    // comparable between two probes in the same window (a minute window once reset between
+    // them, and the difference went negative).
+    let gw = Sluice::start(
+        &config(
+            &mock,
+            r#"
 [[policies]]
 id = "tpm"
 per = "key"
 max_tokens = 100000
+tokens_window_secs = 3600
 "#,
-        "",
-    ));
+            "",
+        )
+        .admin(),
+    );
+    wait_out_window_edge(3600, 20);
     let probe = || send(&gw, KEY, &body_with_max_tokens(10));
     let a = probe();
-    assert_eq!(a.status, 200);
+    assert_eq!(a.status, 200, "{}", a.dump());
     let before = num(&a, "x-ratelimit-remaining-tokens");
+    let done_before = gw
+        .wait_metrics(Duration::from_secs(5), |m| {
+            m.sum("sluice_requests_total", &[]) >= 1.0
+        })
+        .sum("sluice_requests_total", &[]);
+    assert_eq!(done_before, 1.0, "the first probe is counted once");
     // A stream the client abandons after the first content event.
     let mut conn = gw.conn();
     let stream = serde_json::json!({"model": "gpt-4o", "stream": true, "max_tokens": 40,
@@ -325,16 +339,99 @@ max_tokens = 100000
         );
     }
     drop(conn);
-    assert!(wait_until(Duration::from_secs(5), || mock
-        .stat("streams_aborted")
-        == 1));
-    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        wait_until(Duration::from_secs(5), || mock.stat("streams_aborted") == 1),
+        "the upstream stream was not cancelled"
+    );
+    // The aborted request is settled before it is counted (settle, then observe), so once the
+    // metrics show it the limiter has billed it — no fixed sleep, which a loaded machine outruns.
+    let m = gw.wait_metrics(Duration::from_secs(10), |m| {
+        m.sum("sluice_requests_total", &[]) >= 2.0
+    });
+    assert_eq!(
+        m.sum("sluice_requests_total", &[]),
+        2.0,
+        "the aborted stream was never observed: {}",
+        m.text
+    );
     let b = probe();
+    assert_eq!(b.status, 200, "{}", b.dump());
     let after = num(&b, "x-ratelimit-remaining-tokens");
-    // remaining(a) − remaining(b) = what `a` used + what the aborted stream was billed.
-    let billed = before - after - usage_total(&a);
+    // remaining(a) − remaining(b) = what `a` used + what the aborted stream was billed (a and b
+    // reserve the same, so their reservations cancel out).
+    let used_by_a = usage_total(&a);
+    let billed = before
+        .checked_sub(after)
+        .and_then(|d| d.checked_sub(used_by_a))
+        .unwrap_or_else(|| {
+            panic!(
+                "remaining tokens went from {before} (probe a) to {after} (probe b), \
+                 less than probe a's own usage {used_by_a}: the aborted stream was not billed \
+                 (or was refunded)"
+            )
+        });
     assert!(billed >= 5, "the aborted stream was billed {billed}");
     assert!(billed < 100, "billed {billed}: more than prompt + streamed");
+}
+
+/// Issue #11: with a key's concurrency limit of 2 and two pinned workers, callers sending one
+/// request at a time, each on a new connection with a short pause (a script calling curl), got
+/// 429 for 47 of 100 requests while busy loops ran: one worker's idle slots counted as in use on
+/// the other. A limit of N must admit a caller with fewer than N in flight, whatever the load.
+#[test]
+fn concurrency_limit_admits_sequential_callers_on_a_busy_machine() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(
+        &config(
+            &mock,
+            r#"
+[[policies]]
+id = "two-at-once"
+per = "key"
+max_concurrency = 2
+"#,
+            "",
+        )
+        .workers(2)
+        .set("server", "pin_workers", "true"),
+    );
+    let _load = BusyLoops::start(3);
+    let body = chat_body("gpt-4o");
+    let mut refused = Vec::new();
+    for i in 0..200 {
+        let r = send(&gw, KEY, &body);
+        match r.status {
+            200 => {}
+            429 => refused.push((i, r.dump())),
+            _ => panic!("request {i}: {}", r.dump()),
+        }
+        std::thread::sleep(Duration::from_millis(5 + (i % 4) * 5));
+    }
+    assert!(
+        refused.is_empty(),
+        "{} of 200 sequential requests refused under a limit of 2; the first: {:?}",
+        refused.len(),
+        refused.first()
+    );
+    // Still a limit: three at once on a busy machine never all pass.
+    let slow = Req::post("/v1/chat/completions", &body)
+        .header("x-api-key", KEY)
+        .header("x-mock-delay-ms", "400");
+    let statuses: Vec<u16> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|_| s.spawn(|| gw.request(&slow).status))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        statuses.iter().filter(|&&s| s == 200).count() <= 2,
+        "{statuses:?}: three admitted under a limit of 2"
+    );
+    assert!(
+        mock.stat("max_active_requests") <= 2,
+        "{} in flight at the upstream",
+        mock.stat("max_active_requests")
+    );
 }
 
 #[test]

@@ -265,6 +265,65 @@ fn concurrency_5_across_processes() {
     );
 }
 
+/// A caller with fewer requests in flight than the limit is admitted on any worker of any
+/// process: two processes × two pinned workers on a busy machine, a concurrency limit of 2, and
+/// one request at a time, alternating between the processes, each on a new connection.
+#[test]
+fn concurrency_limit_admits_sequential_callers_across_processes() {
+    let redis = Redis::start();
+    let mock = Mock::start(&[]);
+    let toml = format!(
+        r#"
+[limits]
+backend = "redis"
+nodes = 2
+
+[limits.redis]
+address = "{}"
+key_prefix = "seq"
+
+[[keys]]
+id = "shared"
+sha256 = "{}"
+
+[[policies]]
+id = "two"
+per = "key"
+max_concurrency = 2
+"#,
+        redis.addr,
+        key_hash(KEY),
+    );
+    let gws: Vec<Sluice> = (0..2)
+        .map(|_| {
+            Sluice::start(
+                &Config::one_cluster(&mock)
+                    .workers(2)
+                    .set("server", "pin_workers", "true")
+                    .raw(&toml),
+            )
+        })
+        .collect();
+    let _load = BusyLoops::start(3);
+    let mut refused = Vec::new();
+    for i in 0..200usize {
+        let r = request(gws[i % 2].addr, &body(1), &[]);
+        match r.status {
+            200 => {}
+            429 => refused.push((i, r.dump())),
+            _ => panic!("request {i}: {}", r.dump()),
+        }
+        std::thread::sleep(Duration::from_millis(5 + (i as u64 % 4) * 5));
+    }
+    assert!(
+        refused.is_empty(),
+        "{} of 200 sequential requests refused under a limit of 2; the first: {:?}",
+        refused.len(),
+        refused.first()
+    );
+    assert!(mock.stat("max_active_requests") <= 2);
+}
+
 /// Each answer of a load run: when, its status, the tokens it used.
 type AnswerLog = Arc<std::sync::Mutex<Vec<(Instant, u16, u64)>>>;
 

@@ -71,6 +71,9 @@ struct NodeShare {
     /// The lease it holds (0: none) until `lease_expires`.
     lease: u64,
     lease_expires: Instant,
+    /// What its waiting requests lack (0: none) until `shortfall_expires`.
+    shortfall: u64,
+    shortfall_expires: Instant,
 }
 
 impl InProcessLedger {
@@ -106,13 +109,30 @@ impl InProcessLedger {
     ) {
         out.clear();
         out.reserve(batch.len());
-        let lease_expires = now + Duration::from_millis(lease_ttl_ms);
+        let expiries = Expiries {
+            lease: now + Duration::from_millis(lease_ttl_ms),
+            shortfall: now + Duration::from_millis(shortfall_ttl_ms(lease_ttl_ms)),
+        };
         let mut ledger = self.lock();
         ledger.maybe_sweep(now);
         for sync in batch {
-            out.push(ledger.exchange_one(now, node, lease_expires, sync));
+            out.push(ledger.exchange_one(now, node, expiries, sync));
         }
     }
+}
+
+/// When what one exchange stores lapses.
+#[derive(Clone, Copy)]
+struct Expiries {
+    lease: Instant,
+    shortfall: Instant,
+}
+
+/// A core's shortfall is renewed by every exchange while its requests wait (several per
+/// interval), so it lapses sooner than a lease: a waiter that gave up stops asking others to
+/// shed within a quarter of the lease TTL (config keeps that at least one sync interval).
+pub(crate) fn shortfall_ttl_ms(lease_ttl_ms: u64) -> u64 {
+    (lease_ttl_ms / 4).max(1)
 }
 
 impl Ledger {
@@ -135,7 +155,7 @@ impl Ledger {
         &mut self,
         now: Instant,
         node: &str,
-        lease_expires: Instant,
+        expiries: Expiries,
         sync: &BudgetSync,
     ) -> BudgetState {
         let budget = match self.budgets.get_mut(sync.key.as_str()) {
@@ -154,6 +174,8 @@ impl Ledger {
                 spent: 0,
                 lease: 0,
                 lease_expires: now,
+                shortfall: 0,
+                shortfall_expires: now,
             }),
         };
         share.spent = share.spent.max(sync.spent);
@@ -161,6 +183,7 @@ impl Ledger {
         // 2 and 3. Totals, dropping the other nodes' expired leases on the way.
         let mut spent_total: u64 = 0;
         let mut leased_others: u64 = 0;
+        let mut wanted_others: u64 = 0;
         for (name, share) in budget.nodes.iter_mut() {
             spent_total = spent_total.saturating_add(share.spent);
             if name == node {
@@ -169,7 +192,11 @@ impl Ledger {
             if share.lease > 0 && share.lease_expires <= now {
                 share.lease = 0;
             }
+            if share.shortfall > 0 && share.shortfall_expires <= now {
+                share.shortfall = 0;
+            }
             leased_others = leased_others.saturating_add(share.lease);
+            wanted_others = wanted_others.saturating_add(share.shortfall);
         }
         let available = sync
             .limit
@@ -179,10 +206,12 @@ impl Ledger {
         // 4. What was asked as far as it fits, never below what in-flight requests hold.
         let granted = sync.lease.min(available).max(sync.floor);
 
-        // 5. Store this node's lease, renewed.
+        // 5. Store this node's lease, renewed, and what its waiting requests still lack.
         if let Some(share) = budget.nodes.get_mut(node) {
             share.lease = granted;
-            share.lease_expires = lease_expires;
+            share.lease_expires = expiries.lease;
+            share.shortfall = sync.shortfall.min(sync.lease.saturating_sub(granted));
+            share.shortfall_expires = expiries.shortfall;
         }
 
         // 6. The whole budget's lifetime (0: forever, like PERSIST).
@@ -193,6 +222,7 @@ impl Ledger {
             granted,
             spent_total,
             leased_others,
+            wanted_others,
         }
     }
 }
@@ -232,6 +262,7 @@ pub(crate) mod conformance {
             lease,
             floor,
             key_ttl_ms: 0,
+            shortfall: 0,
         }
     }
 
@@ -240,6 +271,7 @@ pub(crate) mod conformance {
             granted,
             spent_total,
             leased_others,
+            wanted_others: 0,
         }
     }
 

@@ -57,27 +57,30 @@ const MAX_EXACT: u64 = (1 << 53) - 1;
 /// The ledger script: one exchange for one budget (see [`super::sync`]), run atomically by Redis.
 ///
 /// `KEYS[1]` is the budget's hash; `ARGV` = node, limit, spent, lease, floor, key_ttl_ms,
-/// lease_ttl_ms. The hash holds, per node, `s:<node>` (spent), `l:<node>` (lease) and
-/// `e:<node>` (the lease's expiry, ms since the epoch by the Redis clock). Returns
-/// `{granted, spent_total, leased_others}`. Numbers are stored with `%d`, so they stay plain
+/// lease_ttl_ms, shortfall, shortfall_ttl_ms. The hash holds, per node, `s:<node>` (spent),
+/// `l:<node>` (lease), `e:<node>` (the lease's expiry, ms since the epoch by the Redis clock),
+/// `w:<node>` (what its waiting requests lack) and `x:<node>` (that shortfall's expiry).
+/// Returns `{granted, spent_total, leased_others, wanted_others}`. Numbers are stored with `%d`, so they stay plain
 /// decimal integers whatever number-to-string conversion the Redis version applies (Lua's own
 /// keeps only 14 significant digits).
 pub const LEDGER_SCRIPT: &str = r#"
 local key, node = KEYS[1], ARGV[1]
 local limit, spent, want, floor = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local key_ttl, lease_ttl = tonumber(ARGV[6]), tonumber(ARGV[7])
+local shortfall, shortfall_ttl = tonumber(ARGV[8]), tonumber(ARGV[9])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local fields = redis.call('HGETALL', key)
-local own, spent_total, leased_others = 0, 0, 0
-local leases, expiries = {}, {}
+local own, spent_total, leased_others, wanted_others = 0, 0, 0, 0
+local leases, expiries, shorts, short_expiries = {}, {}, {}, {}
 for i = 1, #fields, 2 do
   local kind, who, v = string.sub(fields[i], 1, 2), string.sub(fields[i], 3), tonumber(fields[i + 1])
   if kind == 's:' then
     if who == node then own = v else spent_total = spent_total + v end
   elseif who ~= node then
-    if kind == 'l:' then leases[who] = v elseif kind == 'e:' then expiries[who] = v end
+    if kind == 'l:' then leases[who] = v elseif kind == 'e:' then expiries[who] = v
+    elseif kind == 'w:' then shorts[who] = v elseif kind == 'x:' then short_expiries[who] = v end
   end
 end
 
@@ -97,6 +100,14 @@ for who, v in pairs(leases) do
     redis.call('HDEL', key, 'l:' .. who, 'e:' .. who)
   end
 end
+for who, v in pairs(shorts) do
+  local e = short_expiries[who]
+  if e ~= nil and e > now then
+    wanted_others = wanted_others + v
+  else
+    redis.call('HDEL', key, 'w:' .. who, 'x:' .. who)
+  end
+end
 local available = limit - spent_total - leased_others
 if available < 0 then available = 0 end
 
@@ -110,6 +121,14 @@ if granted > 0 then
 else
   redis.call('HDEL', key, 'l:' .. node, 'e:' .. node)
 end
+-- ... and what this node's waiting requests still lack (deleted when 0).
+local short = math.min(shortfall, math.max(want - granted, 0))
+if short > 0 then
+  redis.call('HSET', key, 'w:' .. node, string.format('%d', short),
+    'x:' .. node, string.format('%d', now + shortfall_ttl))
+else
+  redis.call('HDEL', key, 'w:' .. node, 'x:' .. node)
+end
 
 -- 6. The whole budget's lifetime (0: forever).
 if key_ttl > 0 then
@@ -117,7 +136,7 @@ if key_ttl > 0 then
 else
   redis.call('PERSIST', key)
 end
-return {granted, spent_total, leased_others}
+return {granted, spent_total, leased_others, wanted_others}
 "#;
 
 /// Where and how to reach Redis.
@@ -638,6 +657,8 @@ fn encode_evalsha(
             int(b.floor),
             int(b.key_ttl_ms),
             int(lease_ttl_ms),
+            int(b.shortfall),
+            int(super::ledger::shortfall_ttl_ms(lease_ttl_ms)),
         ],
     )
 }
@@ -660,7 +681,7 @@ fn script_sha(frame: &BytesFrame) -> Result<String, SyncError> {
     }
 }
 
-/// One script reply: `{granted, spent_total, leased_others}`.
+/// One script reply: `{granted, spent_total, leased_others, wanted_others}`.
 pub(crate) fn budget_state(frame: &BytesFrame) -> Result<BudgetState, SyncError> {
     let num = |f: &BytesFrame| match f {
         BytesFrame::Integer(i) => u64::try_from(*i).ok(),
@@ -668,18 +689,21 @@ pub(crate) fn budget_state(frame: &BytesFrame) -> Result<BudgetState, SyncError>
     };
     match frame {
         BytesFrame::Array(items) => match items.as_slice() {
-            [g, s, l] => match (num(g), num(s), num(l)) {
-                (Some(granted), Some(spent_total), Some(leased_others)) => Ok(BudgetState {
-                    granted,
-                    spent_total,
-                    leased_others,
-                }),
+            [g, s, l, w] => match (num(g), num(s), num(l), num(w)) {
+                (Some(granted), Some(spent_total), Some(leased_others), Some(wanted_others)) => {
+                    Ok(BudgetState {
+                        granted,
+                        spent_total,
+                        leased_others,
+                        wanted_others,
+                    })
+                }
                 _ => Err(SyncError::Protocol(
                     "ledger reply holds a non-integer or negative value".into(),
                 )),
             },
             _ => Err(SyncError::Protocol(format!(
-                "ledger reply has {} elements, expected 3",
+                "ledger reply has {} elements, expected 4",
                 items.len()
             ))),
         },
@@ -1195,9 +1219,9 @@ mod tests {
             sha_reply(),
             b":5\r\n".to_vec(),
             b"*2\r\n:1\r\n:2\r\n".to_vec(),
-            b"*3\r\n:1\r\n:-2\r\n:3\r\n".to_vec(),
+            b"*4\r\n:1\r\n:-2\r\n:3\r\n:0\r\n".to_vec(),
             b"-ERR user_script:1: boom\r\n".to_vec(),
-            b"*3\r\n:1\r\n:2\r\n:3\r\n".to_vec(),
+            b"*4\r\n:1\r\n:2\r\n:3\r\n:0\r\n".to_vec(),
         ]);
         let mut b = RedisBackend::new(RedisSettings::new(addr));
         block_on(async {

@@ -140,6 +140,19 @@ impl Budget {
         })
     }
 
+    /// Left of the limit counting spend and this core's in-flight reservations but not the
+    /// others' leases, which are slack that comes back when this core asks (see
+    /// `wanted_others` in [`super::sync`]). Zero means the limit is truly used up.
+    fn hard_room(&self) -> u64 {
+        let others = self
+            .view
+            .map_or(0, |v| v.spent_total.saturating_sub(self.flushed));
+        self.limit
+            .saturating_sub(others)
+            .saturating_sub(self.spent)
+            .saturating_sub(self.reserved)
+    }
+
     fn busy(&self) -> bool {
         self.reserved > 0 || self.spent != self.flushed || self.granted > 0
     }
@@ -613,7 +626,11 @@ impl LimiterShard {
             // One admission on credit per exchange: the rate limits' bounded overshoot.
             return Ok(());
         }
-        if room {
+        // A strict budget whose room is held as others' leases is not used up: those leases
+        // are idle slack that their holders give back once this core reports its shortfall.
+        // Refusing here (as this did) turned one busy holder into a stream of 429s on every
+        // other core for a limit that was not reached.
+        if room || (b.strict && b.hard_room() >= cost) {
             Err(RefusalKind::NeedLease)
         } else {
             Err(RefusalKind::Exhausted)
@@ -663,8 +680,10 @@ impl LimiterShard {
             b.busy() || !(over || idle_slots)
         });
         for (id, b) in self.budgets.iter_mut() {
-            let scaled = (u128::from(b.used_since_sync) * u128::from(interval_ms)
-                / u128::from(elapsed_ms)) as u64;
+            // Rounded up: a sync that ran late (a busy machine) must not turn one request into
+            // no use at all, or the budget is taken for quiet and its lease given back.
+            let scaled = (u128::from(b.used_since_sync) * u128::from(interval_ms))
+                .div_ceil(u128::from(elapsed_ms)) as u64;
             b.recent_use = scaled.max(b.recent_use / 2);
             if !b.busy() && b.recent_use == 0 && b.demand == 0 {
                 b.idle_syncs += 1;
@@ -690,19 +709,34 @@ impl LimiterShard {
             // the next request of a slow caller (one stream every few seconds) doesn't wait a
             // round trip for a lease; after KEEP_QUIET_SYNCS quiet exchanges it goes back.
             let quiet = b.recent_use == 0 && b.demand == 0;
+            //
+            // A strict budget (quota, concurrency) can't overshoot, so slack one core holds idle
+            // is slack another core's waiting request can't have: its slack is capped at this
+            // core's fair share, and given up entirely while another core reports a shortfall.
+            let others_wait = b.view.is_some_and(|v| v.wanted_others > 0);
+            // 1/64 of the limit, and at least one unit: a small limit (2 concurrent requests)
+            // has no 1/64th, and without a slice every request of a slow caller waited.
+            let min_slice = (b.limit / 64).max(1).min(b.limit);
             let target_free = if over || (quiet && b.idle_syncs >= KEEP_QUIET_SYNCS) {
                 0
+            } else if b.strict && others_wait {
+                b.demand
             } else if quiet {
-                (b.limit / 64).min(b.limit)
+                min_slice
             } else {
-                (2 * b.recent_use + b.demand).max(b.limit / 64).min(b.limit)
+                (2 * b.recent_use + b.demand).max(min_slice).min(b.limit)
+            };
+            let target_free = if b.strict {
+                target_free.min(b.limit.div_ceil(self.down_share).max(b.demand))
+            } else {
+                target_free
             };
             let lease = b.reserved + target_free;
             let floor = lease.min(held).max(b.reserved);
             b.granted = floor;
             b.spent_at_grant = b.spent;
             b.used_since_sync = 0;
-            b.demand = 0;
+            let shortfall = std::mem::take(&mut b.demand);
             out.push(BudgetSync {
                 key: b.key.clone(),
                 limit: b.limit,
@@ -710,6 +744,7 @@ impl LimiterShard {
                 lease,
                 floor,
                 key_ttl_ms: b.key_ttl_ms,
+                shortfall,
             });
             self.in_flight.push(*id);
         }
@@ -1113,7 +1148,7 @@ mod tests {
 
 #[cfg(test)]
 mod concurrency_tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::tests_support::*;
     use super::*;
 
@@ -1188,6 +1223,117 @@ mod concurrency_tests {
                 s.apply(Ok(&states[i]), &batches[i], Instant::now());
             }
         }
+    }
+
+    /// One exchange of one shard with the in-process ledger at `now_ms`.
+    fn exchange(
+        s: &mut LimiterShard,
+        ledger: &crate::limits::ledger::InProcessLedger,
+        now_ms: u64,
+    ) {
+        let mut batch = Vec::new();
+        let mut states = Vec::new();
+        s.prepare(now_ms, Duration::from_millis(50), &mut batch);
+        let node = s.node().to_string();
+        ledger.exchange_at(Instant::now(), &node, 60_000, &batch, &mut states);
+        s.apply(Ok(&states), &batch, Instant::now());
+    }
+
+    /// Issue #11: a concurrency limit of 2 over two cores refused a caller who sent one request
+    /// at a time — the core that had served recently held both slots idle, and the other core
+    /// answered `Exhausted` from its view of those leases (and kept doing so from a view it no
+    /// longer refreshed). Syncs here run late and irregularly, as on a busy machine.
+    #[test]
+    fn a_caller_below_the_concurrency_limit_is_admitted_on_any_core() {
+        let cfg = limits("[[policies]]\nid = \"two\"\nmax_concurrency = 2");
+        let ledger = crate::limits::ledger::InProcessLedger::new();
+        let mut shards: Vec<LimiterShard> = (0..2)
+            .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+            .collect();
+        let anon = anonymous();
+        let mut rng = Rng(11);
+        let mut now = unix_ms();
+        let mut waited = 0;
+        for i in 0..400 {
+            let w = (rng.next() % 2) as usize;
+            let mut p = Permit::default();
+            let mut exchanges = 0;
+            while let Err(r) = shards[w].try_admit(&cfg, &anon, &mut p, &mut |_, _| {}) {
+                assert_eq!(
+                    r.kind,
+                    RefusalKind::NeedLease,
+                    "request {i} on core {w} refused with nothing in flight"
+                );
+                exchanges += 1;
+                assert!(exchanges <= 4, "request {i} waited {exchanges} exchanges");
+                // The waiting core hurries its exchange; the other runs its own, late.
+                now += 5 + rng.next() % 60;
+                exchange(&mut shards[w], &ledger, now);
+                exchange(&mut shards[1 - w], &ledger, now);
+            }
+            waited += exchanges;
+            shards[w].settle(&mut p, 0);
+            // Between requests each core syncs once, late or not, or skips a turn.
+            now += 10 + rng.next() % 120;
+            for s in shards.iter_mut() {
+                if !rng.next().is_multiple_of(3) {
+                    exchange(s, &ledger, now);
+                }
+            }
+        }
+        // Waiting is the exception: slack is shared, not hoarded by one core.
+        assert!(waited < 100, "{waited} exchanges waited for 400 requests");
+    }
+
+    /// The exact sequence of the false 429: core A held both slots (idle) when core B asked.
+    #[test]
+    fn idle_slots_held_elsewhere_are_waited_for_not_refused() {
+        let cfg = limits("[[policies]]\nid = \"two\"\nmax_concurrency = 2");
+        let ledger = crate::limits::ledger::InProcessLedger::new();
+        let (mut a, mut b) = (
+            LimiterShard::new(&cfg, "a".into()),
+            LimiterShard::new(&cfg, "b".into()),
+        );
+        let anon = anonymous();
+        let admit = |s: &mut LimiterShard| {
+            let mut p = Permit::default();
+            s.try_admit(&cfg, &anon, &mut p, &mut |_, _| {}).map(|()| p)
+        };
+        let t = unix_ms();
+        // A serves two at once, is granted both slots, and both finish: A holds 2 idle slots.
+        assert!(admit(&mut a).is_err());
+        assert!(admit(&mut a).is_err());
+        exchange(&mut a, &ledger, t);
+        let mut p1 = admit(&mut a).unwrap();
+        let mut p2 = admit(&mut a).unwrap();
+        a.settle(&mut p1, 0);
+        a.settle(&mut p2, 0);
+        // B's caller, with nothing in flight anywhere: B learns that A holds both...
+        assert_eq!(admit(&mut b).unwrap_err().kind, RefusalKind::NeedLease);
+        exchange(&mut b, &ledger, t + 5);
+        // ... and waits for a lease rather than answering 429.
+        assert_eq!(admit(&mut b).unwrap_err().kind, RefusalKind::NeedLease);
+        exchange(&mut b, &ledger, t + 10);
+        // A's next exchanges give slack back (B reported a shortfall); B's request, retrying
+        // after each of B's exchanges, gets a slot within two of A's intervals.
+        let mut admitted = None;
+        for round in 1..=2 {
+            exchange(&mut a, &ledger, t + 50 * round);
+            match admit(&mut b) {
+                Ok(p) => {
+                    admitted = Some(p);
+                    break;
+                }
+                Err(r) => assert_eq!(r.kind, RefusalKind::NeedLease, "round {round}"),
+            }
+            exchange(&mut b, &ledger, t + 50 * round + 5);
+            if let Ok(p) = admit(&mut b) {
+                admitted = Some(p);
+                break;
+            }
+        }
+        let mut p = admitted.expect("B admitted once A gave its idle slots back");
+        b.settle(&mut p, 0);
     }
 
     #[test]

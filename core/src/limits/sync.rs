@@ -21,16 +21,24 @@
 //! 1. `spent[node] = max(spent[node], batch.spent)`.
 //! 2. Drop other nodes' leases whose expiry has passed.
 //! 3. `spent_total = Σ spent[*]`, `leased_others = Σ live lease[other]`,
-//!    `available = limit − spent_total − leased_others` (saturating at 0).
+//!    `available = limit − spent_total − leased_others` (saturating at 0),
+//!    `wanted_others = Σ live shortfall[other]`.
 //! 4. `granted = max(floor, min(lease, available))`: what the core asked for as far as it fits,
 //!    never below `floor` (the part already reserved by admitted, in-flight requests, which
 //!    can't be taken back).
-//! 5. Store `lease[node] = granted` with expiry `now + lease_ttl` (delete it when 0).
+//! 5. Store `lease[node] = granted` with expiry `now + lease_ttl` (delete it when 0), and
+//!    `shortfall[node]` (what this core's waiting requests still lack: `batch.shortfall` less
+//!    what the grant added) with the same expiry (delete it when 0).
 //! 6. When `key_ttl_ms > 0`, (re)set the whole budget's expiry to `key_ttl_ms` (window budgets
 //!    live two windows).
 //!
 //! So as long as every core admits only from its granted lease, `Σ spent + Σ leases ≤ limit`:
 //! the sum of admitted reservations never passes the limit, on one core or across nodes.
+//!
+//! `wanted_others` is how a core learns that another one waits: a core holding idle slack of a
+//! strict budget gives it back at its next exchange when anyone else is short, so a request on a
+//! core without a lease waits about one interval, never until the holder goes quiet (a
+//! concurrency limit of N then admits a caller with fewer than N in flight on any core).
 
 use std::fmt;
 
@@ -48,6 +56,9 @@ pub struct BudgetSync {
     pub lease: u64,
     /// The part of the lease in use by in-flight requests: the grant is never below it.
     pub floor: u64,
+    /// What requests waiting on this core for a lease need beyond what it holds (0: none wait).
+    /// Other cores see the sum as [`BudgetState::wanted_others`] and give back idle slack.
+    pub shortfall: u64,
     /// Expiry of the whole budget in ms after this exchange; 0 keeps it forever.
     pub key_ttl_ms: u64,
 }
@@ -62,6 +73,8 @@ pub struct BudgetState {
     pub spent_total: u64,
     /// Σ live leases of the other cores.
     pub leased_others: u64,
+    /// Σ live shortfalls of the other cores: requests elsewhere wait for this much.
+    pub wanted_others: u64,
 }
 
 /// Why an exchange failed; the caller keeps serving from what it holds.
