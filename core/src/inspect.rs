@@ -81,15 +81,82 @@ impl Inspector {
         let result = match simd_json::fill_tape(&mut self.scratch, buffers, &mut tape) {
             Ok(()) => read_top_level(&tape.0, body, buffers.structural_indexes(), out),
             Err(e) => Err(GatewayError::invalid_request(
-                format!(
-                    "We could not parse the JSON body of your request: {:?}",
-                    e.error()
-                ),
+                json_syntax_message(body, &e),
                 None,
             )),
         };
         self.tape = Some(tape.reset());
         result
+    }
+}
+
+/// What is wrong with a body simd-json refused, and where, in words a client can act on.
+///
+/// Only on the error path: the body is parsed again by serde_json, whose errors say what was
+/// expected at which line and column (simd-json's say neither: `InternalError`, `Syntax`).
+/// The byte offset is added because request bodies are mostly one line.
+fn json_syntax_message(body: &[u8], simd_error: &simd_json::Error) -> String {
+    const PREFIX: &str = "We could not parse the JSON body of your request";
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return format!("{PREFIX}: the body is empty; expected a JSON object.");
+    }
+    // serde_json skips over strings it ignores without checking their UTF-8: check first.
+    if let Err(e) = std::str::from_utf8(body) {
+        let offset = e.valid_up_to();
+        let line = 1 + memchr::memchr_iter(b'\n', &body[..offset]).count();
+        let line_start = memchr::memrchr(b'\n', &body[..offset]).map_or(0, |i| i + 1);
+        return format!(
+            "{PREFIX}: invalid UTF-8 at line {line}, column {} (byte {offset}).",
+            offset - line_start + 1
+        );
+    }
+    match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+        Err(e) => {
+            let what = e.to_string();
+            // serde_json appends " at line L column C"; say it our way, with the byte offset.
+            let what = what
+                .rsplit_once(" at line ")
+                .map_or(what.as_str(), |(w, _)| w);
+            let (line, column, offset) = position(body, e.line(), e.column());
+            format!("{PREFIX}: {what} at line {line}, column {column} (byte {offset}).")
+        }
+        // serde_json accepts what simd-json refused (a number simd-json can't hold, say):
+        // name simd-json's reason and where it stopped.
+        Ok(_) => format!(
+            "{PREFIX}: {} near byte {}.",
+            simd_reason(simd_error.error()),
+            simd_error.index()
+        ),
+    }
+}
+
+/// serde_json's 1-based line and column as (line, column, 0-based byte offset). Its column 0
+/// ("before the first character of the line") becomes the line break that ended the line
+/// before, so the position always names a byte of the body.
+fn position(body: &[u8], line: usize, column: usize) -> (usize, usize, usize) {
+    let line_start = |line: usize| {
+        if line <= 1 {
+            0
+        } else {
+            memchr::memchr_iter(b'\n', body)
+                .nth(line - 2)
+                .map_or(body.len(), |i| i + 1)
+        }
+    };
+    if column == 0 && line > 1 {
+        let offset = line_start(line) - 1;
+        (line - 1, offset - line_start(line - 1) + 1, offset)
+    } else {
+        let offset = (line_start(line) + column.saturating_sub(1)).min(body.len());
+        (line, column.max(1), offset)
+    }
+}
+
+fn simd_reason(kind: &simd_json::ErrorType) -> String {
+    use simd_json::ErrorType as E;
+    match kind {
+        E::InvalidNumber | E::InvalidExponent => "a number is malformed or out of range".into(),
+        other => format!("the JSON parser refused it ({other:?})"),
     }
 }
 
@@ -353,6 +420,61 @@ mod tests {
     fn span(body: &str) -> &str {
         let r = inspect(body).unwrap();
         &body[r.model_span.0..r.model_span.1]
+    }
+
+    fn syntax_message(body: &str) -> String {
+        match inspect(body) {
+            Ok(_) => panic!("{body:?} was accepted"),
+            Err(e) => {
+                assert_eq!(e.status, 400);
+                e.message
+            }
+        }
+    }
+
+    #[test]
+    fn json_errors_say_what_and_where() {
+        let m = syntax_message(r#"{"model":"gpt-4o" "stream":true}"#);
+        assert!(
+            m.contains("expected `,` or `}` at line 1, column 19 (byte 18)"),
+            "{m}"
+        );
+        let m = syntax_message("{\n  \"model\": \"gpt-4o\",\n  \"n\": tru\n}");
+        assert!(m.contains("at line 3, column 11 (byte 33)"), "{m}");
+        let m = syntax_message(r#"{"model":"gpt-4o""#);
+        assert!(
+            m.contains("EOF while parsing an object at line 1, column 17 (byte 16)"),
+            "{m}"
+        );
+        let m = syntax_message("   ");
+        assert!(m.contains("the body is empty"), "{m}");
+        // No parser's internal names reach the client.
+        for bad in [r#"{"a":}"#, "[1,2", "{\"a\":\"\\x\"}", "nul"] {
+            let m = syntax_message(bad);
+            for internal in [
+                "InternalError",
+                "ExpectedNull",
+                "Syntax",
+                "Eof",
+                "InvalidUtf8",
+            ] {
+                assert!(!m.contains(internal), "{bad:?} -> {m}");
+            }
+            assert!(m.contains("line 1, column"), "{bad:?} -> {m}");
+        }
+    }
+
+    #[test]
+    fn invalid_utf8_is_located() {
+        let mut i = Inspector::default();
+        let mut out = Inspection::default();
+        let e = i.inspect(b"{\"model\":\"gpt\xff\"}", &mut out).unwrap_err();
+        assert!(
+            e.message
+                .contains("invalid UTF-8 at line 1, column 14 (byte 13)"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
