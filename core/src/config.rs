@@ -229,6 +229,10 @@ fn default_credential_header() -> String {
 struct RawRoute {
     model: String,
     cluster: String,
+    /// For a glob route: the concrete names it serves, listed by `GET /v1/models` (a glob
+    /// can't be enumerated).
+    #[serde(default)]
+    models: Vec<String>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -375,6 +379,9 @@ pub struct Backend {
 pub struct Route {
     pub pattern: ModelPattern,
     pub cluster: ClusterId,
+    /// Concrete names a glob route declares it serves (each matches the glob), for
+    /// `GET /v1/models`; empty for exact routes.
+    pub models: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -693,10 +700,26 @@ pub fn load(
                 format!("`{}` is already routed by routes[{prev}]", rr.model),
             );
         }
+        let pattern = ModelPattern::parse(&rr.model);
+        if !rr.models.is_empty() && matches!(pattern, ModelPattern::Exact(_)) {
+            err(
+                format!("{path}.models"),
+                "only a glob route (a `model` with `*`) declares models; an exact route is listed by its name".into(),
+            );
+        }
+        for (j, m) in rr.models.iter().enumerate() {
+            if !pattern.matches(m) {
+                err(
+                    format!("{path}.models[{j}]"),
+                    format!("`{m}` does not match the route's pattern `{}`", rr.model),
+                );
+            }
+        }
         match cluster_ids.get(&rr.cluster) {
             Some(&cluster) => routes.push(Route {
-                pattern: ModelPattern::parse(&rr.model),
+                pattern,
                 cluster,
+                models: rr.models.clone(),
             }),
             None => err(
                 format!("{path}.cluster"),

@@ -1,7 +1,10 @@
-//! `GET /v1/models`: the configured models in OpenAI's list format.
+//! `GET /v1/models`: the models a client can ask for, in OpenAI's list format.
 //!
-//! Built once per config snapshot (not per request) from the routes' exact model names, in file
-//! order; glob routes cannot be enumerated and are not listed.
+//! Built once per config snapshot (and per request only for keys with model lists). Listed are
+//! the concrete names that route: exact route names, the models a glob route declares
+//! (`[[routes]] models = [...]`: a glob itself can't be enumerated), and each cluster's
+//! `model_map` names, both sides — a name is listed only when a request for it would be routed,
+//! so the list never offers a model that answers 404. Sorted by name, each once.
 
 use crate::config::{ModelPattern, Snapshot};
 use crate::error::push_json_string;
@@ -21,13 +24,23 @@ fn body(snapshot: &Snapshot, keep: impl Fn(&str) -> bool) -> Vec<u8> {
     let mut names: Vec<&str> = snapshot
         .routes
         .iter()
-        .filter_map(|r| match &r.pattern {
-            ModelPattern::Exact(m) => Some(m.as_str()),
-            ModelPattern::Glob { .. } => None,
+        .flat_map(|r| {
+            let exact = match &r.pattern {
+                ModelPattern::Exact(m) => Some(m.as_str()),
+                ModelPattern::Glob { .. } => None,
+            };
+            exact.into_iter().chain(r.models.iter().map(String::as_str))
         })
+        .chain(snapshot.clusters.iter().flat_map(|c| {
+            c.model_map
+                .iter()
+                .flat_map(|(from, to)| [from.as_str(), to.as_str()])
+        }))
+        .filter(|m| snapshot.routes.iter().any(|r| r.pattern.matches(m)))
         .filter(|m| keep(m))
         .collect();
     names.sort_unstable();
+    names.dedup();
     let mut s = String::from("{\"object\":\"list\",\"data\":[");
     for (i, name) in names.iter().enumerate() {
         if i > 0 {

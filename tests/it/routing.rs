@@ -2,7 +2,6 @@
 //! mock-llm, and `sluice check`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use sluice_tests::*;
@@ -276,13 +275,23 @@ fn glob_routes_most_specific_wins() {
 }
 
 #[test]
-fn models_endpoint_lists_exact_route_models_in_openai_format() {
+fn models_endpoint_lists_every_name_that_routes_in_openai_format() {
     let mock = Mock::start(&[]);
     let gw = Sluice::start(
         &Config::one_cluster(&mock)
             .route("gpt-4o-mini", "main")
             .route("mock-*", "main")
-            .map("text-embedding-3-small", "mock-embed"),
+            .map("text-embedding-3-small", "mock-embed")
+            // Mapped to a name no route matches: the upstream name is not offered.
+            .map("gpt-4o-mini", "upstream-only-name")
+            .raw(
+                r#"
+[[routes]]
+model = "llama-*"
+cluster = "main"
+models = ["llama-3.1-8b", "llama-3.1-70b"]
+"#,
+            ),
     );
     let r = gw.get("/v1/models");
     assert_eq!(r.status, 200, "{}", r.dump());
@@ -293,15 +302,55 @@ fn models_endpoint_lists_exact_route_models_in_openai_format() {
     let v = r.json();
     assert_eq!(v["object"], "list", "{v}");
     let data = v["data"].as_array().expect("data array");
-    let ids: BTreeSet<&str> = data.iter().map(|m| m["id"].as_str().unwrap()).collect();
-    let want: BTreeSet<&str> = ["gpt-4o", "gpt-4o-mini", "text-embedding-3-small"].into();
-    assert_eq!(ids, want, "{v}");
-    assert_eq!(data.len(), want.len(), "duplicates in {v}");
+    let ids: Vec<&str> = data.iter().map(|m| m["id"].as_str().unwrap()).collect();
+    // Exact routes, a glob route's declared models, and model_map names (both sides) that a
+    // route matches — `mock-embed` through `mock-*` — sorted, each once.
+    assert_eq!(
+        ids,
+        [
+            "gpt-4o",
+            "gpt-4o-mini",
+            "llama-3.1-70b",
+            "llama-3.1-8b",
+            "mock-embed",
+            "text-embedding-3-small"
+        ],
+        "{v}"
+    );
     for m in data {
         assert_eq!(m["object"], "model", "{m}");
         assert!(m["created"].is_u64(), "created must be an integer: {m}");
         assert!(m["owned_by"].is_string(), "owned_by must be a string: {m}");
     }
+    // Every listed name is really served.
+    for id in ids {
+        let r = gw.post("/v1/chat/completions", &chat_body(id));
+        assert_eq!(r.status, 200, "{id}: {}", r.dump());
+    }
+}
+
+#[test]
+fn a_glob_route_declares_only_models_it_matches() {
+    let mock = Mock::start(&[]);
+    let out = Sluice::check(&Config::one_cluster(&mock).raw(
+        r#"
+[[routes]]
+model = "llama-*"
+cluster = "main"
+models = ["llama-3", "mistral-7b"]
+
+[[routes]]
+model = "exact-name"
+cluster = "main"
+models = ["exact-name"]
+"#,
+    ));
+    assert!(!out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("routes[1].models[1]"), "{err}");
+    assert!(err.contains("`mistral-7b` does not match"), "{err}");
+    assert!(err.contains("routes[2].models"), "{err}");
+    assert!(!err.contains("llama-3`"), "{err}");
 }
 
 #[test]
