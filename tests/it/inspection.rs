@@ -142,6 +142,25 @@ fn invalid_json_is_400() {
 }
 
 #[test]
+fn a_json_error_says_what_and_where() {
+    let err = assert_refused(
+        b"{\"model\":\"gpt-4o\",\n \"messages\":[{\"role\":\"user\" \"content\":\"hi\"}]}",
+        400,
+    );
+    let message = err["message"].as_str().unwrap();
+    assert!(
+        message.contains("expected `,` or `}` at line 2, column 29 (byte 47)"),
+        "{message}"
+    );
+    let err = assert_refused(b"{\"model\":\"gpt-4o\",\"x\":\"\xff\"}", 400);
+    let message = err["message"].as_str().unwrap();
+    assert!(
+        message.contains("invalid UTF-8 at line 1, column 24 (byte 23)"),
+        "{message}"
+    );
+}
+
+#[test]
 fn trailing_garbage_after_json_is_400() {
     assert_refused(br#"{"model":"gpt-4o"} {"model":"evil"}"#, 400);
 }
