@@ -27,6 +27,14 @@ if ! python3 -c "import google.protobuf, grpc_tools.protoc" >/dev/null 2>&1; the
   log "installing python protobuf + grpcio-tools (the access-log test decodes with them)"
   pip_install protobuf grpcio-tools
 fi
+if ! python3 -c 'import openai' >/dev/null 2>&1; then
+  log "installing openai (the README's Python example runs in tests/it/readme.rs)"
+  pip_install openai
+fi
+if ! command -v curl >/dev/null 2>&1; then
+  log "installing curl (the README's and the demo's requests)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends curl >/dev/null
+fi
 if ! command -v promtool >/dev/null 2>&1; then
   log "installing promtool (Debian package prometheus): validates the alert rules and /metrics"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
