@@ -472,6 +472,51 @@ fn check_accepts_the_example_config() {
     assert!(all.contains("config ok"), "{all}");
 }
 
+/// The shipped config has no live key, only a commented example with a placeholder: once
+/// uncommented and filled in it is valid; uncommented with the placeholder, `check` refuses it.
+#[test]
+fn the_example_key_is_valid_once_filled_in_and_refused_with_its_placeholder() {
+    let text = std::fs::read_to_string(workspace_root().join("conf/sluice.toml")).unwrap();
+    assert!(
+        !text.lines().any(|l| l.trim_start().starts_with("[[keys]]")),
+        "conf/sluice.toml ships a live [[keys]] table"
+    );
+    let (head, rest) = text
+        .split_once("# --- example key: begin ---\n")
+        .expect("the example key's begin marker");
+    let (block, tail) = rest
+        .split_once("# --- example key: end ---\n")
+        .expect("the example key's end marker");
+    let uncommented: String = block
+        .lines()
+        .map(|l| l.strip_prefix("# ").unwrap_or(l))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(uncommented.contains("[[keys]]"), "{uncommented}");
+    let check = |config: String| {
+        let dir = TempDir::new("example-key");
+        let out = Sluice::check_file(&dir.write("sluice.toml", config), &[]);
+        (
+            out.status.code(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    let (code, all) = check(format!("{head}{uncommented}{tail}"));
+    assert_eq!(code, Some(1), "the placeholder was accepted:\n{all}");
+    assert!(all.contains("keys[0].sha256"), "{all}");
+    let filled = uncommented.replace(
+        "<the sha256 line of `sluice key new`>",
+        &key_hash("sk-example"),
+    );
+    let (code, all) = check(format!("{head}{filled}{tail}"));
+    assert_eq!(code, Some(0), "{all}\n{filled}");
+    assert!(all.contains("config ok"), "{all}");
+}
+
 #[test]
 fn invalid_config_refuses_to_start() {
     let cfg = Config::backend_url("http://127.0.0.1:9/v1").route("x", "no-such-cluster");
