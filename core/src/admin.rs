@@ -45,7 +45,8 @@ pub fn spawn_admin(
     hub: Arc<MetricsHub>,
     ready: Arc<AtomicBool>,
 ) -> io::Result<SocketAddr> {
-    let listener = TcpListener::bind(addr)?;
+    let listener = TcpListener::bind(addr)
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot bind admin listener {addr}: {e}")))?;
     let local = listener.local_addr()?;
     thread::Builder::new()
         .name("sluice-admin".into())
@@ -491,6 +492,14 @@ mod tests {
     fn bind_failure_is_returned() {
         let (addr, hub, ready) = start();
         let again = spawn_admin(addr, hub, ready);
-        assert!(again.is_err(), "a second bind of {addr} should fail");
+        let Err(e) = again else {
+            panic!("a second bind of {addr} should fail");
+        };
+        // The operator is told which listener and address.
+        assert!(
+            e.to_string()
+                .starts_with(&format!("cannot bind admin listener {addr}: ")),
+            "{e}"
+        );
     }
 }

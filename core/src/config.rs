@@ -2,11 +2,16 @@
 //!
 //! Runs on the control thread at startup (and for `sluice check`), never on a worker's request
 //! path. Takes the file's text; returns an immutable [`Snapshot`] that every worker holds as
-//! `Rc<Snapshot>`, or every error found at once, each with the key path it concerns. Unknown keys
-//! are errors. Backend host names are resolved here, once, so workers never make a blocking DNS
-//! call.
+//! `Rc<Snapshot>`, or every error found at once, each with the key path it concerns and that
+//! key's line and column; warnings (valid but probably not meant) either way. Unknown keys are
+//! errors. Backend host names are resolved here, once, so workers never make a blocking DNS call.
+//!
+//! The text is parsed once into a `toml_edit` document, which keeps spans; each section (each
+//! entry of a map or array section) is deserialized on its own with `serde_path_to_error`, so one
+//! bad section does not hide the others' errors, and every error's key path is looked up in the
+//! document for its position.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
@@ -15,16 +20,46 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-/// One problem found in a config file, with the dotted path of the key it concerns.
+/// One problem found in a config file, with the dotted path of the key it concerns (`server.listen`,
+/// `clusters.a.backends[0].weight`, `pricing."gpt-4.1"`) and, where that key is in the file, its
+/// line and column. Warnings use the same type.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
+    /// Empty for a TOML syntax error, which has a position but no key.
     pub path: String,
     pub message: String,
+    pub position: Option<Position>,
+}
+
+impl ConfigError {
+    fn new(path: String, message: String) -> ConfigError {
+        ConfigError {
+            path,
+            message,
+            position: None,
+        }
+    }
+}
+
+/// A place in the config file: 1-based line, and 1-based column counted in characters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    pub line: usize,
+    pub column: usize,
 }
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
+        match (self.path.is_empty(), self.position) {
+            (false, Some(p)) => write!(
+                f,
+                "{} (line {}, column {}): {}",
+                self.path, p.line, p.column, self.message
+            ),
+            (false, None) => write!(f, "{}: {}", self.path, self.message),
+            (true, Some(p)) => write!(f, "line {}, column {}: {}", p.line, p.column, self.message),
+            (true, None) => f.write_str(&self.message),
+        }
     }
 }
 
@@ -32,32 +67,45 @@ impl fmt::Display for ConfigError {
 // Raw types: exactly what the file says, defaults filled in, nothing checked yet.
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// The whole file, read section by section (see [`read_sections`]) so that every section's errors
+/// are reported, not just the first. A key that could not be read is left out (at its default);
+/// an entry that could not be read even so is `None`, and its section is named in `failed`:
+/// validation then skips what depends on it rather than report errors that are only echoes of
+/// the first.
+#[derive(Debug, Default)]
 struct RawConfig {
-    #[serde(default)]
     server: RawServer,
-    #[serde(default)]
     http: RawHttp,
-    #[serde(default)]
     timeouts: RawTimeouts,
-    #[serde(default)]
     upstream: RawUpstream,
-    #[serde(default)]
-    clusters: BTreeMap<String, RawCluster>,
-    #[serde(default)]
-    routes: Vec<RawRoute>,
+    clusters: BTreeMap<String, Option<RawCluster>>,
+    routes: Vec<Option<RawRoute>>,
     admin: Option<RawAdmin>,
     access_log: Option<RawAccessLog>,
-    #[serde(default)]
-    pricing: BTreeMap<String, RawPrice>,
-    #[serde(default)]
-    keys: Vec<crate::limits::config::RawKey>,
-    #[serde(default)]
-    policies: Vec<crate::limits::config::RawPolicy>,
-    #[serde(default)]
+    pricing: BTreeMap<String, Option<RawPrice>>,
+    keys: Vec<Option<crate::limits::config::RawKey>>,
+    policies: Vec<Option<crate::limits::config::RawPolicy>>,
     limits: crate::limits::config::RawLimits,
+    failed: BTreeSet<&'static str>,
+    /// Sections with a key that could not be read (left out, so at its default).
+    dirty: BTreeSet<&'static str>,
 }
+
+/// The top-level sections, in the order the example config has them.
+const SECTIONS: [&str; 12] = [
+    "server",
+    "http",
+    "timeouts",
+    "upstream",
+    "clusters",
+    "routes",
+    "admin",
+    "access_log",
+    "pricing",
+    "keys",
+    "policies",
+    "limits",
+];
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -218,7 +266,15 @@ struct RawCredential {
     env: String,
     #[serde(default = "default_credential_header")]
     header: String,
+    /// Send the secret under a header that is not a known credential header without a warning.
+    #[serde(default)]
+    allow_custom_header: bool,
 }
+
+/// Header names upstream APIs take a key under; any other `credential.header` is likely a typo
+/// and draws a warning unless `allow_custom_header` is set.
+const KNOWN_CREDENTIAL_HEADERS: [&str; 4] =
+    ["authorization", "x-api-key", "api-key", "x-goog-api-key"];
 
 fn default_credential_header() -> String {
     "authorization".into()
@@ -466,22 +522,281 @@ fn glob_match(parts: &[String], starts_open: bool, ends_open: bool, text: &str) 
 // ---------------------------------------------------------------------------------------------
 
 /// Parse and validate a config file's text. `env` looks up environment variables (credentials),
-/// so tests can pass their own instead of touching the process environment.
+/// so tests can pass their own instead of touching the process environment. Warnings are dropped;
+/// [`load_with_warnings`] returns them too.
 pub fn load(
     text: &str,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Snapshot, Vec<ConfigError>> {
-    let raw: RawConfig = match toml::from_str(text) {
-        Ok(raw) => raw,
+    load_with_warnings(text, env).snapshot
+}
+
+/// What [`load_with_warnings`] found: the snapshot or every error, and every warning (which do not
+/// stop the load) either way.
+#[derive(Debug)]
+pub struct Loaded {
+    pub snapshot: Result<Snapshot, Vec<ConfigError>>,
+    pub warnings: Vec<ConfigError>,
+}
+
+/// [`load`], also returning the warnings: things that are valid but probably not meant, such as
+/// a credential header no API knows. Errors and warnings are in file order, each with its line and
+/// column where its key is in the file.
+pub fn load_with_warnings(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Loaded {
+    // A syntax error stops the parse: it is the only error there can be.
+    let doc = match toml_edit::ImDocument::parse(text) {
+        Ok(doc) => doc,
         Err(e) => {
-            return Err(vec![ConfigError {
-                path: toml_error_path(&e),
-                message: e.message().to_string(),
-            }])
+            let position = e.span().map(|span| position_at(text, span.start));
+            return Loaded {
+                snapshot: Err(vec![syntax_error(e.message(), position)]),
+                warnings: Vec::new(),
+            };
         }
     };
+    let source = Source { text, doc };
     let mut errors = Vec::new();
-    let mut err = |path: String, message: String| errors.push(ConfigError { path, message });
+    let mut warnings = Vec::new();
+    let raw = read_sections(source.doc.as_table().clone(), &source, &mut errors);
+    let read_errors = errors.len();
+    let snapshot = validate(raw, env, &mut errors, &mut warnings);
+    // A key that could not be read is not checked again at its default: one error per key.
+    let checked = errors.split_off(read_errors);
+    let kept: Vec<ConfigError> = checked
+        .into_iter()
+        .filter(|e| !errors.iter().any(|u| is_under(&e.path, &u.path)))
+        .collect();
+    errors.extend(kept);
+    for e in errors.iter_mut().chain(warnings.iter_mut()) {
+        if e.position.is_none() {
+            e.position = source.position(&e.path, Anchor::Value);
+        }
+    }
+    // File order; errors about keys that are not in the file (a missing section) come last.
+    let order = |e: &ConfigError| e.position.map_or((usize::MAX, 0), |p| (p.line, p.column));
+    errors.sort_by_key(order);
+    warnings.sort_by_key(order);
+    Loaded {
+        snapshot: match snapshot {
+            Some(s) if errors.is_empty() => Ok(s),
+            _ => Err(errors),
+        },
+        warnings,
+    }
+}
+
+fn syntax_error(message: &str, position: Option<Position>) -> ConfigError {
+    // toml's messages may run over lines ("invalid string\nexpected `\"`"); keep one line each.
+    let message = message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ");
+    ConfigError {
+        path: String::new(),
+        message: format!("invalid TOML: {message}"),
+        position,
+    }
+}
+
+/// Read each top-level section, each entry of `clusters` and `pricing` and each element of
+/// `routes`, `keys` and `policies` on its own, so that one bad entry does not hide the errors of
+/// the others. Unknown keys at every level are errors (`deny_unknown_fields`).
+fn read_sections(
+    table: toml_edit::Table,
+    src: &Source,
+    errors: &mut Vec<ConfigError>,
+) -> RawConfig {
+    let mut raw = RawConfig::default();
+    for (name, item) in table {
+        let name = name.to_string();
+        // A `[table]` as an inline table, an `[[array]]` as an array: one kind of value to read.
+        let Ok(value) = item.into_value() else {
+            continue;
+        };
+        let before = errors.len();
+        let ok = match name.as_str() {
+            "server" => read(value, "server", src, errors).map(|v| raw.server = v),
+            "http" => read(value, "http", src, errors).map(|v| raw.http = v),
+            "timeouts" => read(value, "timeouts", src, errors).map(|v| raw.timeouts = v),
+            "upstream" => read(value, "upstream", src, errors).map(|v| raw.upstream = v),
+            "limits" => read(value, "limits", src, errors).map(|v| raw.limits = v),
+            "admin" => read(value, "admin", src, errors).map(|v| raw.admin = Some(v)),
+            "access_log" => {
+                read(value, "access_log", src, errors).map(|v| raw.access_log = Some(v))
+            }
+            "clusters" => read_map(value, "clusters", src, errors).map(|v| raw.clusters = v),
+            "pricing" => read_map(value, "pricing", src, errors).map(|v| raw.pricing = v),
+            "routes" => read_list(value, "routes", src, errors).map(|v| raw.routes = v),
+            "keys" => read_list(value, "keys", src, errors).map(|v| raw.keys = v),
+            "policies" => read_list(value, "policies", src, errors).map(|v| raw.policies = v),
+            _ => {
+                let path = key_segment(&name);
+                let expected = SECTIONS.map(|s| format!("`{s}`")).join(", ");
+                errors.push(ConfigError {
+                    position: src.position(&path, Anchor::Key),
+                    message: format!("unknown field `{name}`, expected one of {expected}"),
+                    path,
+                });
+                Some(())
+            }
+        };
+        let entries_ok = match name.as_str() {
+            "clusters" => raw.clusters.values().all(Option::is_some),
+            "pricing" => raw.pricing.values().all(Option::is_some),
+            "routes" => raw.routes.iter().all(Option::is_some),
+            "keys" => raw.keys.iter().all(Option::is_some),
+            "policies" => raw.policies.iter().all(Option::is_some),
+            _ => true,
+        };
+        if let Some(section) = SECTIONS.iter().find(|s| **s == name) {
+            if ok.is_none() || !entries_ok {
+                raw.failed.insert(*section);
+            }
+            if errors.len() > before {
+                raw.dirty.insert(*section);
+            }
+        }
+    }
+    raw
+}
+
+/// Deserialize one value, reporting each failure with the full key path of the key at fault.
+/// A key that cannot be read is reported and left out, and the rest read again (up to a bound),
+/// so a section with a typo still has its other keys read and checked: a left-out key takes its
+/// default. `None` when the value cannot be read even so (a required key missing or wrong).
+/// (From toml_edit's value, not `toml::Value`: that one hands datetimes over as strings.)
+fn read<T: serde::de::DeserializeOwned>(
+    mut value: toml_edit::Value,
+    path: &str,
+    src: &Source,
+    errors: &mut Vec<ConfigError>,
+) -> Option<T> {
+    use serde::de::IntoDeserializer as _;
+    for _ in 0..64 {
+        let e = match serde_path_to_error::deserialize::<_, T>(value.clone().into_deserializer()) {
+            Ok(v) => return Some(v),
+            Err(e) => e,
+        };
+        let at: Vec<Segment> = e
+            .path()
+            .iter()
+            .filter_map(|segment| match segment {
+                serde_path_to_error::Segment::Seq { index } => Some(Segment::Index(*index)),
+                serde_path_to_error::Segment::Map { key }
+                | serde_path_to_error::Segment::Enum { variant: key } => {
+                    Some(Segment::Key(key.clone()))
+                }
+                serde_path_to_error::Segment::Unknown => None,
+            })
+            .collect();
+        let mut full = path.to_string();
+        for segment in &at {
+            match segment {
+                Segment::Index(i) => full.push_str(&format!("[{i}]")),
+                Segment::Key(k) => {
+                    full.push('.');
+                    full.push_str(&key_segment(k));
+                }
+            }
+        }
+        let message = e.into_inner().message().to_string();
+        // An unknown key is pointed at itself; anything else at its value.
+        let anchor = if message.starts_with("unknown field") {
+            Anchor::Key
+        } else {
+            Anchor::Value
+        };
+        let missing = message.starts_with("missing field");
+        errors.push(ConfigError {
+            position: src.position(&full, anchor),
+            path: full,
+            message,
+        });
+        if missing || !leave_out(&mut value, &at) {
+            return None;
+        }
+    }
+    None
+}
+
+/// Remove the deepest key named in `at` from `value` (for `backends[0].weight`, `weight`; for
+/// `seeds[1]`, all of `seeds`, so no index after it shifts). False when there is none.
+fn leave_out(value: &mut toml_edit::Value, at: &[Segment]) -> bool {
+    let Some(last) = at.iter().rposition(|s| matches!(s, Segment::Key(_))) else {
+        return false;
+    };
+    let mut node = value;
+    for segment in &at[..last] {
+        let next = match (segment, node) {
+            (Segment::Key(k), toml_edit::Value::InlineTable(t)) => t.get_mut(k),
+            (Segment::Index(i), toml_edit::Value::Array(a)) => a.get_mut(*i),
+            _ => None,
+        };
+        let Some(next) = next else {
+            return false;
+        };
+        node = next;
+    }
+    match (&at[last], node) {
+        (Segment::Key(k), toml_edit::Value::InlineTable(t)) => t.remove(k).is_some(),
+        _ => false,
+    }
+}
+
+/// A table of entries, each read on its own (`None` where it failed).
+fn read_map<T: serde::de::DeserializeOwned>(
+    value: toml_edit::Value,
+    path: &str,
+    src: &Source,
+    errors: &mut Vec<ConfigError>,
+) -> Option<BTreeMap<String, Option<T>>> {
+    let toml_edit::Value::InlineTable(entries) = value else {
+        // Not a table: let serde say so, in its words.
+        read::<BTreeMap<String, serde::de::IgnoredAny>>(value, path, src, errors);
+        return None;
+    };
+    Some(
+        entries
+            .into_iter()
+            .map(|(name, v)| {
+                let entry = read(v, &format!("{path}.{}", key_segment(&name)), src, errors);
+                (name.to_string(), entry)
+            })
+            .collect(),
+    )
+}
+
+/// An array of entries, each read on its own (`None` where it failed), indexes kept.
+fn read_list<T: serde::de::DeserializeOwned>(
+    value: toml_edit::Value,
+    path: &str,
+    src: &Source,
+    errors: &mut Vec<ConfigError>,
+) -> Option<Vec<Option<T>>> {
+    let toml_edit::Value::Array(elements) = value else {
+        read::<Vec<serde::de::IgnoredAny>>(value, path, src, errors);
+        return None;
+    };
+    Some(
+        elements
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| read(v, &format!("{path}[{i}]"), src, errors))
+            .collect(),
+    )
+}
+
+/// Check what was read and build the snapshot (`None` when something needed is missing; every
+/// problem is in `errors`).
+fn validate(
+    mut raw: RawConfig,
+    env: &dyn Fn(&str) -> Option<String>,
+    errors: &mut Vec<ConfigError>,
+    warnings: &mut Vec<ConfigError>,
+) -> Option<Snapshot> {
+    let mut err = |path: String, message: String| errors.push(ConfigError::new(path, message));
 
     let listen = match raw.server.listen.to_socket_addrs().map(|mut a| a.next()) {
         Ok(Some(addr)) => Some(addr),
@@ -559,7 +874,10 @@ pub fn load(
         err("clusters".into(), "at least one cluster is required".into());
     }
     for (name, rc) in &raw.clusters {
-        let path = format!("clusters.{name}");
+        let path = format!("clusters.{}", key_segment(name));
+        let Some(rc) = rc else {
+            continue; // Not readable: its error is reported.
+        };
         if rc.backends.is_empty() {
             err(
                 format!("{path}.backends"),
@@ -610,7 +928,7 @@ pub fn load(
         for (from, to) in &rc.model_map {
             if to.is_empty() {
                 err(
-                    format!("{path}.model_map.\"{from}\""),
+                    format!("{path}.model_map.{}", key_segment(from)),
                     "mapped model must not be empty".into(),
                 );
             }
@@ -628,6 +946,19 @@ pub fn load(
                         format!("{path}.credential.header"),
                         format!("`{}` is not a valid header name", c.header),
                     );
+                } else if !c.allow_custom_header
+                    && !KNOWN_CREDENTIAL_HEADERS.contains(&header.as_str())
+                {
+                    warnings.push(ConfigError::new(
+                        format!("{path}.credential.header"),
+                        format!(
+                            "`{}` is not a known credential header ({}); the secret will be \
+                             sent under it — set credential.allow_custom_header = true if that \
+                             is intended",
+                            c.header,
+                            KNOWN_CREDENTIAL_HEADERS.join(", ")
+                        ),
+                    ));
                 }
                 match env(&c.env) {
                     Some(value) if !value.is_empty() => {
@@ -691,6 +1022,9 @@ pub fn load(
     let mut seen = BTreeMap::new();
     for (i, rr) in raw.routes.iter().enumerate() {
         let path = format!("routes[{i}]");
+        let Some(rr) = rr else {
+            continue;
+        };
         if rr.model.is_empty() {
             err(format!("{path}.model"), "must not be empty".into());
         }
@@ -721,6 +1055,8 @@ pub fn load(
                 cluster,
                 models: rr.models.clone(),
             }),
+            // A cluster that could not be read still exists: its own error says what is wrong.
+            None if raw.clusters.contains_key(&rr.cluster) => {}
             None => err(
                 format!("{path}.cluster"),
                 format!("no cluster named `{}`", rr.cluster),
@@ -747,6 +1083,18 @@ pub fn load(
             }
         },
     };
+    if let (Some(server), Some(admin)) = (listen, admin_listen) {
+        // A server.listen left out for an error is not the one the file meant.
+        if !raw.dirty.contains("server") && listeners_clash(server, admin) {
+            err(
+                "admin.listen".into(),
+                format!(
+                    "`{admin}` takes the port of server.listen `{server}`; the admin listener \
+                     needs a port of its own"
+                ),
+            );
+        }
+    }
     let access_log = raw.access_log.as_ref().map(|l| {
         if l.max_file_bytes < 4096 {
             err(
@@ -777,13 +1125,16 @@ pub fn load(
     });
     let mut prices = BTreeMap::new();
     for (model, p) in &raw.pricing {
+        let Some(p) = p else {
+            continue;
+        };
         let cached_input = p.cached_input.unwrap_or(p.input);
         if [p.input, p.output, cached_input]
             .iter()
             .any(|v| !v.is_finite() || *v < 0.0)
         {
             err(
-                format!("pricing.\"{model}\""),
+                format!("pricing.{}", key_segment(model)),
                 "prices must be finite and non-negative".into(),
             );
         }
@@ -797,22 +1148,26 @@ pub fn load(
         );
     }
 
-    let limits = crate::limits::config::resolve(
-        &raw.keys,
-        &raw.policies,
-        &raw.limits,
-        workers,
-        env,
-        &mut err,
-    );
-
-    if !errors.is_empty() {
-        return Err(errors);
-    }
-    let Some(listen) = listen else {
-        return Err(errors);
+    // Keys and policies refer to each other by id and are reported by index: when one could not
+    // be read, checking the rest would report echoes of its error, so that waits for a fix.
+    let keys = std::mem::take(&mut raw.keys)
+        .into_iter()
+        .collect::<Option<Vec<_>>>();
+    let policies = std::mem::take(&mut raw.policies)
+        .into_iter()
+        .collect::<Option<Vec<_>>>();
+    let limits = match (keys, policies) {
+        (Some(keys), Some(policies)) if !raw.failed.contains("limits") => {
+            crate::limits::config::resolve(&keys, &policies, &raw.limits, workers, env, &mut err)
+        }
+        _ => crate::limits::config::LimitsConfig::default(),
     };
-    Ok(Snapshot {
+
+    if !errors.is_empty() || !raw.failed.is_empty() {
+        return None;
+    }
+    let listen = listen?;
+    Some(Snapshot {
         server: ServerConfig {
             listen,
             workers,
@@ -849,12 +1204,207 @@ pub fn load(
     })
 }
 
-fn toml_error_path(e: &toml::de::Error) -> String {
-    // toml reports the position, not the key path; give line/column so the operator finds it.
-    match e.span() {
-        Some(span) => format!("(at byte {})", span.start),
-        None => "(file)".into(),
+// ---------------------------------------------------------------------------------------------
+// Key paths and where they are in the file
+// ---------------------------------------------------------------------------------------------
+
+/// A key as one segment of a dotted path: bare when TOML allows it bare, else quoted.
+fn key_segment(key: &str) -> String {
+    let bare = !key.is_empty()
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if bare {
+        key.to_string()
+    } else {
+        format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""))
     }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Segment {
+    Key(String),
+    Index(usize),
+}
+
+/// Split a path as [`key_segment`] and the validators write it: `a.b[0]."c.d"`.
+fn parse_path(path: &str) -> Vec<Segment> {
+    let mut segments = Vec::new();
+    let mut chars = path.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '.' => {}
+            '[' => {
+                let digits: String = chars.by_ref().take_while(|c| *c != ']').collect();
+                match digits.parse() {
+                    Ok(i) => segments.push(Segment::Index(i)),
+                    Err(_) => break,
+                }
+            }
+            '"' => {
+                let mut key = String::new();
+                while let Some(c) = chars.next() {
+                    match c {
+                        '"' => break,
+                        '\\' => key.extend(chars.next()),
+                        c => key.push(c),
+                    }
+                }
+                segments.push(Segment::Key(key));
+            }
+            c => {
+                let mut key = String::from(c);
+                while let Some(&c) = chars.peek() {
+                    if c == '.' || c == '[' {
+                        break;
+                    }
+                    key.push(c);
+                    chars.next();
+                }
+                segments.push(Segment::Key(key));
+            }
+        }
+    }
+    segments
+}
+
+/// `path` is `parent` or a key inside it.
+fn is_under(path: &str, parent: &str) -> bool {
+    path.strip_prefix(parent)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+}
+
+/// What an error points at: the key itself (an unknown key) or its value (a wrong value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Anchor {
+    Key,
+    Value,
+}
+
+/// The file's text and its parsed document, which keeps every key's and value's span.
+struct Source<'a> {
+    text: &'a str,
+    doc: toml_edit::ImDocument<&'a str>,
+}
+
+/// A step of a walk through the document: tables, arrays of tables, inline tables and arrays.
+#[derive(Clone, Copy)]
+enum Node<'a> {
+    Item(&'a toml_edit::Item),
+    Table(&'a toml_edit::Table),
+    Value(&'a toml_edit::Value),
+}
+
+impl<'a> Node<'a> {
+    fn child(self, key: &str) -> Option<(&'a toml_edit::Key, Node<'a>)> {
+        let table: &dyn toml_edit::TableLike = match self {
+            Node::Item(item) => item.as_table_like()?,
+            Node::Table(table) => table,
+            Node::Value(value) => value.as_inline_table()?,
+        };
+        let (key, item) = table.get_key_value(key)?;
+        Some((key, Node::Item(item)))
+    }
+
+    fn element(self, index: usize) -> Option<Node<'a>> {
+        match self {
+            Node::Item(toml_edit::Item::ArrayOfTables(tables)) => {
+                tables.get(index).map(Node::Table)
+            }
+            Node::Item(toml_edit::Item::Value(value)) | Node::Value(value) => {
+                value.as_array()?.get(index).map(Node::Value)
+            }
+            _ => None,
+        }
+    }
+
+    /// A value written after `=` (or in an array); `None` for a `[table]` or `[[array]]`.
+    fn value_span(self) -> Option<std::ops::Range<usize>> {
+        match self {
+            Node::Item(toml_edit::Item::Value(value)) | Node::Value(value) => value.span(),
+            _ => None,
+        }
+    }
+
+    fn span(self) -> Option<std::ops::Range<usize>> {
+        match self {
+            Node::Item(item) => item.span(),
+            Node::Table(table) => table.span(),
+            Node::Value(value) => value.span(),
+        }
+    }
+}
+
+impl Source<'_> {
+    /// Where `path` is in the file: its value, or its key for [`Anchor::Key`]; for a path that
+    /// is not all there (a missing key), the deepest part of it that is.
+    fn position(&self, path: &str, anchor: Anchor) -> Option<Position> {
+        let mut node = Node::Item(self.doc.as_item());
+        let mut key_span = None;
+        let mut whole = true;
+        let mut found = false;
+        for segment in parse_path(path) {
+            let next = match &segment {
+                Segment::Key(k) => node.child(k).map(|(key, child)| {
+                    key_span = key.span();
+                    child
+                }),
+                Segment::Index(i) => node.element(*i).inspect(|_| key_span = None),
+            };
+            match next {
+                Some(next) => {
+                    node = next;
+                    found = true;
+                }
+                None => {
+                    whole = false;
+                    break;
+                }
+            }
+        }
+        if !found {
+            return None; // Not in the file at all (a section left out).
+        }
+        let value_span = if whole && anchor == Anchor::Value {
+            node.value_span()
+        } else {
+            None
+        };
+        let span = value_span.or(key_span).or_else(|| node.span())?;
+        Some(position_at(self.text, span.start))
+    }
+}
+
+/// The line and column of a byte offset in `text`.
+fn position_at(text: &str, offset: usize) -> Position {
+    let mut offset = offset.min(text.len());
+    while !text.is_char_boundary(offset) {
+        offset -= 1;
+    }
+    let before = &text[..offset];
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    Position {
+        line: before.matches('\n').count() + 1,
+        column: before[line_start..].chars().count() + 1,
+    }
+}
+
+/// Whether binding both addresses would fail (or, with SO_REUSEPORT, share one port): the same
+/// port on the same address, or on a wildcard address that covers the other one — `0.0.0.0`
+/// covers every IPv4 address and `[::]` (dual-stack, Linux's default) every address. Port 0 asks
+/// for a free port, so it never clashes.
+fn listeners_clash(a: SocketAddr, b: SocketAddr) -> bool {
+    if a.port() != b.port() || a.port() == 0 {
+        return false;
+    }
+    let (a, b) = (a.ip().to_canonical(), b.ip().to_canonical());
+    let v6_wildcard = |ip: std::net::IpAddr| ip.is_ipv6() && ip.is_unspecified();
+    let v4_wildcard = |ip: std::net::IpAddr| ip.is_ipv4() && ip.is_unspecified();
+    a == b
+        || v6_wildcard(a)
+        || v6_wildcard(b)
+        || (v4_wildcard(a) && b.is_ipv4())
+        || (v4_wildcard(b) && a.is_ipv4())
 }
 
 struct BaseUrl {
@@ -1024,6 +1574,262 @@ mod tests {
     fn unknown_keys_rejected() {
         let errs = load("[server]\nlisten_typo = 1\n", &|_| None).unwrap_err();
         assert!(errs[0].message.contains("listen_typo"), "{errs:?}");
+    }
+
+    /// A valid cluster and route, for tests that care about other sections.
+    const CLUSTER: &str = "[clusters.a]\nbackends = [{ base_url = \"http://127.0.0.1:1/v1\" }]\n\
+                           [[routes]]\nmodel = \"*\"\ncluster = \"a\"\n";
+
+    fn at(line: usize, column: usize) -> Option<Position> {
+        Some(Position { line, column })
+    }
+
+    fn find<'a>(errs: &'a [ConfigError], path: &str) -> &'a ConfigError {
+        errs.iter()
+            .find(|e| e.path == path)
+            .unwrap_or_else(|| panic!("no error at {path}: {errs:#?}"))
+    }
+
+    #[test]
+    fn unknown_field_names_the_key_with_line_and_column() {
+        let text = format!("[server]\nlisten = \"127.0.0.1:0\"\nlistn = 1\n{CLUSTER}");
+        let errs = load(&text, &|_| None).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:#?}");
+        let e = &errs[0];
+        assert_eq!(e.path, "server.listn");
+        assert_eq!(e.position, at(3, 1));
+        assert!(
+            e.to_string().starts_with(
+                "server.listn (line 3, column 1): unknown field `listn`, expected one of `listen`"
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn type_error_names_the_key_and_points_at_the_value() {
+        let text = format!("[server]\nworkers = \"two\"\n{CLUSTER}");
+        let errs = load(&text, &|_| None).unwrap_err();
+        assert_eq!(
+            errs.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            [r#"server.workers (line 2, column 11): invalid type: string "two", expected usize"#]
+        );
+    }
+
+    #[test]
+    fn semantic_errors_get_line_and_column_too() {
+        let text = format!("# comment\n[server]\n  listen = \"nope\"\n{CLUSTER}");
+        let errs = load(&text, &|_| None).unwrap_err();
+        assert_eq!(
+            errs[0].to_string(),
+            "server.listen (line 3, column 12): `nope` is not an address like 127.0.0.1:8080"
+        );
+        // A key that is not in the file points at the nearest part of its path that is.
+        let errs = load(
+            "[clusters.a]\n[[routes]]\nmodel = \"*\"\ncluster = \"a\"\n",
+            &|_| None,
+        )
+        .unwrap_err();
+        assert_eq!(find(&errs, "clusters.a.backends").position, at(1, 11));
+        // One about a key that is nowhere in the file has no position, and comes last.
+        let errs = load("[server]\nworkers = 1\n", &|_| None).unwrap_err();
+        assert_eq!(find(&errs, "clusters").position, None);
+        assert_eq!(errs.last().unwrap().position, None);
+        assert_eq!(
+            find(&errs, "routes").to_string(),
+            "routes: at least one route is required"
+        );
+    }
+
+    #[test]
+    fn errors_in_every_section_are_reported_at_once() {
+        let text = r#"
+[server]
+listen = "nope"
+workerz = 2
+
+[timeouts]
+header_read_ms = 0
+
+[http]
+max_headers = "many"
+
+[clusters.a]
+backends = [{ base_url = "http://127.0.0.1:1/v1", weight = "heavy" }]
+
+[clusters.b]
+backends = [{ base_url = "ftp://x" }]
+
+[clusters.c]
+backends = 5
+
+[[routes]]
+model = "*"
+cluster = "a"
+
+[[routes]]
+model = "m"
+
+[pricing."gpt-4.1"]
+input = -1.0
+output = 1.0
+
+[[keys]]
+id = "k"
+sha256 = "00"
+colour = "red"
+
+[bogus]
+"#;
+        let errs = load(text, &|_| None).unwrap_err();
+        let shown: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        let expect = [
+            ("server.listen", 3, 10),
+            ("server.workerz", 4, 1),
+            ("timeouts.header_read_ms", 7, 18),
+            ("http.max_headers", 10, 15),
+            ("clusters.a.backends[0].weight", 13, 60),
+            ("clusters.b.backends[0].base_url", 16, 26),
+            ("clusters.c.backends", 19, 12),
+            ("routes[1]", 25, 1),
+            ("pricing.\"gpt-4.1\"", 28, 10),
+            ("keys[0].sha256", 34, 10),
+            ("keys[0].colour", 35, 1),
+            ("bogus", 37, 2),
+        ];
+        for (path, line, column) in expect {
+            assert_eq!(find(&errs, path).position, at(line, column), "{shown:#?}");
+        }
+        // File order, and nothing else: a key left out for an error is not checked again at its
+        // default (no "at least one backend" for clusters.c), and a route to cluster `a`, whose
+        // bad weight was left out, is fine.
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, expect.map(|(p, _, _)| p), "{shown:#?}");
+        assert!(find(&errs, "routes[1]")
+            .message
+            .contains("missing field `cluster`"));
+        assert!(find(&errs, "bogus")
+            .message
+            .contains("unknown field `bogus`"));
+    }
+
+    #[test]
+    fn syntax_error_has_line_and_column() {
+        let errs = load("[server]\nworkers = 2\nlisten = \"127.0.0.1:0\n", &|_| None).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:#?}");
+        assert_eq!(errs[0].path, "");
+        assert_eq!(errs[0].position.map(|p| p.line), Some(3), "{errs:#?}");
+        let shown = errs[0].to_string();
+        assert!(shown.starts_with("line 3, column "), "{shown}");
+        assert!(shown.contains("invalid TOML: "), "{shown}");
+        assert!(!shown.contains('\n'), "{shown}");
+    }
+
+    #[test]
+    fn admin_listen_must_not_take_the_server_port() {
+        let errs = load(
+            &format!("[server]\nlisten = \"127.0.0.1:8080\"\n[admin]\nlisten = \"127.0.0.1:8080\"\n{CLUSTER}"),
+            &|_| None,
+        )
+        .unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:#?}");
+        assert_eq!(errs[0].path, "admin.listen");
+        assert_eq!(errs[0].position, at(4, 10));
+        // A wildcard covers the other address.
+        let errs = load(
+            &format!("[server]\nlisten = \"0.0.0.0:8080\"\n[admin]\nlisten = \"127.0.0.1:8080\"\n{CLUSTER}"),
+            &|_| None,
+        )
+        .unwrap_err();
+        assert_eq!(errs[0].path, "admin.listen");
+        // Another port is fine.
+        let s = load(
+            &format!("[server]\nlisten = \"0.0.0.0:8080\"\n[admin]\nlisten = \"127.0.0.1:9090\"\n{CLUSTER}"),
+            &|_| None,
+        )
+        .unwrap();
+        assert_eq!(s.admin_listen.map(|a| a.port()), Some(9090));
+
+        let addr = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert!(listeners_clash(addr("[::]:80"), addr("127.0.0.1:80")));
+        assert!(listeners_clash(addr("[::1]:80"), addr("[::]:80")));
+        assert!(listeners_clash(
+            addr("[::ffff:127.0.0.1]:80"),
+            addr("127.0.0.1:80")
+        ));
+        assert!(!listeners_clash(addr("0.0.0.0:80"), addr("[::1]:80")));
+        assert!(!listeners_clash(addr("127.0.0.1:80"), addr("127.0.0.2:80")));
+        assert!(!listeners_clash(addr("127.0.0.1:0"), addr("127.0.0.1:0")));
+    }
+
+    #[test]
+    fn unknown_credential_header_is_a_warning_unless_allowed() {
+        let env = |_: &str| Some("sk-test".to_string());
+        let text = "[clusters.openai]\nbackends = [{ base_url = \"http://127.0.0.1:1/v1\" }]\n\
+                    credential = { env = \"KEY\", header = \"authorisation\" }\n\
+                    [[routes]]\nmodel = \"*\"\ncluster = \"openai\"\n";
+        let loaded = load_with_warnings(text, &env);
+        let snapshot = loaded.snapshot.unwrap();
+        // Still sent as configured: a warning, not an error.
+        let credential = snapshot.clusters[0].credential.as_ref().unwrap();
+        assert_eq!(credential.header_name, "authorisation");
+        assert_eq!(loaded.warnings.len(), 1);
+        assert_eq!(
+            loaded.warnings[0].to_string(),
+            "clusters.openai.credential.header (line 3, column 38): `authorisation` is not a \
+             known credential header (authorization, x-api-key, api-key, x-goog-api-key); the \
+             secret will be sent under it — set credential.allow_custom_header = true if that is \
+             intended"
+        );
+        let allowed = text.replace(
+            "header = \"authorisation\"",
+            "header = \"authorisation\", allow_custom_header = true",
+        );
+        let loaded = load_with_warnings(&allowed, &env);
+        assert!(loaded.snapshot.is_ok());
+        assert_eq!(loaded.warnings, []);
+        for known in ["X-Api-Key", "api-key", "x-goog-api-key", "authorization"] {
+            let text = text.replace("authorisation", known);
+            assert_eq!(load_with_warnings(&text, &env).warnings, [], "{known}");
+        }
+    }
+
+    #[test]
+    fn datetimes_read_through_the_path_tracking() {
+        let sha = "ab".repeat(32);
+        let text = format!(
+            "{CLUSTER}[[keys]]\nid = \"k\"\nsha256 = \"{sha}\"\nexpires = 2030-01-01T00:00:00Z\n\
+             plans = [{{ id = \"p\", tokens = 10, anchor = 2024-01-01T00:00:00Z }}]\n"
+        );
+        let s = load(&text, &|_| None).unwrap();
+        assert_eq!(s.limits.keys[0].expires, Some(1_893_456_000));
+        let errs = load(&text.replace("2030-01-01T00:00:00Z", "\"soon\""), &|_| None).unwrap_err();
+        assert_eq!(errs[0].path, "keys[0].expires", "{errs:#?}");
+        assert_eq!(errs[0].position, at(9, 11), "{errs:#?}");
+    }
+
+    #[test]
+    fn key_paths_round_trip() {
+        for (key, shown) in [
+            ("a", "a"),
+            ("gpt-4o", "gpt-4o"),
+            ("gpt-4.1", "\"gpt-4.1\""),
+            ("", "\"\""),
+            ("a\"b\\c", r#""a\"b\\c""#),
+        ] {
+            assert_eq!(key_segment(key), shown);
+            let path = format!("x.{shown}[3].y");
+            assert_eq!(
+                parse_path(&path),
+                [
+                    Segment::Key("x".into()),
+                    Segment::Key(key.into()),
+                    Segment::Index(3),
+                    Segment::Key("y".into())
+                ]
+            );
+        }
+        assert_eq!(position_at("ab\nçd", 5), Position { line: 2, column: 2 });
     }
 
     #[test]

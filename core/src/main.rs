@@ -46,7 +46,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let snapshot = match sluice::config::load(&text, &|k| std::env::var(k).ok()) {
+    let loaded = sluice::config::load_with_warnings(&text, &|k| std::env::var(k).ok());
+    // Warnings do not stop a check or a start, but are always said.
+    for w in &loaded.warnings {
+        eprintln!("warning: {w}");
+    }
+    let snapshot = match loaded.snapshot {
         Ok(s) => s,
         Err(errors) => {
             for e in &errors {

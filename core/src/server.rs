@@ -60,11 +60,12 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
     let hub = metrics_hub(&snapshot);
     let ready = Arc::new(AtomicBool::new(false));
     let admin = match snapshot.admin_listen {
-        Some(admin_addr) => Some(
-            spawn_admin(admin_addr, Arc::clone(&hub), Arc::clone(&ready)).map_err(|e| {
-                io::Error::new(e.kind(), format!("admin listener on {admin_addr}: {e}"))
-            })?,
-        ),
+        // Its error names the address.
+        Some(admin_addr) => Some(spawn_admin(
+            admin_addr,
+            Arc::clone(&hub),
+            Arc::clone(&ready),
+        )?),
         None => None,
     };
     let workers = snapshot.server.workers;
@@ -153,7 +154,12 @@ fn claim_port(addr: SocketAddr) -> io::Result<SocketAddr> {
     }
 }
 
+/// A worker's listener; its error names the address.
 fn reuseport_listener(addr: SocketAddr) -> io::Result<StdListener> {
+    reuseport_bind(addr).map_err(|e| io::Error::new(e.kind(), format!("cannot bind {addr}: {e}")))
+}
+
+fn reuseport_bind(addr: SocketAddr) -> io::Result<StdListener> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     socket.set_reuse_address(true)?;
     socket.set_reuse_port(true)?;

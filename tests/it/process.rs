@@ -70,3 +70,25 @@ fn port_held_by_another_program_refuses_to_start() {
     assert!(!f.stderr.trim().is_empty(), "no message on refusal");
     drop(holder);
 }
+
+#[test]
+fn admin_port_held_by_another_program_is_named() {
+    let mock = Mock::start(&[]);
+    let holder = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = holder.local_addr().unwrap();
+    let f = Sluice::try_start_within(
+        &Config::one_cluster(&mock).set("admin", "listen", &toml_str(&addr.to_string())),
+        Duration::from_secs(5),
+    )
+    .err()
+    .expect("sluice started with its admin port held by another listener");
+    assert!(f.exited, "sluice neither started nor exited within 5 s");
+    assert_ne!(f.code, Some(0), "{}", f.stderr);
+    assert!(
+        f.stderr
+            .contains(&format!("cannot bind admin listener {addr}: ")),
+        "the failure should name the admin address: {:?}",
+        f.stderr
+    );
+    drop(holder);
+}

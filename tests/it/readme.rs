@@ -7,7 +7,7 @@
 //! - `serve NAME`: one command line starting a server, kept running for the later blocks.
 //! - `python`: run with python3 (the `openai` package is needed: `scripts/test.sh` installs it).
 //! - `file NAME`: written to the scratch directory, for a later block to use.
-//! - `check-output NAME`: `$ sluice check --config NAME` and its exact output.
+//! - `check-output NAME`: `$ [VAR=value …] sluice check --config NAME` and its exact output.
 //! - `skip (reason)`: not run here, with the reason said.
 //!
 //! The only rewrites are of places, never of behaviour: `target/release/` becomes this build's
@@ -245,12 +245,20 @@ fn every_readme_code_block_works_against_the_shipped_config() {
             "check-output" => {
                 let mut lines = b.text.lines();
                 let first = lines.next().unwrap_or("");
-                assert_eq!(
-                    first,
-                    format!("$ sluice check --config {arg}"),
-                    "{at}: the block starts with the command it shows"
-                );
-                let out = Command::new(bin("sluice"))
+                // `$ [NAME=value …] sluice check --config FILE`
+                let command = first.strip_prefix("$ ").unwrap_or("");
+                let (env, rest) = command
+                    .split_once("sluice check --config ")
+                    .unwrap_or_else(|| panic!("{at}: starts with `$ … sluice check --config`"));
+                assert_eq!(rest, arg, "{at}: the block checks the file it names");
+                let mut cmd = Command::new(bin("sluice"));
+                for assignment in env.split_whitespace() {
+                    let (k, v) = assignment
+                        .split_once('=')
+                        .unwrap_or_else(|| panic!("{at}: `{assignment}` is not NAME=value"));
+                    cmd.env(k, v);
+                }
+                let out = cmd
                     .args(["check", "--config", arg])
                     .current_dir(dir.path())
                     .stdin(Stdio::null())

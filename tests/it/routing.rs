@@ -444,6 +444,81 @@ fn check_rejects_unknown_keys() {
 }
 
 #[test]
+fn check_reports_errors_of_every_section_with_line_and_column() {
+    let dir = TempDir::new("check");
+    let path = dir.write(
+        "bad.toml",
+        r#"[server]
+listen = "127.0.0.1:0"
+workers = "two"
+
+[clusters.main]
+backends = [ { base_url = "ftp://127.0.0.1:1/v1" } ]
+
+[[routes]]
+model = "gpt-4o"
+cluster = "main"
+colour = "red"
+"#,
+    );
+    let out = Sluice::check_file(&path, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    // One parse reports all three, in file order, each with its key path, line and column.
+    assert_eq!(
+        lines[..3],
+        [
+            r#"error: server.workers (line 3, column 11): invalid type: string "two", expected usize"#,
+            "error: clusters.main.backends[0].base_url (line 6, column 27): \
+             `ftp://127.0.0.1:1/v1` must start with http:// or https://",
+            "error: routes[0].colour (line 11, column 1): unknown field `colour`, expected one of \
+             `model`, `cluster`, `models`",
+        ],
+        "{stderr}"
+    );
+    assert!(lines[3].ends_with("bad.toml: 3 error(s)"), "{stderr}");
+}
+
+#[test]
+fn check_warns_of_an_unknown_credential_header_and_passes() {
+    let dir = TempDir::new("check");
+    let text = r#"[clusters.main]
+backends = [ { base_url = "http://127.0.0.1:9/v1" } ]
+credential = { env = "SLUICE_TEST_KEY", header = "authorisation" }
+
+[[routes]]
+model = "*"
+cluster = "main"
+"#;
+    let env = [("SLUICE_TEST_KEY".to_string(), "sk-test".to_string())];
+    let path = dir.write("warn.toml", text);
+    let out = Sluice::check_file(&path, &env);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("config ok"));
+    assert!(
+        stderr.lines().any(|l| l.starts_with(
+            "warning: clusters.main.credential.header (line 3, column 50): `authorisation` is \
+             not a known credential header"
+        )),
+        "{stderr}"
+    );
+    // Said to be meant: no warning.
+    let path = dir.write(
+        "meant.toml",
+        text.replace(
+            r#"header = "authorisation""#,
+            r#"header = "authorisation", allow_custom_header = true"#,
+        ),
+    );
+    let out = Sluice::check_file(&path, &env);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+}
+
+#[test]
 fn check_accepts_a_valid_config() {
     let cfg = Config::backend_url("http://127.0.0.1:9/v1")
         .map("gpt-4o", "mock-small")
