@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::Snapshot;
-use crate::conn::Request;
+use crate::gateway::context::Request;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, RequestHead};
-use crate::inspect::{Inspection, Inspector};
 use crate::limits::shard::{Ask, LimiterShard, Permit};
-use crate::meter::SseSplitter;
+use crate::openai::inspect::{Inspection, Inspector};
+use crate::openai::meter::SseSplitter;
 
 const KEY: &str = "sk-hotpath-bench-key";
 
@@ -75,7 +75,7 @@ models = ["gpt-*"]
 per = "model"
 max_concurrency = 1000000
 "#,
-            crate::auth::hex(&crate::auth::digest(KEY.as_bytes()))
+            crate::gateway::auth::hex(&crate::gateway::auth::digest(KEY.as_bytes()))
         );
         let snapshot = Arc::new(crate::config::load(&text, &|_| None).expect("fixture config"));
         let base = r#"{"model":"gpt-4o","stream":true,"max_tokens":256,"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":""}]}"#;
@@ -162,7 +162,7 @@ max_concurrency = 1000000
     }
 
     pub fn estimate(&self) -> u64 {
-        crate::tokens::estimate_tokens(&self.body)
+        crate::openai::tokens::estimate_tokens(&self.body)
     }
 
     pub fn admit_settle(&mut self) -> bool {
@@ -173,7 +173,7 @@ max_concurrency = 1000000
     }
 
     pub fn route(&self) -> usize {
-        crate::route::route(&self.snapshot, "gpt-4o", &self.rng)
+        crate::gateway::route::route(&self.snapshot, "gpt-4o", &self.rng)
             .expect("route")
             .backend
             .id
@@ -199,14 +199,16 @@ max_concurrency = 1000000
             body: &self.request[body_at..],
         };
         let limits = &self.snapshot.limits;
-        let key = crate::auth::authenticate(limits, &request).expect("auth");
+        let key = crate::gateway::auth::authenticate(limits, &request).expect("auth");
         self.inspector
             .inspect(request.body, &mut self.inspection)
             .expect("inspect");
-        crate::auth::authorize(limits, key, &self.inspection.model, None).expect("authorize");
+        crate::gateway::auth::authorize(limits, key, &self.inspection.model, None)
+            .expect("authorize");
         let target =
-            crate::route::route(&self.snapshot, &self.inspection.model, &self.rng).expect("route");
-        let prompt = crate::tokens::estimate_tokens(request.body);
+            crate::gateway::route::route(&self.snapshot, &self.inspection.model, &self.rng)
+                .expect("route");
+        let prompt = crate::openai::tokens::estimate_tokens(request.body);
         let ask = Ask {
             key,
             model: &self.inspection.model,
@@ -220,7 +222,13 @@ max_concurrency = 1000000
             .try_admit(limits, &ask, &mut permit, &mut |_, _| {})
             .is_ok();
         self.out.clear();
-        crate::forward::build_request(&mut self.out, &request, &self.inspection, &target, true);
+        crate::gateway::forward::build_request(
+            &mut self.out,
+            &request,
+            &self.inspection,
+            &target,
+            true,
+        );
         self.shard.settle(&mut permit, 300);
         self.out.len() + usize::from(admitted)
     }

@@ -65,7 +65,7 @@ fn main() -> ExitCode {
         println!("config ok");
         return ExitCode::SUCCESS;
     }
-    match sluice::server::run(snapshot) {
+    match sluice::runtime::server::run(snapshot) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sluice: {e}");
@@ -76,7 +76,7 @@ fn main() -> ExitCode {
 
 /// `sluice key hash [KEY]` / `sluice key new`.
 fn key(args: &[String]) -> ExitCode {
-    use sluice::auth::{digest, hex};
+    use sluice::config::limits::{digest, hex};
     match args {
         [cmd, key] if cmd == "hash" => {
             println!("{}", hex(&digest(key.as_bytes())));
@@ -143,11 +143,12 @@ fn logs(args: &[String]) -> ExitCode {
     }
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(64 << 10, stdout.lock());
-    let mut warn = |e: &sluice::accesslog::LogError| eprintln!("sluice logs: warning: {e}");
-    let result = sluice::accesslog::dump(&files, follow, &mut out, &mut warn);
+    let mut warn =
+        |e: &sluice::telemetry::accesslog::LogError| eprintln!("sluice logs: warning: {e}");
+    let result = sluice::telemetry::accesslog::dump(&files, follow, &mut out, &mut warn);
     let flushed = out.flush();
     match (result, flushed) {
-        (Err(sluice::accesslog::LogError::Write(e)), _) | (Ok(_), Err(e))
+        (Err(sluice::telemetry::accesslog::LogError::Write(e)), _) | (Ok(_), Err(e))
             if e.kind() == std::io::ErrorKind::BrokenPipe =>
         {
             ExitCode::SUCCESS

@@ -1,4 +1,4 @@
-//! The access log end to end: records written through the library (`sluice::accesslog`, with
+//! The access log end to end: records written through the library (`sluice::telemetry::accesslog`, with
 //! size rotation) are read back by the real `sluice logs` binary, and — as an independent
 //! implementation of the wire format — by Python's `protobuf` package using classes generated
 //! from `proto/accesslog.proto` by `grpc_tools.protoc`. Also `sluice logs --follow` on a file
@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use sluice::accesslog::{AccessLog, AccessLogConfig, AccessRecord, UsageSource};
+use sluice::telemetry::accesslog::{AccessLog, AccessLogConfig, AccessRecord, UsageSource};
 use sluice_proto::prost::Message;
 use sluice_tests::*;
 

@@ -431,7 +431,7 @@ fn metrics_count_requests_tokens_and_upstream_errors() {
     let fams = python_parse(&text);
 
     // Every declared family is there with its declared type.
-    for (name, kind) in sluice::metrics::FAMILIES {
+    for (name, kind) in sluice::telemetry::metrics::FAMILIES {
         let py_name = if *kind == "counter" {
             name.strip_suffix("_total").unwrap_or(name)
         } else {

@@ -3,12 +3,54 @@
 //!
 //! Runs on workers, on bytes already read; it does no I/O. Request heads are checked per RFC 9112
 //! with no leniency that request smuggling could use (see [`request`]); response heads from
-//! upstreams are parsed tolerantly but framed exactly (see [`response`]). Errors are
-//! [`crate::error::GatewayError`]s carrying the status the client must see.
+//! upstreams are parsed tolerantly but framed exactly (see [`response`]). A refused request head
+//! is an [`HttpError`] carrying the status the client must see; this layer knows nothing of the
+//! gateway that answers it.
 
 pub mod chunked;
 pub mod request;
 pub mod response;
+
+/// Bounds on what a client may send, checked while the head and body are read.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    pub max_request_line_bytes: usize,
+    pub max_header_bytes: usize,
+    pub max_headers: usize,
+    pub max_body_bytes: usize,
+}
+
+/// Why a request head (or its declared body) is refused. Each kind says its status; after any
+/// of them the connection is closed, since the rest of the request can't be trusted or was not
+/// read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HttpError {
+    /// A bound was passed: 414 (request line), 431 (head size, field count), 413 (body).
+    Limit { status: u16, message: &'static str },
+    /// Not well-formed HTTP/1.1 (or framing smuggling could use): 400.
+    Malformed(String),
+    /// An `Expect` other than `100-continue`: 417.
+    ExpectationFailed,
+}
+
+impl HttpError {
+    fn limit(status: u16, message: &'static str) -> HttpError {
+        HttpError::Limit { status, message }
+    }
+
+    fn malformed(message: impl Into<String>) -> HttpError {
+        HttpError::Malformed(message.into())
+    }
+
+    /// The status the client gets.
+    pub fn status(&self) -> u16 {
+        match self {
+            HttpError::Limit { status, .. } => *status,
+            HttpError::Malformed(_) => 400,
+            HttpError::ExpectationFailed => 417,
+        }
+    }
+}
 
 /// A header's name and value as byte ranges into the buffer the head was parsed from, so
 /// parsing allocates nothing per request.

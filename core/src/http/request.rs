@@ -10,8 +10,7 @@
 //! `100-continue`). Every one of these closes the connection.
 
 use super::{has_token, parse_content_length, trim_ows, BodyFraming, HeaderPos};
-use crate::config::HttpLimits;
-use crate::error::GatewayError;
+use super::{HttpError, HttpLimits};
 
 /// Hard ceiling on header fields parsed at once (the stack array httparse fills);
 /// `http.max_headers` is checked against the count below it.
@@ -88,47 +87,43 @@ pub fn parse_request_head(
     scan: &mut HeadScan,
     limits: &HttpLimits,
     head: &mut RequestHead,
-) -> Result<HeadStatus, GatewayError> {
+) -> Result<HeadStatus, HttpError> {
     let Some(head_len) = scan_line_endings(buf, scan)? else {
         match scan.request_line_end {
             None if buf.len() > limits.max_request_line_bytes => {
-                return Err(GatewayError::limit(414, "request line too long"))
+                return Err(HttpError::limit(414, "request line too long"))
             }
             _ if buf.len() > limits.max_header_bytes => {
-                return Err(GatewayError::limit(431, "request header fields too large"))
+                return Err(HttpError::limit(431, "request header fields too large"))
             }
             _ => return Ok(HeadStatus::Partial),
         }
     };
     if scan.request_line_end.unwrap_or(0) > limits.max_request_line_bytes {
-        return Err(GatewayError::limit(414, "request line too long"));
+        return Err(HttpError::limit(414, "request line too long"));
     }
     if head_len > limits.max_header_bytes {
-        return Err(GatewayError::limit(431, "request header fields too large"));
+        return Err(HttpError::limit(431, "request header fields too large"));
     }
 
     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS_CEILING];
     let mut req = httparse::Request::new(&mut fields);
     match req.parse(&buf[..head_len]) {
         Ok(httparse::Status::Complete(n)) if n == head_len => {}
-        Ok(_) => return Err(GatewayError::bad_http("malformed request head")),
+        Ok(_) => return Err(HttpError::malformed("malformed request head")),
         Err(httparse::Error::TooManyHeaders) => {
-            return Err(GatewayError::limit(431, "too many header fields"))
+            return Err(HttpError::limit(431, "too many header fields"))
         }
-        Err(e) => {
-            return Err(GatewayError::bad_http(format!(
-                "malformed request head: {e}"
-            )))
-        }
+        Err(e) => return Err(HttpError::malformed(format!("malformed request head: {e}"))),
     }
     if req.headers.len() > limits.max_headers {
-        return Err(GatewayError::limit(431, "too many header fields"));
+        return Err(HttpError::limit(431, "too many header fields"));
     }
     let (Some(method), Some(target), Some(minor)) = (req.method, req.path, req.version) else {
-        return Err(GatewayError::bad_http("malformed request line"));
+        return Err(HttpError::malformed("malformed request line"));
     };
     if !target.starts_with('/') {
-        return Err(GatewayError::bad_http(
+        return Err(HttpError::malformed(
             "request target must be in origin form",
         ));
     }
@@ -157,17 +152,17 @@ pub fn parse_request_head(
         head.headers.push(HeaderPos::from_slices(buf, name, value));
         if name.eq_ignore_ascii_case(b"content-length") {
             let Some(n) = parse_content_length(value) else {
-                return Err(GatewayError::bad_http("invalid Content-Length"));
+                return Err(HttpError::malformed("invalid Content-Length"));
             };
             if content_length.is_some_and(|prev| prev != n) {
-                return Err(GatewayError::bad_http("conflicting Content-Length headers"));
+                return Err(HttpError::malformed("conflicting Content-Length headers"));
             }
             content_length = Some(n);
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             // Only a lone `chunked` is accepted: any other coding (or chunked twice, or not
             // last) is something we cannot decode, and a classic smuggling ingredient.
             if transfer_encoding || !trim_ows(value).eq_ignore_ascii_case(b"chunked") {
-                return Err(GatewayError::bad_http(
+                return Err(HttpError::malformed(
                     "unsupported Transfer-Encoding: only `chunked` is accepted",
                 ));
             }
@@ -185,24 +180,22 @@ pub fn parse_request_head(
             if trim_ows(value).eq_ignore_ascii_case(b"100-continue") {
                 head.expect_continue = true;
             } else {
-                return Err(GatewayError::expectation_failed());
+                return Err(HttpError::ExpectationFailed);
             }
         }
     }
     if transfer_encoding && content_length.is_some() {
-        return Err(GatewayError::bad_http(
+        return Err(HttpError::malformed(
             "Content-Length and Transfer-Encoding together",
         ));
     }
     if transfer_encoding && minor == 0 {
-        return Err(GatewayError::bad_http(
+        return Err(HttpError::malformed(
             "Transfer-Encoding in an HTTP/1.0 request",
         ));
     }
     if minor == 1 && hosts != 1 {
-        return Err(GatewayError::bad_http(
-            "exactly one Host header is required",
-        ));
+        return Err(HttpError::malformed("exactly one Host header is required"));
     }
     head.body = if chunked {
         BodyFraming::Chunked
@@ -214,7 +207,7 @@ pub fn parse_request_head(
     };
     if let BodyFraming::Length(n) = head.body {
         if n > limits.max_body_bytes as u64 {
-            return Err(GatewayError::limit(413, "request body too large"));
+            return Err(HttpError::limit(413, "request body too large"));
         }
     }
     Ok(HeadStatus::Complete)
@@ -222,7 +215,7 @@ pub fn parse_request_head(
 
 /// Check every CR / LF from `scan.scanned` on: each LF must follow a CR, each CR must precede
 /// an LF. Returns the head length once CRLF CRLF is seen.
-fn scan_line_endings(buf: &[u8], scan: &mut HeadScan) -> Result<Option<usize>, GatewayError> {
+fn scan_line_endings(buf: &[u8], scan: &mut HeadScan) -> Result<Option<usize>, HttpError> {
     let mut from = scan.scanned;
     while let Some(off) = memchr::memchr2(b'\r', b'\n', &buf[from..]) {
         let p = from + off;
@@ -234,14 +227,14 @@ fn scan_line_endings(buf: &[u8], scan: &mut HeadScan) -> Result<Option<usize>, G
                     return Ok(None);
                 }
                 Some(b'\n') => {}
-                Some(_) => return Err(GatewayError::bad_http("bare CR in request head")),
+                Some(_) => return Err(HttpError::malformed("bare CR in request head")),
             }
             from = p + 1;
             continue;
         }
         // An LF: the CR check above guarantees buf[p-1] is CR unless this LF is bare.
         if p == 0 || buf[p - 1] != b'\r' {
-            return Err(GatewayError::bad_http("bare LF in request head"));
+            return Err(HttpError::malformed("bare LF in request head"));
         }
         if scan.request_line_end.is_none() {
             scan.request_line_end = Some(p - 1);
@@ -275,7 +268,7 @@ mod tests {
         let mut scan = HeadScan::default();
         parse_request_head(raw, &mut scan, &limits(), &mut head)
             .map(|s| (s, head))
-            .map_err(|e| e.status)
+            .map_err(|e| e.status())
     }
 
     #[test]

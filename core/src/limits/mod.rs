@@ -12,25 +12,24 @@
 //!   round trip and applies the grants. A failed exchange marks the ledger unreachable until one
 //!   succeeds (logged once each way); it never fails a request by itself.
 
-pub mod config;
 pub mod ledger;
 pub mod redis;
 pub mod redis_cluster;
 pub mod shard;
 pub mod sync;
 
+use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
-use std::rc::Rc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crate::worker::Worker;
 use shard::LimiterShard;
 use sync::{BudgetState, BudgetSync, SyncBackend};
 
 /// Limits need a sync task only when something is limited.
-pub fn any_limits(cfg: &config::LimitsConfig) -> bool {
+pub fn any_limits(cfg: &crate::config::limits::LimitsConfig) -> bool {
     !cfg.policies.is_empty() || cfg.keys.iter().any(|k| !k.plans.is_empty())
 }
 
@@ -52,10 +51,17 @@ pub fn node_name(worker: usize) -> String {
 }
 
 /// The worker's sync task: every interval (or sooner when a request waits for a lease), one
-/// exchange of all its budgets with the backend. Runs for the life of the worker.
-pub async fn run_sync<B: SyncBackend>(worker: Rc<Worker>, mut backend: B) {
-    let settings = worker.snapshot.limits.sync.clone();
-    let node = worker.limiter.borrow().node().to_string();
+/// exchange of all its budgets with the backend. Runs for the life of the worker. Takes the
+/// worker's limiter shard, the sync settings, the worker's number (for log lines) and what to
+/// call after each exchange with its duration and outcome (the worker's metrics).
+pub async fn run_sync<B: SyncBackend>(
+    limiter: &RefCell<LimiterShard>,
+    settings: &crate::config::limits::SyncSettings,
+    worker_id: usize,
+    on_exchange: impl Fn(Duration, bool),
+    mut backend: B,
+) {
+    let node = limiter.borrow().node().to_string();
     let lease_ttl_ms = settings.lease_ttl.as_millis() as u64;
     let mut batch: Vec<BudgetSync> = Vec::new();
     let mut states: Vec<BudgetState> = Vec::new();
@@ -65,9 +71,7 @@ pub async fn run_sync<B: SyncBackend>(worker: Rc<Worker>, mut backend: B) {
         .await;
     loop {
         {
-            let urgent = Urgent {
-                shard: &worker.limiter,
-            };
+            let urgent = Urgent { shard: limiter };
             monoio::select! {
                 _ = monoio::time::sleep(settings.interval) => {}
                 _ = urgent => {}
@@ -87,36 +91,35 @@ pub async fn run_sync<B: SyncBackend>(worker: Rc<Worker>, mut backend: B) {
         let now_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
-        worker
-            .limiter
+        limiter
             .borrow_mut()
             .prepare(now_ms, settings.interval, &mut batch);
         if batch.is_empty() {
-            worker.limiter.borrow_mut().tick();
+            limiter.borrow_mut().tick();
             continue;
         }
         let sent_at = Instant::now();
         let result = backend
             .exchange(&node, lease_ttl_ms, &batch, &mut states, settings.timeout)
             .await;
-        worker.metrics.sync_flush(sent_at.elapsed(), result.is_ok());
+        on_exchange(sent_at.elapsed(), result.is_ok());
         // State changes only, so a flapping backend can't flood stderr: one line each way.
-        let was_ok = worker.limiter.borrow().backend_ok();
+        let was_ok = limiter.borrow().backend_ok();
         match (&result, was_ok) {
             (Err(e), true) => eprintln!(
                 "sluice: worker {}: limit ledger unreachable ({e}); serving on held leases{}",
-                worker.id,
+                worker_id,
                 match settings.on_down {
-                    config::DownPolicy::Allow => " and local shares",
-                    config::DownPolicy::Deny => ", refusing beyond them",
+                    crate::config::limits::DownPolicy::Allow => " and local shares",
+                    crate::config::limits::DownPolicy::Deny => ", refusing beyond them",
                 }
             ),
             (Ok(()), false) => {
-                eprintln!("sluice: worker {}: limit ledger reachable again", worker.id)
+                eprintln!("sluice: worker {worker_id}: limit ledger reachable again")
             }
             _ => {}
         }
-        worker.limiter.borrow_mut().apply(
+        limiter.borrow_mut().apply(
             result.map(|()| states.as_slice()).map_err(|_| ()),
             &batch,
             sent_at,
@@ -126,7 +129,7 @@ pub async fn run_sync<B: SyncBackend>(worker: Rc<Worker>, mut backend: B) {
 
 /// Resolves when a request asks the sync task to hurry.
 struct Urgent<'a> {
-    shard: &'a std::cell::RefCell<LimiterShard>,
+    shard: &'a RefCell<LimiterShard>,
 }
 
 impl Future for Urgent<'_> {

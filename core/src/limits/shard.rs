@@ -24,9 +24,9 @@ use std::collections::HashMap;
 use std::task::Waker;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::config::{KeyIdx, LimitsConfig, Per, Period, Plan, RateLimit};
 use super::sync::{BudgetState, BudgetSync};
-use crate::metrics::LimitDimension;
+use crate::config::limits::LimitDimension;
+use crate::config::limits::{KeyIdx, LimitsConfig, Per, Period, Plan, RateLimit};
 
 const KIND_REQUESTS: u8 = 0;
 const KIND_TOKENS: u8 = 1;
@@ -296,7 +296,7 @@ impl LimiterShard {
             urgent: false,
             sync_waker: None,
             down_share: u64::from(cfg.sync.nodes.max(1)) * u64::from(cfg.sync.workers.max(1)),
-            down_allow: cfg.sync.on_down == super::config::DownPolicy::Allow,
+            down_allow: cfg.sync.on_down == crate::config::limits::DownPolicy::Allow,
             in_flight: Vec::new(),
             exchanging: false,
             last_prepare_ms: 0,
@@ -858,16 +858,17 @@ pub fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
             // Calendar months from the anchor's day-of-month and time (clamped to short
             // months by counting from the 1st plus the anchor's offset into its month).
             let anchor_days = (plan.anchor / 86_400) as i64;
-            let (ay, am) = super::config::civil_year_month(anchor_days);
-            let anchor_month_start = super::config::days_from_civil(ay, am, 1) as u64 * 86_400;
+            let (ay, am) = crate::config::limits::civil_year_month(anchor_days);
+            let anchor_month_start =
+                crate::config::limits::days_from_civil(ay, am, 1) as u64 * 86_400;
             let offset = plan.anchor - anchor_month_start;
-            let (ny, nm) = super::config::civil_year_month((now_s / 86_400) as i64);
+            let (ny, nm) = crate::config::limits::civil_year_month((now_s / 86_400) as i64);
             let mut months = (ny - ay) * 12 + i64::from(nm) - i64::from(am);
             let start_of = |m: i64| -> u64 {
                 let total = i64::from(am) - 1 + m;
                 let y = ay + total.div_euclid(12);
                 let mo = total.rem_euclid(12) as u32 + 1;
-                super::config::days_from_civil(y, mo, 1).max(0) as u64 * 86_400 + offset
+                crate::config::limits::days_from_civil(y, mo, 1).max(0) as u64 * 86_400 + offset
             };
             if now_s < start_of(months) {
                 months -= 1;
@@ -882,7 +883,7 @@ pub fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
 mod tests_support {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use crate::limits::config::LimitsConfig;
+    use crate::config::limits::LimitsConfig;
     use crate::limits::ledger::InProcessLedger;
     use std::sync::Arc;
 
@@ -903,7 +904,7 @@ sha256 = "{}"
 entity = "e"
 plans = [{{ id = "q", tokens = 10000 }}]
 "#,
-            crate::auth::hex(&crate::auth::digest(b"k")),
+            crate::config::limits::hex(&crate::config::limits::digest(b"k")),
             ttl = if extra.contains("lease_ttl_ms") {
                 ""
             } else {

@@ -17,11 +17,25 @@ use std::sync::Arc;
 
 use socket2::{Domain, Protocol, Socket, Type};
 
-use crate::accesslog::{AccessLog, AccessLogConfig};
-use crate::admin::spawn_admin;
 use crate::config::Snapshot;
-use crate::metrics::{LabelLists, MetricsHub};
-use crate::worker::Worker;
+use crate::runtime::worker::Worker;
+use crate::telemetry::accesslog::{AccessLog, AccessLogConfig};
+use crate::telemetry::admin::spawn_admin;
+use crate::telemetry::metrics::{LabelLists, MetricsHub};
+
+/// The worker's limits sync task (see [`crate::limits::run_sync`]), holding the worker alive.
+async fn sync_task<B: crate::limits::sync::SyncBackend>(worker: Rc<Worker>, backend: B) {
+    let settings = worker.snapshot.limits.sync.clone();
+    let metrics = &worker.metrics;
+    crate::limits::run_sync(
+        &worker.limiter,
+        &settings,
+        worker.id,
+        |took, ok| metrics.sync_flush(took, ok),
+        backend,
+    )
+    .await;
+}
 
 /// Which I/O driver a worker's runtime uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,13 +56,13 @@ impl Driver {
 /// Run the gateway until the process is stopped.
 pub fn run(snapshot: Snapshot) -> io::Result<()> {
     raise_fd_limit();
-    if snapshot.limits.settle_tokenizer == crate::limits::config::SettleTokenizer::Tiktoken {
+    if snapshot.limits.settle_tokenizer == crate::config::limits::SettleTokenizer::Tiktoken {
         // Building the BPE tables takes a while: do it before serving, not on a request.
         for encoding in [
-            crate::tokens::Encoding::Cl100k,
-            crate::tokens::Encoding::O200k,
+            crate::openai::tokens::Encoding::Cl100k,
+            crate::openai::tokens::Encoding::O200k,
         ] {
-            if !crate::tokens::warm_up(encoding) {
+            if !crate::openai::tokens::warm_up(encoding) {
                 eprintln!(
                     "sluice: tiktoken {} unavailable; settling with the estimate",
                     encoding.name()
@@ -218,7 +232,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         };
         let worker = Rc::new(Worker::new(id, snapshot, hub, access_log));
         monoio::spawn(publish_metrics(Rc::clone(&worker)));
-        if worker.access_log.borrow().is_some() {
+        if worker.log.writer.borrow().is_some() {
             monoio::spawn(flush_access_log(Rc::clone(&worker)));
         }
         if crate::limits::any_limits(&worker.snapshot.limits) {
@@ -233,7 +247,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
                         cluster.password = settings.password;
                         cluster.connect_timeout = settings.connect_timeout;
                         let backend = RedisClusterBackend::new(cluster);
-                        monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), backend));
+                        monoio::spawn(sync_task(Rc::clone(&worker), backend));
                     }
                     None => {
                         let mut redis = crate::limits::redis::RedisSettings::new(settings.address);
@@ -242,11 +256,11 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
                         redis.db = settings.db;
                         redis.connect_timeout = settings.connect_timeout;
                         let backend = crate::limits::redis::RedisBackend::new(redis);
-                        monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), backend));
+                        monoio::spawn(sync_task(Rc::clone(&worker), backend));
                     }
                 },
                 None => {
-                    monoio::spawn(crate::limits::run_sync(Rc::clone(&worker), ledger));
+                    monoio::spawn(sync_task(Rc::clone(&worker), ledger));
                 }
             }
         }
@@ -267,13 +281,16 @@ async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener) {
             }
         };
         if worker.connections.get() >= max {
-            monoio::spawn(crate::conn::refuse_overloaded(Rc::clone(&worker), stream));
+            monoio::spawn(crate::runtime::conn::refuse_overloaded(
+                Rc::clone(&worker),
+                stream,
+            ));
             continue;
         }
         worker.connections.set(worker.connections.get() + 1);
         let w = Rc::clone(&worker);
         monoio::spawn(async move {
-            crate::conn::serve(Rc::clone(&w), stream, peer).await;
+            crate::runtime::conn::serve(Rc::clone(&w), stream, peer).await;
             w.connections.set(w.connections.get() - 1);
         });
     }
@@ -292,13 +309,14 @@ async fn publish_metrics(worker: Rc<Worker>) {
 
 async fn flush_access_log(worker: Rc<Worker>) {
     let interval = worker
-        .access_log
+        .log
+        .writer
         .borrow()
         .as_ref()
         .map_or(METRICS_PUBLISH_INTERVAL, AccessLog::flush_interval);
     loop {
         monoio::time::sleep(interval).await;
-        if let Some(log) = worker.access_log.borrow_mut().as_mut() {
+        if let Some(log) = worker.log.writer.borrow_mut().as_mut() {
             log.flush_if_due(std::time::Instant::now());
         }
     }
@@ -307,7 +325,7 @@ async fn flush_access_log(worker: Rc<Worker>) {
 /// Label tables for metrics, fixed at startup from the config: label values only ever come
 /// from configured names, so cardinality is bounded.
 fn metrics_hub(snapshot: &Snapshot) -> Arc<MetricsHub> {
-    let routes: Vec<String> = crate::observe::ROUTES
+    let routes: Vec<String> = crate::gateway::observe::ROUTES
         .iter()
         .map(|r| r.to_string())
         .collect();

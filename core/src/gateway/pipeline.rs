@@ -5,36 +5,34 @@
 //! body. Returns whether the client connection can be kept, or the error to answer with when
 //! nothing was sent to the client yet (errors after the response started are the relay's).
 
-use crate::admit::Caller;
-use crate::conn::{ClientSocket, Request};
-use crate::error::GatewayError;
-use crate::inspect::Inspection;
-use crate::observe::{Estimator, Observation};
-use crate::relay::ClientSide;
-use crate::worker::Worker;
-use crate::{admit, auth, forward, observe, relay, route};
+use crate::gateway::admit::Caller;
+use crate::gateway::context::{ClientSocket, PerCore, Request};
+use crate::gateway::error::GatewayError;
+use crate::gateway::observe::{Estimator, Observation};
+use crate::gateway::relay::ClientSide;
+use crate::gateway::{admit, auth, forward, observe, relay, route};
+use crate::openai::inspect::Inspection;
 
 pub async fn proxy(
-    worker: &Worker,
-    client: &ClientSocket,
+    core: PerCore<'_>,
+    client: &mut ClientSocket,
     request: &Request<'_>,
     inspection: &mut Inspection,
 ) -> Result<bool, GatewayError> {
-    let mut obs = worker.take_observation();
+    let mut obs = core.observations.take();
     obs.start(
         request.received_at,
         (request.head.head_len + request.body.len()) as u64,
     );
     let mut caller = Caller::default();
-    let mut result =
-        proxy_observed(worker, client, request, inspection, &mut obs, &mut caller).await;
+    let mut result = proxy_observed(core, client, request, inspection, &mut obs, &mut caller).await;
 
     // Observe: usage, cost and timings of what happened, whatever happened.
     let mapped = result.as_ref().ok().and_then(|(_, mapped)| *mapped);
     let estimator =
-        Estimator::configured(&worker.snapshot.limits, mapped.unwrap_or(&inspection.model));
+        Estimator::configured(&core.snapshot.limits, mapped.unwrap_or(&inspection.model));
     let outcome = obs.outcome(
-        &worker.snapshot,
+        core.snapshot,
         &inspection.model,
         mapped,
         request.body,
@@ -46,7 +44,7 @@ pub async fn proxy(
     if caller.admitted {
         let status = result.as_ref().map_or(0, |_| obs.status);
         admit::settle(
-            worker,
+            core.limiter,
             &mut caller.permit,
             admit::billable_tokens(status, &outcome),
         );
@@ -59,7 +57,9 @@ pub async fn proxy(
 
     // Metrics and the access-log record.
     observe::emit(
-        worker,
+        core.snapshot,
+        core.metrics,
+        core.log,
         request,
         inspection,
         &obs,
@@ -67,27 +67,26 @@ pub async fn proxy(
         result.as_ref().err(),
         &caller,
     );
-    worker.give_observation(obs);
+    core.observations.give(obs);
     result.map(|(keep_alive, _)| keep_alive)
 }
 
 /// The phases proper. Returns whether the client connection can be kept, and the mapped model.
 async fn proxy_observed<'s>(
-    worker: &'s Worker,
-    client: &ClientSocket,
+    core: PerCore<'s>,
+    client: &mut ClientSocket,
     request: &Request<'_>,
     inspection: &mut Inspection,
     obs: &mut Observation,
     caller: &mut Caller,
 ) -> Result<(bool, Option<&'s str>), GatewayError> {
-    let limits = &*worker.snapshot.limits;
+    let limits = &*core.snapshot.limits;
 
     // Authenticate: which key is calling — before any JSON work is spent on the body.
     caller.key = auth::authenticate(limits, request).inspect_err(|e| caller.auth_failed(e))?;
 
     // Inspect: the top-level model and friends, exactly as the upstream will read them.
-    worker
-        .inspector
+    core.inspector
         .borrow_mut()
         .inspect(request.body, inspection)?;
 
@@ -101,13 +100,15 @@ async fn proxy_observed<'s>(
     .inspect_err(|e| caller.auth_failed(e))?;
 
     // Route: cluster, backend and the model name the upstream sees.
-    let target = route::route(&worker.snapshot, &inspection.model, &worker.rng)?;
+    let target = route::route(core.snapshot, &inspection.model, core.rng)?;
     obs.routed = Some((target.cluster_id, target.backend.id));
 
     // Admit: a reservation under every policy and quota plan that applies (waits at most one
     // sync for a lease).
     if let Err(refusal) = admit::admit(
-        worker,
+        core.limiter,
+        core.metrics,
+        limits,
         caller.key,
         inspection,
         request.body,
@@ -115,8 +116,8 @@ async fn proxy_observed<'s>(
     )
     .await
     {
-        let mut error = admit::refusal_error(worker, &refusal);
-        caller.refused(worker, refusal);
+        let mut error = admit::refusal_error(limits, &refusal);
+        caller.refused(core.metrics, limits, refusal);
         let mut lines = String::new();
         caller.permit.headers.write(&mut lines);
         error.add_headers(&lines);
@@ -127,15 +128,15 @@ async fn proxy_observed<'s>(
 
     // Forward: the rewritten request out (with stream usage asked for, so limits settle on
     // reported usage), the response head back (one retry on a stale pooled connection).
-    let mut upstream_request = worker.bufs.take();
+    let mut upstream_request = core.bufs.take();
     let usage_requested = forward::build_request(
         &mut upstream_request,
         request,
         inspection,
         &target,
-        worker.snapshot.upstream.request_stream_usage,
+        core.snapshot.upstream.request_stream_usage,
     );
-    let response = forward::send(worker, &target, upstream_request, obs).await?;
+    let response = forward::send(core.io(), &target, upstream_request, obs).await?;
 
     // Relay: the body to the client as it arrives, metered on the side; a usage chunk the
     // client did not ask for is metered but not relayed.
@@ -145,6 +146,6 @@ async fn proxy_observed<'s>(
         keep_alive: request.head.keep_alive,
         strip_usage: usage_requested,
     };
-    let keep_alive = relay::relay(worker, client, response, side, obs).await?;
+    let keep_alive = relay::relay(core.io(), client, response, side, obs).await?;
     Ok((keep_alive, target.mapped_model))
 }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::metrics::MetricsHub;
+use crate::telemetry::metrics::MetricsHub;
 
 /// Most admin connections served at once.
 pub const MAX_CONNECTIONS: usize = 16;
@@ -312,8 +312,8 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
     use super::*;
-    use crate::metrics::tests::parse_strict;
-    use crate::metrics::{LabelLists, MetricsShard, StatusClass};
+    use crate::telemetry::metrics::tests::parse_strict;
+    use crate::telemetry::metrics::{LabelLists, MetricsShard, StatusClass};
 
     struct Reply {
         status: u16,

@@ -21,14 +21,13 @@ use std::io::Write as _;
 use std::pin::pin;
 use std::time::Instant;
 
-use crate::conn::ClientSocket;
-use crate::error::{reason, GatewayError, UpstreamFault};
-use crate::forward::UpstreamResponse;
+use crate::gateway::context::{ClientSocket, Io};
+use crate::gateway::error::{reason, GatewayError, UpstreamFault};
+use crate::gateway::forward::UpstreamResponse;
+use crate::gateway::observe::Observation;
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::{is_hop_by_hop, BodyFraming};
-use crate::meter::DEFAULT_MAX_EVENT;
-use crate::observe::Observation;
-use crate::worker::Worker;
+use crate::openai::meter::DEFAULT_MAX_EVENT;
 
 mod strip;
 
@@ -75,8 +74,8 @@ enum Cut {
 }
 
 pub async fn relay(
-    worker: &Worker,
-    client: &ClientSocket,
+    io: Io<'_>,
+    client: &mut ClientSocket,
     response: UpstreamResponse,
     side: ClientSide,
     obs: &mut Observation,
@@ -86,7 +85,7 @@ pub async fn relay(
         head,
         buf: mut ubuf,
     } = response;
-    let timeouts = &worker.snapshot.timeouts;
+    let timeouts = io.timeouts;
     let framing = head.framing();
     let event_stream = head.event_stream;
     let mut keep_client = side.keep_alive;
@@ -111,7 +110,7 @@ pub async fn relay(
     };
 
     // The head.
-    let mut out = worker.bufs.take();
+    let mut out = io.bufs.take();
     let _ = write!(out, "HTTP/1.1 {} ", head.status);
     let upstream_reason = &ubuf[head.reason.0..head.reason.1];
     if upstream_reason.is_empty() {
@@ -170,7 +169,7 @@ pub async fn relay(
     }
 
     let mut strip = (strip_usage && client_framing != ClientFraming::Empty)
-        .then(|| UsageStrip::new(DEFAULT_MAX_EVENT, worker.bufs.take()));
+        .then(|| UsageStrip::new(DEFAULT_MAX_EVENT, io.bufs.take()));
 
     // Body bytes that arrived with the head go out in the same write as the head.
     // `clean`: no bytes beyond the body's end arrived, so the connection may be reused.
@@ -190,9 +189,9 @@ pub async fn relay(
         Err(e) => {
             // Nothing reached the client yet: it gets a plain 502 instead.
             conn.abort();
-            worker.bufs.give(out);
+            io.bufs.give(out);
             if let Some(strip) = strip {
-                worker.bufs.give(strip.into_buffer());
+                io.bufs.give(strip.into_buffer());
             }
             return Err(e);
         }
@@ -202,7 +201,7 @@ pub async fn relay(
         obs.relay_overhead += head_read_at.elapsed();
         obs.bytes_out += out.len() as u64;
         let (res, returned) = client
-            .write_all(out, timeouts.stream_idle, worker.direct_writes())
+            .write_all(out, timeouts.stream_idle, io.load.direct_writes())
             .await;
         out = returned;
         if res.is_err() {
@@ -213,7 +212,6 @@ pub async fn relay(
     // Whether the chunked framing's last chunk has been sent.
     let mut terminated = false;
     // The rest of the body, one upstream read at a time.
-    let mut watch = pin!(client.readable());
     let mut watching = true;
     while cut.is_none() && !matches!(body, UpstreamBody::Done) {
         out.clear();
@@ -230,20 +228,25 @@ pub async fn relay(
             )),
         ));
         // Wait for the upstream, watching the client meanwhile. The read is never dropped
-        // unless the client is gone, so no upstream bytes can be lost to a cancelled read.
-        let read_result = loop {
-            if !watching {
-                break Some((&mut read).await);
-            }
-            monoio::select! {
-                biased;
-                r = &mut read => break Some(r),
-                _ = &mut watch => {
-                    if client.peer_gone() {
-                        break None;
+        // unless the client is gone, so no upstream bytes can be lost to a cancelled read. The
+        // watch borrows the client socket and ends with this block, before the write below
+        // takes it mutably.
+        let read_result = {
+            let mut watch = pin!(client.readable());
+            loop {
+                if !watching {
+                    break Some((&mut read).await);
+                }
+                monoio::select! {
+                    biased;
+                    r = &mut read => break Some(r),
+                    _ = &mut watch => {
+                        if client.peer_gone() {
+                            break None;
+                        }
+                        // The client sent its next request early: stop watching for this one.
+                        watching = false;
                     }
-                    // The client sent its next request early: stop watching for this one.
-                    watching = false;
                 }
             }
         };
@@ -325,7 +328,7 @@ pub async fn relay(
                 .write_all(
                     std::mem::take(&mut out),
                     timeouts.stream_idle,
-                    worker.direct_writes(),
+                    io.load.direct_writes(),
                 )
                 .await;
             out = returned;
@@ -353,13 +356,13 @@ pub async fn relay(
             if !out.is_empty() {
                 obs.bytes_out += out.len() as u64;
                 let (res, returned) = client
-                    .write_all(out, timeouts.stream_idle, worker.direct_writes())
+                    .write_all(out, timeouts.stream_idle, io.load.direct_writes())
                     .await;
                 out = returned;
                 keep_client &= res.is_ok();
             }
             if clean && head.keep_alive && matches!(body, UpstreamBody::Done) {
-                worker.pools.checkin(conn);
+                io.pools.checkin(conn);
             } else {
                 conn.abort();
             }
@@ -383,7 +386,7 @@ pub async fn relay(
                 out.extend_from_slice(LAST_CHUNK);
                 obs.bytes_out += out.len() as u64;
                 let (res, returned) = client
-                    .write_all(out, timeouts.stream_idle, worker.direct_writes())
+                    .write_all(out, timeouts.stream_idle, io.load.direct_writes())
                     .await;
                 out = returned;
                 keep_client && res.is_ok()
@@ -393,10 +396,10 @@ pub async fn relay(
         }
     };
     obs.finished_at = Some(Instant::now());
-    worker.bufs.give(out);
-    worker.bufs.give(ubuf);
+    io.bufs.give(out);
+    io.bufs.give(ubuf);
     if let Some(strip) = strip {
-        worker.bufs.give(strip.into_buffer());
+        io.bufs.give(strip.into_buffer());
     }
     Ok(finished)
 }

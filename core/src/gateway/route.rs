@@ -12,7 +12,7 @@
 use std::cell::Cell;
 
 use crate::config::{Backend, Cluster, Snapshot};
-use crate::error::GatewayError;
+use crate::gateway::error::GatewayError;
 
 /// Where one request goes.
 #[derive(Debug, Clone, Copy)]

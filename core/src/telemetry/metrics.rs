@@ -61,6 +61,7 @@
 //! shard.publish(&hub);
 //! ```
 
+pub use crate::config::limits::LimitDimension;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -442,37 +443,6 @@ impl StatusClass {
             StatusClass::Redirect => "3xx",
             StatusClass::ClientError => "4xx",
             StatusClass::ServerError => "5xx",
-        }
-    }
-}
-
-/// Which limit a limiter policy checks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LimitDimension {
-    /// Requests per minute.
-    Rpm,
-    /// Tokens per minute.
-    Tpm,
-    /// Concurrent requests.
-    Concurrency,
-    /// Prepaid quota / budget.
-    Quota,
-}
-
-impl LimitDimension {
-    const ALL: [LimitDimension; 4] = [
-        LimitDimension::Rpm,
-        LimitDimension::Tpm,
-        LimitDimension::Concurrency,
-        LimitDimension::Quota,
-    ];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            LimitDimension::Rpm => "rpm",
-            LimitDimension::Tpm => "tpm",
-            LimitDimension::Concurrency => "concurrency",
-            LimitDimension::Quota => "quota",
         }
     }
 }

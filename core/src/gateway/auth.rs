@@ -16,28 +16,12 @@
 use std::net::IpAddr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::conn::Request;
-use crate::error::{truncate, GatewayError};
-use crate::limits::config::{KeyIdx, LimitsConfig};
+use crate::config::limits::{KeyIdx, LimitsConfig};
+use crate::gateway::context::Request;
+use crate::gateway::error::GatewayError;
+use crate::openai::json::truncate;
 
-/// The SHA-256 of a key, as stored in the config.
-pub fn digest(key: &[u8]) -> [u8; 32] {
-    let d = ring::digest::digest(&ring::digest::SHA256, key);
-    let mut out = [0u8; 32];
-    out.copy_from_slice(d.as_ref());
-    out
-}
-
-/// Lowercase hex of a digest (what `sluice key hash` prints).
-pub fn hex(digest: &[u8; 32]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(64);
-    for b in digest {
-        s.push(HEX[(b >> 4) as usize] as char);
-        s.push(HEX[(b & 15) as usize] as char);
-    }
-    s
-}
+pub use crate::config::limits::{digest, hex};
 
 /// Equal in time independent of where the inputs differ.
 fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {

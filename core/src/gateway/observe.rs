@@ -11,15 +11,57 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::accesslog::UsageSource as LogUsageSource;
-use crate::admit::Caller;
 use crate::config::Snapshot;
-use crate::conn::Request;
-use crate::error::{GatewayError, Origin, UpstreamFault};
-use crate::inspect::Inspection;
-use crate::meter::{MeterSummary, SseMeter, Usage};
-use crate::metrics::{Attempt, EntityIdx, StatusClass, UpstreamErrorKind};
-use crate::worker::Worker;
+use crate::gateway::admit::Caller;
+use crate::gateway::context::Request;
+use crate::gateway::error::{GatewayError, Origin, UpstreamFault};
+use crate::openai::inspect::Inspection;
+use crate::openai::meter::{MeterSummary, SseMeter, Usage};
+use crate::telemetry::accesslog::UsageSource as LogUsageSource;
+use crate::telemetry::accesslog::{AccessLog, AccessRecord};
+use crate::telemetry::metrics::MetricsShard;
+use crate::telemetry::metrics::{Attempt, EntityIdx, StatusClass, UpstreamErrorKind};
+
+/// Observation state (meter buffers included) lent to one request at a time and given back, so
+/// the steady state allocates none.
+#[derive(Default)]
+pub struct ObservationPool {
+    // Boxed: an observation is several KB, lent out and given back per request; moving the box
+    // moves a pointer, not the observation.
+    #[allow(clippy::vec_box)]
+    free: std::cell::RefCell<Vec<Box<Observation>>>,
+}
+
+impl ObservationPool {
+    pub fn take(&self) -> Box<Observation> {
+        self.free.borrow_mut().pop().unwrap_or_default()
+    }
+
+    pub fn give(&self, obs: Box<Observation>) {
+        let mut pool = self.free.borrow_mut();
+        if pool.len() < 256 {
+            pool.push(obs);
+        }
+    }
+}
+
+/// Where a worker's access-log records go: its writer (when one is configured), the one record
+/// refilled per request (so its strings keep their capacity), and the worker's number.
+pub struct LogSink {
+    pub writer: std::cell::RefCell<Option<AccessLog>>,
+    pub record: std::cell::RefCell<AccessRecord>,
+    pub worker_id: usize,
+}
+
+impl LogSink {
+    pub fn new(writer: Option<AccessLog>, worker_id: usize) -> LogSink {
+        LogSink {
+            writer: std::cell::RefCell::new(writer),
+            record: std::cell::RefCell::new(AccessRecord::default()),
+            worker_id,
+        }
+    }
+}
 
 /// The proxied endpoints, as metric `route` labels.
 pub const ROUTES: [&str; 4] = ["chat_completions", "completions", "embeddings", "responses"];
@@ -30,7 +72,7 @@ fn route_name(path: &[u8]) -> &'static str {
         b"/v1/completions" => ROUTES[1],
         b"/v1/embeddings" => ROUTES[2],
         b"/v1/responses" => ROUTES[3],
-        _ => crate::metrics::OTHER,
+        _ => crate::telemetry::metrics::OTHER,
     }
 }
 
@@ -281,31 +323,31 @@ impl Observation {
 /// How text is counted when an upstream reports no usage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Estimator {
-    /// The calibrated byte-class estimate ([`crate::tokens::estimate_tokens`]).
+    /// The calibrated byte-class estimate ([`crate::openai::tokens::estimate_tokens`]).
     Bytes,
     /// Exact counts with the model's tiktoken encoding (`limits.settle_tokenizer =
     /// "tiktoken"`); slower, used only at settlement.
-    Tiktoken(crate::tokens::Encoding),
+    Tiktoken(crate::openai::tokens::Encoding),
 }
 
 impl Estimator {
     /// The one `limits.settle_tokenizer` asks for; tiktoken's encoding follows the model the
     /// upstream saw.
-    pub fn configured(limits: &crate::limits::config::LimitsConfig, model: &str) -> Estimator {
+    pub fn configured(limits: &crate::config::limits::LimitsConfig, model: &str) -> Estimator {
         match limits.settle_tokenizer {
-            crate::limits::config::SettleTokenizer::Estimate => Estimator::Bytes,
-            crate::limits::config::SettleTokenizer::Tiktoken => {
-                Estimator::Tiktoken(crate::tokens::Encoding::for_model(model))
+            crate::config::limits::SettleTokenizer::Estimate => Estimator::Bytes,
+            crate::config::limits::SettleTokenizer::Tiktoken => {
+                Estimator::Tiktoken(crate::openai::tokens::Encoding::for_model(model))
             }
         }
     }
 
     pub fn count(self, text: &[u8]) -> u64 {
         match self {
-            Estimator::Bytes => crate::tokens::estimate_tokens(text),
+            Estimator::Bytes => crate::openai::tokens::estimate_tokens(text),
             Estimator::Tiktoken(encoding) => match std::str::from_utf8(text) {
-                Ok(t) => crate::tokens::count_tokens(encoding, t) as u64,
-                Err(_) => crate::tokens::estimate_tokens(text),
+                Ok(t) => crate::openai::tokens::count_tokens(encoding, t) as u64,
+                Err(_) => crate::openai::tokens::estimate_tokens(text),
             },
         }
     }
@@ -328,8 +370,11 @@ fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str 
 
 /// Count the finished request in the worker's metrics and write its access-log record.
 /// `error` is what Sluice answered itself, when the request failed before a response started.
+#[allow(clippy::too_many_arguments)] // each is one value the record needs; a struct would only rename them
 pub fn emit(
-    worker: &Worker,
+    snapshot: &Snapshot,
+    metrics: &MetricsShard,
+    log: &LogSink,
     request: &Request<'_>,
     inspection: &Inspection,
     obs: &Observation,
@@ -337,13 +382,12 @@ pub fn emit(
     error: Option<&GatewayError>,
     caller: &Caller,
 ) {
-    let snapshot = &worker.snapshot;
     let key = caller.key.and_then(|k| snapshot.limits.keys.get(k));
     let status = error.map_or(obs.status, |e| e.status);
     let path = request.head.path(request.buf);
 
     // Metrics: label values come from configured names only.
-    let m = &worker.metrics;
+    let m = metrics;
     let names = m.names();
     let route = names.route(route_name(path));
     let model = names.model(&inspection.model);
@@ -398,11 +442,12 @@ pub fn emit(
     }
 
     // Access log.
-    let mut log = worker.access_log.borrow_mut();
+    let sink = log;
+    let mut log = sink.writer.borrow_mut();
     let Some(log) = log.as_mut() else {
         return;
     };
-    let mut rec = worker.record.borrow_mut();
+    let mut rec = sink.record.borrow_mut();
     // When the request was received: now, less the time since (no clock read on the way in).
     rec.time_unix_us = SystemTime::now()
         .checked_sub(request.received_at.elapsed())
@@ -493,7 +538,7 @@ pub fn emit(
     };
     set_str(&mut rec.error_class, error_class(obs, error));
     rec.fallback_attempts = obs.retries;
-    rec.worker_id = worker.id as u32;
+    rec.worker_id = sink.worker_id as u32;
     log.record(&rec);
 }
 

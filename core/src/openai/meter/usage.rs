@@ -12,7 +12,7 @@
 //! place, so the data is first copied into a reused scratch buffer with the padding simd-json
 //! needs), then the few fields that matter are read off the tape.
 
-use crate::error::truncate;
+use crate::openai::json::truncate;
 use std::time::Instant;
 
 use simd_json::{Buffers, Node, StaticNode, Tape, INPUT_PADDING};

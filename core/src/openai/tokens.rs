@@ -315,25 +315,25 @@ mod tests {
         // scaled so the fitted halves are not under-estimated).
         (
             "english",
-            include_str!("../../perf/corpus/english.txt"),
+            include_str!("../../../perf/corpus/english.txt"),
             -5.0,
             20.0,
         ),
         (
             "rust",
-            include_str!("../../perf/corpus/rust.txt"),
+            include_str!("../../../perf/corpus/rust.txt"),
             -5.0,
             20.0,
         ),
         (
             "python",
-            include_str!("../../perf/corpus/python.txt"),
+            include_str!("../../../perf/corpus/python.txt"),
             -5.0,
             20.0,
         ),
         (
             "chat-json",
-            include_str!("../../perf/corpus/chat-request.json"),
+            include_str!("../../../perf/corpus/chat-request.json"),
             -5.0,
             20.0,
         ),
@@ -341,14 +341,14 @@ mod tests {
         // The weight sits between them: not far under cl100k, at most a third over o200k.
         (
             "chinese",
-            include_str!("../../perf/corpus/chinese.txt"),
+            include_str!("../../../perf/corpus/chinese.txt"),
             -20.0,
             35.0,
         ),
         // Greek and Arabic differ 2.6x between the encodings, the whole corpus 1.6x.
         (
             "mixed",
-            include_str!("../../perf/corpus/mixed.txt"),
+            include_str!("../../../perf/corpus/mixed.txt"),
             -30.0,
             30.0,
         ),
@@ -398,7 +398,7 @@ mod tests {
         let han = estimate_tokens("中".repeat(100).as_bytes());
         assert!((90..=120).contains(&han), "{han}");
         // Every length, so the 8-byte loop and the remainder agree with a plain sum.
-        let text = include_bytes!("../../perf/corpus/mixed.txt");
+        let text = include_bytes!("../../../perf/corpus/mixed.txt");
         for len in 0..64 {
             let plain: u64 = text[..len].iter().map(|&b| weight(b)).sum();
             assert_eq!(

@@ -7,6 +7,9 @@
 
 use std::fmt::Write as _;
 
+use crate::openai::json::{push_json_string, truncate};
+pub use crate::upstream::UpstreamFault;
+
 /// Where a fault came from, which decides the status class and whether the client connection
 /// can be kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,21 +20,6 @@ pub enum Origin {
     Upstream,
     /// Sluice itself is overloaded or misconfigured.
     Gateway,
-}
-
-/// What went wrong with an upstream, for metrics and logs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UpstreamFault {
-    /// The TCP connection could not be made (refused, unreachable).
-    Connect,
-    /// The TLS handshake failed (unknown issuer, wrong name, …).
-    Tls,
-    /// Connecting, the first byte or a stream went past its timeout.
-    Timeout,
-    /// The connection failed or closed early.
-    Io,
-    /// The upstream broke HTTP framing (malformed head or chunk, a protocol switch).
-    Protocol,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -262,41 +250,42 @@ impl GatewayError {
     }
 }
 
+impl From<crate::upstream::ConnectError> for GatewayError {
+    fn from(e: crate::upstream::ConnectError) -> Self {
+        use crate::upstream::ConnectError;
+        match e {
+            ConnectError::Failed { fault, message } => GatewayError::bad_gateway(fault, message),
+            ConnectError::PoolFull => {
+                GatewayError::overloaded("upstream connection limit reached; retry shortly")
+            }
+            ConnectError::Timeout => {
+                GatewayError::gateway_timeout("timed out connecting to the upstream")
+            }
+        }
+    }
+}
+
+impl From<crate::http::HttpError> for GatewayError {
+    fn from(e: crate::http::HttpError) -> Self {
+        use crate::http::HttpError;
+        match e {
+            HttpError::Limit { status, message } => GatewayError::limit(status, message),
+            HttpError::Malformed(message) => GatewayError::bad_http(message),
+            HttpError::ExpectationFailed => GatewayError::expectation_failed(),
+        }
+    }
+}
+
+impl From<crate::openai::inspect::InspectError> for GatewayError {
+    fn from(e: crate::openai::inspect::InspectError) -> Self {
+        GatewayError::invalid_request(e.message, e.param)
+    }
+}
+
 impl std::fmt::Display for GatewayError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} {}: {}", self.status, self.kind, self.message)
     }
-}
-
-/// `s` cut to at most `max` bytes, at a character boundary.
-pub fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
-
-/// Append `v` as a JSON string literal.
-pub fn push_json_string(out: &mut String, v: &str) {
-    out.push('"');
-    for c in v.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 pub fn reason(status: u16) -> &'static str {

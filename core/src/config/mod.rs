@@ -11,6 +11,10 @@
 //! bad section does not hide the others' errors, and every error's key path is looked up in the
 //! document for its position.
 
+pub mod limits;
+
+pub use crate::http::HttpLimits;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -83,9 +87,9 @@ struct RawConfig {
     admin: Option<RawAdmin>,
     access_log: Option<RawAccessLog>,
     pricing: BTreeMap<String, Option<RawPrice>>,
-    keys: Vec<Option<crate::limits::config::RawKey>>,
-    policies: Vec<Option<crate::limits::config::RawPolicy>>,
-    limits: crate::limits::config::RawLimits,
+    keys: Vec<Option<crate::config::limits::RawKey>>,
+    policies: Vec<Option<crate::config::limits::RawPolicy>>,
+    limits: crate::config::limits::RawLimits,
     failed: BTreeSet<&'static str>,
     /// Sections with a key that could not be read (left out, so at its default).
     dirty: BTreeSet<&'static str>,
@@ -305,7 +309,7 @@ pub struct Snapshot {
     pub upstream: UpstreamLimits,
     /// Clusters, indexed by [`ClusterId`].
     pub clusters: Vec<Cluster>,
-    /// Routes, ordered most specific first (see [`crate::route`]).
+    /// Routes, ordered most specific first (see [`crate::gateway::route`]).
     pub routes: Vec<Route>,
     /// Every backend of every cluster, indexed by [`BackendId`] (pools are per backend).
     pub backend_count: usize,
@@ -316,7 +320,7 @@ pub struct Snapshot {
     pub prices: BTreeMap<String, Price>,
     /// API keys, quota plans, limit policies and the sync backend. Shared, not copied, by the
     /// workers: a key table can be large.
-    pub limits: Arc<crate::limits::config::LimitsConfig>,
+    pub limits: Arc<crate::config::limits::LimitsConfig>,
 }
 
 #[derive(Debug, Clone)]
@@ -356,14 +360,6 @@ pub struct ServerConfig {
     pub workers: usize,
     pub pin_workers: bool,
     pub max_connections_per_worker: usize,
-}
-
-#[derive(Debug, Clone, Copy)]
-pub struct HttpLimits {
-    pub max_request_line_bytes: usize,
-    pub max_header_bytes: usize,
-    pub max_headers: usize,
-    pub max_body_bytes: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1158,9 +1154,9 @@ fn validate(
         .collect::<Option<Vec<_>>>();
     let limits = match (keys, policies) {
         (Some(keys), Some(policies)) if !raw.failed.contains("limits") => {
-            crate::limits::config::resolve(&keys, &policies, &raw.limits, workers, env, &mut err)
+            crate::config::limits::resolve(&keys, &policies, &raw.limits, workers, env, &mut err)
         }
-        _ => crate::limits::config::LimitsConfig::default(),
+        _ => crate::config::limits::LimitsConfig::default(),
     };
 
     if !errors.is_empty() || !raw.failed.is_empty() {

@@ -8,7 +8,7 @@
 //! it holds until the event ends and it can tell whether to drop it. The hold is bounded: an
 //! event that grows past `max_event` bytes (the meter's own limit, past which it would not read
 //! the event either) is released and passed through to its end. Line endings are CRLF, LF or CR,
-//! as in [`crate::meter::SseSplitter`]; a dropped event takes its own bytes only, from its first
+//! as in [`crate::openai::meter::SseSplitter`]; a dropped event takes its own bytes only, from its first
 //! line through the blank line that ends it (blank lines between events go through).
 
 use memchr::memchr2;
@@ -185,7 +185,7 @@ impl UsageStrip {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::meter::SseMeter;
+    use crate::openai::meter::SseMeter;
 
     /// A chat stream as OpenAI sends it with `include_usage`: the usage chunk before `[DONE]`.
     const STREAM: &str = concat!(

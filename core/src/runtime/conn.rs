@@ -5,114 +5,26 @@
 //! client closes, a keep-alive idle or read timeout fires, or a request leaves the connection
 //! unusable. Raises, as responses: the HTTP layer's 400 / 413 / 414 / 417 / 431 (then closes),
 //! 408 when a head or body is not received in time (then closes), 404 for unknown paths and 405
-//! for a wrong method. Everything behind a routed path is [`crate::pipeline::proxy`]'s.
+//! for a wrong method. Everything behind a routed path is [`crate::gateway::pipeline::proxy`]'s.
 
-use std::cell::UnsafeCell;
-use std::io;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use monoio::buf::{IoBuf, IoBufMut};
-use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 
-use crate::error::GatewayError;
+use crate::gateway::context::{ClientSocket, Request};
+use crate::gateway::error::GatewayError;
+use crate::gateway::pipeline;
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, RequestHead};
 use crate::http::BodyFraming;
-use crate::inspect::Inspection;
-use crate::pipeline;
-use crate::sock;
-use crate::worker::Worker;
+use crate::openai::inspect::Inspection;
+use crate::runtime::worker::Worker;
 
 /// Smallest read buffer; grows as a request needs, shrinks back after it.
 const MIN_READ_BUF: usize = 2048;
 /// A read buffer larger than this after a request is replaced by a small one.
 const KEEP_READ_BUF: usize = 64 * 1024;
-
-/// The client socket. Reads and writes go through `&self` so that the relay can wait for the
-/// client to become readable (to notice it leaving) while writing to it — the same contract
-/// as monoio's own `Split` for `TcpStream`: io_uring / epoll operations on one socket may run
-/// concurrently, and nothing here touches the stream's Rust-side state besides issuing them.
-pub struct ClientSocket(UnsafeCell<TcpStream>);
-
-impl ClientSocket {
-    pub fn new(stream: TcpStream) -> ClientSocket {
-        ClientSocket(UnsafeCell::new(stream))
-    }
-
-    pub async fn read<B: IoBufMut>(&self, buf: B) -> monoio::BufResult<usize, B> {
-        // SAFETY: see the type's doc; at most one read is in flight at a time.
-        let stream = unsafe { &mut *self.0.get() };
-        stream.read(buf).await
-    }
-
-    fn fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsRawFd;
-        // SAFETY: see the type's doc; reading the descriptor number touches no I/O state.
-        unsafe { &*self.0.get() }.as_raw_fd()
-    }
-
-    /// Write all of `buf` within `limit`. With `direct`, first straight to the socket (see
-    /// [`Worker::direct_writes`]); whatever it does not take goes through the runtime.
-    pub async fn write_all(
-        &self,
-        buf: Vec<u8>,
-        limit: Duration,
-        direct: bool,
-    ) -> (io::Result<()>, Vec<u8>) {
-        let sent = if direct {
-            match sock::send_now(self.fd(), &buf) {
-                Ok(n) if n == buf.len() => return (Ok(()), buf),
-                Ok(n) => n,
-                Err(e) => return (Err(e), buf),
-            }
-        } else {
-            0
-        };
-        // SAFETY: see the type's doc; at most one write is in flight at a time.
-        let stream = unsafe { &mut *self.0.get() };
-        match monoio::time::timeout(limit, stream.write_all(buf.slice(sent..))).await {
-            Ok((res, slice)) => (res.map(|_| ()), slice.into_inner()),
-            Err(_) => (
-                Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "client write timed out",
-                )),
-                Vec::new(),
-            ),
-        }
-    }
-
-    /// Resolves when the client sent something or closed: the caller peeks to tell which.
-    pub async fn readable(&self) -> io::Result<()> {
-        // SAFETY: see the type's doc; a readiness poll reads no data.
-        let stream = unsafe { &*self.0.get() };
-        stream.readable(false).await
-    }
-
-    /// Read what the socket already holds (see [`sock::recv_now`]): for right after
-    /// [`Self::readable`] fired.
-    pub fn read_ready(&self, buf: &mut Vec<u8>) -> Option<usize> {
-        sock::recv_now(self.fd(), buf)
-    }
-
-    /// Has the client closed (or reset) its side? Peeks without consuming; never blocks.
-    pub fn peer_gone(&self) -> bool {
-        sock::peer_gone(self.fd())
-    }
-}
-
-/// A request whose head and body have been read.
-pub struct Request<'a> {
-    /// The read buffer; `head`'s ranges point into it.
-    pub buf: &'a [u8],
-    /// When the head and body were in.
-    pub received_at: Instant,
-    pub peer: Option<std::net::SocketAddr>,
-    pub head: &'a RequestHead,
-    pub body: &'a [u8],
-}
 
 /// Per-connection buffers and parse state, reused from one request to the next.
 #[derive(Default)]
@@ -134,7 +46,7 @@ struct ConnState {
 /// cancelled by the idle timeout without losing bytes.
 pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::SocketAddr) {
     let _ = stream.set_nodelay(true);
-    let client = ClientSocket::new(stream);
+    let mut client = ClientSocket::new(stream);
     let mut state = ConnState {
         peer: Some(peer),
         ..ConnState::default()
@@ -161,7 +73,7 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::Socket
             }
         }
         first_request = false;
-        if !Box::pin(serve_request(&worker, &client, &mut state)).await {
+        if !Box::pin(serve_request(&worker, &mut client, &mut state)).await {
             return;
         }
     }
@@ -169,8 +81,12 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::Socket
 
 /// Read one request (head, then body), dispatch it, and keep what the client already sent of
 /// its next one. Returns whether the connection stays open.
-async fn serve_request(worker: &Rc<Worker>, client: &ClientSocket, state: &mut ConnState) -> bool {
-    let _active = ActiveRequest::enter(worker);
+async fn serve_request(
+    worker: &Rc<Worker>,
+    client: &mut ClientSocket,
+    state: &mut ConnState,
+) -> bool {
+    let _active = worker.load.enter();
     let snapshot = Rc::clone(&worker.snapshot);
     let limits = &snapshot.http;
     let timeouts = &snapshot.timeouts;
@@ -209,28 +125,11 @@ async fn serve_request(worker: &Rc<Worker>, client: &ClientSocket, state: &mut C
     true
 }
 
-/// Counts a request in [`Worker::active_requests`] while it lives.
-struct ActiveRequest<'a>(&'a Worker);
-
-impl<'a> ActiveRequest<'a> {
-    fn enter(worker: &'a Worker) -> Self {
-        worker.active_requests.set(worker.active_requests.get() + 1);
-        ActiveRequest(worker)
-    }
-}
-
-impl Drop for ActiveRequest<'_> {
-    fn drop(&mut self) {
-        let active = &self.0.active_requests;
-        active.set(active.get().saturating_sub(1));
-    }
-}
-
 /// Read the body of the request whose head is in `rbuf`, then dispatch it. Returns how many
 /// bytes of `rbuf` the request took when the connection stays open, `None` when it must close.
 async fn read_body_and_dispatch(
     worker: &Rc<Worker>,
-    client: &ClientSocket,
+    client: &mut ClientSocket,
     rbuf: &mut Vec<u8>,
     head: &RequestHead,
     chunked_body: &mut Vec<u8>,
@@ -274,7 +173,7 @@ async fn read_body_and_dispatch(
 /// Route a complete request by path and method. Returns whether the connection stays open.
 async fn dispatch(
     worker: &Rc<Worker>,
-    client: &ClientSocket,
+    client: &mut ClientSocket,
     request: &Request<'_>,
     inspection: &mut Inspection,
 ) -> bool {
@@ -284,7 +183,14 @@ async fn dispatch(
     let result = match path {
         b"/v1/chat/completions" | b"/v1/completions" | b"/v1/embeddings" | b"/v1/responses" => {
             if head.method == Method::Post {
-                match pipeline::proxy(worker, client, request, inspection).await {
+                match pipeline::proxy(
+                    worker.per_core(&worker.snapshot),
+                    client,
+                    request,
+                    inspection,
+                )
+                .await
+                {
                     Ok(keep_alive) => return keep_alive && head.keep_alive,
                     Err(e) => Err(e),
                 }
@@ -297,7 +203,7 @@ async fn dispatch(
         }
         b"/v1/models" => match head.method {
             Method::Get | Method::Head => {
-                crate::auth::authenticate(&worker.snapshot.limits, request)
+                crate::gateway::auth::authenticate(&worker.snapshot.limits, request)
             }
             _ => Err(GatewayError::method_not_allowed(
                 "/v1/models only accepts GET",
@@ -315,7 +221,7 @@ async fn dispatch(
             let own;
             let body = match key.and_then(|k| worker.snapshot.limits.keys.get(k)) {
                 Some(k) if !k.models_allow.is_empty() || !k.models_block.is_empty() => {
-                    own = crate::models::list_body_for(&worker.snapshot, k);
+                    own = crate::gateway::models::list_body_for(&worker.snapshot, k);
                     &own
                 }
                 _ => &worker.models_body,
@@ -329,7 +235,7 @@ async fn dispatch(
 /// Write an error response. Returns whether the connection may be kept.
 pub async fn write_error(
     worker: &Worker,
-    client: &ClientSocket,
+    client: &mut ClientSocket,
     error: &GatewayError,
     keep_alive: bool,
     head_only: bool,
@@ -341,12 +247,12 @@ pub async fn write_error(
 
 /// Write a response Sluice built itself into a pool buffer, and give the buffer back.
 /// Returns whether the write went through.
-async fn send_own(worker: &Worker, client: &ClientSocket, out: Vec<u8>) -> bool {
+async fn send_own(worker: &Worker, client: &mut ClientSocket, out: Vec<u8>) -> bool {
     let (res, out) = client
         .write_all(
             out,
             worker.snapshot.timeouts.stream_idle,
-            worker.direct_writes(),
+            worker.load.direct_writes(),
         )
         .await;
     worker.bufs.give(out);
@@ -355,7 +261,7 @@ async fn send_own(worker: &Worker, client: &ClientSocket, out: Vec<u8>) -> bool 
 
 async fn write_json(
     worker: &Worker,
-    client: &ClientSocket,
+    client: &mut ClientSocket,
     status: u16,
     body: &[u8],
     keep_alive: bool,
@@ -367,7 +273,7 @@ async fn write_json(
         write!(
         out,
         "HTTP/1.1 {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
-        crate::error::reason(status),
+        crate::gateway::error::reason(status),
         body.len(),
         if keep_alive { "" } else { "connection: close\r\n" }
     );
@@ -381,7 +287,7 @@ async fn write_json(
 /// `Ok(false)`: it closed before sending a byte (close quietly). The whole head must arrive
 /// within `header_limit`.
 async fn read_head(
-    client: &ClientSocket,
+    client: &mut ClientSocket,
     rbuf: &mut Vec<u8>,
     head: &mut RequestHead,
     limits: &crate::config::HttpLimits,
@@ -421,7 +327,7 @@ async fn read_head(
 /// Read the body framed by `head`. Returns how many bytes of `rbuf` the request took (head
 /// included). A Content-Length body stays in `rbuf`; a chunked one is decoded into `chunked`.
 async fn read_body(
-    client: &ClientSocket,
+    client: &mut ClientSocket,
     rbuf: &mut Vec<u8>,
     head: &RequestHead,
     chunked: &mut Vec<u8>,
@@ -484,7 +390,7 @@ async fn read_body(
 }
 
 async fn read_body_bytes(
-    client: &ClientSocket,
+    client: &mut ClientSocket,
     rbuf: &mut Vec<u8>,
     limit: Duration,
 ) -> Result<(), GatewayError> {
@@ -507,7 +413,7 @@ enum ReadOutcome {
 }
 
 /// Append one read's worth of bytes to `rbuf`.
-async fn read_more(client: &ClientSocket, rbuf: &mut Vec<u8>, limit: Duration) -> ReadOutcome {
+async fn read_more(client: &mut ClientSocket, rbuf: &mut Vec<u8>, limit: Duration) -> ReadOutcome {
     if rbuf.capacity() - rbuf.len() < 1024 {
         rbuf.reserve(rbuf.capacity().max(MIN_READ_BUF));
     }
@@ -531,7 +437,7 @@ async fn read_more(client: &ClientSocket, rbuf: &mut Vec<u8>, limit: Duration) -
 
 /// Answer a connection over the worker's cap with 503 and close it.
 pub async fn refuse_overloaded(worker: Rc<Worker>, stream: TcpStream) {
-    let client = ClientSocket::new(stream);
+    let mut client = ClientSocket::new(stream);
     let e = GatewayError::overloaded("too many connections; retry shortly");
-    let _ = write_error(&worker, &client, &e, false, false).await;
+    let _ = write_error(&worker, &mut client, &e, false, false).await;
 }

@@ -16,17 +16,19 @@
 //! upstream's reported usage, or an estimate of the prompt plus what was streamed when there is
 //! none (a client abort is never free), and releases the reservation when the upstream failed.
 
+use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::error::GatewayError;
-use crate::inspect::Inspection;
-use crate::limits::config::KeyIdx;
+use crate::config::limits::KeyIdx;
+use crate::config::limits::LimitDimension;
+use crate::config::limits::LimitsConfig;
+use crate::gateway::error::GatewayError;
+use crate::gateway::observe::{Outcome, UsageSource};
 use crate::limits::shard::{Ask, LimiterShard, Permit, Refusal, RefusalKind};
-use crate::metrics::LimitDimension;
-use crate::observe::{Outcome, UsageSource};
-use crate::worker::Worker;
+use crate::openai::inspect::Inspection;
+use crate::telemetry::metrics::MetricsShard;
 
 /// Who called and what the limiter said, for settlement, metrics and the access log.
 #[derive(Debug, Default)]
@@ -47,14 +49,14 @@ impl Caller {
         }
     }
 
-    pub fn refused(&mut self, worker: &Worker, refusal: Refusal) {
-        let names = worker.metrics.names();
+    pub fn refused(&mut self, metrics: &MetricsShard, cfg: &LimitsConfig, refusal: Refusal) {
+        let names = metrics.names();
         let policy = match refusal.policy {
             Some(p) => names.policy_at(p),
             // Quota refusals count under the last label, `quota`.
-            None => names.policy_at(worker.snapshot.limits.policies.len()),
+            None => names.policy_at(cfg.policies.len()),
         };
-        worker.metrics.limiter_hit(policy, refusal.dimension);
+        metrics.limiter_hit(policy, refusal.dimension);
         self.refusal = Some(refusal);
     }
 }
@@ -62,13 +64,14 @@ impl Caller {
 /// Reserve for one request whose body is `body` (its prompt tokens are estimated from it, only
 /// when some limit applies).
 pub async fn admit(
-    worker: &Worker,
+    limiter: &RefCell<LimiterShard>,
+    metrics: &MetricsShard,
+    cfg: &LimitsConfig,
     key: Option<KeyIdx>,
     inspection: &Inspection,
     body: &[u8],
     permit: &mut Permit,
 ) -> Result<(), Refusal> {
-    let cfg = &*worker.snapshot.limits;
     if cfg.policies.is_empty()
         && key.is_none_or(|k| cfg.keys.get(k).is_none_or(|k| k.plans.is_empty()))
     {
@@ -77,17 +80,15 @@ pub async fn admit(
     let ask = Ask {
         key,
         model: &inspection.model,
-        prompt_estimate: crate::tokens::estimate_tokens(body),
+        prompt_estimate: crate::openai::tokens::estimate_tokens(body),
         max_tokens: inspection.max_tokens,
         n: inspection.n,
     };
-    let metrics = &worker.metrics;
     let names = metrics.names();
     let mut matched = |policy: usize, dimension: LimitDimension| {
         metrics.limiter_match(names.policy_at(policy), dimension);
     };
-    let first = worker
-        .limiter
+    let first = limiter
         .borrow_mut()
         .try_admit(cfg, &ask, permit, &mut matched);
     let refusal = match first {
@@ -101,9 +102,9 @@ pub async fn admit(
     let mut last = refusal;
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let target = worker.limiter.borrow().lease_epoch();
+        let target = limiter.borrow().lease_epoch();
         let wait = SyncWait {
-            shard: &worker.limiter,
+            shard: limiter,
             target,
         };
         if left.is_zero() || monoio::time::timeout(left, wait).await.is_err() {
@@ -114,8 +115,7 @@ pub async fn admit(
             });
         }
         let mut no_count = |_: usize, _: LimitDimension| {};
-        match worker
-            .limiter
+        match limiter
             .borrow_mut()
             .try_admit(cfg, &ask, permit, &mut no_count)
         {
@@ -127,8 +127,7 @@ pub async fn admit(
 }
 
 /// The error a refusal is answered with.
-pub fn refusal_error(worker: &Worker, refusal: &Refusal) -> GatewayError {
-    let cfg = &worker.snapshot.limits;
+pub fn refusal_error(cfg: &LimitsConfig, refusal: &Refusal) -> GatewayError {
     let policy = refusal
         .policy
         .and_then(|p| cfg.policies.get(p))
@@ -180,13 +179,13 @@ pub fn billable_tokens(status: u16, outcome: &Outcome) -> u64 {
 }
 
 /// Turn the permit's reservations into spend (once).
-pub fn settle(worker: &Worker, permit: &mut Permit, tokens: u64) {
-    worker.limiter.borrow_mut().settle(permit, tokens);
+pub fn settle(limiter: &RefCell<LimiterShard>, permit: &mut Permit, tokens: u64) {
+    limiter.borrow_mut().settle(permit, tokens);
 }
 
 /// Resolves when the shard has completed the exchange numbered `target`.
 struct SyncWait<'a> {
-    shard: &'a std::cell::RefCell<LimiterShard>,
+    shard: &'a RefCell<LimiterShard>,
     target: u64,
 }
 

@@ -13,6 +13,56 @@ use serde::Deserialize;
 
 use crate::config::ModelPattern;
 
+/// Which limit a limiter policy checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitDimension {
+    /// Requests per minute.
+    Rpm,
+    /// Tokens per minute.
+    Tpm,
+    /// Concurrent requests.
+    Concurrency,
+    /// Prepaid quota / budget.
+    Quota,
+}
+
+impl LimitDimension {
+    pub const ALL: [LimitDimension; 4] = [
+        LimitDimension::Rpm,
+        LimitDimension::Tpm,
+        LimitDimension::Concurrency,
+        LimitDimension::Quota,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            LimitDimension::Rpm => "rpm",
+            LimitDimension::Tpm => "tpm",
+            LimitDimension::Concurrency => "concurrency",
+            LimitDimension::Quota => "quota",
+        }
+    }
+}
+
+/// The SHA-256 of a key, as stored in the config (`[[keys]] sha256`).
+pub fn digest(key: &[u8]) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, key);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// Lowercase hex of a digest (what `sluice key hash` prints).
+pub fn hex(digest: &[u8; 32]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(64);
+    for b in digest {
+        s.push(HEX[(b >> 4) as usize] as char);
+        s.push(HEX[(b & 15) as usize] as char);
+    }
+    s
+}
+
 // ---------------------------------------------------------------------------------------------
 // Raw types
 // ---------------------------------------------------------------------------------------------

@@ -14,15 +14,14 @@
 use std::io::Write as _;
 use std::time::Instant;
 
-use crate::conn::Request;
-use crate::error::{GatewayError, UpstreamFault};
+use crate::gateway::context::{Io, Request};
+use crate::gateway::error::{GatewayError, UpstreamFault};
+use crate::gateway::observe::Observation;
+use crate::gateway::route::Target;
 use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
-use crate::inspect::{Inspection, StreamOptionsAt};
-use crate::observe::Observation;
-use crate::route::Target;
+use crate::openai::inspect::{Inspection, StreamOptionsAt};
 use crate::upstream::{connect, UpstreamConn};
-use crate::worker::Worker;
 
 /// Client headers never forwarded: the client's credentials (the upstream gets the cluster's),
 /// and headers this hop sets itself.
@@ -62,7 +61,7 @@ pub fn build_request(
     let body = request.body;
     let mut mapped_literal = String::new();
     if let Some(model) = target.mapped_model {
-        crate::error::push_json_string(&mut mapped_literal, model);
+        crate::openai::json::push_json_string(&mut mapped_literal, model);
     }
     let request_usage =
         request_usage && matches!(head.path(buf), b"/v1/chat/completions" | b"/v1/completions");
@@ -191,34 +190,34 @@ struct AttemptError {
 
 /// Send `request` (as built by [`build_request`]) and read the response head.
 pub async fn send(
-    worker: &Worker,
+    io: Io<'_>,
     target: &Target<'_>,
     mut request: Vec<u8>,
     obs: &mut Observation,
 ) -> Result<UpstreamResponse, GatewayError> {
-    let timeouts = &worker.snapshot.timeouts;
+    let timeouts = io.timeouts;
     let mut fresh_only = false;
     obs.forwarded_at = Some(Instant::now());
     loop {
         let conn = match (!fresh_only)
-            .then(|| worker.pools.checkout(target.backend.id))
+            .then(|| io.pools.checkout(target.backend.id))
             .flatten()
         {
             Some(conn) => conn,
             None => {
                 let started = Instant::now();
-                let conn = connect(&worker.pools, target.cluster, target.backend, timeouts).await?;
+                let conn = connect(io.pools, target.cluster, target.backend, timeouts).await?;
                 obs.upstream_connect = Some(started.elapsed());
                 conn
             }
         };
         let deadline = Instant::now() + timeouts.upstream_first_byte;
-        let (result, returned) = attempt(worker, conn, request, deadline).await;
+        let (result, returned) = attempt(io, conn, request, deadline).await;
         request = returned;
         match result {
             Ok(response) => {
                 obs.upstream_head_at = Some(Instant::now());
-                worker.bufs.give(request);
+                io.bufs.give(request);
                 return Ok(response);
             }
             Err(AttemptError { stale: true, .. }) if !fresh_only => {
@@ -226,7 +225,7 @@ pub async fn send(
                 fresh_only = true;
             }
             Err(AttemptError { error, .. }) => {
-                worker.bufs.give(request);
+                io.bufs.give(request);
                 return Err(error);
             }
         }
@@ -234,7 +233,7 @@ pub async fn send(
 }
 
 async fn attempt(
-    worker: &Worker,
+    io: Io<'_>,
     mut conn: UpstreamConn,
     request: Vec<u8>,
     deadline: Instant,
@@ -245,34 +244,32 @@ async fn attempt(
         stale: false,
     };
     let limit = deadline.saturating_duration_since(Instant::now());
-    let request = match monoio::time::timeout(
-        limit,
-        conn.io.write_all(request, worker.direct_writes()),
-    )
-    .await
-    {
-        Ok((Ok(_), request)) => request,
-        Ok((Err(e), request)) => {
-            conn.abort();
-            let error = GatewayError::bad_gateway(
-                UpstreamFault::Io,
-                format!("could not send to the upstream: {e}"),
-            );
-            return (
-                Err(AttemptError {
-                    error,
-                    stale: reused,
-                }),
-                request,
-            );
-        }
-        Err(_) => {
-            conn.abort();
-            return (Err(timed_out()), Vec::new());
-        }
-    };
+    let request =
+        match monoio::time::timeout(limit, conn.io.write_all(request, io.load.direct_writes()))
+            .await
+        {
+            Ok((Ok(_), request)) => request,
+            Ok((Err(e), request)) => {
+                conn.abort();
+                let error = GatewayError::bad_gateway(
+                    UpstreamFault::Io,
+                    format!("could not send to the upstream: {e}"),
+                );
+                return (
+                    Err(AttemptError {
+                        error,
+                        stale: reused,
+                    }),
+                    request,
+                );
+            }
+            Err(_) => {
+                conn.abort();
+                return (Err(timed_out()), Vec::new());
+            }
+        };
 
-    let mut buf = worker.bufs.take();
+    let mut buf = io.bufs.take();
     let mut head = ResponseHead::default();
     loop {
         if !buf.is_empty() {
@@ -366,7 +363,7 @@ async fn attempt(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::inspect::Inspector;
+    use crate::openai::inspect::Inspector;
 
     /// The body the upstream gets: `mapped` spliced in as the model (when given) and
     /// `include_usage` asked for (when `request_usage`). Also returns whether usage was asked.
@@ -377,7 +374,7 @@ mod tests {
             .unwrap();
         let mut literal = String::new();
         if let Some(m) = mapped {
-            crate::error::push_json_string(&mut literal, m);
+            crate::openai::json::push_json_string(&mut literal, m);
         }
         let edits = body_edits(
             &inspection,

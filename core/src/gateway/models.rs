@@ -6,9 +6,9 @@
 //! `model_map` names, both sides — a name is listed only when a request for it would be routed,
 //! so the list never offers a model that answers 404. Sorted by name, each once.
 
+use crate::config::limits::ApiKey;
 use crate::config::{ModelPattern, Snapshot};
-use crate::error::push_json_string;
-use crate::limits::config::ApiKey;
+use crate::openai::json::push_json_string;
 
 pub fn list_body(snapshot: &Snapshot) -> Vec<u8> {
     body(snapshot, |_| true)

@@ -21,7 +21,6 @@ use monoio::net::TcpStream;
 use rustls_pki_types::ServerName;
 
 use crate::config::{Backend, Cluster, Timeouts, UpstreamLimits};
-use crate::error::{GatewayError, UpstreamFault};
 
 /// A plain or TLS connection to a backend.
 pub enum UpstreamIo {
@@ -38,7 +37,7 @@ impl UpstreamIo {
     }
 
     /// Write all of `buf`. With `direct`, a plain connection first tries straight to the socket
-    /// (see [`crate::worker::Worker::direct_writes`]).
+    /// (see [`crate::runtime::worker::Worker::direct_writes`]).
     pub async fn write_all(
         &mut self,
         buf: Vec<u8>,
@@ -47,7 +46,7 @@ impl UpstreamIo {
         match self {
             UpstreamIo::Plain(s) => {
                 let sent = if direct {
-                    match crate::sock::send_now(s.as_raw_fd(), &buf) {
+                    match crate::sys::sock::send_now(s.as_raw_fd(), &buf) {
                         Ok(n) if n == buf.len() => return (Ok(()), buf),
                         Ok(n) => n,
                         Err(e) => return (Err(e), buf),
@@ -147,23 +146,50 @@ impl Pools {
     }
 }
 
+/// What went wrong with an upstream, for metrics and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamFault {
+    /// The TCP connection could not be made (refused, unreachable).
+    Connect,
+    /// The TLS handshake failed (unknown issuer, wrong name, …).
+    Tls,
+    /// Connecting, the first byte or a stream went past its timeout.
+    Timeout,
+    /// The connection failed or closed early.
+    Io,
+    /// The upstream broke HTTP framing (malformed head or chunk, a protocol switch).
+    Protocol,
+}
+
+/// Why no connection to a backend could be had.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectError {
+    /// TCP or TLS failed (`fault` says which), with what the client may be told.
+    Failed {
+        fault: UpstreamFault,
+        message: String,
+    },
+    /// This worker already holds `max_connections_per_backend` to it.
+    PoolFull,
+    /// The connect (and handshake) took longer than `upstream_connect`.
+    Timeout,
+}
+
 /// Open a new connection to `backend` (TCP, plus TLS for https), trying its addresses in order.
 pub async fn connect(
     pools: &Pools,
     cluster: &Cluster,
     backend: &Backend,
     timeouts: &Timeouts,
-) -> Result<UpstreamConn, GatewayError> {
+) -> Result<UpstreamConn, ConnectError> {
     let Some(open) = pools.open_counter(backend.id) else {
-        return Err(GatewayError::bad_gateway(
-            UpstreamFault::Connect,
-            "unknown backend",
-        ));
+        return Err(ConnectError::Failed {
+            fault: UpstreamFault::Connect,
+            message: "unknown backend".into(),
+        });
     };
     if open.get() >= pools.limits.max_connections_per_backend {
-        return Err(GatewayError::overloaded(
-            "upstream connection limit reached; retry shortly",
-        ));
+        return Err(ConnectError::PoolFull);
     }
     // Errors carry which step failed: TCP (`Connect`) or the TLS handshake (`Tls`).
     let attempt = async {
@@ -204,16 +230,14 @@ pub async fn connect(
                 open: Rc::clone(open),
             })
         }
-        Ok(Err((fault, e))) => Err(GatewayError::bad_gateway(
+        Ok(Err((fault, e))) => Err(ConnectError::Failed {
             fault,
-            format!(
+            message: format!(
                 "could not connect to the upstream: {}",
                 connect_error_text(&e)
             ),
-        )),
-        Err(_) => Err(GatewayError::gateway_timeout(
-            "timed out connecting to the upstream",
-        )),
+        }),
+        Err(_) => Err(ConnectError::Timeout),
     }
 }
 
