@@ -199,18 +199,18 @@ max_concurrency = 1000000
             body: &self.request[body_at..],
         };
         let limits = &self.snapshot.limits;
-        let key = crate::gateway::auth::authenticate(limits, &request).expect("auth");
+        let principal = crate::gateway::auth::authenticate(limits, &request).expect("auth");
         self.inspector
             .inspect(request.body, &mut self.inspection)
             .expect("inspect");
-        crate::gateway::auth::authorize(limits, key, &self.inspection.model, None)
+        crate::gateway::auth::authorize(principal, &self.inspection.model, None)
             .expect("authorize");
         let target =
             crate::gateway::route::route(&self.snapshot, &self.inspection.model, &self.rng)
                 .expect("route");
         let prompt = crate::openai::tokens::estimate_tokens(request.body);
         let ask = Ask {
-            key,
+            key: principal.map(|p| p.index),
             model: &self.inspection.model,
             prompt_estimate: prompt,
             max_tokens: self.inspection.max_tokens,

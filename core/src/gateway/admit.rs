@@ -6,43 +6,70 @@
 //! estimate, no tokenizer on the request path) and asks the worker's limiter shard for a
 //! reservation on every matching policy (requests, tokens, concurrency) and on the key's first
 //! quota plan, by priority, that can cover it. When the shard holds too small a lease for a
-//! strict budget it waits — once, at most `limits.lease_wait_ms` — for the next sync. Returns the
-//! [`Permit`]; raises 429 `rate_limit_error` (a policy, with its id and dimension in the message
+//! strict budget it waits — once, at most `limits.lease_wait_ms` — for the next sync. Returns an
+//! [`Admission`], which must be settled and can be settled only once (settling consumes it);
+//! raises, as a [`Rejection`] with the rate headers, 429 `rate_limit_error` (a policy, with its id and dimension in the message
 //! and `Retry-After`), 429 `insufficient_quota` (no plan has balance), or 503
 //! `limits_unavailable` (the shared ledger is down and what this core holds does not cover the
 //! request, per `limits.on_backend_down`).
 //!
-//! [`settle`] runs exactly once for every admitted request, whatever happened: it bills the
-//! upstream's reported usage, or an estimate of the prompt plus what was streamed when there is
-//! none (a client abort is never free), and releases the reservation when the upstream failed.
+//! [`Admission::settle`] runs exactly once for every admitted request, whatever happened, with
+//! what [`billable_tokens`] says: the upstream's reported usage, or an estimate of the prompt plus
+//! what was streamed when there is none (a client abort is never free), and nothing when the
+//! upstream failed before answering with success.
 
 use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::config::limits::KeyIdx;
 use crate::config::limits::LimitDimension;
 use crate::config::limits::LimitsConfig;
+use crate::gateway::auth::Principal;
 use crate::gateway::error::GatewayError;
 use crate::gateway::observe::{Outcome, UsageSource};
-use crate::limits::shard::{Ask, LimiterShard, Permit, Refusal, RefusalKind};
+use crate::gateway::relay::RelayEnd;
+use crate::limits::shard::{Ask, LimiterShard, Permit, RateHeaders, Refusal, RefusalKind};
 use crate::openai::inspect::Inspection;
 use crate::telemetry::metrics::MetricsShard;
 
-/// Who called and what the limiter said, for settlement, metrics and the access log.
+/// Who called and what the limiter said, for metrics and the access log.
 #[derive(Debug, Default)]
-pub struct Caller {
-    pub key: Option<KeyIdx>,
-    pub permit: Permit,
-    /// A permit was granted: settle it.
-    pub admitted: bool,
+pub struct Caller<'s> {
+    pub principal: Option<Principal<'s>>,
     pub refusal: Option<Refusal>,
     /// Why authentication or authorization failed (the error's code).
     pub auth_failure: Option<&'static str>,
 }
 
-impl Caller {
+/// An admitted request's reservation under every limit that applied. It must be settled, and
+/// settling consumes it, so "exactly once" is the compiler's to check.
+#[must_use = "an admitted request's reservation must be settled exactly once"]
+#[derive(Debug)]
+pub struct Admission {
+    permit: Permit,
+}
+
+impl Admission {
+    /// The `x-ratelimit-*` numbers to answer with.
+    pub fn rate_headers(&self) -> &RateHeaders {
+        &self.permit.headers
+    }
+
+    /// Turn the reservations into spend: `tokens` used (0 releases them).
+    pub fn settle(mut self, limiter: &RefCell<LimiterShard>, tokens: u64) {
+        limiter.borrow_mut().settle(&mut self.permit, tokens);
+    }
+}
+
+/// A refused request: why, and the `x-ratelimit-*` numbers to answer with.
+#[derive(Debug)]
+pub struct Rejection {
+    pub refusal: Refusal,
+    pub headers: RateHeaders,
+}
+
+impl Caller<'_> {
     pub fn auth_failed(&mut self, error: &GatewayError) {
         if matches!(error.status, 401 | 403) {
             self.auth_failure = error.code;
@@ -67,18 +94,45 @@ pub async fn admit(
     limiter: &RefCell<LimiterShard>,
     metrics: &MetricsShard,
     cfg: &LimitsConfig,
-    key: Option<KeyIdx>,
+    principal: Option<Principal<'_>>,
+    inspection: &Inspection,
+    body: &[u8],
+) -> Result<Admission, Rejection> {
+    let mut permit = Permit::default();
+    if cfg.policies.is_empty() && principal.is_none_or(|p| p.key.plans.is_empty()) {
+        return Ok(Admission { permit });
+    }
+    let result = reserve(
+        limiter,
+        metrics,
+        cfg,
+        principal,
+        inspection,
+        body,
+        &mut permit,
+    )
+    .await;
+    match result {
+        Ok(()) => Ok(Admission { permit }),
+        Err(refusal) => Err(Rejection {
+            refusal,
+            headers: permit.headers,
+        }),
+    }
+}
+
+/// Ask the shard for every reservation, waiting at most `lease_wait` for a lease.
+async fn reserve(
+    limiter: &RefCell<LimiterShard>,
+    metrics: &MetricsShard,
+    cfg: &LimitsConfig,
+    principal: Option<Principal<'_>>,
     inspection: &Inspection,
     body: &[u8],
     permit: &mut Permit,
 ) -> Result<(), Refusal> {
-    if cfg.policies.is_empty()
-        && key.is_none_or(|k| cfg.keys.get(k).is_none_or(|k| k.plans.is_empty()))
-    {
-        return Ok(());
-    }
     let ask = Ask {
-        key,
+        key: principal.map(|p| p.index),
         model: &inspection.model,
         prompt_estimate: crate::openai::tokens::estimate_tokens(body),
         max_tokens: inspection.max_tokens,
@@ -167,20 +221,16 @@ pub fn refusal_error(cfg: &LimitsConfig, refusal: &Refusal) -> GatewayError {
     }
 }
 
-/// The tokens a finished request is billed: the upstream's usage, or the estimate of what it
-/// streamed (the outcome fills it in), or nothing when the upstream failed before answering
-/// with success.
-pub fn billable_tokens(status: u16, outcome: &Outcome) -> u64 {
-    match outcome.usage_source {
-        UsageSource::None => 0,
+/// The tokens a finished request is billed, by how it ended: the upstream's usage, or the
+/// estimate of what it streamed (the outcome fills it in); nothing when the upstream answered
+/// with an error or failed before answering (`end` is `None`: no response was relayed).
+pub fn billable_tokens(status: u16, end: Option<RelayEnd>, outcome: &Outcome) -> u64 {
+    match (end, outcome.usage_source) {
+        (None, _) | (_, UsageSource::None) => 0,
         _ if !(200..300).contains(&status) => 0,
-        _ => outcome.usage.total_tokens,
+        // Complete, the client left, or the upstream cut the stream: billed for what it used.
+        (Some(_), _) => outcome.usage.total_tokens,
     }
-}
-
-/// Turn the permit's reservations into spend (once).
-pub fn settle(limiter: &RefCell<LimiterShard>, permit: &mut Permit, tokens: u64) {
-    limiter.borrow_mut().settle(permit, tokens);
 }
 
 /// Resolves when the shard has completed the exchange numbered `target`.
@@ -199,5 +249,89 @@ impl Future for SyncWait<'_> {
         }
         shard.wait_for_sync(cx.waker());
         Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    //! Settlement by how a request ended, through the same observation and outcome the pipeline
+    //! computes (no sockets: the relay's part is what it feeds the observation).
+    use super::*;
+    use crate::gateway::observe::{Estimator, Observation};
+    use crate::gateway::relay::RelayEnd;
+    use crate::upstream::UpstreamFault;
+    use std::time::Instant;
+
+    const PROMPT: &[u8] = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"tell me a story about a gateway"}]}"#;
+
+    fn snapshot() -> crate::config::Snapshot {
+        crate::config::load(
+            "[clusters.c]\nbackends = [{ base_url = \"http://127.0.0.1:9/v1\" }]\n\
+             [[routes]]\nmodel = \"m\"\ncluster = \"c\"\n",
+            &|_| None,
+        )
+        .unwrap()
+    }
+
+    fn chunk(content: &str) -> String {
+        format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{content}\"}},\"finish_reason\":null}}]}}\n\n"
+        )
+    }
+
+    /// The tokens settled for a response with `status` whose body was `events` (streamed, as
+    /// the relay feeds them) and that ended as `end` (`None`: nothing was relayed).
+    fn billed(status: u16, events: &[String], end: Option<RelayEnd>) -> u64 {
+        let snapshot = snapshot();
+        let mut obs = Observation::default();
+        let now = Instant::now();
+        obs.start(now, PROMPT.len() as u64);
+        if end.is_some() {
+            obs.response_started(status, true, true);
+            for e in events {
+                obs.body(e.as_bytes(), Instant::now());
+            }
+        }
+        obs.end = end;
+        let outcome = obs.outcome(&snapshot, "m", None, PROMPT, Estimator::Bytes);
+        billable_tokens(status, end, &outcome)
+    }
+
+    #[test]
+    fn settle_bills_by_how_the_relay_ended() {
+        let content: Vec<String> = (0..12).map(|i| chunk(&format!(" word{i}"))).collect();
+        let mut complete = content.clone();
+        complete.push(
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":21,\"completion_tokens\":12,\"total_tokens\":33}}\n\n"
+                .to_string(),
+        );
+        complete.push("data: [DONE]\n\n".to_string());
+
+        // Complete, with the upstream's usage: exactly what it reported.
+        assert_eq!(billed(200, &complete, Some(RelayEnd::Complete)), 33);
+
+        // The client left after four events: never free — the prompt plus what was streamed,
+        // estimated, and less than the whole response would have cost.
+        let left = billed(200, &content[..4], Some(RelayEnd::ClientLeft));
+        let prompt_only = billed(200, &[], Some(RelayEnd::ClientLeft));
+        assert!(prompt_only > 0, "a client abort is billed its prompt");
+        assert!(left > prompt_only, "{left}: what was streamed counts");
+        assert!(left < 33 + 12, "{left}");
+
+        // The upstream cut the stream after eight events: billed for what was delivered.
+        let cut = billed(
+            200,
+            &content[..8],
+            Some(RelayEnd::UpstreamCut(UpstreamFault::Io)),
+        );
+        assert!(cut > left, "{cut} vs {left}: more was delivered");
+
+        // The upstream answered with an error status: nothing billed, the reservation released.
+        assert_eq!(billed(500, &content[..2], Some(RelayEnd::Complete)), 0);
+        assert_eq!(billed(429, &[], Some(RelayEnd::Complete)), 0);
+
+        // Nothing was relayed (forward failed): nothing billed.
+        assert_eq!(billed(0, &[], None), 0);
     }
 }

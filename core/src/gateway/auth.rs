@@ -16,7 +16,7 @@
 use std::net::IpAddr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::config::limits::{KeyIdx, LimitsConfig};
+use crate::config::limits::{ApiKey, KeyIdx, LimitsConfig};
 use crate::gateway::context::Request;
 use crate::gateway::error::GatewayError;
 use crate::openai::json::truncate;
@@ -82,11 +82,19 @@ fn invalid_key() -> GatewayError {
     )
 }
 
+/// Who is calling: the key presented, looked up once and handed to every later phase.
+#[derive(Debug, Clone, Copy)]
+pub struct Principal<'s> {
+    /// The key's index in the config (what the limiter's budgets are keyed by).
+    pub index: KeyIdx,
+    pub key: &'s ApiKey,
+}
+
 /// Who is calling. `Ok(None)`: no keys are configured, so nobody is asked.
-pub fn authenticate(
-    limits: &LimitsConfig,
+pub fn authenticate<'s>(
+    limits: &'s LimitsConfig,
     request: &Request<'_>,
-) -> Result<Option<KeyIdx>, GatewayError> {
+) -> Result<Option<Principal<'s>>, GatewayError> {
     if !limits.auth_required() {
         return Ok(None);
     }
@@ -112,20 +120,19 @@ pub fn authenticate(
         .map_or((false, false), |k| {
             (k.enabled, k.expires.is_none_or(|e| now < e))
         });
-    match candidate {
-        Some(i) if matches & enabled & unexpired => Ok(Some(i)),
+    match candidate.and_then(|i| Some((i, limits.keys.get(i)?))) {
+        Some((index, key)) if matches & enabled & unexpired => Ok(Some(Principal { index, key })),
         _ => Err(invalid_key()),
     }
 }
 
 /// May this key use `model` from `peer`?
 pub fn authorize(
-    limits: &LimitsConfig,
-    key: Option<KeyIdx>,
+    principal: Option<Principal<'_>>,
     model: &str,
     peer: Option<IpAddr>,
 ) -> Result<(), GatewayError> {
-    let Some(key) = key.and_then(|k| limits.keys.get(k)) else {
+    let Some(Principal { key, .. }) = principal else {
         return Ok(());
     };
     if !key.source_allowed(peer) {

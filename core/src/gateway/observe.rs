@@ -15,6 +15,7 @@ use crate::config::Snapshot;
 use crate::gateway::admit::Caller;
 use crate::gateway::context::Request;
 use crate::gateway::error::{GatewayError, Origin, UpstreamFault};
+use crate::gateway::relay::RelayEnd;
 use crate::openai::inspect::Inspection;
 use crate::openai::meter::{MeterSummary, SseMeter, Usage};
 use crate::telemetry::accesslog::UsageSource as LogUsageSource;
@@ -102,10 +103,8 @@ pub struct Observation {
     pub status: u16,
     pub bytes_in: u64,
     pub bytes_out: u64,
-    /// The client left before the response ended.
-    pub client_aborted: bool,
-    /// The upstream failed mid-response (stall, reset, malformed framing), and how.
-    pub upstream_cut: Option<UpstreamFault>,
+    /// How the relayed response ended (`None`: no response was relayed).
+    pub end: Option<RelayEnd>,
     /// Stale pooled connections retried on a fresh one.
     pub retries: u32,
     /// The cluster and backend chosen, once routed.
@@ -129,8 +128,7 @@ impl Default for Observation {
             status: 0,
             bytes_in: 0,
             bytes_out: 0,
-            client_aborted: false,
-            upstream_cut: None,
+            end: None,
             retries: 0,
             routed: None,
             rate_headers: String::new(),
@@ -175,8 +173,7 @@ impl Observation {
         self.status = 0;
         self.bytes_in = bytes_in;
         self.bytes_out = 0;
-        self.client_aborted = false;
-        self.upstream_cut = None;
+        self.end = None;
         self.retries = 0;
         self.routed = None;
         self.rate_headers.clear();
@@ -361,10 +358,12 @@ fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str 
             Origin::Upstream => "upstream_error",
             Origin::Gateway => "gateway_overload",
         },
-        None if obs.client_aborted => "client_abort",
-        None if obs.upstream_cut.is_some() => "upstream_abort",
-        None if obs.status >= 400 => "upstream_status",
-        None => "",
+        None => match obs.end {
+            Some(RelayEnd::ClientLeft) => "client_abort",
+            Some(RelayEnd::UpstreamCut(_)) => "upstream_abort",
+            _ if obs.status >= 400 => "upstream_status",
+            _ => "",
+        },
     }
 }
 
@@ -382,7 +381,7 @@ pub fn emit(
     error: Option<&GatewayError>,
     caller: &Caller,
 ) {
-    let key = caller.key.and_then(|k| snapshot.limits.keys.get(k));
+    let key = caller.principal.map(|p| p.key);
     let status = error.map_or(obs.status, |e| e.status);
     let path = request.head.path(request.buf);
 
@@ -429,11 +428,11 @@ pub fn emit(
                 Some(UpstreamErrorKind::PoolExhausted)
             }
             Some(e) => e.upstream_fault.map(fault_kind),
-            None => match obs.upstream_cut {
-                Some(fault) => Some(fault_kind(fault)),
-                None if obs.status == 429 => Some(UpstreamErrorKind::Status429),
-                None if obs.status >= 500 => Some(UpstreamErrorKind::Status5xx),
-                None => None,
+            None => match obs.end {
+                Some(RelayEnd::UpstreamCut(fault)) => Some(fault_kind(fault)),
+                _ if obs.status == 429 => Some(UpstreamErrorKind::Status429),
+                _ if obs.status >= 500 => Some(UpstreamErrorKind::Status5xx),
+                _ => None,
             },
         };
         if let Some(kind) = kind {

@@ -2,14 +2,16 @@
 //! here is the order in `docs/request-lifecycle.md`.
 //!
 //! Runs for every POST to an OpenAI endpoint, after the connection loop has read the head and
-//! body. Returns whether the client connection can be kept, or the error to answer with when
-//! nothing was sent to the client yet (errors after the response started are the relay's).
+//! body, on a [`PerCore`] loan of the worker's state. Returns whether the client connection can
+//! be kept, or the error to answer with when nothing was sent to the client yet (errors after
+//! the response started are the relay's to end).
 
-use crate::gateway::admit::Caller;
+use crate::gateway::admit::{Admission, Caller};
 use crate::gateway::context::{ClientSocket, PerCore, Request};
 use crate::gateway::error::GatewayError;
 use crate::gateway::observe::{Estimator, Observation};
-use crate::gateway::relay::ClientSide;
+use crate::gateway::relay::{ClientSide, Relayed};
+use crate::gateway::route::Target;
 use crate::gateway::{admit, auth, forward, observe, relay, route};
 use crate::openai::inspect::Inspection;
 
@@ -25,10 +27,21 @@ pub async fn proxy(
         (request.head.head_len + request.body.len()) as u64,
     );
     let mut caller = Caller::default();
-    let mut result = proxy_observed(core, client, request, inspection, &mut obs, &mut caller).await;
+
+    // Authenticate, inspect, authorize, route, admit: decided before anything goes upstream.
+    let admitted = admit_request(core, request, inspection, &mut caller, &mut obs).await;
+
+    // Forward and relay, on the admission's reservation.
+    let (mut result, mapped, admission) = match admitted {
+        Ok((target, admission)) => {
+            admission.rate_headers().write(&mut obs.rate_headers);
+            let served = serve(core, client, request, inspection, &target, &mut obs).await;
+            (served, target.mapped_model, Some(admission))
+        }
+        Err(e) => (Err(e), None, None),
+    };
 
     // Observe: usage, cost and timings of what happened, whatever happened.
-    let mapped = result.as_ref().ok().and_then(|(_, mapped)| *mapped);
     let estimator =
         Estimator::configured(&core.snapshot.limits, mapped.unwrap_or(&inspection.model));
     let outcome = obs.outcome(
@@ -39,15 +52,13 @@ pub async fn proxy(
         estimator,
     );
 
-    // Settle: what the request used goes into every budget it reserved from, exactly once —
-    // success, upstream error (released), client or upstream abort (billed).
-    if caller.admitted {
+    // Settle: what the request used goes into every budget it reserved from — success,
+    // upstream error (released), client or upstream abort (billed). Settling consumes the
+    // admission: exactly once.
+    if let Some(admission) = admission {
         let status = result.as_ref().map_or(0, |_| obs.status);
-        admit::settle(
-            core.limiter,
-            &mut caller.permit,
-            admit::billable_tokens(status, &outcome),
-        );
+        let tokens = admit::billable_tokens(status, obs.end, &outcome);
+        admission.settle(core.limiter, tokens);
     }
     if let Err(e) = &mut result {
         if e.extra_headers.is_none() {
@@ -68,22 +79,23 @@ pub async fn proxy(
         &caller,
     );
     core.observations.give(obs);
-    result.map(|(keep_alive, _)| keep_alive)
+    result.map(|relayed| relayed.keep_alive)
 }
 
-/// The phases proper. Returns whether the client connection can be kept, and the mapped model.
-async fn proxy_observed<'s>(
+/// Authenticate, inspect, authorize, route and admit: the target to send to and the admission
+/// to settle, or the error to answer with (nothing was sent upstream).
+async fn admit_request<'s>(
     core: PerCore<'s>,
-    client: &mut ClientSocket,
     request: &Request<'_>,
     inspection: &mut Inspection,
+    caller: &mut Caller<'s>,
     obs: &mut Observation,
-    caller: &mut Caller,
-) -> Result<(bool, Option<&'s str>), GatewayError> {
+) -> Result<(Target<'s>, Admission), GatewayError> {
     let limits = &*core.snapshot.limits;
 
     // Authenticate: which key is calling — before any JSON work is spent on the body.
-    caller.key = auth::authenticate(limits, request).inspect_err(|e| caller.auth_failed(e))?;
+    let principal = auth::authenticate(limits, request).inspect_err(|e| caller.auth_failed(e))?;
+    caller.principal = principal;
 
     // Inspect: the top-level model and friends, exactly as the upstream will read them.
     core.inspector
@@ -91,13 +103,8 @@ async fn proxy_observed<'s>(
         .inspect(request.body, inspection)?;
 
     // Authorize: may this key use this model, from this address.
-    auth::authorize(
-        limits,
-        caller.key,
-        &inspection.model,
-        request.peer.map(|p| p.ip()),
-    )
-    .inspect_err(|e| caller.auth_failed(e))?;
+    auth::authorize(principal, &inspection.model, request.peer.map(|p| p.ip()))
+        .inspect_err(|e| caller.auth_failed(e))?;
 
     // Route: cluster, backend and the model name the upstream sees.
     let target = route::route(core.snapshot, &inspection.model, core.rng)?;
@@ -105,27 +112,38 @@ async fn proxy_observed<'s>(
 
     // Admit: a reservation under every policy and quota plan that applies (waits at most one
     // sync for a lease).
-    if let Err(refusal) = admit::admit(
+    let admitted = admit::admit(
         core.limiter,
         core.metrics,
         limits,
-        caller.key,
+        principal,
         inspection,
         request.body,
-        &mut caller.permit,
     )
-    .await
-    {
-        let mut error = admit::refusal_error(limits, &refusal);
-        caller.refused(core.metrics, limits, refusal);
-        let mut lines = String::new();
-        caller.permit.headers.write(&mut lines);
-        error.add_headers(&lines);
-        return Err(error);
+    .await;
+    match admitted {
+        Ok(admission) => Ok((target, admission)),
+        Err(rejection) => {
+            let mut error = admit::refusal_error(limits, &rejection.refusal);
+            caller.refused(core.metrics, limits, rejection.refusal);
+            let mut lines = String::new();
+            rejection.headers.write(&mut lines);
+            error.add_headers(&lines);
+            Err(error)
+        }
     }
-    caller.admitted = true;
-    caller.permit.headers.write(&mut obs.rate_headers);
+}
 
+/// Forward the request to `target` and relay the response: how the relay ended, or the error
+/// to answer with when nothing reached the client.
+async fn serve(
+    core: PerCore<'_>,
+    client: &mut ClientSocket,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    target: &Target<'_>,
+    obs: &mut Observation,
+) -> Result<Relayed, GatewayError> {
     // Forward: the rewritten request out (with stream usage asked for, so limits settle on
     // reported usage), the response head back (one retry on a stale pooled connection).
     let mut upstream_request = core.bufs.take();
@@ -133,10 +151,10 @@ async fn proxy_observed<'s>(
         &mut upstream_request,
         request,
         inspection,
-        &target,
+        target,
         core.snapshot.upstream.request_stream_usage,
     );
-    let response = forward::send(core.io(), &target, upstream_request, obs).await?;
+    let response = forward::send(core.io(), target, upstream_request, obs).await?;
 
     // Relay: the body to the client as it arrives, metered on the side; a usage chunk the
     // client did not ask for is metered but not relayed.
@@ -146,6 +164,5 @@ async fn proxy_observed<'s>(
         keep_alive: request.head.keep_alive,
         strip_usage: usage_requested,
     };
-    let keep_alive = relay::relay(core.io(), client, response, side, obs).await?;
-    Ok((keep_alive, target.mapped_model))
+    relay::relay(core.io(), client, response, side, obs).await
 }

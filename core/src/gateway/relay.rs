@@ -44,6 +44,26 @@ pub struct ClientSide {
     pub strip_usage: bool,
 }
 
+/// How a relayed response ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelayEnd {
+    /// The whole body reached the client.
+    Complete,
+    /// The client left, or stopped taking bytes, before the end.
+    ClientLeft,
+    /// The upstream failed, stalled or sent garbage mid-body; the client got an SSE error
+    /// event (event streams) or a cut connection.
+    UpstreamCut(UpstreamFault),
+}
+
+/// What [`relay`] returns once a response has started to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Relayed {
+    /// The client connection can serve another request.
+    pub keep_alive: bool,
+    pub end: RelayEnd,
+}
+
 /// How the body reaches the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ClientFraming {
@@ -79,7 +99,7 @@ pub async fn relay(
     response: UpstreamResponse,
     side: ClientSide,
     obs: &mut Observation,
-) -> Result<bool, GatewayError> {
+) -> Result<Relayed, GatewayError> {
     let UpstreamResponse {
         mut conn,
         head,
@@ -338,12 +358,14 @@ pub async fn relay(
         }
     }
 
-    obs.client_aborted = matches!(cut, Some(Cut::Client));
-    obs.upstream_cut = match &cut {
-        Some(Cut::Upstream(e)) => Some(e.upstream_fault.unwrap_or(UpstreamFault::Io)),
-        _ => None,
+    let end = match &cut {
+        None => RelayEnd::Complete,
+        Some(Cut::Client) => RelayEnd::ClientLeft,
+        Some(Cut::Upstream(e)) => {
+            RelayEnd::UpstreamCut(e.upstream_fault.unwrap_or(UpstreamFault::Io))
+        }
     };
-    let finished = match cut {
+    let keep_alive = match cut {
         None => {
             out.clear();
             // A close-delimited body ended: an unfinished event held back goes out as it came.
@@ -396,12 +418,13 @@ pub async fn relay(
         }
     };
     obs.finished_at = Some(Instant::now());
+    obs.end = Some(end);
     io.bufs.give(out);
     io.bufs.give(ubuf);
     if let Some(strip) = strip {
         io.bufs.give(strip.into_buffer());
     }
-    Ok(finished)
+    Ok(Relayed { keep_alive, end })
 }
 
 /// Append decoded body bytes to `out` in the client's framing.

@@ -216,10 +216,10 @@ async fn dispatch(
         ))),
     };
     match result {
-        Ok(key) => {
+        Ok(principal) => {
             // A key with model lists sees only what it may use.
             let own;
-            let body = match key.and_then(|k| worker.snapshot.limits.keys.get(k)) {
+            let body = match principal.map(|p| p.key) {
                 Some(k) if !k.models_allow.is_empty() || !k.models_block.is_empty() => {
                     own = crate::gateway::models::list_body_for(&worker.snapshot, k);
                     &own
