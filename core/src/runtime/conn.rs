@@ -19,7 +19,7 @@ use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, RequestHead};
 use crate::http::BodyFraming;
 use crate::openai::inspect::Inspection;
-use crate::runtime::worker::Worker;
+use crate::runtime::worker::{Generation, Worker};
 
 /// Smallest read buffer; grows as a request needs, shrinks back after it.
 const MIN_READ_BUF: usize = 2048;
@@ -54,7 +54,7 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::Socket
     let mut first_request = true;
     loop {
         if state.rbuf.is_empty() {
-            let timeouts = &worker.snapshot.timeouts;
+            let timeouts = worker.snapshot().timeouts;
             let idle_limit = if first_request {
                 timeouts.header_read
             } else {
@@ -87,9 +87,11 @@ async fn serve_request(
     state: &mut ConnState,
 ) -> bool {
     let _active = worker.load.enter();
-    let snapshot = Rc::clone(&worker.snapshot);
-    let limits = &snapshot.http;
-    let timeouts = &snapshot.timeouts;
+    // The generation (config snapshot and what is built from it) this request runs on to its
+    // end, whatever the worker swaps in meanwhile.
+    let generation = worker.current();
+    let limits = &generation.snapshot.http;
+    let timeouts = &generation.snapshot.timeouts;
     let ConnState {
         peer,
         rbuf,
@@ -106,8 +108,17 @@ async fn serve_request(
             return false;
         }
     }
-    let Some(consumed) =
-        read_body_and_dispatch(worker, client, rbuf, head, chunked_body, inspection, *peer).await
+    let Some(consumed) = read_body_and_dispatch(
+        worker,
+        &generation,
+        client,
+        rbuf,
+        head,
+        chunked_body,
+        inspection,
+        *peer,
+    )
+    .await
     else {
         return false;
     };
@@ -127,8 +138,10 @@ async fn serve_request(
 
 /// Read the body of the request whose head is in `rbuf`, then dispatch it. Returns how many
 /// bytes of `rbuf` the request took when the connection stays open, `None` when it must close.
+#[allow(clippy::too_many_arguments)] // the connection's parts, split so the body can borrow rbuf
 async fn read_body_and_dispatch(
     worker: &Rc<Worker>,
+    generation: &Generation,
     client: &mut ClientSocket,
     rbuf: &mut Vec<u8>,
     head: &RequestHead,
@@ -136,7 +149,7 @@ async fn read_body_and_dispatch(
     inspection: &mut Inspection,
     peer: Option<std::net::SocketAddr>,
 ) -> Option<usize> {
-    let snapshot = &worker.snapshot;
+    let snapshot = &generation.snapshot;
     let consumed = match read_body(
         client,
         rbuf,
@@ -165,7 +178,7 @@ async fn read_body_and_dispatch(
         head,
         body,
     };
-    dispatch(worker, client, &request, inspection)
+    dispatch(worker, generation, client, &request, inspection)
         .await
         .then_some(consumed)
 }
@@ -173,6 +186,7 @@ async fn read_body_and_dispatch(
 /// Route a complete request by path and method. Returns whether the connection stays open.
 async fn dispatch(
     worker: &Rc<Worker>,
+    generation: &Generation,
     client: &mut ClientSocket,
     request: &Request<'_>,
     inspection: &mut Inspection,
@@ -183,13 +197,8 @@ async fn dispatch(
     let result = match path {
         b"/v1/chat/completions" | b"/v1/completions" | b"/v1/embeddings" | b"/v1/responses" => {
             if head.method == Method::Post {
-                match pipeline::proxy(
-                    worker.per_core(&worker.snapshot),
-                    client,
-                    request,
-                    inspection,
-                )
-                .await
+                match pipeline::proxy(worker.per_core(generation), client, request, inspection)
+                    .await
                 {
                     Ok(keep_alive) => return keep_alive && head.keep_alive,
                     Err(e) => Err(e),
@@ -203,7 +212,7 @@ async fn dispatch(
         }
         b"/v1/models" => match head.method {
             Method::Get | Method::Head => {
-                crate::gateway::auth::authenticate(&worker.snapshot.limits, request)
+                crate::gateway::auth::authenticate(&generation.snapshot.limits, request)
             }
             _ => Err(GatewayError::method_not_allowed(
                 "/v1/models only accepts GET",
@@ -221,10 +230,10 @@ async fn dispatch(
             let own;
             let body = match principal.map(|p| p.key) {
                 Some(k) if !k.models_allow.is_empty() || !k.models_block.is_empty() => {
-                    own = crate::gateway::models::list_body_for(&worker.snapshot, k);
+                    own = crate::gateway::models::list_body_for(&generation.snapshot, k);
                     &own
                 }
-                _ => &worker.models_body,
+                _ => &generation.models_body,
             };
             write_json(worker, client, 200, body, head.keep_alive, head_only).await
         }
@@ -251,7 +260,7 @@ async fn send_own(worker: &Worker, client: &mut ClientSocket, out: Vec<u8>) -> b
     let (res, out) = client
         .write_all(
             out,
-            worker.snapshot.timeouts.stream_idle,
+            worker.snapshot().timeouts.stream_idle,
             worker.load.direct_writes(),
         )
         .await;

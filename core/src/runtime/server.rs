@@ -25,7 +25,7 @@ use crate::telemetry::metrics::{LabelLists, MetricsHub};
 
 /// The worker's limits sync task (see [`crate::limits::run_sync`]), holding the worker alive.
 async fn sync_task<B: crate::limits::sync::SyncBackend>(worker: Rc<Worker>, backend: B) {
-    let settings = worker.snapshot.limits.sync.clone();
+    let settings = worker.snapshot().limits.sync.clone();
     let metrics = &worker.metrics;
     crate::limits::run_sync(
         &worker.limiter,
@@ -235,8 +235,9 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         if worker.log.writer.borrow().is_some() {
             monoio::spawn(flush_access_log(Rc::clone(&worker)));
         }
-        if crate::limits::any_limits(&worker.snapshot.limits) {
-            match worker.snapshot.limits.sync.redis.clone() {
+        let limits = Arc::clone(&worker.snapshot().limits);
+        if crate::limits::any_limits(&limits) {
+            match limits.sync.redis.clone() {
                 Some(settings) => match settings.cluster_seeds.clone() {
                     Some(seeds) => {
                         use crate::limits::redis_cluster::{
@@ -270,7 +271,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
 }
 
 async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener) {
-    let max = worker.snapshot.server.max_connections_per_worker;
+    let max = worker.snapshot().server.max_connections_per_worker;
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -322,9 +323,9 @@ async fn flush_access_log(worker: Rc<Worker>) {
     }
 }
 
-/// Label tables for metrics, fixed at startup from the config: label values only ever come
-/// from configured names, so cardinality is bounded.
-fn metrics_hub(snapshot: &Snapshot) -> Arc<MetricsHub> {
+/// The process-wide metrics hub. Its label tables are fixed at startup from the config: label
+/// values only ever come from configured names, so cardinality is bounded.
+pub fn metrics_hub(snapshot: &Snapshot) -> Arc<MetricsHub> {
     let routes: Vec<String> = crate::gateway::observe::ROUTES
         .iter()
         .map(|r| r.to_string())

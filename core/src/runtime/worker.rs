@@ -14,10 +14,30 @@ use crate::telemetry::accesslog::AccessLog;
 use crate::telemetry::metrics::{MetricsHub, MetricsShard};
 use crate::upstream::Pools;
 
+/// What a worker serves new requests on: a config snapshot and what is built from it. A request
+/// holds the generation it started on until it ends; [`Worker::swap_snapshot`] makes a new one.
+pub struct Generation {
+    pub snapshot: Rc<Snapshot>,
+    /// The snapshot's view of the worker's upstream pools (shared with the previous
+    /// generation for every backend both have).
+    pub pools: Pools,
+    /// The `/v1/models` response body.
+    pub models_body: Vec<u8>,
+}
+
+impl Generation {
+    fn new(snapshot: Rc<Snapshot>, pools: Pools) -> Generation {
+        Generation {
+            models_body: crate::gateway::models::list_body(&snapshot),
+            snapshot,
+            pools,
+        }
+    }
+}
+
 pub struct Worker {
     pub id: usize,
-    pub snapshot: Rc<Snapshot>,
-    pub pools: Pools,
+    current: RefCell<Rc<Generation>>,
     pub inspector: RefCell<Inspector>,
     pub rng: Cell<u64>,
     pub bufs: BufPool,
@@ -32,8 +52,6 @@ pub struct Worker {
     pub hub: std::sync::Arc<MetricsHub>,
     /// This worker's access-log writer (when one is configured) and its reused record.
     pub log: LogSink,
-    /// The `/v1/models` response body, built once per snapshot.
-    pub models_body: Vec<u8>,
     /// This worker's limiter: local budgets, reconciled by the sync task.
     pub limiter: RefCell<LimiterShard>,
 }
@@ -45,13 +63,13 @@ impl Worker {
         hub: std::sync::Arc<MetricsHub>,
         access_log: Option<AccessLog>,
     ) -> Worker {
-        let pools = Pools::new(snapshot.backend_count, snapshot.upstream);
-        let models_body = crate::gateway::models::list_body(&snapshot);
+        let limiter = LimiterShard::new(&snapshot.limits, crate::limits::node_name(id));
+        let pools = Pools::new(&snapshot);
         // Distinct, non-zero seeds per worker and per process.
         let seed = (std::process::id() as u64) << 32 | (id as u64 + 1);
         Worker {
             id,
-            pools,
+            current: RefCell::new(Rc::new(Generation::new(snapshot, pools))),
             inspector: RefCell::new(Inspector::default()),
             rng: Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
             bufs: BufPool::new(16 * 1024, 256),
@@ -61,20 +79,34 @@ impl Worker {
             metrics: MetricsShard::new(&hub),
             hub,
             log: LogSink::new(access_log, id),
-            models_body,
-            limiter: RefCell::new(LimiterShard::new(
-                &snapshot.limits,
-                crate::limits::node_name(id),
-            )),
-            snapshot,
+            limiter: RefCell::new(limiter),
         }
     }
 
-    /// What one request borrows of this worker, on `snapshot` (the one the request started on).
-    pub fn per_core<'w>(&'w self, snapshot: &'w Snapshot) -> PerCore<'w> {
+    /// The generation new requests start on.
+    pub fn current(&self) -> Rc<Generation> {
+        Rc::clone(&self.current.borrow())
+    }
+
+    /// The snapshot new requests start on.
+    pub fn snapshot(&self) -> Rc<Snapshot> {
+        Rc::clone(&self.current.borrow().snapshot)
+    }
+
+    /// Serve new requests on `snapshot`; requests already running finish on theirs. Upstream
+    /// pools of backends both snapshots have are kept, with their connections. The limiter
+    /// shard is kept as it is: its budgets are keyed by the policies' and keys' positions, so a
+    /// snapshot that reorders or changes policies needs them re-keyed first (left to reload).
+    pub fn swap_snapshot(&self, snapshot: Rc<Snapshot>) {
+        let pools = self.current.borrow().pools.carry_over(&snapshot);
+        *self.current.borrow_mut() = Rc::new(Generation::new(snapshot, pools));
+    }
+
+    /// What one request borrows of this worker, on `generation` (the one it started on).
+    pub fn per_core<'w>(&'w self, generation: &'w Generation) -> PerCore<'w> {
         PerCore {
-            snapshot,
-            pools: &self.pools,
+            snapshot: &generation.snapshot,
+            pools: &generation.pools,
             limiter: &self.limiter,
             metrics: &self.metrics,
             bufs: &self.bufs,

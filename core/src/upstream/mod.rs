@@ -20,7 +20,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 use rustls_pki_types::ServerName;
 
-use crate::config::{Backend, Cluster, Timeouts, UpstreamLimits};
+use crate::config::{Backend, Cluster, Snapshot, Timeouts, UpstreamLimits};
 
 /// A plain or TLS connection to a backend.
 pub enum UpstreamIo {
@@ -37,7 +37,7 @@ impl UpstreamIo {
     }
 
     /// Write all of `buf`. With `direct`, a plain connection first tries straight to the socket
-    /// (see [`crate::runtime::worker::Worker::direct_writes`]).
+    /// (the gateway decides: few requests in flight favour latency, many favour the ring).
     pub async fn write_all(
         &mut self,
         buf: Vec<u8>,
@@ -68,12 +68,13 @@ impl UpstreamIo {
 /// One connection to a backend, counted against the backend's per-worker cap while it lives.
 pub struct UpstreamConn {
     pub io: UpstreamIo,
-    pub backend: usize,
+    /// The pool of the backend it leads to: it goes back there whatever snapshot the worker
+    /// serves by then.
+    pool: Rc<BackendPool>,
     /// Came from the pool (so it may have been closed by the backend while idle).
     pub reused: bool,
     idle_since: Instant,
     fd: RawFd,
-    open: Rc<Cell<usize>>,
 }
 
 impl UpstreamConn {
@@ -91,58 +92,129 @@ impl UpstreamConn {
 
 impl Drop for UpstreamConn {
     fn drop(&mut self) {
-        self.open.set(self.open.get().saturating_sub(1));
+        self.pool.open.set(self.pool.open.get().saturating_sub(1));
     }
 }
 
-/// Per-worker pools, one per backend, indexed by backend id.
+/// What makes two backends the same for pooling: where it connects and how (TLS, server name,
+/// Host). A snapshot swap that keeps a backend keeps its pool and its connections.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BackendIdentity {
+    addrs: Vec<SocketAddr>,
+    tls: bool,
+    server_name: String,
+    host_header: String,
+}
+
+impl BackendIdentity {
+    fn of(b: &Backend) -> BackendIdentity {
+        BackendIdentity {
+            addrs: b.addrs.clone(),
+            tls: b.tls,
+            server_name: b.server_name.clone(),
+            host_header: b.host_header.clone(),
+        }
+    }
+}
+
+/// One backend's connections on this worker: the idle ones, and how many are open (idle and
+/// busy), which the per-backend cap counts.
+struct BackendPool {
+    identity: BackendIdentity,
+    idle: RefCell<Vec<UpstreamConn>>,
+    open: Cell<usize>,
+    /// How many [`Pools`] (one per live snapshot) include it. At 0 no request can check a
+    /// connection out of it again: its idle connections are closed and none are kept.
+    views: Cell<usize>,
+}
+
+/// Per-worker pools for one snapshot's backends, indexed by its backend ids. The pools
+/// themselves are shared with the next snapshot's view for every backend it keeps
+/// ([`Pools::carry_over`]), so a swap does not drop their connections.
 pub struct Pools {
-    idle: RefCell<Vec<Vec<UpstreamConn>>>,
-    open: Vec<Rc<Cell<usize>>>,
+    backends: Vec<Rc<BackendPool>>,
     limits: UpstreamLimits,
 }
 
 impl Pools {
-    pub fn new(backends: usize, limits: UpstreamLimits) -> Pools {
+    /// Empty pools for `snapshot`'s backends.
+    pub fn new(snapshot: &Snapshot) -> Pools {
+        Pools::build(snapshot, &[])
+    }
+
+    /// Pools for `snapshot` that keep the pool (and the connections) of every backend it
+    /// shares with these. The pools of backends it drops live on while requests of the old
+    /// snapshot use them, and close their connections when the old snapshot's pools go.
+    pub fn carry_over(&self, snapshot: &Snapshot) -> Pools {
+        Pools::build(snapshot, &self.backends)
+    }
+
+    fn build(snapshot: &Snapshot, previous: &[Rc<BackendPool>]) -> Pools {
+        let mut backends: Vec<&Backend> = snapshot
+            .clusters
+            .iter()
+            .flat_map(|c| c.backends.iter())
+            .collect();
+        backends.sort_by_key(|b| b.id);
+        let backends = backends
+            .into_iter()
+            .map(|b| {
+                let identity = BackendIdentity::of(b);
+                let pool = match previous.iter().find(|p| p.identity == identity) {
+                    Some(kept) => Rc::clone(kept),
+                    None => Rc::new(BackendPool {
+                        identity,
+                        idle: RefCell::new(Vec::new()),
+                        open: Cell::new(0),
+                        views: Cell::new(0),
+                    }),
+                };
+                pool.views.set(pool.views.get() + 1);
+                pool
+            })
+            .collect();
         Pools {
-            idle: RefCell::new((0..backends).map(|_| Vec::new()).collect()),
-            open: (0..backends).map(|_| Rc::new(Cell::new(0))).collect(),
-            limits,
+            backends,
+            limits: snapshot.upstream,
         }
     }
 
     /// The most recently used idle connection to `backend` that has not idled too long.
     pub fn checkout(&self, backend: usize) -> Option<UpstreamConn> {
-        let mut idle = self.idle.borrow_mut();
-        let list = idle.get_mut(backend)?;
-        while let Some(mut conn) = list.pop() {
+        let pool = self.backends.get(backend)?;
+        let mut idle = pool.idle.borrow_mut();
+        while let Some(mut conn) = idle.pop() {
             if conn.idle_since.elapsed() < self.limits.idle_timeout {
                 conn.reused = true;
                 return Some(conn);
             }
             // Too old: the backend has likely closed it. Drop it (and everything older below).
-            list.clear();
+            idle.clear();
         }
         None
     }
 
+    /// Keep `conn` for reuse, in its backend's pool, if that pool is still in use and has room.
     pub fn checkin(&self, mut conn: UpstreamConn) {
-        let mut idle = self.idle.borrow_mut();
-        if let Some(list) = idle.get_mut(conn.backend) {
-            if list.len() < self.limits.max_idle_per_backend {
-                conn.idle_since = Instant::now();
-                list.push(conn);
-            }
+        let pool = Rc::clone(&conn.pool);
+        let mut idle = pool.idle.borrow_mut();
+        if pool.views.get() > 0 && idle.len() < self.limits.max_idle_per_backend {
+            conn.idle_since = Instant::now();
+            idle.push(conn);
         }
     }
+}
 
-    fn open_counter(&self, backend: usize) -> Option<&Rc<Cell<usize>>> {
-        self.open.get(backend)
-    }
-
-    /// Idle connections currently held for `backend` (for tests and metrics).
-    pub fn idle_count(&self, backend: usize) -> usize {
-        self.idle.borrow().get(backend).map_or(0, Vec::len)
+impl Drop for Pools {
+    fn drop(&mut self) {
+        for pool in &self.backends {
+            pool.views.set(pool.views.get().saturating_sub(1));
+            if pool.views.get() == 0 {
+                // Idle connections point back at their pool: closing them frees both.
+                let idle = std::mem::take(&mut *pool.idle.borrow_mut());
+                drop(idle);
+            }
+        }
     }
 }
 
@@ -182,13 +254,13 @@ pub async fn connect(
     backend: &Backend,
     timeouts: &Timeouts,
 ) -> Result<UpstreamConn, ConnectError> {
-    let Some(open) = pools.open_counter(backend.id) else {
+    let Some(pool) = pools.backends.get(backend.id) else {
         return Err(ConnectError::Failed {
             fault: UpstreamFault::Connect,
             message: "unknown backend".into(),
         });
     };
-    if open.get() >= pools.limits.max_connections_per_backend {
+    if pool.open.get() >= pools.limits.max_connections_per_backend {
         return Err(ConnectError::PoolFull);
     }
     // Errors carry which step failed: TCP (`Connect`) or the TLS handshake (`Tls`).
@@ -220,14 +292,13 @@ pub async fn connect(
     };
     match monoio::time::timeout(timeouts.upstream_connect, attempt).await {
         Ok(Ok((io, fd))) => {
-            open.set(open.get() + 1);
+            pool.open.set(pool.open.get() + 1);
             Ok(UpstreamConn {
                 io,
-                backend: backend.id,
+                pool: Rc::clone(pool),
                 reused: false,
                 idle_since: Instant::now(),
                 fd,
-                open: Rc::clone(open),
             })
         }
         Ok(Err((fault, e))) => Err(ConnectError::Failed {
