@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::config::Snapshot;
 use crate::gateway::admit::Caller;
 use crate::gateway::context::Request;
-use crate::gateway::error::{GatewayError, Origin, UpstreamFault};
+use crate::gateway::error::{ErrorKind, GatewayError, Origin, UpstreamFault};
 use crate::openai::inspect::Inspection;
 use crate::openai::meter::{MeterSummary, SseMeter, Usage};
 use crate::telemetry::accesslog::UsageSource as LogUsageSource;
@@ -356,7 +356,7 @@ impl Estimator {
 /// What kind of failure a request ended in, for the access log (`error_class`).
 fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str {
     match error {
-        Some(e) => match e.origin {
+        Some(e) => match e.origin() {
             Origin::Client => "client_error",
             Origin::Upstream => "upstream_error",
             Origin::Gateway => "gateway_overload",
@@ -383,7 +383,7 @@ pub fn emit(
     caller: &Caller,
 ) {
     let key = caller.key.and_then(|k| snapshot.limits.keys.get(k));
-    let status = error.map_or(obs.status, |e| e.status);
+    let status = error.map_or(obs.status, |e| e.status());
     let path = request.head.path(request.buf);
 
     // Metrics: label values come from configured names only.
@@ -425,10 +425,10 @@ pub fn emit(
             }
         }
         let kind = match error {
-            Some(e) if e.status == 503 && e.origin == Origin::Gateway => {
+            Some(e) if e.kind == ErrorKind::UpstreamPoolFull => {
                 Some(UpstreamErrorKind::PoolExhausted)
             }
-            Some(e) => e.upstream_fault.map(fault_kind),
+            Some(e) => e.upstream_fault().map(fault_kind),
             None => match obs.upstream_cut {
                 Some(fault) => Some(fault_kind(fault)),
                 None if obs.status == 429 => Some(UpstreamErrorKind::Status429),

@@ -340,7 +340,7 @@ pub async fn relay(
 
     obs.client_aborted = matches!(cut, Some(Cut::Client));
     obs.upstream_cut = match &cut {
-        Some(Cut::Upstream(e)) => Some(e.upstream_fault.unwrap_or(UpstreamFault::Io)),
+        Some(Cut::Upstream(e)) => Some(e.upstream_fault().unwrap_or(UpstreamFault::Io)),
         _ => None,
     };
     let finished = match cut {
