@@ -529,11 +529,7 @@ pub fn emit(
     rec.bytes_in = obs.bytes_in;
     rec.bytes_out = match error {
         // Sluice's own answer is written after this record: count what it will be.
-        Some(e) => {
-            let mut answer = Vec::new();
-            e.write_response(&mut answer, request.head.keep_alive, false);
-            answer.len() as u64
-        }
+        Some(e) => e.response_len(request.head.keep_alive, false) as u64,
         None => obs.bytes_out,
     };
     set_str(&mut rec.error_class, error_class(obs, error));
