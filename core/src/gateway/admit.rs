@@ -26,7 +26,7 @@ use std::task::{Context, Poll};
 use crate::config::limits::LimitDimension;
 use crate::config::limits::LimitsConfig;
 use crate::gateway::auth::Principal;
-use crate::gateway::error::GatewayError;
+use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::gateway::observe::{Outcome, UsageSource};
 use crate::gateway::relay::RelayEnd;
 use crate::limits::shard::{Ask, LimiterShard, Permit, RateHeaders, Refusal, RefusalKind};
@@ -71,8 +71,8 @@ pub struct Rejection {
 
 impl Caller<'_> {
     pub fn auth_failed(&mut self, error: &GatewayError) {
-        if matches!(error.status, 401 | 403) {
-            self.auth_failure = error.code;
+        if matches!(error.status(), 401 | 403) {
+            self.auth_failure = error.code();
         }
     }
 
@@ -197,16 +197,14 @@ pub fn refusal_error(cfg: &LimitsConfig, refusal: &Refusal) -> GatewayError {
             "The limit ledger is unreachable and policy `{policy}` ({what}) cannot be checked; \
              try again shortly."
         )),
-        (_, LimitDimension::Quota) => GatewayError::rate_limited(
-            "insufficient_quota",
-            "insufficient_quota",
+        (_, LimitDimension::Quota) => GatewayError::new(
+            ErrorKind::InsufficientQuota,
             "You exceeded your current quota: no quota plan of this API key has enough \
              balance left for this request.",
-            refusal.retry_after,
-        ),
-        _ => GatewayError::rate_limited(
-            "rate_limit_error",
-            "rate_limit_exceeded",
+        )
+        .with_retry_after(refusal.retry_after),
+        _ => GatewayError::new(
+            ErrorKind::RateLimited,
             format!(
                 "Rate limit reached: policy `{policy}` allows {} {what}{}; please try again \
                  later.",
@@ -216,8 +214,8 @@ pub fn refusal_error(cfg: &LimitsConfig, refusal: &Refusal) -> GatewayError {
                     _ => " per window",
                 }
             ),
-            refusal.retry_after,
-        ),
+        )
+        .with_retry_after(refusal.retry_after),
     }
 }
 

@@ -18,7 +18,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::config::limits::{ApiKey, KeyIdx, LimitsConfig};
 use crate::gateway::context::Request;
-use crate::gateway::error::GatewayError;
+use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::openai::json::truncate;
 
 pub use crate::config::limits::{digest, hex};
@@ -76,9 +76,9 @@ fn trim(v: &[u8]) -> &[u8] {
 }
 
 fn invalid_key() -> GatewayError {
-    GatewayError::unauthorized(
+    GatewayError::new(
+        ErrorKind::InvalidApiKey,
         "Incorrect API key provided. You can find your API key with your gateway operator.",
-        "invalid_api_key",
     )
 }
 
@@ -99,10 +99,10 @@ pub fn authenticate<'s>(
         return Ok(None);
     }
     let Some(key) = presented_key(request)? else {
-        return Err(GatewayError::unauthorized(
+        return Err(GatewayError::new(
+            ErrorKind::MissingApiKey,
             "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY` or \
              `x-api-key: YOUR_KEY`.",
-            "missing_api_key",
         ));
     };
     let presented = digest(key);
@@ -136,18 +136,18 @@ pub fn authorize(
         return Ok(());
     };
     if !key.source_allowed(peer) {
-        return Err(GatewayError::permission_denied(
+        return Err(GatewayError::new(
+            ErrorKind::SourceNotAllowed,
             "This API key may not be used from your network address.",
-            "source_not_allowed",
         ));
     }
     if !key.may_use(model) {
-        return Err(GatewayError::permission_denied(
+        return Err(GatewayError::new(
+            ErrorKind::ModelNotAllowed,
             format!(
                 "This API key is not allowed to use the model `{}`.",
                 truncate(model, 128)
             ),
-            "model_not_allowed",
         ));
     }
     Ok(())

@@ -5,13 +5,13 @@
 //! that OpenAI SDKs map to the right exception. Messages never carry upstream credentials or
 //! request bodies.
 
-use std::fmt::Write as _;
+use std::fmt;
 
-use crate::openai::json::{push_json_string, truncate};
+use crate::openai::json::{truncate, write_json_string};
 pub use crate::upstream::UpstreamFault;
 
-/// Where a fault came from, which decides the status class and whether the client connection
-/// can be kept.
+/// Where a fault came from, which decides the status class and the access log's
+/// `error_class`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Origin {
     /// The client sent something we refuse.
@@ -22,217 +22,435 @@ pub enum Origin {
     Gateway,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GatewayError {
+/// Every kind of answer Sluice gives itself. What a kind means on the wire — status, OpenAI
+/// `type` and `code`, whether the connection is kept, whether another backend may succeed — is
+/// declared once, in [`ErrorKind::spec`]; call sites only pick the kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// Not well-formed HTTP/1.1, or the client left inside a request.
+    MalformedHttp,
+    /// The request line is longer than `max_request_line_bytes`.
+    UriTooLong,
+    /// The head is larger than `max_header_bytes`, or has too many fields.
+    HeadTooLarge,
+    /// The body is larger than `max_body_bytes`.
+    BodyTooLarge,
+    /// An `Expect` other than `100-continue`.
+    ExpectationFailed,
+    /// The head or body did not arrive in time.
+    RequestTimeout,
+    /// Well-framed, but the content is refused (bad JSON, a missing model, two keys).
+    InvalidRequest,
+    MissingApiKey,
+    /// Unknown, disabled or expired (the three answer alike).
+    InvalidApiKey,
+    /// The key may not be used from the client's address.
+    SourceNotAllowed,
+    /// The key may not use the requested model.
+    ModelNotAllowed,
+    /// No cluster serves the model.
+    ModelNotFound,
+    /// An unknown path.
+    NotFound,
+    MethodNotAllowed,
+    /// A limit policy refused (rpm, tpm, concurrency).
+    RateLimited,
+    /// No quota plan of the key has enough left.
+    InsufficientQuota,
+    /// The shared limit ledger is unreachable and the worker's share does not cover the request.
+    LimitsUnavailable,
+    /// The worker is at its connection cap.
+    Overloaded,
+    /// This worker already holds `max_connections_per_backend` to the chosen backend.
+    UpstreamPoolFull,
+    /// TCP to the upstream failed (refused, unreachable).
+    UpstreamConnect,
+    /// The TLS handshake with the upstream failed.
+    UpstreamTls,
+    /// Connecting, the first byte or a stream went past its timeout.
+    UpstreamTimeout,
+    /// The upstream connection failed or closed early.
+    UpstreamIo,
+    /// The upstream broke HTTP framing.
+    UpstreamProtocol,
+}
+
+/// What one [`ErrorKind`] is on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spec {
     pub status: u16,
-    /// OpenAI's `type`: `invalid_request_error`, `not_found_error`, `upstream_error`, …
-    pub kind: &'static str,
+    /// OpenAI's `type`: `invalid_request_error`, `permission_error`, `upstream_error`, …
+    pub error_type: &'static str,
     /// OpenAI's `code`, when there is a stable one (`model_not_found`).
     pub code: Option<&'static str>,
-    pub param: Option<&'static str>,
-    pub message: String,
     pub origin: Origin,
-    /// Close the client connection after answering (framing errors: the stream can't be trusted).
+    /// Close the client connection after answering: the rest of the request was not read, or
+    /// the stream can't be trusted.
     pub close: bool,
+    /// Another backend may succeed where this one failed (a fallback may try it).
+    pub retry_elsewhere: bool,
+}
+
+const INVALID: &str = "invalid_request_error";
+const PERMISSION: &str = "permission_error";
+const SERVER: &str = "server_error";
+const UPSTREAM: &str = "upstream_error";
+const RATE_LIMIT: &str = "rate_limit_error";
+const QUOTA: &str = "insufficient_quota";
+
+const fn spec(
+    status: u16,
+    error_type: &'static str,
+    code: Option<&'static str>,
+    origin: Origin,
+    close: bool,
+    retry_elsewhere: bool,
+) -> Spec {
+    Spec {
+        status,
+        error_type,
+        code,
+        origin,
+        close,
+        retry_elsewhere,
+    }
+}
+
+impl ErrorKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [ErrorKind; 24] = {
+        use ErrorKind::*;
+        [
+            MalformedHttp,
+            UriTooLong,
+            HeadTooLarge,
+            BodyTooLarge,
+            ExpectationFailed,
+            RequestTimeout,
+            InvalidRequest,
+            MissingApiKey,
+            InvalidApiKey,
+            SourceNotAllowed,
+            ModelNotAllowed,
+            ModelNotFound,
+            NotFound,
+            MethodNotAllowed,
+            RateLimited,
+            InsufficientQuota,
+            LimitsUnavailable,
+            Overloaded,
+            UpstreamPoolFull,
+            UpstreamConnect,
+            UpstreamTls,
+            UpstreamTimeout,
+            UpstreamIo,
+            UpstreamProtocol,
+        ]
+    };
+
+    /// The catalogue: one row per kind.
+    pub const fn spec(self) -> Spec {
+        use ErrorKind::*;
+        use Origin::{Client, Gateway, Upstream};
+        const CLOSE: bool = true;
+        const KEEP: bool = false;
+        const ELSEWHERE: bool = true;
+        const NOWHERE: bool = false;
+        #[rustfmt::skip]
+        let row = match self {
+            // kind => spec(status, OpenAI type, OpenAI code, origin, connection, another backend)
+            MalformedHttp     => spec(400, INVALID,    None,                        Client,   CLOSE, NOWHERE),
+            UriTooLong        => spec(414, INVALID,    None,                        Client,   CLOSE, NOWHERE),
+            HeadTooLarge      => spec(431, INVALID,    None,                        Client,   CLOSE, NOWHERE),
+            BodyTooLarge      => spec(413, INVALID,    None,                        Client,   CLOSE, NOWHERE),
+            ExpectationFailed => spec(417, INVALID,    None,                        Client,   CLOSE, NOWHERE),
+            RequestTimeout    => spec(408, INVALID,    None,                        Client,   CLOSE, NOWHERE),
+            InvalidRequest    => spec(400, INVALID,    None,                        Client,   KEEP,  NOWHERE),
+            MissingApiKey     => spec(401, INVALID,    Some("missing_api_key"),     Client,   KEEP,  NOWHERE),
+            InvalidApiKey     => spec(401, INVALID,    Some("invalid_api_key"),     Client,   KEEP,  NOWHERE),
+            SourceNotAllowed  => spec(403, PERMISSION, Some("source_not_allowed"),  Client,   KEEP,  NOWHERE),
+            ModelNotAllowed   => spec(403, PERMISSION, Some("model_not_allowed"),   Client,   KEEP,  NOWHERE),
+            ModelNotFound     => spec(404, INVALID,    Some("model_not_found"),     Client,   KEEP,  NOWHERE),
+            NotFound          => spec(404, INVALID,    None,                        Client,   KEEP,  NOWHERE),
+            MethodNotAllowed  => spec(405, INVALID,    None,                        Client,   KEEP,  NOWHERE),
+            RateLimited       => spec(429, RATE_LIMIT, Some("rate_limit_exceeded"), Client,   KEEP,  NOWHERE),
+            InsufficientQuota => spec(429, QUOTA,      Some("insufficient_quota"),  Client,   KEEP,  NOWHERE),
+            LimitsUnavailable => spec(503, SERVER,     Some("limits_unavailable"),  Gateway,  KEEP,  NOWHERE),
+            Overloaded        => spec(503, SERVER,     None,                        Gateway,  CLOSE, NOWHERE),
+            UpstreamPoolFull  => spec(503, SERVER,     None,                        Gateway,  KEEP,  ELSEWHERE),
+            UpstreamConnect   => spec(502, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
+            UpstreamTls       => spec(502, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
+            UpstreamTimeout   => spec(504, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
+            UpstreamIo        => spec(502, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
+            UpstreamProtocol  => spec(502, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
+        };
+        row
+    }
+
+    pub const fn status(self) -> u16 {
+        self.spec().status
+    }
+
+    /// OpenAI's `type`.
+    pub const fn error_type(self) -> &'static str {
+        self.spec().error_type
+    }
+
+    /// OpenAI's `code`.
+    pub const fn code(self) -> Option<&'static str> {
+        self.spec().code
+    }
+
+    pub const fn origin(self) -> Origin {
+        self.spec().origin
+    }
+
+    /// The client connection is closed after this answer, whatever the client asked.
+    pub const fn close(self) -> bool {
+        self.spec().close
+    }
+
+    /// Another backend may succeed: the failure was this backend's (or this worker's way to
+    /// it), not the request's or the caller's. Meaningful before the response started.
+    pub const fn retry_elsewhere(self) -> bool {
+        self.spec().retry_elsewhere
+    }
+
+    /// The kind of an upstream failure, for metrics and the access log.
+    pub const fn upstream_fault(self) -> Option<UpstreamFault> {
+        match self {
+            ErrorKind::UpstreamConnect => Some(UpstreamFault::Connect),
+            ErrorKind::UpstreamTls => Some(UpstreamFault::Tls),
+            ErrorKind::UpstreamTimeout => Some(UpstreamFault::Timeout),
+            ErrorKind::UpstreamIo => Some(UpstreamFault::Io),
+            ErrorKind::UpstreamProtocol => Some(UpstreamFault::Protocol),
+            _ => None,
+        }
+    }
+
+    /// The kind an upstream fault is answered as.
+    pub const fn of_fault(fault: UpstreamFault) -> ErrorKind {
+        match fault {
+            UpstreamFault::Connect => ErrorKind::UpstreamConnect,
+            UpstreamFault::Tls => ErrorKind::UpstreamTls,
+            UpstreamFault::Timeout => ErrorKind::UpstreamTimeout,
+            UpstreamFault::Io => ErrorKind::UpstreamIo,
+            UpstreamFault::Protocol => ErrorKind::UpstreamProtocol,
+        }
+    }
+}
+
+/// Whether another backend may succeed where an upstream answered with `status` (relayed, not
+/// Sluice's own): rate limited (429) or failing (5xx, 529 included) — yes; a refusal of the
+/// request itself (400, 401, 403, 404, 413, 422, …) — no.
+pub fn status_retry_elsewhere(status: u16) -> bool {
+    status == 429 || (500..600).contains(&status)
+}
+
+/// An error Sluice answers itself: its kind, and what this instance adds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatewayError {
+    pub kind: ErrorKind,
+    pub message: String,
+    /// OpenAI's `param`: the request field at fault.
+    pub param: Option<&'static str>,
     /// Seconds for a `Retry-After` header.
     pub retry_after: Option<u32>,
     /// Methods for an `Allow` header (405).
     pub allow: Option<&'static str>,
-    /// For upstream failures: which kind.
-    pub upstream_fault: Option<UpstreamFault>,
     /// Extra header lines (each ending in CRLF), e.g. the `x-ratelimit-*` set. Boxed: errors
     /// travel in `Result`s everywhere and should stay small.
     pub extra_headers: Option<Box<String>>,
 }
 
 impl GatewayError {
-    fn new(status: u16, kind: &'static str, origin: Origin, message: impl Into<String>) -> Self {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
         GatewayError {
-            status,
             kind,
-            code: None,
-            param: None,
             message: message.into(),
-            origin,
-            close: false,
+            param: None,
             retry_after: None,
             allow: None,
-            upstream_fault: None,
             extra_headers: None,
         }
     }
 
-    /// 401: no key, or one that is unknown, disabled or expired (those three answer alike).
-    pub fn unauthorized(message: impl Into<String>, code: &'static str) -> Self {
-        let mut e = Self::new(401, "invalid_request_error", Origin::Client, message);
-        e.code = Some(code);
-        e
+    pub fn with_param(mut self, param: Option<&'static str>) -> Self {
+        self.param = param;
+        self
     }
 
-    /// 403: the key may not use this model, or not from this address.
-    pub fn permission_denied(message: impl Into<String>, code: &'static str) -> Self {
-        let mut e = Self::new(403, "permission_error", Origin::Client, message);
-        e.code = Some(code);
-        e
-    }
-
-    /// 429 from a limit policy (`rate_limit_error`) or an exhausted quota
-    /// (`insufficient_quota`).
-    pub fn rate_limited(
-        kind: &'static str,
-        code: &'static str,
-        message: impl Into<String>,
-        retry_after: Option<u32>,
-    ) -> Self {
-        let mut e = Self::new(429, kind, Origin::Client, message);
-        e.code = Some(code);
-        e.retry_after = retry_after;
-        e
+    pub fn with_retry_after(mut self, seconds: Option<u32>) -> Self {
+        self.retry_after = seconds;
+        self
     }
 
     /// 503: the shared limit ledger is unreachable and the request is not covered by what this
     /// worker holds.
     pub fn limits_unavailable(message: impl Into<String>) -> Self {
-        let mut e = Self::new(503, "server_error", Origin::Gateway, message);
-        e.code = Some("limits_unavailable");
-        e.retry_after = Some(1);
-        e
+        Self::new(ErrorKind::LimitsUnavailable, message).with_retry_after(Some(1))
     }
 
     /// A malformed request at the HTTP layer: 400 and close.
     pub fn bad_http(message: impl Into<String>) -> Self {
-        let mut e = Self::new(400, "invalid_request_error", Origin::Client, message);
-        e.close = true;
-        e
-    }
-
-    /// A limit of the HTTP layer (414, 431, 413): answered, then the connection is closed
-    /// because the rest of the request was not read.
-    pub fn limit(status: u16, message: impl Into<String>) -> Self {
-        let mut e = Self::new(status, "invalid_request_error", Origin::Client, message);
-        e.close = true;
-        e
+        Self::new(ErrorKind::MalformedHttp, message)
     }
 
     /// A well-framed request whose content is refused (bad JSON, missing model): 400, the
     /// connection stays usable.
     pub fn invalid_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        let mut e = Self::new(400, "invalid_request_error", Origin::Client, message);
-        e.param = param;
-        e
+        Self::new(ErrorKind::InvalidRequest, message).with_param(param)
     }
 
     pub fn timeout_client(message: impl Into<String>) -> Self {
-        let mut e = Self::new(408, "invalid_request_error", Origin::Client, message);
-        e.close = true;
-        e
+        Self::new(ErrorKind::RequestTimeout, message)
     }
 
     pub fn not_found(message: impl Into<String>) -> Self {
-        Self::new(404, "invalid_request_error", Origin::Client, message)
+        Self::new(ErrorKind::NotFound, message)
     }
 
     pub fn method_not_allowed(message: impl Into<String>, allow: &'static str) -> Self {
-        let mut e = Self::new(405, "invalid_request_error", Origin::Client, message);
+        let mut e = Self::new(ErrorKind::MethodNotAllowed, message);
         e.allow = Some(allow);
         e
     }
 
     pub fn expectation_failed() -> Self {
-        let mut e = Self::new(
-            417,
-            "invalid_request_error",
-            Origin::Client,
+        Self::new(
+            ErrorKind::ExpectationFailed,
             "only `Expect: 100-continue` is supported",
-        );
-        e.close = true;
-        e
+        )
     }
 
     pub fn model_not_found(model: &str) -> Self {
-        let mut e = Self::new(
-            404,
-            "invalid_request_error",
-            Origin::Client,
+        Self::new(
+            ErrorKind::ModelNotFound,
             format!(
                 "The model `{}` does not exist or you do not have access to it.",
                 truncate(model, 128)
             ),
-        );
-        e.code = Some("model_not_found");
-        e.param = Some("model");
-        e
+        )
+        .with_param(Some("model"))
     }
 
-    /// 502: the upstream failed (`fault` says how).
+    /// The upstream failed (`fault` says how, and so which kind).
     pub fn bad_gateway(fault: UpstreamFault, message: impl Into<String>) -> Self {
-        let mut e = Self::new(502, "upstream_error", Origin::Upstream, message);
-        e.upstream_fault = Some(fault);
-        e
+        Self::new(ErrorKind::of_fault(fault), message)
     }
 
     /// 504: the upstream did not answer in time.
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
-        let mut e = Self::new(504, "upstream_error", Origin::Upstream, message);
-        e.upstream_fault = Some(UpstreamFault::Timeout);
-        e
+        Self::new(ErrorKind::UpstreamTimeout, message)
     }
 
+    /// 503: this worker can take no more connections.
     pub fn overloaded(message: impl Into<String>) -> Self {
-        let mut e = Self::new(503, "server_error", Origin::Gateway, message);
-        e.retry_after = Some(1);
-        e
+        Self::new(ErrorKind::Overloaded, message).with_retry_after(Some(1))
+    }
+
+    pub fn status(&self) -> u16 {
+        self.kind.status()
+    }
+
+    /// OpenAI's `type`.
+    pub fn error_type(&self) -> &'static str {
+        self.kind.error_type()
+    }
+
+    /// OpenAI's `code`.
+    pub fn code(&self) -> Option<&'static str> {
+        self.kind.code()
+    }
+
+    pub fn origin(&self) -> Origin {
+        self.kind.origin()
+    }
+
+    pub fn upstream_fault(&self) -> Option<UpstreamFault> {
+        self.kind.upstream_fault()
+    }
+
+    /// Whether the client connection stays open after this answer, when the client asked to
+    /// keep it (`keep_alive`).
+    pub fn keeps_connection(&self, keep_alive: bool) -> bool {
+        keep_alive && !self.kind.close()
     }
 
     /// The error object as JSON: `{"error":{…}}`.
     pub fn body(&self) -> String {
-        let mut s = String::with_capacity(96 + self.message.len());
-        s.push_str("{\"error\":{\"message\":");
-        push_json_string(&mut s, &self.message);
-        s.push_str(",\"type\":");
-        push_json_string(&mut s, self.kind);
-        s.push_str(",\"param\":");
-        match self.param {
-            Some(p) => push_json_string(&mut s, p),
-            None => s.push_str("null"),
-        }
-        s.push_str(",\"code\":");
-        match self.code {
-            Some(c) => push_json_string(&mut s, c),
-            None => s.push_str("null"),
-        }
-        s.push_str("}}");
+        let mut s = String::with_capacity(self.body_len());
+        let _ = self.write_body(&mut s);
         s
     }
 
-    /// Append the whole HTTP response (head and body) to `out`. `head_only` for HEAD requests.
-    pub fn write_response(&self, out: &mut Vec<u8>, keep_alive: bool, head_only: bool) {
-        let body = self.body();
-        let mut head = String::with_capacity(160);
-        let _ = write!(
-            head,
-            "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
-            self.status,
-            reason(self.status),
-            body.len()
-        );
+    fn body_len(&self) -> usize {
+        let mut n = Count(0);
+        let _ = self.write_body(&mut n);
+        n.0
+    }
+
+    fn write_body<W: fmt::Write>(&self, out: &mut W) -> fmt::Result {
+        out.write_str("{\"error\":{\"message\":")?;
+        write_json_string(out, &self.message)?;
+        out.write_str(",\"type\":")?;
+        write_json_string(out, self.error_type())?;
+        out.write_str(",\"param\":")?;
+        match self.param {
+            Some(p) => write_json_string(out, p)?,
+            None => out.write_str("null")?,
+        }
+        out.write_str(",\"code\":")?;
+        match self.code() {
+            Some(c) => write_json_string(out, c)?,
+            None => out.write_str("null")?,
+        }
+        out.write_str("}}")
+    }
+
+    /// The whole HTTP response (head and body); `head_only` for HEAD requests. The one place
+    /// the response is laid out: [`Self::write_response`] writes it, [`Self::response_len`]
+    /// counts it.
+    fn render<W: fmt::Write>(&self, out: &mut W, keep_alive: bool, head_only: bool) -> fmt::Result {
+        let status = self.status();
+        write!(
+            out,
+            "HTTP/1.1 {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+            reason(status),
+            self.body_len()
+        )?;
         if let Some(methods) = self.allow {
-            let _ = write!(head, "allow: {methods}\r\n");
+            write!(out, "allow: {methods}\r\n")?;
         }
         if let Some(secs) = self.retry_after {
-            let _ = write!(head, "retry-after: {secs}\r\n");
+            write!(out, "retry-after: {secs}\r\n")?;
         }
         if let Some(extra) = &self.extra_headers {
-            head.push_str(extra);
+            out.write_str(extra)?;
         }
-        if !keep_alive || self.close {
-            head.push_str("connection: close\r\n");
+        if !self.keeps_connection(keep_alive) {
+            out.write_str("connection: close\r\n")?;
         }
-        head.push_str("\r\n");
-        out.extend_from_slice(head.as_bytes());
+        out.write_str("\r\n")?;
         if !head_only {
-            out.extend_from_slice(body.as_bytes());
+            self.write_body(out)?;
         }
+        Ok(())
+    }
+
+    /// Append the whole HTTP response (head and body) to `out`. `head_only` for HEAD requests.
+    /// Returns the bytes appended.
+    pub fn write_response(&self, out: &mut Vec<u8>, keep_alive: bool, head_only: bool) -> usize {
+        let before = out.len();
+        let _ = self.render(&mut Bytes(out), keep_alive, head_only);
+        out.len() - before
+    }
+
+    /// How many bytes [`Self::write_response`] appends, counted without writing them.
+    pub fn response_len(&self, keep_alive: bool, head_only: bool) -> usize {
+        let mut n = Count(0);
+        let _ = self.render(&mut n, keep_alive, head_only);
+        n.0
     }
 
     /// Header lines to add to the response (written as given).
@@ -250,14 +468,36 @@ impl GatewayError {
     }
 }
 
+/// A text sink that appends to a byte buffer.
+struct Bytes<'a>(&'a mut Vec<u8>);
+
+impl fmt::Write for Bytes<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.0.extend_from_slice(s.as_bytes());
+        Ok(())
+    }
+}
+
+/// A text sink that only counts bytes.
+struct Count(usize);
+
+impl fmt::Write for Count {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.0 += s.len();
+        Ok(())
+    }
+}
+
 impl From<crate::upstream::ConnectError> for GatewayError {
     fn from(e: crate::upstream::ConnectError) -> Self {
         use crate::upstream::ConnectError;
         match e {
             ConnectError::Failed { fault, message } => GatewayError::bad_gateway(fault, message),
-            ConnectError::PoolFull => {
-                GatewayError::overloaded("upstream connection limit reached; retry shortly")
-            }
+            ConnectError::PoolFull => GatewayError::new(
+                ErrorKind::UpstreamPoolFull,
+                "upstream connection limit reached; retry shortly",
+            )
+            .with_retry_after(Some(1)),
             ConnectError::Timeout => {
                 GatewayError::gateway_timeout("timed out connecting to the upstream")
             }
@@ -269,7 +509,15 @@ impl From<crate::http::HttpError> for GatewayError {
     fn from(e: crate::http::HttpError) -> Self {
         use crate::http::HttpError;
         match e {
-            HttpError::Limit { status, message } => GatewayError::limit(status, message),
+            HttpError::Limit { status, message } => {
+                let kind = match status {
+                    413 => ErrorKind::BodyTooLarge,
+                    414 => ErrorKind::UriTooLong,
+                    // 431, the only other limit the HTTP layer has.
+                    _ => ErrorKind::HeadTooLarge,
+                };
+                GatewayError::new(kind, message)
+            }
             HttpError::Malformed(message) => GatewayError::bad_http(message),
             HttpError::ExpectationFailed => GatewayError::expectation_failed(),
         }
@@ -282,9 +530,15 @@ impl From<crate::openai::inspect::InspectError> for GatewayError {
     }
 }
 
-impl std::fmt::Display for GatewayError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}: {}", self.status, self.kind, self.message)
+impl fmt::Display for GatewayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {}: {}",
+            self.status(),
+            self.error_type(),
+            self.message
+        )
     }
 }
 
@@ -315,7 +569,150 @@ pub fn reason(status: u16) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn catalogue_table() {
+        use ErrorKind::*;
+        for kind in ErrorKind::ALL {
+            // (status, type, code, retry elsewhere, close) — one row per kind, as the API
+            // documents it; a new kind does not compile until it has a row here.
+            #[rustfmt::skip]
+            let expected: (u16, &str, Option<&str>, bool, bool) = match kind {
+                MalformedHttp     => (400, "invalid_request_error", None,                        false, true),
+                UriTooLong        => (414, "invalid_request_error", None,                        false, true),
+                HeadTooLarge      => (431, "invalid_request_error", None,                        false, true),
+                BodyTooLarge      => (413, "invalid_request_error", None,                        false, true),
+                ExpectationFailed => (417, "invalid_request_error", None,                        false, true),
+                RequestTimeout    => (408, "invalid_request_error", None,                        false, true),
+                InvalidRequest    => (400, "invalid_request_error", None,                        false, false),
+                MissingApiKey     => (401, "invalid_request_error", Some("missing_api_key"),     false, false),
+                InvalidApiKey     => (401, "invalid_request_error", Some("invalid_api_key"),     false, false),
+                SourceNotAllowed  => (403, "permission_error",      Some("source_not_allowed"),  false, false),
+                ModelNotAllowed   => (403, "permission_error",      Some("model_not_allowed"),   false, false),
+                ModelNotFound     => (404, "invalid_request_error", Some("model_not_found"),     false, false),
+                NotFound          => (404, "invalid_request_error", None,                        false, false),
+                MethodNotAllowed  => (405, "invalid_request_error", None,                        false, false),
+                RateLimited       => (429, "rate_limit_error",      Some("rate_limit_exceeded"), false, false),
+                InsufficientQuota => (429, "insufficient_quota",    Some("insufficient_quota"),  false, false),
+                LimitsUnavailable => (503, "server_error",          Some("limits_unavailable"),  false, false),
+                Overloaded        => (503, "server_error",          None,                        false, true),
+                UpstreamPoolFull  => (503, "server_error",          None,                        true,  false),
+                UpstreamConnect   => (502, "upstream_error",        None,                        true,  false),
+                UpstreamTls       => (502, "upstream_error",        None,                        true,  false),
+                UpstreamTimeout   => (504, "upstream_error",        None,                        true,  false),
+                UpstreamIo        => (502, "upstream_error",        None,                        true,  false),
+                UpstreamProtocol  => (502, "upstream_error",        None,                        true,  false),
+            };
+            let actual = (
+                kind.status(),
+                kind.error_type(),
+                kind.code(),
+                kind.retry_elsewhere(),
+                kind.close(),
+            );
+            assert_eq!(actual, expected, "{kind:?}");
+            assert_ne!(reason(kind.status()), "Unknown", "{kind:?}");
+            // Upstream kinds, and only they, name an upstream fault, which maps back to them.
+            match kind.upstream_fault() {
+                Some(fault) => assert_eq!(ErrorKind::of_fault(fault), kind),
+                None => assert_ne!(kind.origin(), Origin::Upstream, "{kind:?}"),
+            }
+        }
+        // `ALL` holds every kind once, in declaration order.
+        assert_eq!(ErrorKind::ALL.len(), UpstreamProtocol as usize + 1);
+        for (i, kind) in ErrorKind::ALL.iter().enumerate() {
+            assert_eq!(*kind as usize, i);
+        }
+    }
+
+    #[test]
+    fn retry_elsewhere_after_an_upstream_status() {
+        for status in [429, 500, 502, 503, 504, 529] {
+            assert!(status_retry_elsewhere(status), "{status}");
+        }
+        for status in [200, 400, 401, 403, 404, 408, 413, 422] {
+            assert!(!status_retry_elsewhere(status), "{status}");
+        }
+    }
+
+    /// An instance of `kind` with every optional part set, and a message that needs escaping.
+    fn full(kind: ErrorKind) -> GatewayError {
+        let mut e = GatewayError::new(kind, "quote \" backslash \\ newline \n ctl \u{1} ünï ✓")
+            .with_param(Some("model"))
+            .with_retry_after(Some(7));
+        e.allow = Some("GET, HEAD");
+        e.add_headers("x-ratelimit-limit-requests: 10\r\n");
+        e
+    }
+
+    #[test]
+    fn every_body_is_openai_shaped_json() {
+        for kind in ErrorKind::ALL {
+            for e in [GatewayError::new(kind, "plain"), full(kind)] {
+                let v: serde_json::Value = serde_json::from_str(&e.body()).unwrap();
+                let top = v.as_object().unwrap();
+                assert_eq!(top.keys().collect::<Vec<_>>(), ["error"], "{kind:?}");
+                let inner = top["error"].as_object().unwrap();
+                let mut keys: Vec<_> = inner.keys().map(String::as_str).collect();
+                keys.sort_unstable();
+                assert_eq!(keys, ["code", "message", "param", "type"], "{kind:?}");
+                assert_eq!(inner["message"].as_str(), Some(e.message.as_str()));
+                assert_eq!(inner["type"].as_str(), Some(kind.error_type()));
+                assert_eq!(inner["param"].as_str(), e.param);
+                assert_eq!(inner["code"].as_str(), kind.code());
+                assert!(inner["param"].is_null() == e.param.is_none());
+                assert!(inner["code"].is_null() == kind.code().is_none());
+            }
+        }
+    }
+
+    #[test]
+    fn counted_length_is_the_rendered_length() {
+        for kind in ErrorKind::ALL {
+            for e in [GatewayError::new(kind, ""), full(kind)] {
+                for keep_alive in [true, false] {
+                    for head_only in [true, false] {
+                        let mut out = b"already there".to_vec();
+                        let written = e.write_response(&mut out, keep_alive, head_only);
+                        assert_eq!(written, out.len() - 13, "{kind:?}");
+                        assert_eq!(e.response_len(keep_alive, head_only), written, "{kind:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn response_head_and_connection() {
+        let e = full(ErrorKind::MethodNotAllowed);
+        let mut out = Vec::new();
+        e.write_response(&mut out, true, false);
+        let text = String::from_utf8(out).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert_eq!(
+            head,
+            format!(
+                "HTTP/1.1 405 Method Not Allowed\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nallow: GET, HEAD\r\nretry-after: 7\r\n\
+                 x-ratelimit-limit-requests: 10",
+                body.len()
+            )
+        );
+        assert_eq!(body, e.body());
+        assert!(e.keeps_connection(true));
+        assert!(!e.keeps_connection(false));
+
+        // A closing kind says so even when the client asked to keep the connection.
+        let mut out = Vec::new();
+        let e = GatewayError::bad_http("x");
+        e.write_response(&mut out, true, true);
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.starts_with("HTTP/1.1 400 Bad Request\r\n"));
+        assert!(text.ends_with("connection: close\r\n\r\n"));
+        assert!(!e.keeps_connection(true));
+    }
 
     #[test]
     fn body_is_openai_shaped_and_escaped() {
@@ -324,10 +721,61 @@ mod tests {
             e.body(),
             r#"{"error":{"message":"The model `a\"b` does not exist or you do not have access to it.","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#
         );
-        let mut out = Vec::new();
-        GatewayError::bad_http("x").write_response(&mut out, true, false);
-        let text = String::from_utf8_lossy(&out);
-        assert!(text.starts_with("HTTP/1.1 400 Bad Request\r\n"));
-        assert!(text.contains("connection: close\r\n"));
+        assert_eq!(e.sse_event(), format!("data: {}\n\n", e.body()),);
+    }
+
+    #[test]
+    fn lower_layer_errors_keep_their_status() {
+        use crate::http::HttpError;
+        use crate::upstream::ConnectError;
+        for (e, kind) in [
+            (
+                HttpError::Limit {
+                    status: 413,
+                    message: "m",
+                },
+                ErrorKind::BodyTooLarge,
+            ),
+            (
+                HttpError::Limit {
+                    status: 414,
+                    message: "m",
+                },
+                ErrorKind::UriTooLong,
+            ),
+            (
+                HttpError::Limit {
+                    status: 431,
+                    message: "m",
+                },
+                ErrorKind::HeadTooLarge,
+            ),
+            (HttpError::Malformed("m".into()), ErrorKind::MalformedHttp),
+            (HttpError::ExpectationFailed, ErrorKind::ExpectationFailed),
+        ] {
+            let status = e.status();
+            let g = GatewayError::from(e);
+            assert_eq!((g.kind, g.status()), (kind, status));
+        }
+        for (fault, kind) in [
+            (UpstreamFault::Connect, ErrorKind::UpstreamConnect),
+            (UpstreamFault::Tls, ErrorKind::UpstreamTls),
+        ] {
+            let g = GatewayError::from(ConnectError::Failed {
+                fault,
+                message: "m".into(),
+            });
+            assert_eq!((g.kind, g.upstream_fault()), (kind, Some(fault)));
+        }
+        let g = GatewayError::from(ConnectError::PoolFull);
+        assert_eq!(
+            (g.kind, g.retry_after),
+            (ErrorKind::UpstreamPoolFull, Some(1))
+        );
+        let g = GatewayError::from(ConnectError::Timeout);
+        assert_eq!(
+            (g.status(), g.upstream_fault()),
+            (504, Some(UpstreamFault::Timeout))
+        );
     }
 }

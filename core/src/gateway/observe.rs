@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::config::Snapshot;
 use crate::gateway::admit::Caller;
 use crate::gateway::context::Request;
-use crate::gateway::error::{GatewayError, Origin, UpstreamFault};
+use crate::gateway::error::{ErrorKind, GatewayError, Origin, UpstreamFault};
 use crate::gateway::relay::RelayEnd;
 use crate::openai::inspect::Inspection;
 use crate::openai::meter::{MeterSummary, SseMeter, Usage};
@@ -353,7 +353,7 @@ impl Estimator {
 /// What kind of failure a request ended in, for the access log (`error_class`).
 fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str {
     match error {
-        Some(e) => match e.origin {
+        Some(e) => match e.origin() {
             Origin::Client => "client_error",
             Origin::Upstream => "upstream_error",
             Origin::Gateway => "gateway_overload",
@@ -382,7 +382,7 @@ pub fn emit(
     caller: &Caller,
 ) {
     let key = caller.principal.map(|p| p.key);
-    let status = error.map_or(obs.status, |e| e.status);
+    let status = error.map_or(obs.status, |e| e.status());
     let path = request.head.path(request.buf);
 
     // Metrics: label values come from configured names only.
@@ -424,10 +424,10 @@ pub fn emit(
             }
         }
         let kind = match error {
-            Some(e) if e.status == 503 && e.origin == Origin::Gateway => {
+            Some(e) if e.kind == ErrorKind::UpstreamPoolFull => {
                 Some(UpstreamErrorKind::PoolExhausted)
             }
-            Some(e) => e.upstream_fault.map(fault_kind),
+            Some(e) => e.upstream_fault().map(fault_kind),
             None => match obs.end {
                 Some(RelayEnd::UpstreamCut(fault)) => Some(fault_kind(fault)),
                 _ if obs.status == 429 => Some(UpstreamErrorKind::Status429),
@@ -528,11 +528,7 @@ pub fn emit(
     rec.bytes_in = obs.bytes_in;
     rec.bytes_out = match error {
         // Sluice's own answer is written after this record: count what it will be.
-        Some(e) => {
-            let mut answer = Vec::new();
-            e.write_response(&mut answer, request.head.keep_alive, false);
-            answer.len() as u64
-        }
+        Some(e) => e.response_len(request.head.keep_alive, false) as u64,
         None => obs.bytes_out,
     };
     set_str(&mut rec.error_class, error_class(obs, error));

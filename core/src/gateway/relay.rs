@@ -362,7 +362,7 @@ pub async fn relay(
         None => RelayEnd::Complete,
         Some(Cut::Client) => RelayEnd::ClientLeft,
         Some(Cut::Upstream(e)) => {
-            RelayEnd::UpstreamCut(e.upstream_fault.unwrap_or(UpstreamFault::Io))
+            RelayEnd::UpstreamCut(e.upstream_fault().unwrap_or(UpstreamFault::Io))
         }
     };
     let keep_alive = match cut {

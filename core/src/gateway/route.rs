@@ -113,7 +113,7 @@ mod tests {
         assert_eq!(route(&s, "gpt-3.5", &rng).unwrap().cluster.name, "b");
         assert_eq!(route(&s, "gpt-3.5", &rng).unwrap().mapped_model, None);
         let e = route(&s, "claude", &rng).unwrap_err();
-        assert_eq!((e.status, e.code), (404, Some("model_not_found")));
+        assert_eq!((e.status(), e.code()), (404, Some("model_not_found")));
     }
 
     #[test]

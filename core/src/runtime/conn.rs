@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use monoio::net::TcpStream;
 
 use crate::gateway::context::{ClientSocket, Request};
-use crate::gateway::error::GatewayError;
+use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::gateway::pipeline;
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, RequestHead};
@@ -251,7 +251,7 @@ pub async fn write_error(
 ) -> bool {
     let mut out = worker.bufs.take();
     error.write_response(&mut out, keep_alive, head_only);
-    send_own(worker, client, out).await && keep_alive && !error.close
+    send_own(worker, client, out).await && error.keeps_connection(keep_alive)
 }
 
 /// Write a response Sluice built itself into a pool buffer, and give the buffer back.
@@ -382,7 +382,10 @@ async fn read_body(
                             GatewayError::bad_http(format!("malformed chunked body: {}", e.0))
                         })?;
                     if over {
-                        return Err(GatewayError::limit(413, "request body too large"));
+                        return Err(GatewayError::new(
+                            ErrorKind::BodyTooLarge,
+                            "request body too large",
+                        ));
                     }
                     pos += used;
                     if decoder.is_done() {
