@@ -2054,6 +2054,72 @@ pub(crate) mod tests {
         assert_eq!(e.get("sluice_metrics_shards", &[]), Some(2.0));
     }
 
+    /// The scrape with one value changed: the publish age, which depends on the clock.
+    fn without_publish_age(text: &str) -> String {
+        let age = "sluice_metrics_publish_age_seconds ";
+        text.lines()
+            .map(|line| match line.strip_prefix(age) {
+                Some(_) => format!("{age}AGE\n"),
+                None => format!("{line}\n"),
+            })
+            .collect()
+    }
+
+    /// The exposition as the hand-written render of 3411d92 wrote it, for `two_shards` plus
+    /// the traffic added in the test below: the byte-for-byte reference for any rework of
+    /// render. Change it only together with a deliberate change of the exposition.
+    const RECORDED_SCRAPE: &str = include_str!("testdata/metrics_scrape.prom");
+
+    #[test]
+    fn render_is_byte_for_byte_the_recorded_exposition() {
+        let hub = hub();
+        let (a, b) = two_shards(&hub);
+        let n = hub.names();
+        let (chat, embeddings) = (n.route("chat_completions"), n.route("embeddings"));
+        let (gpt, llama, weird) = (n.model("gpt-4o"), n.model("llama-3-70b"), n.entity(WEIRD));
+        // More rows of the sparse (model / entity) families, and more than one series each.
+        a.request_done(embeddings, llama, weird, StatusClass::from_status(200));
+        b.request_done(
+            embeddings,
+            ModelIdx::OTHER,
+            EntityIdx::OTHER,
+            StatusClass::Redirect,
+        );
+        a.tokens(llama, weird, 7, 0, 0);
+        b.tokens(ModelIdx::OTHER, EntityIdx::OTHER, 1, 2, 1);
+        a.cost(llama, weird, 1);
+        b.cost(gpt, EntityIdx::OTHER, 123_456_789);
+        b.observe_ttft(llama, Duration::from_secs(12));
+        b.observe_tpot(llama, Duration::from_millis(75));
+        a.observe_latency(embeddings, llama, Duration::from_millis(10));
+        b.observe_latency(chat, ModelIdx::OTHER, Duration::from_secs(100));
+        a.observe_overhead(embeddings, Duration::from_millis(6));
+        b.limiter_match(PolicyIdx::OTHER, LimitDimension::Quota);
+        a.upstream_request(BackendIdx::OTHER, Attempt::Retry);
+        a.upstream_error(n.backend_at(1), UpstreamErrorKind::PoolExhausted);
+        b.upstream_in_flight_dec(n.backend_at(0));
+        a.upstream_in_flight_inc(BackendIdx::OTHER);
+        a.sync_flush(Duration::from_millis(1), true);
+        a.publish(&hub);
+        b.publish(&hub);
+
+        let (text, _) = render(&hub);
+        let text = without_publish_age(&text);
+        if text != RECORDED_SCRAPE {
+            let path = temp_file("scrape", &text);
+            let line = text
+                .lines()
+                .zip(RECORDED_SCRAPE.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or(text.lines().count().min(RECORDED_SCRAPE.lines().count()));
+            panic!(
+                "the scrape differs from testdata/metrics_scrape.prom from line {}; it is in {}",
+                line + 1,
+                path.display()
+            );
+        }
+    }
+
     #[test]
     fn every_family_is_rendered_once_in_declared_order() {
         let hub = hub();
