@@ -431,8 +431,9 @@ fn metrics_count_requests_tokens_and_upstream_errors() {
     let fams = python_parse(&text);
 
     // Every declared family is there with its declared type.
-    for (name, kind) in sluice::telemetry::metrics::FAMILIES {
-        let py_name = if *kind == "counter" {
+    for family in sluice::telemetry::metrics::FAMILIES {
+        let (name, kind) = (family.name, family.kind.as_str());
+        let py_name = if kind == "counter" {
             name.strip_suffix("_total").unwrap_or(name)
         } else {
             name
@@ -441,7 +442,7 @@ fn metrics_count_requests_tokens_and_upstream_errors() {
             .iter()
             .find(|f| f["name"] == py_name)
             .unwrap_or_else(|| panic!("family {name} missing:\n{text}"));
-        assert_eq!(fam["type"], *kind, "{name}");
+        assert_eq!(fam["type"], kind, "{name}");
         assert!(
             !fam["help"].as_str().unwrap_or("").is_empty(),
             "{name} has no HELP"
