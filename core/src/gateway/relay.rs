@@ -76,7 +76,7 @@ enum Cut {
 pub async fn relay(
     io: Io<'_>,
     client: &mut ClientSocket,
-    response: UpstreamResponse,
+    response: UpstreamResponse<'_>,
     side: ClientSide,
     obs: &mut Observation,
 ) -> Result<bool, GatewayError> {
@@ -84,6 +84,7 @@ pub async fn relay(
         mut conn,
         head,
         buf: mut ubuf,
+        in_flight: _in_flight, // the exchange counts as in flight until the relay returns
     } = response;
     let timeouts = io.timeouts;
     let framing = head.framing();

@@ -826,17 +826,19 @@ impl MetricsShard {
         );
     }
 
-    /// A request to `backend` started (`sluice_upstream_in_flight`). Pair with
-    /// [`MetricsShard::upstream_in_flight_dec`] on the same worker.
-    pub fn upstream_in_flight_inc(&self, backend: BackendIdx) {
-        let b = self.names.backends.clamp(backend.0);
-        self.gauge_add(self.layout.in_flight + b, 1);
+    /// An exchange with `backend` starts: it counts in `sluice_upstream_in_flight` until the
+    /// returned guard is dropped, so it is uncounted exactly once however the exchange ends.
+    pub fn upstream_in_flight(&self, backend: BackendIdx) -> InFlight<'_> {
+        let at = self.layout.in_flight + self.names.backends.clamp(backend.0);
+        self.gauge_add(at, 1);
+        InFlight { shard: self, at }
     }
 
-    /// A request to `backend` finished, whatever the outcome.
-    pub fn upstream_in_flight_dec(&self, backend: BackendIdx) {
+    /// For tests that need a gauge value without holding guards.
+    #[cfg(test)]
+    fn upstream_in_flight_add(&self, backend: BackendIdx, n: i64) {
         let b = self.names.backends.clamp(backend.0);
-        self.gauge_add(self.layout.in_flight + b, -1);
+        self.gauge_add(self.layout.in_flight + b, n);
     }
 
     /// One sync-backend flush: `sluice_sync_flush_duration_seconds` and
@@ -879,6 +881,23 @@ impl MetricsShard {
         }
         slot.published = Instant::now();
         true
+    }
+}
+
+/// One exchange with a backend, counted in `sluice_upstream_in_flight` while this lives (see
+/// [`MetricsShard::upstream_in_flight`]). Hold it for as long as the upstream connection is in
+/// use for the request.
+#[must_use = "the exchange is uncounted when this is dropped"]
+#[derive(Debug)]
+pub struct InFlight<'s> {
+    shard: &'s MetricsShard,
+    /// The backend's gauge.
+    at: usize,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.shard.gauge_add(self.at, -1);
     }
 }
 
@@ -1853,12 +1872,12 @@ pub(crate) mod tests {
         b.upstream_request(openai, Attempt::First);
         b.upstream_request(vllm, Attempt::Fallback);
         b.upstream_error(openai, UpstreamErrorKind::Status429);
-        a.upstream_in_flight_inc(openai);
-        a.upstream_in_flight_inc(openai);
-        b.upstream_in_flight_inc(openai);
-        a.upstream_in_flight_dec(openai);
-        b.upstream_in_flight_inc(vllm);
-        b.upstream_in_flight_dec(vllm);
+        a.upstream_in_flight_add(openai, 1);
+        a.upstream_in_flight_add(openai, 1);
+        b.upstream_in_flight_add(openai, 1);
+        a.upstream_in_flight_add(openai, -1);
+        b.upstream_in_flight_add(vllm, 1);
+        b.upstream_in_flight_add(vllm, -1);
 
         a.observe_ttft(gpt, Duration::from_millis(30));
         b.observe_ttft(gpt, Duration::from_millis(300));
@@ -2163,8 +2182,8 @@ pub(crate) mod tests {
         b.limiter_match(PolicyIdx::OTHER, LimitDimension::Quota);
         a.upstream_request(BackendIdx::OTHER, Attempt::Retry);
         a.upstream_error(n.backend_at(1), UpstreamErrorKind::PoolExhausted);
-        b.upstream_in_flight_dec(n.backend_at(0));
-        a.upstream_in_flight_inc(BackendIdx::OTHER);
+        b.upstream_in_flight_add(n.backend_at(0), -1);
+        a.upstream_in_flight_add(BackendIdx::OTHER, 1);
         a.sync_flush(Duration::from_millis(1), true);
         a.publish(&hub);
         b.publish(&hub);
@@ -2490,7 +2509,7 @@ pub(crate) mod tests {
             EntityIdx::OTHER,
             StatusClass::Success,
         );
-        s.upstream_in_flight_inc(hub.names().backend_at(0));
+        s.upstream_in_flight_add(hub.names().backend_at(0), 1);
         s.publish(&hub);
         let (_, e) = render(&hub);
         assert_eq!(
@@ -2498,6 +2517,30 @@ pub(crate) mod tests {
             Some(1.0)
         );
         assert_eq!(e.count("sluice_requests_total"), 1);
+    }
+
+    #[test]
+    fn an_exchange_is_in_flight_while_its_guard_lives() {
+        let hub = hub();
+        let s = MetricsShard::new(&hub);
+        let n = hub.names();
+        let in_flight = |backend| {
+            s.publish(&hub);
+            render(&hub)
+                .1
+                .get("sluice_upstream_in_flight", &[("backend", backend)])
+        };
+        let openai = "openai/api.openai.com:443";
+        let first = s.upstream_in_flight(n.backend_at(0));
+        let second = s.upstream_in_flight(n.backend_at(0));
+        let unknown = s.upstream_in_flight(n.backend_at(7));
+        assert_eq!(in_flight(openai), Some(2.0));
+        assert_eq!(in_flight("other"), Some(1.0));
+        drop(first);
+        assert_eq!(in_flight(openai), Some(1.0));
+        drop((second, unknown));
+        assert_eq!(in_flight(openai), Some(0.0));
+        assert_eq!(in_flight("other"), Some(0.0));
     }
 
     #[test]
