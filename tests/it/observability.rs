@@ -431,8 +431,9 @@ fn metrics_count_requests_tokens_and_upstream_errors() {
     let fams = python_parse(&text);
 
     // Every declared family is there with its declared type.
-    for (name, kind) in sluice::telemetry::metrics::FAMILIES {
-        let py_name = if *kind == "counter" {
+    for family in sluice::telemetry::metrics::FAMILIES {
+        let (name, kind) = (family.name, family.kind.as_str());
+        let py_name = if kind == "counter" {
             name.strip_suffix("_total").unwrap_or(name)
         } else {
             name
@@ -441,7 +442,7 @@ fn metrics_count_requests_tokens_and_upstream_errors() {
             .iter()
             .find(|f| f["name"] == py_name)
             .unwrap_or_else(|| panic!("family {name} missing:\n{text}"));
-        assert_eq!(fam["type"], *kind, "{name}");
+        assert_eq!(fam["type"], kind, "{name}");
         assert!(
             !fam["help"].as_str().unwrap_or("").is_empty(),
             "{name} has no HELP"
@@ -546,6 +547,74 @@ fn metrics_count_requests_tokens_and_upstream_errors() {
     assert_eq!(h.status, 200, "{}", h.dump());
     let ready = gw.admin_get("/readyz");
     assert_eq!(ready.status, 200, "{}", ready.dump());
+}
+
+/// `sluice_upstream_in_flight` of `backend` in a scrape.
+fn in_flight(m: &Metrics, backend: &str) -> Option<f64> {
+    m.get("sluice_upstream_in_flight", &[("backend", backend)])
+}
+
+/// A streamed chat request whose tokens come every `gap_ms`, `tokens` of them.
+fn slow_stream(tokens: u32, gap_ms: u32) -> Req {
+    Req::post("/v1/chat/completions", &chat_stream_body("gpt-4o"))
+        .header("x-mock-tokens", &tokens.to_string())
+        .header("x-mock-inter-token-ms", &gap_ms.to_string())
+}
+
+#[test]
+fn upstream_in_flight_counts_an_exchange_until_it_ends_however_it_ends() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).admin());
+    let backend = format!("main/{}", mock.addr);
+    let settles_at = |want: f64, when: &str| {
+        let m = gw.wait_metrics(METRICS_WAIT, |m| in_flight(m, &backend) == Some(want));
+        assert_eq!(in_flight(&m, &backend), Some(want), "{when}");
+    };
+    settles_at(0.0, "before any request");
+
+    // A stream held open (~5 s) is in flight while it streams, and no longer once it ended.
+    let mut c = gw.conn();
+    c.send(&slow_stream(25, 200).build());
+    let head = c.read_head().expect("stream head");
+    assert_eq!(head.status, 200);
+    settles_at(1.0, "while a stream is relayed");
+    let r = c.read_body(head, "POST");
+    assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+    assert!(r.text().contains("[DONE]"), "{}", r.dump());
+    settles_at(0.0, "after the stream ended");
+
+    // The client leaves mid-stream: the relay cuts the upstream and the count goes back.
+    let mut c = gw.conn();
+    c.send(&slow_stream(100, 100).build());
+    let head = c.read_head().expect("stream head");
+    assert_eq!(head.status, 200);
+    settles_at(1.0, "while the second stream is relayed");
+    drop(c);
+    settles_at(0.0, "after the client left mid-stream");
+    assert!(
+        wait_until(METRICS_WAIT, || mock.stat("streams_aborted") == 1),
+        "the upstream stream was not cut: {}",
+        mock.stats()
+    );
+
+    // The upstream cuts the stream, or answers an error: counted, then uncounted.
+    let r = gw.request(&slow_stream(6, 0).header("x-mock-fault", "drop-mid-stream"));
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let r = gw.request(
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o")).header("x-mock-status", "503"),
+    );
+    assert_eq!(r.status, 503, "{}", r.dump());
+    let m = gw.wait_metrics(METRICS_WAIT, |m| {
+        m.get(
+            "sluice_upstream_requests_total",
+            &[("backend", &backend), ("attempt", "first")],
+        ) == Some(4.0)
+    });
+    assert_eq!(
+        in_flight(&m, &backend),
+        Some(0.0),
+        "after an upstream cut and a 503"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

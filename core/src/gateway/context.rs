@@ -170,13 +170,14 @@ impl Drop for ActiveRequest<'_> {
 }
 
 /// What the phases that talk to sockets (forward, relay) use: upstream pools, buffers, how to
-/// write, and the timeouts.
+/// write, the timeouts, and the metrics shard (for counting upstream exchanges in flight).
 #[derive(Clone, Copy)]
 pub struct Io<'w> {
     pub pools: &'w Pools,
     pub bufs: &'w BufPool,
     pub load: &'w Load,
     pub timeouts: &'w Timeouts,
+    pub metrics: &'w MetricsShard,
 }
 
 /// One request's loan of its worker's per-core state: the config snapshot the request runs on
@@ -203,6 +204,7 @@ impl<'w> PerCore<'w> {
             bufs: self.bufs,
             load: self.load,
             timeouts: &self.snapshot.timeouts,
+            metrics: self.metrics,
         }
     }
 }

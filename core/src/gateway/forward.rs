@@ -21,6 +21,7 @@ use crate::gateway::route::Target;
 use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
+use crate::telemetry::metrics::InFlight;
 use crate::upstream::{connect, UpstreamConn};
 
 /// Client headers never forwarded: the client's credentials (the upstream gets the cluster's),
@@ -174,11 +175,14 @@ fn splice<'a>(out: &mut Vec<u8>, body: &[u8], edits: impl Iterator<Item = Edit<'
 }
 
 /// An upstream's answer, head parsed, body not yet relayed.
-pub struct UpstreamResponse {
+pub struct UpstreamResponse<'w> {
     pub conn: UpstreamConn,
     pub head: ResponseHead,
     /// The head's bytes followed by whatever body bytes arrived with it.
     pub buf: Vec<u8>,
+    /// Counts the exchange in `sluice_upstream_in_flight` (from the request's write on) until
+    /// dropped: keep it as long as `conn` serves this request.
+    pub in_flight: InFlight<'w>,
 }
 
 /// Why an attempt failed, and whether it may be retried on a fresh connection.
@@ -189,13 +193,14 @@ struct AttemptError {
 }
 
 /// Send `request` (as built by [`build_request`]) and read the response head.
-pub async fn send(
-    io: Io<'_>,
+pub async fn send<'w>(
+    io: Io<'w>,
     target: &Target<'_>,
     mut request: Vec<u8>,
     obs: &mut Observation,
-) -> Result<UpstreamResponse, GatewayError> {
+) -> Result<UpstreamResponse<'w>, GatewayError> {
     let timeouts = io.timeouts;
+    let backend = io.metrics.names().backend_at(target.backend.id);
     let mut fresh_only = false;
     obs.forwarded_at = Some(Instant::now());
     loop {
@@ -212,7 +217,8 @@ pub async fn send(
             }
         };
         let deadline = Instant::now() + timeouts.upstream_first_byte;
-        let (result, returned) = attempt(io, conn, request, deadline).await;
+        let in_flight = io.metrics.upstream_in_flight(backend);
+        let (result, returned) = attempt(io, conn, in_flight, request, deadline).await;
         request = returned;
         match result {
             Ok(response) => {
@@ -232,12 +238,13 @@ pub async fn send(
     }
 }
 
-async fn attempt(
-    io: Io<'_>,
+async fn attempt<'w>(
+    io: Io<'w>,
     mut conn: UpstreamConn,
+    in_flight: InFlight<'w>,
     request: Vec<u8>,
     deadline: Instant,
-) -> (Result<UpstreamResponse, AttemptError>, Vec<u8>) {
+) -> (Result<UpstreamResponse<'w>, AttemptError>, Vec<u8>) {
     let reused = conn.reused;
     let timed_out = || AttemptError {
         error: GatewayError::gateway_timeout("the upstream did not answer in time"),
@@ -294,7 +301,15 @@ async fn attempt(
                         request,
                     );
                 }
-                Ok(true) => return (Ok(UpstreamResponse { conn, head, buf }), request),
+                Ok(true) => {
+                    let response = UpstreamResponse {
+                        conn,
+                        head,
+                        buf,
+                        in_flight,
+                    };
+                    return (Ok(response), request);
+                }
                 Err(e) => {
                     conn.abort();
                     let error = GatewayError::bad_gateway(UpstreamFault::Protocol, e.0);

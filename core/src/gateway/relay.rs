@@ -96,7 +96,7 @@ enum Cut {
 pub async fn relay(
     io: Io<'_>,
     client: &mut ClientSocket,
-    response: UpstreamResponse,
+    response: UpstreamResponse<'_>,
     side: ClientSide,
     obs: &mut Observation,
 ) -> Result<Relayed, GatewayError> {
@@ -104,6 +104,7 @@ pub async fn relay(
         mut conn,
         head,
         buf: mut ubuf,
+        in_flight: _in_flight, // the exchange counts as in flight until the relay returns
     } = response;
     let timeouts = io.timeouts;
     let framing = head.framing();

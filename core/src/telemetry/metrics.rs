@@ -19,6 +19,10 @@
 //!   at a time, sums them and writes Prometheus text exposition 0.0.4. A slot's lock is only ever
 //!   contended by a scrape reading that slot, and publish never waits for it: the worker thread
 //!   never blocks on metrics.
+//! - [`FAMILIES`] declares every family once: name, type, help, labels and where its values sit
+//!   in the arrays. The scrape walks it; nothing else names a family. A new family is one entry
+//!   there, its offsets in `Layout` and the shard method that records it (a unit test checks
+//!   that the table's families cover the layout exactly).
 //!
 //! # Staleness
 //!
@@ -40,7 +44,7 @@
 //! # What is emitted
 //!
 //! Families keyed by `model` or `entity` (whose size is a product of configured lists) omit
-//! series that are still zero; the others — per backend, per policy, per route, unlabelled —
+//! series that are still zero (`Family::sparse`); the others — per backend, per policy, per route, unlabelled —
 //! always show every series, so an alert on a first error (`increase(...) > 0`) sees the step
 //! from 0. Counters and histograms only grow, so a series that appeared never disappears.
 //!
@@ -544,11 +548,9 @@ impl Hist {
 /// from the same [`LabelNames`].
 #[derive(Debug, Clone)]
 struct Layout {
-    routes: usize,
+    /// Table sizes the shard's index arithmetic needs.
     models: usize,
     entities: usize,
-    backends: usize,
-    policies: usize,
 
     requests: usize,
     tokens: usize,
@@ -616,11 +618,8 @@ impl Layout {
         let sync_flush = hist(&SYNC_FLUSH_BUCKETS, 1);
 
         Layout {
-            routes: r,
             models: m,
             entities: e,
-            backends: b,
-            policies: p,
             requests,
             tokens,
             cost,
@@ -827,17 +826,19 @@ impl MetricsShard {
         );
     }
 
-    /// A request to `backend` started (`sluice_upstream_in_flight`). Pair with
-    /// [`MetricsShard::upstream_in_flight_dec`] on the same worker.
-    pub fn upstream_in_flight_inc(&self, backend: BackendIdx) {
-        let b = self.names.backends.clamp(backend.0);
-        self.gauge_add(self.layout.in_flight + b, 1);
+    /// An exchange with `backend` starts: it counts in `sluice_upstream_in_flight` until the
+    /// returned guard is dropped, so it is uncounted exactly once however the exchange ends.
+    pub fn upstream_in_flight(&self, backend: BackendIdx) -> InFlight<'_> {
+        let at = self.layout.in_flight + self.names.backends.clamp(backend.0);
+        self.gauge_add(at, 1);
+        InFlight { shard: self, at }
     }
 
-    /// A request to `backend` finished, whatever the outcome.
-    pub fn upstream_in_flight_dec(&self, backend: BackendIdx) {
+    /// For tests that need a gauge value without holding guards.
+    #[cfg(test)]
+    fn upstream_in_flight_add(&self, backend: BackendIdx, n: i64) {
         let b = self.names.backends.clamp(backend.0);
-        self.gauge_add(self.layout.in_flight + b, -1);
+        self.gauge_add(self.layout.in_flight + b, n);
     }
 
     /// One sync-backend flush: `sluice_sync_flush_duration_seconds` and
@@ -883,6 +884,23 @@ impl MetricsShard {
     }
 }
 
+/// One exchange with a backend, counted in `sluice_upstream_in_flight` while this lives (see
+/// [`MetricsShard::upstream_in_flight`]). Hold it for as long as the upstream connection is in
+/// use for the request.
+#[must_use = "the exchange is uncounted when this is dropped"]
+#[derive(Debug)]
+pub struct InFlight<'s> {
+    shard: &'s MetricsShard,
+    /// The backend's gauge.
+    at: usize,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.shard.gauge_add(self.at, -1);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The hub and the scrape
 // ---------------------------------------------------------------------------------------------
@@ -905,6 +923,12 @@ impl Slot {
             gauges: vec![0; layout.gauges],
             published: Instant::now(),
         }
+    }
+
+    /// The per-bucket (not cumulative) counts of one histogram series, `+Inf` last.
+    fn bucket_counts(&self, h: &Hist, series: usize) -> &[u64] {
+        let start = h.counts_at + series * h.stride();
+        self.counters.get(start..start + h.stride()).unwrap_or(&[])
     }
 }
 
@@ -974,329 +998,396 @@ impl MetricsHub {
         (total, slots.len(), oldest)
     }
 
-    /// Write every family, summed over all shards' last publishes, as Prometheus text
-    /// exposition format 0.0.4 (`Content-Type: text/plain; version=0.0.4`). Appends to `out`.
+    /// Write every family of [`FAMILIES`], in its order, summed over all shards' last
+    /// publishes, as Prometheus text exposition format 0.0.4 (`Content-Type: text/plain;
+    /// version=0.0.4`). Appends to `out`.
     pub fn render(&self, out: &mut String) {
-        let (t, shards, oldest) = self.merged();
-        let l = &self.layout;
-        let n = &*self.names;
+        let (totals, shards, oldest) = self.merged();
+        let scrape = Scrape {
+            totals: &totals,
+            layout: &self.layout,
+            names: &self.names,
+            shards,
+            oldest,
+        };
         let mut w = Writer { out };
-
-        // sluice_requests_total{route, model, entity, status_class}
-        w.header(
-            "sluice_requests_total",
-            "counter",
-            "Client requests finished, by API route, model, entity and status class.",
-        );
-        for r in 0..l.routes {
-            for m in 0..l.models {
-                for e in 0..l.entities {
-                    for (s, class) in StatusClass::ALL.iter().enumerate() {
-                        let at = l.requests
-                            + ((r * l.models + m) * l.entities + e) * StatusClass::ALL.len()
-                            + s;
-                        let v = t.counters.get(at).copied().unwrap_or(0);
-                        if v != 0 {
-                            w.sample_u(
-                                "sluice_requests_total",
-                                &[
-                                    ("route", n.routes.name(r)),
-                                    ("model", n.models.name(m)),
-                                    ("entity", n.entities.name(e)),
-                                    ("status_class", class.label()),
-                                ],
-                                v,
-                            );
-                        }
-                    }
-                }
-            }
+        for family in FAMILIES {
+            w.header(family.name, family.kind.as_str(), family.help);
+            scrape.write_family(&mut w, family);
         }
-
-        // sluice_tokens_total{model, entity, type}
-        w.header(
-            "sluice_tokens_total",
-            "counter",
-            "Tokens settled, by model, entity and type (cached is the part of prompt served from cache).",
-        );
-        for m in 0..l.models {
-            for e in 0..l.entities {
-                for (k, kind) in TOKEN_TYPES.iter().enumerate() {
-                    let at = l.tokens + (m * l.entities + e) * TOKEN_TYPES.len() + k;
-                    let v = t.counters.get(at).copied().unwrap_or(0);
-                    if v != 0 {
-                        w.sample_u(
-                            "sluice_tokens_total",
-                            &[
-                                ("model", n.models.name(m)),
-                                ("entity", n.entities.name(e)),
-                                ("type", kind),
-                            ],
-                            v,
-                        );
-                    }
-                }
-            }
-        }
-
-        // sluice_cost_total{model, entity}
-        w.header(
-            "sluice_cost_total",
-            "counter",
-            "Cost settled, in the configured currency unit, by model and entity.",
-        );
-        for m in 0..l.models {
-            for e in 0..l.entities {
-                let v = t
-                    .counters
-                    .get(l.cost + m * l.entities + e)
-                    .copied()
-                    .unwrap_or(0);
-                if v != 0 {
-                    w.sample_scaled(
-                        "sluice_cost_total",
-                        &[("model", n.models.name(m)), ("entity", n.entities.name(e))],
-                        u128::from(v),
-                        6,
-                    );
-                }
-            }
-        }
-
-        // Limiter: sluice_limiter_{matches,hits}_total{policy, dimension}
-        for (name, base, help) in [
-            (
-                "sluice_limiter_matches_total",
-                l.limiter_matches,
-                "Requests a limiter policy checked, by policy and dimension.",
-            ),
-            (
-                "sluice_limiter_hits_total",
-                l.limiter_hits,
-                "Requests a limiter policy rejected, by policy and dimension.",
-            ),
-        ] {
-            w.header(name, "counter", help);
-            for p in 0..l.policies {
-                for (d, dim) in LimitDimension::ALL.iter().enumerate() {
-                    let at = base + p * LimitDimension::ALL.len() + d;
-                    w.sample_u(
-                        name,
-                        &[("policy", n.policies.name(p)), ("dimension", dim.label())],
-                        t.counters.get(at).copied().unwrap_or(0),
-                    );
-                }
-            }
-        }
-
-        // Upstream.
-        w.header(
-            "sluice_upstream_requests_total",
-            "counter",
-            "Attempts sent to upstream backends, by backend and attempt (first, retry, fallback).",
-        );
-        for b in 0..l.backends {
-            for (a, attempt) in Attempt::ALL.iter().enumerate() {
-                let at = l.upstream_requests + b * Attempt::ALL.len() + a;
-                w.sample_u(
-                    "sluice_upstream_requests_total",
-                    &[
-                        ("backend", n.backends.name(b)),
-                        ("attempt", attempt.label()),
-                    ],
-                    t.counters.get(at).copied().unwrap_or(0),
-                );
-            }
-        }
-        w.header(
-            "sluice_upstream_errors_total",
-            "counter",
-            "Failed upstream attempts, by backend and kind.",
-        );
-        for b in 0..l.backends {
-            for (k, kind) in UpstreamErrorKind::ALL.iter().enumerate() {
-                let at = l.upstream_errors + b * UpstreamErrorKind::ALL.len() + k;
-                w.sample_u(
-                    "sluice_upstream_errors_total",
-                    &[("backend", n.backends.name(b)), ("kind", kind.label())],
-                    t.counters.get(at).copied().unwrap_or(0),
-                );
-            }
-        }
-        w.header(
-            "sluice_upstream_in_flight",
-            "gauge",
-            "Requests in flight to each upstream backend.",
-        );
-        for b in 0..l.backends {
-            w.sample_i(
-                "sluice_upstream_in_flight",
-                &[("backend", n.backends.name(b))],
-                t.gauges.get(l.in_flight + b).copied().unwrap_or(0),
-            );
-        }
-
-        // Latency histograms.
-        w.header(
-            "sluice_time_to_first_token_seconds",
-            "histogram",
-            "Time from request arrival to the first content chunk sent to the client, by model.",
-        );
-        for m in 0..l.models {
-            w.histogram(
-                "sluice_time_to_first_token_seconds",
-                &[("model", n.models.name(m))],
-                &t,
-                &l.ttft,
-                m,
-                true,
-            );
-        }
-        w.header(
-            "sluice_time_per_output_token_seconds",
-            "histogram",
-            "Mean time per output token after the first, per streamed request, by model.",
-        );
-        for m in 0..l.models {
-            w.histogram(
-                "sluice_time_per_output_token_seconds",
-                &[("model", n.models.name(m))],
-                &t,
-                &l.tpot,
-                m,
-                true,
-            );
-        }
-        w.header(
-            "sluice_request_duration_seconds",
-            "histogram",
-            "Whole request duration, head read to last byte written, by API route and model.",
-        );
-        for r in 0..l.routes {
-            for m in 0..l.models {
-                w.histogram(
-                    "sluice_request_duration_seconds",
-                    &[("route", n.routes.name(r)), ("model", n.models.name(m))],
-                    &t,
-                    &l.latency,
-                    r * l.models + m,
-                    true,
-                );
-            }
-        }
-        w.header(
-            "sluice_overhead_seconds",
-            "histogram",
-            "Time Sluice itself spent on a request (not waiting on client or upstream), by API route.",
-        );
-        for r in 0..l.routes {
-            w.histogram(
-                "sluice_overhead_seconds",
-                &[("route", n.routes.name(r))],
-                &t,
-                &l.overhead,
-                r,
-                false,
-            );
-        }
-        w.header(
-            "sluice_request_tokens",
-            "histogram",
-            "Tokens per request, by model and type (prompt, completion).",
-        );
-        for m in 0..l.models {
-            for (k, kind) in HIST_TOKEN_TYPES.iter().enumerate() {
-                w.histogram(
-                    "sluice_request_tokens",
-                    &[("model", n.models.name(m)), ("type", kind)],
-                    &t,
-                    &l.request_tokens,
-                    m * HIST_TOKEN_TYPES.len() + k,
-                    true,
-                );
-            }
-        }
-
-        // Sync backend.
-        w.header(
-            "sluice_sync_flushes_total",
-            "counter",
-            "Sync-backend flushes (deltas out, totals back), by result.",
-        );
-        for (i, result) in SYNC_RESULTS.iter().enumerate() {
-            w.sample_u(
-                "sluice_sync_flushes_total",
-                &[("result", result)],
-                t.counters.get(l.sync_flushes + i).copied().unwrap_or(0),
-            );
-        }
-        w.header(
-            "sluice_sync_flush_duration_seconds",
-            "histogram",
-            "Duration of one sync-backend flush round trip.",
-        );
-        w.histogram(
-            "sluice_sync_flush_duration_seconds",
-            &[],
-            &t,
-            &l.sync_flush,
-            0,
-            false,
-        );
-
-        // Process-level.
-        w.header(
-            "sluice_connections_open",
-            "gauge",
-            "Open client connections, all workers.",
-        );
-        w.sample_i(
-            "sluice_connections_open",
-            &[],
-            t.gauges.get(l.connections).copied().unwrap_or(0),
-        );
-        w.header(
-            "sluice_metrics_shards",
-            "gauge",
-            "Worker metrics shards registered with the hub.",
-        );
-        w.sample_u("sluice_metrics_shards", &[], shards as u64);
-        w.header(
-            "sluice_metrics_publish_age_seconds",
-            "gauge",
-            "Age of the oldest shard's last publish: how stale this scrape can be.",
-        );
-        w.sample_scaled(
-            "sluice_metrics_publish_age_seconds",
-            &[],
-            u128::from(u64::try_from(oldest.as_micros()).unwrap_or(u64::MAX)),
-            6,
-        );
     }
 }
 
-/// Every metric family name [`MetricsHub::render`] writes, with its type. Histograms' samples
-/// add `_bucket`, `_sum` and `_count`.
-pub const FAMILIES: &[(&str, &str)] = &[
-    ("sluice_requests_total", "counter"),
-    ("sluice_tokens_total", "counter"),
-    ("sluice_cost_total", "counter"),
-    ("sluice_limiter_matches_total", "counter"),
-    ("sluice_limiter_hits_total", "counter"),
-    ("sluice_upstream_requests_total", "counter"),
-    ("sluice_upstream_errors_total", "counter"),
-    ("sluice_upstream_in_flight", "gauge"),
-    ("sluice_time_to_first_token_seconds", "histogram"),
-    ("sluice_time_per_output_token_seconds", "histogram"),
-    ("sluice_request_duration_seconds", "histogram"),
-    ("sluice_overhead_seconds", "histogram"),
-    ("sluice_request_tokens", "histogram"),
-    ("sluice_sync_flushes_total", "counter"),
-    ("sluice_sync_flush_duration_seconds", "histogram"),
-    ("sluice_connections_open", "gauge"),
-    ("sluice_metrics_shards", "gauge"),
-    ("sluice_metrics_publish_age_seconds", "gauge"),
+// ---------------------------------------------------------------------------------------------
+// The families: each declared once, here; the scrape walks this table
+// ---------------------------------------------------------------------------------------------
+
+/// A family's Prometheus type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    /// Samples `_bucket` (cumulative, ending in `le="+Inf"`), `_sum` and `_count`.
+    Histogram,
+}
+
+impl Kind {
+    /// As written in `# TYPE` lines.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// One label of a family: its key, and the values it takes, in exposition order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Label {
+    /// `route`: the route table, then `other`.
+    Route,
+    /// `model`: the model table, then `other`.
+    Model,
+    /// `entity`: the entity table, then `other`.
+    Entity,
+    /// `backend`: the backend table, then `other`.
+    Backend,
+    /// `policy`: the policy table, then `other`.
+    Policy,
+    /// `status_class`: [`StatusClass`], `1xx` … `5xx`.
+    StatusClass,
+    /// `type` of `sluice_tokens_total`: prompt, completion, cached.
+    TokenType,
+    /// `type` of `sluice_request_tokens`: prompt, completion.
+    HistTokenType,
+    /// `dimension`: [`LimitDimension`].
+    Dimension,
+    /// `attempt`: [`Attempt`].
+    Attempt,
+    /// `kind`: [`UpstreamErrorKind`].
+    ErrorKind,
+    /// `result` of a sync flush: ok, error.
+    SyncResult,
+}
+
+/// The most labels a family has (buckets add `le` on their own).
+const MAX_LABELS: usize = 4;
+
+impl Label {
+    fn key(self) -> &'static str {
+        match self {
+            Label::Route => "route",
+            Label::Model => "model",
+            Label::Entity => "entity",
+            Label::Backend => "backend",
+            Label::Policy => "policy",
+            Label::StatusClass => "status_class",
+            Label::TokenType | Label::HistTokenType => "type",
+            Label::Dimension => "dimension",
+            Label::Attempt => "attempt",
+            Label::ErrorKind => "kind",
+            Label::SyncResult => "result",
+        }
+    }
+
+    /// How many values: never 0 (every table has its other slot).
+    fn len(self, names: &LabelNames) -> usize {
+        match self {
+            Label::Route => names.routes.len(),
+            Label::Model => names.models.len(),
+            Label::Entity => names.entities.len(),
+            Label::Backend => names.backends.len(),
+            Label::Policy => names.policies.len(),
+            Label::StatusClass => StatusClass::ALL.len(),
+            Label::TokenType => TOKEN_TYPES.len(),
+            Label::HistTokenType => HIST_TOKEN_TYPES.len(),
+            Label::Dimension => LimitDimension::ALL.len(),
+            Label::Attempt => Attempt::ALL.len(),
+            Label::ErrorKind => UpstreamErrorKind::ALL.len(),
+            Label::SyncResult => SYNC_RESULTS.len(),
+        }
+    }
+
+    /// The `i`th value (`other` past the end).
+    fn value(self, names: &LabelNames, i: usize) -> &str {
+        let listed = |list: &[&'static str]| list.get(i).copied().unwrap_or(OTHER);
+        match self {
+            Label::Route => names.routes.name(i),
+            Label::Model => names.models.name(i),
+            Label::Entity => names.entities.name(i),
+            Label::Backend => names.backends.name(i),
+            Label::Policy => names.policies.name(i),
+            Label::StatusClass => StatusClass::ALL.get(i).map_or(OTHER, |c| c.label()),
+            Label::TokenType => listed(&TOKEN_TYPES),
+            Label::HistTokenType => listed(&HIST_TOKEN_TYPES),
+            Label::Dimension => LimitDimension::ALL.get(i).map_or(OTHER, |d| d.label()),
+            Label::Attempt => Attempt::ALL.get(i).map_or(OTHER, |a| a.label()),
+            Label::ErrorKind => UpstreamErrorKind::ALL.get(i).map_or(OTHER, |k| k.label()),
+            Label::SyncResult => listed(&SYNC_RESULTS),
+        }
+    }
+}
+
+/// Where a family's values are. A family's series are numbered row-major over its labels (the
+/// last label varies fastest) — the order the shard stores them in and the order they are
+/// written.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    /// `counters[first + series]`.
+    Counter(fn(&Layout) -> usize),
+    /// `counters[first + series]`, kept in units of `10^-digits` and exposed exactly.
+    ScaledCounter(fn(&Layout) -> usize, u32),
+    /// `gauges[first + series]`.
+    Gauge(fn(&Layout) -> usize),
+    /// Series `series` of this histogram.
+    Histogram(fn(&Layout) -> Hist),
+    /// The shards registered with the hub.
+    ShardCount,
+    /// The age of the oldest shard's last publish, in seconds.
+    PublishAge,
+}
+
+/// One metric family: all the exposition says about it. [`FAMILIES`] lists them.
+#[derive(Debug)]
+pub struct Family {
+    pub name: &'static str,
+    pub kind: Kind,
+    /// The `# HELP` text.
+    pub help: &'static str,
+    labels: &'static [Label],
+    source: Source,
+}
+
+impl Family {
+    /// Series still zero are left out of families keyed by model or entity, whose size is a
+    /// product of configured lists; the others show every series (see the module docs).
+    fn sparse(&self) -> bool {
+        self.labels
+            .iter()
+            .any(|l| matches!(l, Label::Model | Label::Entity))
+    }
+}
+
+/// Every metric family [`MetricsHub::render`] writes, in order: the only place a family's
+/// name, type, help, labels and values are given.
+pub const FAMILIES: &[Family] = &[
+    // Requests and what they used.
+    Family {
+        name: "sluice_requests_total",
+        kind: Kind::Counter,
+        help: "Client requests finished, by API route, model, entity and status class.",
+        labels: &[Label::Route, Label::Model, Label::Entity, Label::StatusClass],
+        source: Source::Counter(|l| l.requests),
+    },
+    Family {
+        name: "sluice_tokens_total",
+        kind: Kind::Counter,
+        help: "Tokens settled, by model, entity and type (cached is the part of prompt served from cache).",
+        labels: &[Label::Model, Label::Entity, Label::TokenType],
+        source: Source::Counter(|l| l.tokens),
+    },
+    Family {
+        name: "sluice_cost_total",
+        kind: Kind::Counter,
+        help: "Cost settled, in the configured currency unit, by model and entity.",
+        labels: &[Label::Model, Label::Entity],
+        // Kept in millionths (see `MetricsShard::cost`).
+        source: Source::ScaledCounter(|l| l.cost, 6),
+    },
+    // Limiter.
+    Family {
+        name: "sluice_limiter_matches_total",
+        kind: Kind::Counter,
+        help: "Requests a limiter policy checked, by policy and dimension.",
+        labels: &[Label::Policy, Label::Dimension],
+        source: Source::Counter(|l| l.limiter_matches),
+    },
+    Family {
+        name: "sluice_limiter_hits_total",
+        kind: Kind::Counter,
+        help: "Requests a limiter policy rejected, by policy and dimension.",
+        labels: &[Label::Policy, Label::Dimension],
+        source: Source::Counter(|l| l.limiter_hits),
+    },
+    // Upstream.
+    Family {
+        name: "sluice_upstream_requests_total",
+        kind: Kind::Counter,
+        help: "Attempts sent to upstream backends, by backend and attempt (first, retry, fallback).",
+        labels: &[Label::Backend, Label::Attempt],
+        source: Source::Counter(|l| l.upstream_requests),
+    },
+    Family {
+        name: "sluice_upstream_errors_total",
+        kind: Kind::Counter,
+        help: "Failed upstream attempts, by backend and kind.",
+        labels: &[Label::Backend, Label::ErrorKind],
+        source: Source::Counter(|l| l.upstream_errors),
+    },
+    Family {
+        name: "sluice_upstream_in_flight",
+        kind: Kind::Gauge,
+        help: "Requests in flight to each upstream backend.",
+        labels: &[Label::Backend],
+        source: Source::Gauge(|l| l.in_flight),
+    },
+    // Latency histograms.
+    Family {
+        name: "sluice_time_to_first_token_seconds",
+        kind: Kind::Histogram,
+        help: "Time from request arrival to the first content chunk sent to the client, by model.",
+        labels: &[Label::Model],
+        source: Source::Histogram(|l| l.ttft),
+    },
+    Family {
+        name: "sluice_time_per_output_token_seconds",
+        kind: Kind::Histogram,
+        help: "Mean time per output token after the first, per streamed request, by model.",
+        labels: &[Label::Model],
+        source: Source::Histogram(|l| l.tpot),
+    },
+    Family {
+        name: "sluice_request_duration_seconds",
+        kind: Kind::Histogram,
+        help: "Whole request duration, head read to last byte written, by API route and model.",
+        labels: &[Label::Route, Label::Model],
+        source: Source::Histogram(|l| l.latency),
+    },
+    Family {
+        name: "sluice_overhead_seconds",
+        kind: Kind::Histogram,
+        help: "Time Sluice itself spent on a request (not waiting on client or upstream), by API route.",
+        labels: &[Label::Route],
+        source: Source::Histogram(|l| l.overhead),
+    },
+    Family {
+        name: "sluice_request_tokens",
+        kind: Kind::Histogram,
+        help: "Tokens per request, by model and type (prompt, completion).",
+        labels: &[Label::Model, Label::HistTokenType],
+        source: Source::Histogram(|l| l.request_tokens),
+    },
+    // Sync backend.
+    Family {
+        name: "sluice_sync_flushes_total",
+        kind: Kind::Counter,
+        help: "Sync-backend flushes (deltas out, totals back), by result.",
+        labels: &[Label::SyncResult],
+        source: Source::Counter(|l| l.sync_flushes),
+    },
+    Family {
+        name: "sluice_sync_flush_duration_seconds",
+        kind: Kind::Histogram,
+        help: "Duration of one sync-backend flush round trip.",
+        labels: &[],
+        source: Source::Histogram(|l| l.sync_flush),
+    },
+    // Process-level.
+    Family {
+        name: "sluice_connections_open",
+        kind: Kind::Gauge,
+        help: "Open client connections, all workers.",
+        labels: &[],
+        source: Source::Gauge(|l| l.connections),
+    },
+    Family {
+        name: "sluice_metrics_shards",
+        kind: Kind::Gauge,
+        help: "Worker metrics shards registered with the hub.",
+        labels: &[],
+        source: Source::ShardCount,
+    },
+    Family {
+        name: "sluice_metrics_publish_age_seconds",
+        kind: Kind::Gauge,
+        help: "Age of the oldest shard's last publish: how stale this scrape can be.",
+        labels: &[],
+        source: Source::PublishAge,
+    },
 ];
+
+/// One scrape's values (all shards summed) and what names their series.
+struct Scrape<'s> {
+    totals: &'s Slot,
+    layout: &'s Layout,
+    names: &'s LabelNames,
+    shards: usize,
+    oldest: Duration,
+}
+
+impl Scrape<'_> {
+    /// Every series of `family` (the sparse ones' zeros left out), in series order.
+    fn write_family(&self, w: &mut Writer<'_>, family: &Family) {
+        let series_count: usize = family.labels.iter().map(|l| l.len(self.names)).product();
+        let sparse = family.sparse();
+        let mut pairs = [("", ""); MAX_LABELS];
+        let used = family.labels.len().min(MAX_LABELS);
+        for series in 0..series_count {
+            if sparse && self.is_zero(family.source, series) {
+                continue;
+            }
+            // Row-major: the last label varies fastest.
+            let mut rest = series;
+            for (label, pair) in family.labels.iter().zip(pairs.iter_mut()).rev() {
+                let len = label.len(self.names);
+                *pair = (label.key(), label.value(self.names, rest % len));
+                rest /= len;
+            }
+            let labels = pairs.get(..used).unwrap_or_default();
+            self.write_series(w, family, labels, series);
+        }
+    }
+
+    fn counter(&self, first: fn(&Layout) -> usize, series: usize) -> u64 {
+        let at = first(self.layout) + series;
+        self.totals.counters.get(at).copied().unwrap_or(0)
+    }
+
+    /// A counter at 0, or a histogram without observations.
+    fn is_zero(&self, source: Source, series: usize) -> bool {
+        match source {
+            Source::Counter(first) | Source::ScaledCounter(first, _) => {
+                self.counter(first, series) == 0
+            }
+            Source::Histogram(hist) => {
+                let counts = self.totals.bucket_counts(&hist(self.layout), series);
+                counts.iter().fold(0u64, |a, c| a.wrapping_add(*c)) == 0
+            }
+            Source::Gauge(_) | Source::ShardCount | Source::PublishAge => false,
+        }
+    }
+
+    fn write_series(
+        &self,
+        w: &mut Writer<'_>,
+        family: &Family,
+        labels: &[(&str, &str)],
+        series: usize,
+    ) {
+        let name = family.name;
+        match family.source {
+            Source::Counter(first) => w.sample_u(name, labels, self.counter(first, series)),
+            Source::ScaledCounter(first, digits) => {
+                let v = u128::from(self.counter(first, series));
+                w.sample_scaled(name, labels, v, digits);
+            }
+            Source::Gauge(first) => {
+                let at = first(self.layout) + series;
+                let v = self.totals.gauges.get(at).copied().unwrap_or(0);
+                w.sample_i(name, labels, v);
+            }
+            Source::Histogram(hist) => {
+                w.histogram(name, labels, self.totals, &hist(self.layout), series);
+            }
+            Source::ShardCount => w.sample_u(name, labels, self.shards as u64),
+            Source::PublishAge => {
+                let micros = u64::try_from(self.oldest.as_micros()).unwrap_or(u64::MAX);
+                w.sample_scaled(name, labels, u128::from(micros), 6);
+            }
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Text exposition
@@ -1375,7 +1466,6 @@ impl Writer<'_> {
     }
 
     /// One histogram series: cumulative `_bucket`s ending in `le="+Inf"`, `_sum`, `_count`.
-    /// With `sparse`, a series with no observations is left out.
     fn histogram(
         &mut self,
         name: &str,
@@ -1383,14 +1473,9 @@ impl Writer<'_> {
         t: &Slot,
         h: &Hist,
         series: usize,
-        sparse: bool,
     ) {
-        let start = h.counts_at + series * h.stride();
-        let counts = t.counters.get(start..start + h.stride()).unwrap_or(&[]);
+        let counts = t.bucket_counts(h, series);
         let count: u64 = counts.iter().fold(0u64, |a, c| a.wrapping_add(*c));
-        if sparse && count == 0 {
-            return;
-        }
         let bucket = format!("{name}_bucket");
         let mut cumulative = 0u64;
         for (i, c) in counts.iter().enumerate() {
@@ -1787,12 +1872,12 @@ pub(crate) mod tests {
         b.upstream_request(openai, Attempt::First);
         b.upstream_request(vllm, Attempt::Fallback);
         b.upstream_error(openai, UpstreamErrorKind::Status429);
-        a.upstream_in_flight_inc(openai);
-        a.upstream_in_flight_inc(openai);
-        b.upstream_in_flight_inc(openai);
-        a.upstream_in_flight_dec(openai);
-        b.upstream_in_flight_inc(vllm);
-        b.upstream_in_flight_dec(vllm);
+        a.upstream_in_flight_add(openai, 1);
+        a.upstream_in_flight_add(openai, 1);
+        b.upstream_in_flight_add(openai, 1);
+        a.upstream_in_flight_add(openai, -1);
+        b.upstream_in_flight_add(vllm, 1);
+        b.upstream_in_flight_add(vllm, -1);
 
         a.observe_ttft(gpt, Duration::from_millis(30));
         b.observe_ttft(gpt, Duration::from_millis(300));
@@ -2054,6 +2139,72 @@ pub(crate) mod tests {
         assert_eq!(e.get("sluice_metrics_shards", &[]), Some(2.0));
     }
 
+    /// The scrape with one value changed: the publish age, which depends on the clock.
+    fn without_publish_age(text: &str) -> String {
+        let age = "sluice_metrics_publish_age_seconds ";
+        text.lines()
+            .map(|line| match line.strip_prefix(age) {
+                Some(_) => format!("{age}AGE\n"),
+                None => format!("{line}\n"),
+            })
+            .collect()
+    }
+
+    /// The exposition as the hand-written render of 3411d92 wrote it, for `two_shards` plus
+    /// the traffic added in the test below: the byte-for-byte reference for any rework of
+    /// render. Change it only together with a deliberate change of the exposition.
+    const RECORDED_SCRAPE: &str = include_str!("testdata/metrics_scrape.prom");
+
+    #[test]
+    fn render_is_byte_for_byte_the_recorded_exposition() {
+        let hub = hub();
+        let (a, b) = two_shards(&hub);
+        let n = hub.names();
+        let (chat, embeddings) = (n.route("chat_completions"), n.route("embeddings"));
+        let (gpt, llama, weird) = (n.model("gpt-4o"), n.model("llama-3-70b"), n.entity(WEIRD));
+        // More rows of the sparse (model / entity) families, and more than one series each.
+        a.request_done(embeddings, llama, weird, StatusClass::from_status(200));
+        b.request_done(
+            embeddings,
+            ModelIdx::OTHER,
+            EntityIdx::OTHER,
+            StatusClass::Redirect,
+        );
+        a.tokens(llama, weird, 7, 0, 0);
+        b.tokens(ModelIdx::OTHER, EntityIdx::OTHER, 1, 2, 1);
+        a.cost(llama, weird, 1);
+        b.cost(gpt, EntityIdx::OTHER, 123_456_789);
+        b.observe_ttft(llama, Duration::from_secs(12));
+        b.observe_tpot(llama, Duration::from_millis(75));
+        a.observe_latency(embeddings, llama, Duration::from_millis(10));
+        b.observe_latency(chat, ModelIdx::OTHER, Duration::from_secs(100));
+        a.observe_overhead(embeddings, Duration::from_millis(6));
+        b.limiter_match(PolicyIdx::OTHER, LimitDimension::Quota);
+        a.upstream_request(BackendIdx::OTHER, Attempt::Retry);
+        a.upstream_error(n.backend_at(1), UpstreamErrorKind::PoolExhausted);
+        b.upstream_in_flight_add(n.backend_at(0), -1);
+        a.upstream_in_flight_add(BackendIdx::OTHER, 1);
+        a.sync_flush(Duration::from_millis(1), true);
+        a.publish(&hub);
+        b.publish(&hub);
+
+        let (text, _) = render(&hub);
+        let text = without_publish_age(&text);
+        if text != RECORDED_SCRAPE {
+            let path = temp_file("scrape", &text);
+            let line = text
+                .lines()
+                .zip(RECORDED_SCRAPE.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or(text.lines().count().min(RECORDED_SCRAPE.lines().count()));
+            panic!(
+                "the scrape differs from testdata/metrics_scrape.prom from line {}; it is in {}",
+                line + 1,
+                path.display()
+            );
+        }
+    }
+
     #[test]
     fn every_family_is_rendered_once_in_declared_order() {
         let hub = hub();
@@ -2061,11 +2212,60 @@ pub(crate) mod tests {
         let (_, e) = render(&hub);
         let declared: Vec<(String, String)> = FAMILIES
             .iter()
-            .map(|(n, k)| (n.to_string(), k.to_string()))
+            .map(|f| (f.name.to_string(), f.kind.as_str().to_string()))
             .collect();
         assert_eq!(e.families, declared);
-        for (name, _) in FAMILIES {
-            assert!(name.starts_with("sluice_"));
+        for f in FAMILIES {
+            assert!(f.name.starts_with("sluice_"));
+            assert!(f.labels.len() <= MAX_LABELS, "{}", f.name);
+        }
+    }
+
+    /// Which family owns each counter, sum and gauge of `hub`'s layout.
+    fn owners(hub: &MetricsHub) -> [Vec<Vec<&'static str>>; 3] {
+        let l = &hub.layout;
+        let mut counters = vec![Vec::new(); l.counters];
+        let mut sums = vec![Vec::new(); l.sums];
+        let mut gauges = vec![Vec::new(); l.gauges];
+        fn claim(slots: &mut [Vec<&'static str>], first: usize, n: usize, name: &'static str) {
+            let Some(range) = slots.get_mut(first..first + n) else {
+                panic!(
+                    "{name} reaches past the layout: {first}+{n} > {}",
+                    slots.len()
+                );
+            };
+            for slot in range {
+                slot.push(name);
+            }
+        }
+        for f in FAMILIES {
+            let series: usize = f.labels.iter().map(|x| x.len(hub.names())).product();
+            match f.source {
+                Source::Counter(first) | Source::ScaledCounter(first, _) => {
+                    claim(&mut counters, first(l), series, f.name);
+                }
+                Source::Gauge(first) => claim(&mut gauges, first(l), series, f.name),
+                Source::Histogram(hist) => {
+                    let h = hist(l);
+                    claim(&mut counters, h.counts_at, series * h.stride(), f.name);
+                    claim(&mut sums, h.sums_at, series, f.name);
+                }
+                Source::ShardCount | Source::PublishAge => {}
+            }
+        }
+        [counters, sums, gauges]
+    }
+
+    #[test]
+    fn the_family_table_covers_the_layout_exactly_once() {
+        // Each family's labels say how many series it has; the layout reserves the same.
+        let lists = [hub(), MetricsHub::new(LabelLists::default())];
+        for hub in &lists {
+            for (what, slots) in ["counter", "sum", "gauge"].iter().zip(owners(hub)) {
+                for (i, owners) in slots.iter().enumerate() {
+                    assert_eq!(owners.len(), 1, "{what} {i} belongs to {owners:?}");
+                }
+            }
         }
     }
 
@@ -2309,7 +2509,7 @@ pub(crate) mod tests {
             EntityIdx::OTHER,
             StatusClass::Success,
         );
-        s.upstream_in_flight_inc(hub.names().backend_at(0));
+        s.upstream_in_flight_add(hub.names().backend_at(0), 1);
         s.publish(&hub);
         let (_, e) = render(&hub);
         assert_eq!(
@@ -2317,6 +2517,30 @@ pub(crate) mod tests {
             Some(1.0)
         );
         assert_eq!(e.count("sluice_requests_total"), 1);
+    }
+
+    #[test]
+    fn an_exchange_is_in_flight_while_its_guard_lives() {
+        let hub = hub();
+        let s = MetricsShard::new(&hub);
+        let n = hub.names();
+        let in_flight = |backend| {
+            s.publish(&hub);
+            render(&hub)
+                .1
+                .get("sluice_upstream_in_flight", &[("backend", backend)])
+        };
+        let openai = "openai/api.openai.com:443";
+        let first = s.upstream_in_flight(n.backend_at(0));
+        let second = s.upstream_in_flight(n.backend_at(0));
+        let unknown = s.upstream_in_flight(n.backend_at(7));
+        assert_eq!(in_flight(openai), Some(2.0));
+        assert_eq!(in_flight("other"), Some(1.0));
+        drop(first);
+        assert_eq!(in_flight(openai), Some(1.0));
+        drop((second, unknown));
+        assert_eq!(in_flight(openai), Some(0.0));
+        assert_eq!(in_flight("other"), Some(0.0));
     }
 
     #[test]
@@ -2467,13 +2691,13 @@ for fam in text_string_to_metric_families(text):
         // prometheus_client names a counter family without its _total suffix.
         let ours: Vec<(String, String)> = FAMILIES
             .iter()
-            .map(|(n, k)| {
-                let n = if *k == "counter" {
-                    n.trim_end_matches("_total")
+            .map(|f| {
+                let n = if f.kind == Kind::Counter {
+                    f.name.trim_end_matches("_total")
                 } else {
-                    n
+                    f.name
                 };
-                (n.to_string(), k.to_string())
+                (n.to_string(), f.kind.as_str().to_string())
             })
             .collect();
         assert_eq!(py_families, ours);
@@ -2542,13 +2766,13 @@ for fam in text_string_to_metric_families(text):
     /// Every sample name the module can emit.
     fn emitted_names() -> Vec<String> {
         let mut names = Vec::new();
-        for (name, kind) in FAMILIES {
-            if *kind == "histogram" {
+        for f in FAMILIES {
+            if f.kind == Kind::Histogram {
                 for suffix in ["_bucket", "_sum", "_count"] {
-                    names.push(format!("{name}{suffix}"));
+                    names.push(format!("{}{suffix}", f.name));
                 }
             } else {
-                names.push(name.to_string());
+                names.push(f.name.to_string());
             }
         }
         names
@@ -2640,7 +2864,7 @@ for v in dash.get("templating", {}).get("list", []):
         }
         assert!(exprs >= 10, "only {exprs} expressions");
         // The brief's panels: every family except the hub's own bookkeeping is on the dashboard.
-        for (family, _) in FAMILIES {
+        for family in FAMILIES.iter().map(|f| f.name) {
             if family.starts_with("sluice_metrics_") {
                 continue;
             }
