@@ -16,6 +16,7 @@ use crate::http::request::{parse_request_head, HeadScan, HeadStatus, RequestHead
 use crate::limits::shard::{Ask, LimiterShard, Permit};
 use crate::openai::inspect::{Inspection, Inspector};
 use crate::openai::meter::SseSplitter;
+use crate::sys::time::unix_ms;
 
 const KEY: &str = "sk-hotpath-bench-key";
 
@@ -232,10 +233,4 @@ max_concurrency = 1000000
         self.shard.settle(&mut permit, 300);
         self.out.len() + usize::from(admitted)
     }
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -16,6 +16,7 @@
 pub mod sys {
     //! Socket syscalls monoio does not offer (non-blocking send / recv / peek on a raw fd).
     pub mod sock;
+    pub mod time;
 }
 
 pub mod http;
@@ -24,6 +25,7 @@ pub mod openai {
     //! What Sluice knows of the OpenAI wire format, with no I/O: which top-level fields a request
     //! carries ([`inspect`]), what a response reports as it streams ([`meter`]), and how many
     //! tokens a text is ([`tokens`]).
+    pub mod endpoint;
     pub mod inspect;
     pub mod json;
     pub mod meter;

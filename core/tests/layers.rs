@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 const RULES: &[(&str, &[&str])] = &[
     ("sys", &[]),
     ("http", &[]),
-    ("openai", &["http"]),
+    ("openai", &["http", "sys"]),
     ("config", &["http", "openai", "sys"]),
-    ("limits", &["config", "http", "openai"]),
+    ("limits", &["config", "http", "openai", "sys"]),
     ("upstream", &["config", "http", "openai", "sys"]),
     ("telemetry", &["config", "http", "openai", "sys"]),
     (

@@ -14,7 +14,6 @@
 //! is outside the key's allow list or inside its block list (block wins).
 
 use std::net::IpAddr;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::config::limits::{ApiKey, KeyIdx, LimitsConfig};
 use crate::gateway::context::Request;
@@ -114,7 +113,7 @@ pub fn authenticate<'s>(
         .and_then(|i| limits.keys.get(i))
         .map_or(&DECOY, |k| &k.digest);
     let matches = constant_time_eq(&presented, stored);
-    let now = unix_now();
+    let now = crate::sys::time::unix_secs();
     let (enabled, unexpired) = candidate
         .and_then(|i| limits.keys.get(i))
         .map_or((false, false), |k| {
@@ -151,12 +150,6 @@ pub fn authorize(
         ));
     }
     Ok(())
-}
-
-pub fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

@@ -64,8 +64,9 @@ pub fn build_request(
     if let Some(model) = target.mapped_model {
         crate::openai::json::push_json_string(&mut mapped_literal, model);
     }
-    let request_usage =
-        request_usage && matches!(head.path(buf), b"/v1/chat/completions" | b"/v1/completions");
+    let request_usage = request_usage
+        && crate::openai::endpoint::Endpoint::from_path(head.path(buf))
+            .is_some_and(|e| e.usage_on_request());
     let edits = body_edits(
         inspection,
         target.mapped_model.map(|_| mapped_literal.as_bytes()),

@@ -16,6 +16,7 @@ use crate::gateway::admit::Caller;
 use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError, Origin, UpstreamFault};
 use crate::gateway::relay::RelayEnd;
+use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
 use crate::openai::meter::{MeterSummary, SseMeter, Usage};
 use crate::telemetry::accesslog::UsageSource as LogUsageSource;
@@ -64,17 +65,9 @@ impl LogSink {
     }
 }
 
-/// The proxied endpoints, as metric `route` labels.
-pub const ROUTES: [&str; 4] = ["chat_completions", "completions", "embeddings", "responses"];
-
+/// The metric `route` label of a request path.
 fn route_name(path: &[u8]) -> &'static str {
-    match path {
-        b"/v1/chat/completions" => ROUTES[0],
-        b"/v1/completions" => ROUTES[1],
-        b"/v1/embeddings" => ROUTES[2],
-        b"/v1/responses" => ROUTES[3],
-        _ => crate::telemetry::metrics::OTHER,
-    }
+    Endpoint::from_path(path).map_or(crate::telemetry::metrics::OTHER, Endpoint::label)
 }
 
 /// Largest non-streamed body kept aside for metering its `usage`.

@@ -23,7 +23,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use shard::LimiterShard;
 use sync::{BudgetState, BudgetSync, SyncBackend};
@@ -44,9 +44,7 @@ pub fn node_name(worker: usize) -> String {
     } else {
         "node".into()
     };
-    let nonce = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
+    let nonce = crate::sys::time::subsec_nanos();
     format!("{host}:{}:{nonce:08x}:{worker}", std::process::id())
 }
 
@@ -88,9 +86,7 @@ pub async fn run_sync<B: SyncBackend>(
             }
         }
         last_exchange = Some(Instant::now());
-        let now_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
+        let now_ms = crate::sys::time::unix_ms();
         limiter
             .borrow_mut()
             .prepare(now_ms, settings.interval, &mut batch);

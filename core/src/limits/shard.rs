@@ -22,7 +22,9 @@
 
 use std::collections::HashMap;
 use std::task::Waker;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+use crate::sys::time::unix_ms;
 
 use super::sync::{BudgetState, BudgetSync};
 use crate::config::limits::LimitDimension;
@@ -272,12 +274,6 @@ pub struct LimiterShard {
     exchanging: bool,
     /// When the last exchange was prepared (unix ms), to scale use to a whole interval.
     last_prepare_ms: u64,
-}
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl LimiterShard {

@@ -18,6 +18,7 @@ use crate::gateway::pipeline;
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, RequestHead};
 use crate::http::BodyFraming;
+use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
 use crate::runtime::worker::{Generation, Worker};
 
@@ -195,7 +196,7 @@ async fn dispatch(
     let head_only = head.method == Method::Head;
     let path = head.path(request.buf);
     let result = match path {
-        b"/v1/chat/completions" | b"/v1/completions" | b"/v1/embeddings" | b"/v1/responses" => {
+        _ if Endpoint::from_path(path).is_some() => {
             if head.method == Method::Post {
                 match pipeline::proxy(worker.per_core(generation), client, request, inspection)
                     .await

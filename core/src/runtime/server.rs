@@ -326,9 +326,9 @@ async fn flush_access_log(worker: Rc<Worker>) {
 /// The process-wide metrics hub. Its label tables are fixed at startup from the config: label
 /// values only ever come from configured names, so cardinality is bounded.
 pub fn metrics_hub(snapshot: &Snapshot) -> Arc<MetricsHub> {
-    let routes: Vec<String> = crate::gateway::observe::ROUTES
+    let routes: Vec<String> = crate::openai::endpoint::Endpoint::ALL
         .iter()
-        .map(|r| r.to_string())
+        .map(|e| e.label().to_string())
         .collect();
     let mut models: Vec<String> = Vec::new();
     for route in &snapshot.routes {

@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use prost::Message;
 use serde::Serialize;
@@ -413,9 +413,7 @@ impl Writer {
     /// The path of a new file, `access-w{worker}-{unix_us}.pb`, with a time strictly after the
     /// last one this writer used.
     fn next_name(&mut self) -> PathBuf {
-        let now_us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+        let now_us = crate::sys::time::unix_us();
         self.last_name_us = now_us.max(self.last_name_us.saturating_add(1));
         self.dir.join(format!(
             "access-w{}-{:016}.pb",

@@ -1,0 +1,31 @@
+//! Wall-clock time as the numbers the gateway stores and compares: milliseconds, seconds and
+//! microseconds since the Unix epoch (0 for a clock set before 1970, never a panic). Windows,
+//! key expiry and log file names are wall-clock; durations use `Instant`.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+fn since_epoch() -> Duration {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms() -> u64 {
+    since_epoch().as_millis() as u64
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_secs() -> u64 {
+    since_epoch().as_secs()
+}
+
+/// Microseconds since the Unix epoch.
+pub fn unix_us() -> u64 {
+    u64::try_from(since_epoch().as_micros()).unwrap_or(u64::MAX)
+}
+
+/// The sub-second part of now, in nanoseconds (a cheap per-start nonce).
+pub fn subsec_nanos() -> u32 {
+    since_epoch().subsec_nanos()
+}
