@@ -413,12 +413,7 @@ impl GatewayError {
     /// counts it.
     fn render<W: fmt::Write>(&self, out: &mut W, keep_alive: bool, head_only: bool) -> fmt::Result {
         let status = self.status();
-        write!(
-            out,
-            "HTTP/1.1 {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
-            reason(status),
-            self.body_len()
-        )?;
+        crate::http::write_head_start(out, status, "application/json", self.body_len())?;
         if let Some(methods) = self.allow {
             write!(out, "allow: {methods}\r\n")?;
         }
@@ -442,7 +437,7 @@ impl GatewayError {
     /// Returns the bytes appended.
     pub fn write_response(&self, out: &mut Vec<u8>, keep_alive: bool, head_only: bool) -> usize {
         let before = out.len();
-        let _ = self.render(&mut Bytes(out), keep_alive, head_only);
+        let _ = self.render(&mut crate::http::VecText(out), keep_alive, head_only);
         out.len() - before
     }
 
@@ -465,16 +460,6 @@ impl GatewayError {
     /// The error as one SSE event, for a stream that already started.
     pub fn sse_event(&self) -> String {
         format!("data: {}\n\n", self.body())
-    }
-}
-
-/// A text sink that appends to a byte buffer.
-struct Bytes<'a>(&'a mut Vec<u8>);
-
-impl fmt::Write for Bytes<'_> {
-    fn write_str(&mut self, s: &str) -> fmt::Result {
-        self.0.extend_from_slice(s.as_bytes());
-        Ok(())
     }
 }
 
@@ -542,31 +527,6 @@ impl fmt::Display for GatewayError {
     }
 }
 
-pub fn reason(status: u16) -> &'static str {
-    match status {
-        100 => "Continue",
-        200 => "OK",
-        204 => "No Content",
-        304 => "Not Modified",
-        400 => "Bad Request",
-        401 => "Unauthorized",
-        403 => "Forbidden",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        413 => "Content Too Large",
-        414 => "URI Too Long",
-        417 => "Expectation Failed",
-        429 => "Too Many Requests",
-        431 => "Request Header Fields Too Large",
-        500 => "Internal Server Error",
-        502 => "Bad Gateway",
-        503 => "Service Unavailable",
-        504 => "Gateway Timeout",
-        _ => "Unknown",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -613,7 +573,7 @@ mod tests {
                 kind.close(),
             );
             assert_eq!(actual, expected, "{kind:?}");
-            assert_ne!(reason(kind.status()), "Unknown", "{kind:?}");
+            assert_ne!(crate::http::reason(kind.status()), "Unknown", "{kind:?}");
             // Upstream kinds, and only they, name an upstream fault, which maps back to them.
             match kind.upstream_fault() {
                 Some(fault) => assert_eq!(ErrorKind::of_fault(fault), kind),

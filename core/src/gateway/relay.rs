@@ -22,10 +22,11 @@ use std::pin::pin;
 use std::time::Instant;
 
 use crate::gateway::context::{ClientSocket, Io};
-use crate::gateway::error::{reason, GatewayError, UpstreamFault};
+use crate::gateway::error::{GatewayError, UpstreamFault};
 use crate::gateway::forward::UpstreamResponse;
 use crate::gateway::observe::Observation;
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
+use crate::http::reason;
 use crate::http::{is_hop_by_hop, BodyFraming};
 use crate::openai::meter::DEFAULT_MAX_EVENT;
 

@@ -11,6 +11,57 @@ pub mod chunked;
 pub mod request;
 pub mod response;
 
+/// The reason phrase of a status Sluice answers with (or relays without one of its own).
+pub fn reason(status: u16) -> &'static str {
+    match status {
+        100 => "Continue",
+        200 => "OK",
+        204 => "No Content",
+        304 => "Not Modified",
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        413 => "Content Too Large",
+        414 => "URI Too Long",
+        417 => "Expectation Failed",
+        429 => "Too Many Requests",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "Unknown",
+    }
+}
+
+/// The start of a response head Sluice writes itself: status line, content type and length.
+/// The caller adds its own fields and the blank line.
+pub fn write_head_start<W: std::fmt::Write>(
+    out: &mut W,
+    status: u16,
+    content_type: &str,
+    content_length: usize,
+) -> std::fmt::Result {
+    write!(
+        out,
+        "HTTP/1.1 {status} {}\r\ncontent-type: {content_type}\r\ncontent-length: {content_length}\r\n",
+        reason(status)
+    )
+}
+
+/// A byte buffer written as text (`fmt::Write`), for heads laid out with `write!`.
+pub struct VecText<'a>(pub &'a mut Vec<u8>);
+
+impl std::fmt::Write for VecText<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0.extend_from_slice(s.as_bytes());
+        Ok(())
+    }
+}
+
 /// Bounds on what a client may send, checked while the head and body are read.
 #[derive(Debug, Clone, Copy)]
 pub struct HttpLimits {

@@ -277,16 +277,17 @@ async fn write_json(
     keep_alive: bool,
     head_only: bool,
 ) -> bool {
-    use std::io::Write;
     let mut out = worker.bufs.take();
-    let _ =
-        write!(
-        out,
-        "HTTP/1.1 {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
-        crate::gateway::error::reason(status),
+    let _ = crate::http::write_head_start(
+        &mut crate::http::VecText(&mut out),
+        status,
+        "application/json",
         body.len(),
-        if keep_alive { "" } else { "connection: close\r\n" }
     );
+    if !keep_alive {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
     if !head_only {
         out.extend_from_slice(body);
     }

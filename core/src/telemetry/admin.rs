@@ -126,7 +126,7 @@ fn serve(mut stream: TcpStream, hub: &MetricsHub, ready: &AtomicBool) {
         Ok(Some(parsed)) => parsed,
         Ok(None) => return, // closed before a whole head
         Err(status) => {
-            let body = format!("{}\n", reason(status).to_ascii_lowercase());
+            let body = format!("{}\n", crate::http::reason(status).to_ascii_lowercase());
             if respond(&mut stream, status, TEXT, body.as_bytes(), false).is_ok() {
                 linger_close(stream);
             }
@@ -235,19 +235,6 @@ fn read_head(stream: &mut TcpStream) -> Result<Option<Parsed>, u16> {
     }
 }
 
-fn reason(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        431 => "Request Header Fields Too Large",
-        503 => "Service Unavailable",
-        _ => "Unknown",
-    }
-}
-
 fn respond(
     stream: &mut TcpStream,
     status: u16,
@@ -277,14 +264,16 @@ fn respond_with(
     body: &[u8],
     head_only: bool,
 ) -> io::Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status} {}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
-         Cache-Control: no-store\r\n{extra_headers}Connection: close\r\n\r\n",
-        reason(status),
-        body.len()
+    let mut out = Vec::with_capacity(160 + if head_only { 0 } else { body.len() });
+    let _ = crate::http::write_head_start(
+        &mut crate::http::VecText(&mut out),
+        status,
+        content_type,
+        body.len(),
     );
-    let mut out = Vec::with_capacity(head.len() + if head_only { 0 } else { body.len() });
-    out.extend_from_slice(head.as_bytes());
+    out.extend_from_slice(b"cache-control: no-store\r\n");
+    out.extend_from_slice(extra_headers.as_bytes());
+    out.extend_from_slice(b"connection: close\r\n\r\n");
     if !head_only {
         out.extend_from_slice(body);
     }
