@@ -27,8 +27,10 @@ use crate::gateway::forward::UpstreamResponse;
 use crate::gateway::observe::Observation;
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::reason;
+use crate::http::response::ResponseHead;
 use crate::http::{is_hop_by_hop, BodyFraming};
 use crate::openai::meter::DEFAULT_MAX_EVENT;
+use crate::upstream::UpstreamConn;
 
 mod strip;
 
@@ -102,264 +104,44 @@ pub async fn relay(
     obs: &mut Observation,
 ) -> Result<Relayed, GatewayError> {
     let UpstreamResponse {
-        mut conn,
+        conn,
         head,
-        buf: mut ubuf,
+        buf: ubuf,
         in_flight: _in_flight, // the exchange counts as in flight until the relay returns
     } = response;
-    let timeouts = io.timeouts;
-    let framing = head.framing();
-    let event_stream = head.event_stream;
-    let mut keep_client = side.keep_alive;
-    let strip_usage = side.strip_usage && event_stream;
-    let client_framing = match framing {
-        BodyFraming::None => ClientFraming::Empty,
-        _ if side.head_only => ClientFraming::Empty,
-        // A stripped body is shorter than the upstream's Content-Length: re-frame it.
-        BodyFraming::Length(_) if strip_usage && side.minor_version >= 1 => ClientFraming::Chunked,
-        BodyFraming::Length(_) if strip_usage => {
-            keep_client = false;
-            ClientFraming::Close
-        }
-        BodyFraming::Length(_) => ClientFraming::Passthrough,
-        BodyFraming::Chunked | BodyFraming::UntilClose if side.minor_version >= 1 => {
-            ClientFraming::Chunked
-        }
-        BodyFraming::Chunked | BodyFraming::UntilClose => {
-            keep_client = false;
-            ClientFraming::Close
-        }
-    };
-
-    // The head.
-    let mut out = io.bufs.take();
-    let _ = write!(out, "HTTP/1.1 {} ", head.status);
-    let upstream_reason = &ubuf[head.reason.0..head.reason.1];
-    if upstream_reason.is_empty() {
-        out.extend_from_slice(reason(head.status).as_bytes());
-    } else {
-        out.extend_from_slice(upstream_reason);
-    }
-    out.extend_from_slice(b"\r\n");
-    for h in &head.headers {
-        let name = h.name(&ubuf);
-        let keep_length = side.head_only && name.eq_ignore_ascii_case(b"content-length");
-        if is_hop_by_hop(name) && !keep_length {
-            continue;
-        }
-        out.extend_from_slice(name);
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(h.value(&ubuf));
-        out.extend_from_slice(b"\r\n");
-    }
-    match (client_framing, framing) {
-        (ClientFraming::Passthrough, BodyFraming::Length(n)) => {
-            let _ = write!(out, "content-length: {n}\r\n");
-        }
-        (ClientFraming::Chunked, _) => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
-        (ClientFraming::Empty, _)
-            if !side.head_only && head.status != 204 && head.status != 304 =>
-        {
-            out.extend_from_slice(b"content-length: 0\r\n");
-        }
-        _ => {}
-    }
-    if !keep_client {
-        out.extend_from_slice(b"connection: close\r\n");
-    }
-    obs.response_started(
-        head.status,
-        event_stream,
-        client_framing != ClientFraming::Empty,
-    );
-    out.extend_from_slice(obs.rate_headers.as_bytes());
-    let _ = write!(
-        out,
-        "x-sluice-overhead-us: {}\r\n\r\n",
-        obs.overhead_so_far(Instant::now()).as_micros()
-    );
-
-    let mut body = match framing {
-        BodyFraming::None => UpstreamBody::Done,
-        BodyFraming::Length(n) => UpstreamBody::Length(n),
-        BodyFraming::Chunked => UpstreamBody::Chunked(ChunkedDecoder::default()),
-        BodyFraming::UntilClose => UpstreamBody::UntilClose,
-    };
-    // A HEAD response has no body whatever its headers say.
-    if side.head_only && !matches!(body, UpstreamBody::Done) && framing != BodyFraming::UntilClose {
-        body = UpstreamBody::Done;
-    }
-
-    let mut strip = (strip_usage && client_framing != ClientFraming::Empty)
-        .then(|| UsageStrip::new(DEFAULT_MAX_EVENT, io.bufs.take()));
-
-    // Body bytes that arrived with the head go out in the same write as the head.
-    // `clean`: no bytes beyond the body's end arrived, so the connection may be reused.
-    let mut clean;
-    let mut cut: Option<Cut> = None;
-    let head_read_at = obs.upstream_head_at.unwrap_or_else(Instant::now);
-    match feed(
-        &mut body,
-        &ubuf[head.head_len..],
-        client_framing,
-        &mut out,
+    let plan = Plan::new(&head, side);
+    let mut relay = Relay {
+        io,
+        client,
         obs,
-        strip.as_mut(),
-        head_read_at,
-    ) {
-        Ok(extra) => clean = !extra,
-        Err(e) => {
-            // Nothing reached the client yet: it gets a plain 502 instead.
-            conn.abort();
-            io.bufs.give(out);
-            if let Some(strip) = strip {
-                io.bufs.give(strip.into_buffer());
-            }
-            return Err(e);
-        }
-    }
+        conn,
+        out: io.bufs.take(),
+        ubuf,
+        strip: (plan.strip_usage && plan.framing != ClientFraming::Empty)
+            .then(|| UsageStrip::new(DEFAULT_MAX_EVENT, io.bufs.take())),
+        body: plan.upstream_body(&head, side),
+        plan,
+        clean: true,
+        terminated: false,
+    };
 
-    if cut.is_none() {
-        obs.relay_overhead += head_read_at.elapsed();
-        obs.bytes_out += out.len() as u64;
-        let (res, returned) = client
-            .write_all(out, timeouts.stream_idle, io.load.direct_writes())
-            .await;
-        out = returned;
-        if res.is_err() {
-            cut = Some(Cut::Client);
-        }
+    // The head, and the body bytes that came with it, in one write (an upstream fault in
+    // those bytes is answered as a plain 502: nothing reached the client yet).
+    relay.write_head(&head, side);
+    let head_read_at = relay.obs.upstream_head_at.unwrap_or_else(Instant::now);
+    if let Err(e) = relay.feed_read(head.head_len.., head_read_at) {
+        relay.close(false);
+        return Err(e);
     }
+    let mut cut = relay.send_out(head_read_at).await;
 
-    // Whether the chunked framing's last chunk has been sent.
-    let mut terminated = false;
     // The rest of the body, one upstream read at a time.
-    let mut watching = true;
-    while cut.is_none() && !matches!(body, UpstreamBody::Done) {
-        out.clear();
-        ubuf.clear();
-        if ubuf.capacity() < 16 * 1024 {
-            ubuf.reserve(16 * 1024);
-        }
-        let cap = ubuf.capacity();
-        let mut read = pin!(monoio::time::timeout(
-            timeouts.stream_idle,
-            conn.io.read(monoio::buf::IoBufMut::slice_mut(
-                std::mem::take(&mut ubuf),
-                0..cap
-            )),
-        ));
-        // Wait for the upstream, watching the client meanwhile. The read is never dropped
-        // unless the client is gone, so no upstream bytes can be lost to a cancelled read. The
-        // watch borrows the client socket and ends with this block, before the write below
-        // takes it mutably.
-        let read_result = {
-            let mut watch = pin!(client.readable());
-            loop {
-                if !watching {
-                    break Some((&mut read).await);
-                }
-                monoio::select! {
-                    biased;
-                    r = &mut read => break Some(r),
-                    _ = &mut watch => {
-                        if client.peer_gone() {
-                            break None;
-                        }
-                        // The client sent its next request early: stop watching for this one.
-                        watching = false;
-                    }
-                }
-            }
-        };
-        let Some(read_result) = read_result else {
-            cut = Some(Cut::Client);
-            break;
-        };
-        let n = match read_result {
-            Err(_) => {
-                cut = Some(Cut::Upstream(GatewayError::gateway_timeout(
-                    "the upstream stream stalled",
-                )));
-                break;
-            }
-            Ok((res, slice)) => {
-                ubuf = slice.into_inner();
-                match res {
-                    Ok(n) => n,
-                    Err(e) => {
-                        cut = Some(Cut::Upstream(GatewayError::bad_gateway(
-                            UpstreamFault::Io,
-                            format!("upstream connection failed mid-response: {e}"),
-                        )));
-                        break;
-                    }
-                }
-            }
-        };
-        if n == 0 {
-            if matches!(body, UpstreamBody::UntilClose) {
-                body = UpstreamBody::Done;
-                clean = false;
-                break;
-            }
-            cut = Some(Cut::Upstream(GatewayError::bad_gateway(
-                UpstreamFault::Io,
-                "the upstream closed the connection mid-response",
-            )));
-            break;
-        }
-        let read_at = Instant::now();
-        let whole_read_passes_through = client_framing == ClientFraming::Passthrough
-            && strip.is_none()
-            && matches!(body, UpstreamBody::Length(remaining) if remaining >= n as u64);
-        if whole_read_passes_through {
-            // The whole read is body the client gets unchanged: hand the read buffer itself to
-            // the client write instead of copying it into `out` (one copy less of every read
-            // after the first; the first, which carries the head, is still copied). The body
-            // is counted down and metered as `feed` would; a Length body can't fail or overrun.
-            let _ = emit_body(&mut body, &ubuf[..n], |data| obs.body(data, read_at));
-            ubuf.truncate(n);
-            std::mem::swap(&mut out, &mut ubuf);
-        } else {
-            match feed(
-                &mut body,
-                &ubuf[..n],
-                client_framing,
-                &mut out,
-                obs,
-                strip.as_mut(),
-                read_at,
-            ) {
-                Ok(extra) => clean &= !extra,
-                Err(e) => {
-                    cut = Some(Cut::Upstream(e));
-                    break;
-                }
-            }
-        }
-        if client_framing == ClientFraming::Chunked && matches!(body, UpstreamBody::Done) {
-            // The body ended in this read: its last chunk goes out in the same write.
-            out.extend_from_slice(LAST_CHUNK);
-            terminated = true;
-        }
-        obs.relay_overhead += read_at.elapsed();
-        if !out.is_empty() {
-            obs.bytes_out += out.len() as u64;
-            let (res, returned) = client
-                .write_all(
-                    std::mem::take(&mut out),
-                    timeouts.stream_idle,
-                    io.load.direct_writes(),
-                )
-                .await;
-            out = returned;
-            if res.is_err() {
-                cut = Some(Cut::Client);
-            }
-        }
+    if cut.is_none() {
+        cut = relay.pump().await;
     }
 
+    // The end: the last chunk (or an SSE error event), the upstream connection back to the pool
+    // or closed.
     let end = match &cut {
         None => RelayEnd::Complete,
         Some(Cut::Client) => RelayEnd::ClientLeft,
@@ -367,66 +149,355 @@ pub async fn relay(
             RelayEnd::UpstreamCut(e.upstream_fault().unwrap_or(UpstreamFault::Io))
         }
     };
-    let keep_alive = match cut {
-        None => {
-            out.clear();
-            // A close-delimited body ended: an unfinished event held back goes out as it came.
-            if let Some(strip) = strip.as_mut() {
-                strip.finish(|data| frame(client_framing, data, &mut out));
-            }
-            if client_framing == ClientFraming::Chunked && !terminated {
-                out.extend_from_slice(LAST_CHUNK);
-            }
-            if !out.is_empty() {
-                obs.bytes_out += out.len() as u64;
-                let (res, returned) = client
-                    .write_all(out, timeouts.stream_idle, io.load.direct_writes())
-                    .await;
-                out = returned;
-                keep_client &= res.is_ok();
-            }
-            if clean && head.keep_alive && matches!(body, UpstreamBody::Done) {
-                io.pools.checkin(conn);
-            } else {
-                conn.abort();
-            }
-            keep_client
-        }
-        Some(Cut::Client) => {
-            conn.abort();
-            false
-        }
-        Some(Cut::Upstream(error)) => {
-            conn.abort();
-            // An event stream learns why through an error event and a proper end; any other
-            // body can only be cut, so the client sees it incomplete. `out` still holds the
-            // well-formed data decoded before the fault.
-            if event_stream && client_framing == ClientFraming::Chunked {
-                // What was held back goes first, as it would have without stripping.
-                if let Some(strip) = strip.as_mut() {
-                    strip.finish(|data| frame(client_framing, data, &mut out));
-                }
-                encode_chunk(error.sse_event().as_bytes(), &mut out);
-                out.extend_from_slice(LAST_CHUNK);
-                obs.bytes_out += out.len() as u64;
-                let (res, returned) = client
-                    .write_all(out, timeouts.stream_idle, io.load.direct_writes())
-                    .await;
-                out = returned;
-                keep_client && res.is_ok()
-            } else {
-                false
-            }
-        }
-    };
-    obs.finished_at = Some(Instant::now());
-    obs.end = Some(end);
-    io.bufs.give(out);
-    io.bufs.give(ubuf);
-    if let Some(strip) = strip {
-        io.bufs.give(strip.into_buffer());
-    }
+    relay.obs.end = Some(end);
+    let keep_alive = relay.finish(cut, head.keep_alive).await;
     Ok(Relayed { keep_alive, end })
+}
+
+/// What the response's head decides for the whole relay.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    framing: ClientFraming,
+    event_stream: bool,
+    strip_usage: bool,
+    /// The client connection may serve another request (as far as framing allows).
+    keep_client: bool,
+}
+
+impl Plan {
+    fn new(head: &ResponseHead, side: ClientSide) -> Plan {
+        let mut keep_client = side.keep_alive;
+        let strip_usage = side.strip_usage && head.event_stream;
+        let framing = match head.framing() {
+            BodyFraming::None => ClientFraming::Empty,
+            _ if side.head_only => ClientFraming::Empty,
+            // A stripped body is shorter than the upstream's Content-Length: re-frame it.
+            BodyFraming::Length(_) if strip_usage && side.minor_version >= 1 => {
+                ClientFraming::Chunked
+            }
+            BodyFraming::Length(_) if strip_usage => {
+                keep_client = false;
+                ClientFraming::Close
+            }
+            BodyFraming::Length(_) => ClientFraming::Passthrough,
+            BodyFraming::Chunked | BodyFraming::UntilClose if side.minor_version >= 1 => {
+                ClientFraming::Chunked
+            }
+            BodyFraming::Chunked | BodyFraming::UntilClose => {
+                keep_client = false;
+                ClientFraming::Close
+            }
+        };
+        Plan {
+            framing,
+            event_stream: head.event_stream,
+            strip_usage,
+            keep_client,
+        }
+    }
+
+    /// How the upstream's body is delimited. A HEAD response has no body whatever its headers
+    /// say (unless it is close-delimited: then the close ends it).
+    fn upstream_body(&self, head: &ResponseHead, side: ClientSide) -> UpstreamBody {
+        let framing = head.framing();
+        match framing {
+            BodyFraming::None => UpstreamBody::Done,
+            _ if side.head_only && framing != BodyFraming::UntilClose => UpstreamBody::Done,
+            BodyFraming::Length(n) => UpstreamBody::Length(n),
+            BodyFraming::Chunked => UpstreamBody::Chunked(ChunkedDecoder::default()),
+            BodyFraming::UntilClose => UpstreamBody::UntilClose,
+        }
+    }
+}
+
+/// One relay in progress: the two connections, the buffers, and where the body stands.
+struct Relay<'r, 'w> {
+    io: Io<'w>,
+    client: &'r mut ClientSocket,
+    obs: &'r mut Observation,
+    conn: UpstreamConn,
+    /// What goes to the client next.
+    out: Vec<u8>,
+    /// What came from the upstream last.
+    ubuf: Vec<u8>,
+    strip: Option<UsageStrip>,
+    body: UpstreamBody,
+    plan: Plan,
+    /// No bytes beyond the body's end arrived, so the upstream connection may be reused.
+    clean: bool,
+    /// The chunked framing's last chunk has been sent.
+    terminated: bool,
+}
+
+impl Relay<'_, '_> {
+    /// The client's response head into `out`: the upstream's status and headers less the
+    /// hop-by-hop ones, the client's framing, the rate-limit headers and Sluice's overhead.
+    fn write_head(&mut self, head: &ResponseHead, side: ClientSide) {
+        let (out, ubuf, plan) = (&mut self.out, &self.ubuf, self.plan);
+        let _ = write!(out, "HTTP/1.1 {} ", head.status);
+        let upstream_reason = &ubuf[head.reason.0..head.reason.1];
+        if upstream_reason.is_empty() {
+            out.extend_from_slice(reason(head.status).as_bytes());
+        } else {
+            out.extend_from_slice(upstream_reason);
+        }
+        out.extend_from_slice(b"\r\n");
+        for h in &head.headers {
+            let name = h.name(ubuf);
+            let keep_length = side.head_only && name.eq_ignore_ascii_case(b"content-length");
+            if is_hop_by_hop(name) && !keep_length {
+                continue;
+            }
+            out.extend_from_slice(name);
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(h.value(ubuf));
+            out.extend_from_slice(b"\r\n");
+        }
+        match (plan.framing, head.framing()) {
+            (ClientFraming::Passthrough, BodyFraming::Length(n)) => {
+                let _ = write!(out, "content-length: {n}\r\n");
+            }
+            (ClientFraming::Chunked, _) => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+            (ClientFraming::Empty, _)
+                if !side.head_only && head.status != 204 && head.status != 304 =>
+            {
+                out.extend_from_slice(b"content-length: 0\r\n");
+            }
+            _ => {}
+        }
+        if !plan.keep_client {
+            out.extend_from_slice(b"connection: close\r\n");
+        }
+        self.obs.response_started(
+            head.status,
+            plan.event_stream,
+            plan.framing != ClientFraming::Empty,
+        );
+        out.extend_from_slice(self.obs.rate_headers.as_bytes());
+        let _ = write!(
+            out,
+            "x-sluice-overhead-us: {}\r\n\r\n",
+            self.obs.overhead_so_far(Instant::now()).as_micros()
+        );
+    }
+
+    /// Move the upstream bytes `ubuf[range]`, read at `read_at`, into `out` in the client's
+    /// framing (metered on the way). An upstream framing fault is returned.
+    fn feed_read(
+        &mut self,
+        range: impl std::slice::SliceIndex<[u8], Output = [u8]>,
+        read_at: Instant,
+    ) -> Result<(), GatewayError> {
+        let extra = feed(
+            &mut self.body,
+            &self.ubuf[range],
+            self.plan.framing,
+            &mut self.out,
+            self.obs,
+            self.strip.as_mut(),
+            read_at,
+        )?;
+        self.clean &= !extra;
+        Ok(())
+    }
+
+    /// Write `out` to the client (if it holds anything); `Some(Cut::Client)` if it is gone.
+    async fn send_out(&mut self, read_at: Instant) -> Option<Cut> {
+        self.obs.relay_overhead += read_at.elapsed();
+        if self.out.is_empty() {
+            return None;
+        }
+        self.obs.bytes_out += self.out.len() as u64;
+        let (res, returned) = self
+            .client
+            .write_all(
+                std::mem::take(&mut self.out),
+                self.io.timeouts.stream_idle,
+                self.io.load.direct_writes(),
+            )
+            .await;
+        self.out = returned;
+        res.is_err().then_some(Cut::Client)
+    }
+
+    /// Relay the rest of the body, one upstream read at a time, each written before the next
+    /// read. Returns why it stopped early, if it did.
+    async fn pump(&mut self) -> Option<Cut> {
+        let mut watching = true;
+        while !matches!(self.body, UpstreamBody::Done) {
+            self.out.clear();
+            let n = match self.read_upstream(&mut watching).await {
+                Ok(0) if matches!(self.body, UpstreamBody::UntilClose) => {
+                    self.body = UpstreamBody::Done;
+                    self.clean = false;
+                    return None;
+                }
+                Ok(0) => {
+                    return Some(Cut::Upstream(GatewayError::bad_gateway(
+                        UpstreamFault::Io,
+                        "the upstream closed the connection mid-response",
+                    )))
+                }
+                Ok(n) => n,
+                Err(cut) => return Some(cut),
+            };
+            let read_at = Instant::now();
+            let whole_read_passes_through = self.plan.framing == ClientFraming::Passthrough
+                && self.strip.is_none()
+                && matches!(self.body, UpstreamBody::Length(remaining) if remaining >= n as u64);
+            if whole_read_passes_through {
+                // The whole read is body the client gets unchanged: hand the read buffer itself
+                // to the client write instead of copying it into `out` (one copy less of every
+                // read after the first; the first, which carries the head, is still copied). The
+                // body is counted down and metered as `feed` would; a Length body can't fail or
+                // overrun.
+                let obs = &mut *self.obs;
+                let _ = emit_body(&mut self.body, &self.ubuf[..n], |data| {
+                    obs.body(data, read_at)
+                });
+                self.ubuf.truncate(n);
+                std::mem::swap(&mut self.out, &mut self.ubuf);
+            } else if let Err(e) = self.feed_read(..n, read_at) {
+                return Some(Cut::Upstream(e));
+            }
+            if self.plan.framing == ClientFraming::Chunked
+                && matches!(self.body, UpstreamBody::Done)
+            {
+                // The body ended in this read: its last chunk goes out in the same write.
+                self.out.extend_from_slice(LAST_CHUNK);
+                self.terminated = true;
+            }
+            if let Some(cut) = self.send_out(read_at).await {
+                return Some(cut);
+            }
+        }
+        None
+    }
+
+    /// One upstream read into `ubuf`, watching the client meanwhile (until it sends its next
+    /// request early: then `watching` turns off). The read is never dropped unless the client
+    /// is gone, so no upstream bytes can be lost to a cancelled read. The watch borrows the
+    /// client socket only while this waits, never across a write.
+    async fn read_upstream(&mut self, watching: &mut bool) -> Result<usize, Cut> {
+        self.ubuf.clear();
+        if self.ubuf.capacity() < 16 * 1024 {
+            self.ubuf.reserve(16 * 1024);
+        }
+        let cap = self.ubuf.capacity();
+        let mut read = pin!(monoio::time::timeout(
+            self.io.timeouts.stream_idle,
+            self.conn.io.read(monoio::buf::IoBufMut::slice_mut(
+                std::mem::take(&mut self.ubuf),
+                0..cap
+            )),
+        ));
+        let client = &*self.client;
+        let mut watch = pin!(client.readable());
+        let read_result = loop {
+            if !*watching {
+                break (&mut read).await;
+            }
+            monoio::select! {
+                biased;
+                r = &mut read => break r,
+                _ = &mut watch => {
+                    if client.peer_gone() {
+                        return Err(Cut::Client);
+                    }
+                    // The client sent its next request early: stop watching for this one.
+                    *watching = false;
+                }
+            }
+        };
+        match read_result {
+            Err(_) => Err(Cut::Upstream(GatewayError::gateway_timeout(
+                "the upstream stream stalled",
+            ))),
+            Ok((res, slice)) => {
+                self.ubuf = slice.into_inner();
+                res.map_err(|e| {
+                    Cut::Upstream(GatewayError::bad_gateway(
+                        UpstreamFault::Io,
+                        format!("upstream connection failed mid-response: {e}"),
+                    ))
+                })
+            }
+        }
+    }
+
+    /// End the response as `cut` says: a complete body gets its last chunk and the upstream
+    /// connection goes back to the pool (when reusable); a client that left gets nothing more;
+    /// an upstream fault ends an event stream with an SSE error event and a proper end, and
+    /// cuts any other body. Returns whether the client connection may be kept.
+    async fn finish(mut self, cut: Option<Cut>, upstream_keep_alive: bool) -> bool {
+        let plan = self.plan;
+        let (keep_alive, reusable) = match cut {
+            None => {
+                self.out.clear();
+                // A close-delimited body ended: an unfinished event held back goes out as it
+                // came.
+                self.flush_strip();
+                if plan.framing == ClientFraming::Chunked && !self.terminated {
+                    self.out.extend_from_slice(LAST_CHUNK);
+                }
+                let sent = self.send_out(Instant::now()).await.is_none();
+                let reusable =
+                    self.clean && upstream_keep_alive && matches!(self.body, UpstreamBody::Done);
+                (plan.keep_client && sent, reusable)
+            }
+            Some(Cut::Client) => (false, false),
+            Some(Cut::Upstream(error)) => {
+                // An event stream learns why through an error event and a proper end; any
+                // other body can only be cut, so the client sees it incomplete. `out` still
+                // holds the well-formed data decoded before the fault.
+                if plan.event_stream && plan.framing == ClientFraming::Chunked {
+                    // What was held back goes first, as it would have without stripping.
+                    self.flush_strip();
+                    encode_chunk(error.sse_event().as_bytes(), &mut self.out);
+                    self.out.extend_from_slice(LAST_CHUNK);
+                    let sent = self.send_out(Instant::now()).await.is_none();
+                    (plan.keep_client && sent, false)
+                } else {
+                    (false, false)
+                }
+            }
+        };
+        self.obs.finished_at = Some(Instant::now());
+        self.close(reusable);
+        keep_alive
+    }
+
+    /// An unfinished event the usage strip held back goes out as it came.
+    fn flush_strip(&mut self) {
+        let framing = self.plan.framing;
+        let out = &mut self.out;
+        if let Some(strip) = self.strip.as_mut() {
+            strip.finish(|data| frame(framing, data, out));
+        }
+    }
+
+    /// The upstream connection back to the pool (`reusable`) or torn down, and the buffers
+    /// back to theirs.
+    fn close(self, reusable: bool) {
+        let Relay {
+            io,
+            conn,
+            out,
+            ubuf,
+            strip,
+            ..
+        } = self;
+        if reusable {
+            io.pools.checkin(conn);
+        } else {
+            conn.abort();
+        }
+        io.bufs.give(out);
+        io.bufs.give(ubuf);
+        if let Some(strip) = strip {
+            io.bufs.give(strip.into_buffer());
+        }
+    }
 }
 
 /// Append decoded body bytes to `out` in the client's framing.
