@@ -26,7 +26,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::sync::{BudgetState, BudgetSync};
 use crate::config::limits::{
-    ApiKey, KeyIdx, LimitDimension, LimitsConfig, Per, Period, Plan, Policy, RateLimit,
+    civil_year_month, days_from_civil, ApiKey, DownPolicy, KeyIdx, LimitDimension, LimitsConfig,
+    Per, Period, Plan, Policy, RateLimit,
 };
 
 const KIND_REQUESTS: u8 = 0;
@@ -310,7 +311,7 @@ impl LimiterShard {
             urgent: false,
             sync_waker: None,
             down_share: u64::from(cfg.sync.nodes.max(1)) * u64::from(cfg.sync.workers.max(1)),
-            down_allow: cfg.sync.on_down == crate::config::limits::DownPolicy::Allow,
+            down_allow: cfg.sync.on_down == DownPolicy::Allow,
             in_flight: Vec::new(),
             exchanging: false,
             last_prepare_ms: 0,
@@ -1033,17 +1034,16 @@ pub fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
             // Calendar months from the anchor's day-of-month and time (clamped to short
             // months by counting from the 1st plus the anchor's offset into its month).
             let anchor_days = (plan.anchor / 86_400) as i64;
-            let (ay, am) = crate::config::limits::civil_year_month(anchor_days);
-            let anchor_month_start =
-                crate::config::limits::days_from_civil(ay, am, 1) as u64 * 86_400;
+            let (ay, am) = civil_year_month(anchor_days);
+            let anchor_month_start = days_from_civil(ay, am, 1) as u64 * 86_400;
             let offset = plan.anchor - anchor_month_start;
-            let (ny, nm) = crate::config::limits::civil_year_month((now_s / 86_400) as i64);
+            let (ny, nm) = civil_year_month((now_s / 86_400) as i64);
             let mut months = (ny - ay) * 12 + i64::from(nm) - i64::from(am);
             let start_of = |m: i64| -> u64 {
                 let total = i64::from(am) - 1 + m;
                 let y = ay + total.div_euclid(12);
                 let mo = total.rem_euclid(12) as u32 + 1;
-                crate::config::limits::days_from_civil(y, mo, 1).max(0) as u64 * 86_400 + offset
+                days_from_civil(y, mo, 1).max(0) as u64 * 86_400 + offset
             };
             if now_s < start_of(months) {
                 months -= 1;
