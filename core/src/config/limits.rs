@@ -5,7 +5,7 @@
 //! worker count; returns a [`LimitsConfig`], pushing every problem found (with its key path) to
 //! the caller's error list rather than stopping at the first.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
@@ -615,6 +615,24 @@ fn check_id(s: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Check an id (see [`check_id`]) and that no earlier entry of its list, whose ids are in
+/// `seen`, has it; `duplicate` words that error, given the earlier entry's index.
+fn check_unique_id(
+    id: &str,
+    index: usize,
+    seen: &mut BTreeMap<String, usize>,
+    path: &str,
+    err: &mut dyn FnMut(String, String),
+    duplicate: impl FnOnce(usize) -> String,
+) {
+    if let Err(e) = check_id(id) {
+        err(format!("{path}.id"), e);
+    }
+    if let Some(prev) = seen.insert(id.to_string(), index) {
+        err(format!("{path}.id"), duplicate(prev));
+    }
+}
+
 fn resolve_reserve(
     raw: Option<RawReserve>,
     base: Reserve,
@@ -687,17 +705,38 @@ pub fn resolve(
     err: &mut dyn FnMut(String, String),
 ) -> LimitsConfig {
     let reserve = resolve_reserve(raw.reserve, Reserve::default(), "limits.reserve", err);
+    let sync = resolve_sync(raw, workers, err);
+    let settle_tokenizer = resolve_settle_tokenizer(&raw.settle_tokenizer, err);
+    let redis = resolve_backend(&raw.backend, raw.redis.as_ref(), env, err);
+    let policies = resolve_policies(raw_policies, reserve, err);
+    let entities = entity_names(raw_keys);
+    let (keys, by_digest) = resolve_keys(raw_keys, &policies, &entities, err);
+    check_policy_references(&policies, &keys, &entities, err);
+    let anonymous_policies = policies
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.is_global())
+        .map(|(i, _)| i)
+        .collect();
+    LimitsConfig {
+        keys,
+        by_digest,
+        entities,
+        policies,
+        anonymous_policies,
+        sync: SyncSettings { redis, ..sync },
+        reserve,
+        settle_tokenizer,
+    }
+}
 
-    // Sync settings.
-    let mut sync = SyncSettings {
-        interval: Duration::from_millis(raw.sync_interval_ms),
-        timeout: Duration::from_millis(raw.sync_timeout_ms),
-        lease_ttl: Duration::from_millis(raw.lease_ttl_ms),
-        lease_wait: Duration::from_millis(raw.lease_wait_ms),
-        nodes: raw.nodes,
-        workers: workers as u32,
-        ..SyncSettings::default()
-    };
+/// `[limits]`' timing, node count and outage policy; the Redis settings are
+/// [`resolve_backend`]'s.
+fn resolve_sync(
+    raw: &RawLimits,
+    workers: usize,
+    err: &mut dyn FnMut(String, String),
+) -> SyncSettings {
     if !(1..=10_000).contains(&raw.sync_interval_ms) {
         err(
             "limits.sync_interval_ms".into(),
@@ -716,7 +755,7 @@ pub fn resolve(
     if raw.nodes == 0 {
         err("limits.nodes".into(), "must be at least 1".into());
     }
-    sync.on_down = match raw.on_backend_down.as_str() {
+    let on_down = match raw.on_backend_down.as_str() {
         "allow" => DownPolicy::Allow,
         "deny" => DownPolicy::Deny,
         other => {
@@ -727,7 +766,20 @@ pub fn resolve(
             DownPolicy::Allow
         }
     };
-    let settle_tokenizer = match raw.settle_tokenizer.as_str() {
+    SyncSettings {
+        redis: None,
+        interval: Duration::from_millis(raw.sync_interval_ms),
+        timeout: Duration::from_millis(raw.sync_timeout_ms),
+        lease_ttl: Duration::from_millis(raw.lease_ttl_ms),
+        lease_wait: Duration::from_millis(raw.lease_wait_ms),
+        on_down,
+        nodes: raw.nodes,
+        workers: workers as u32,
+    }
+}
+
+fn resolve_settle_tokenizer(raw: &str, err: &mut dyn FnMut(String, String)) -> SettleTokenizer {
+    match raw {
         "estimate" => SettleTokenizer::Estimate,
         "tiktoken" => SettleTokenizer::Tiktoken,
         other => {
@@ -737,285 +789,347 @@ pub fn resolve(
             );
             SettleTokenizer::Estimate
         }
-    };
-    match (raw.backend.as_str(), &raw.redis) {
-        ("local", _) => {}
-        ("redis", None) => err(
-            "limits.redis".into(),
-            "backend = \"redis\" needs a [limits.redis] section with an address".into(),
-        ),
-        ("redis", Some(r)) => {
-            let address = match r.address.to_socket_addrs().map(|mut a| a.next()) {
-                Ok(Some(a)) => Some(a),
-                _ => {
-                    err(
-                        "limits.redis.address".into(),
-                        format!("`{}` is not a host:port that resolves", r.address),
-                    );
-                    None
-                }
-            };
-            let password = match &r.password_env {
-                None => None,
-                Some(var) => match env(var) {
-                    Some(p) => Some(p),
-                    None => {
-                        err(
-                            "limits.redis.password_env".into(),
-                            format!("environment variable `{var}` is not set"),
-                        );
-                        None
-                    }
-                },
-            };
-            if let Err(e) = check_id(&r.key_prefix) {
-                err("limits.redis.key_prefix".into(), e);
-            }
-            let mut seeds = Vec::new();
-            for (i, seed) in r.seeds.iter().enumerate() {
-                match seed.to_socket_addrs().map(|mut a| a.next()) {
-                    Ok(Some(a)) => seeds.push(a),
-                    _ => err(
-                        format!("limits.redis.seeds[{i}]"),
-                        format!("`{seed}` is not a host:port that resolves"),
-                    ),
-                }
-            }
-            if r.cluster && r.db != 0 {
-                err(
-                    "limits.redis.db".into(),
-                    "a Redis Cluster has only database 0".into(),
-                );
-            }
-            if !r.cluster && !r.seeds.is_empty() {
-                err(
-                    "limits.redis.seeds".into(),
-                    "seeds are for a Redis Cluster: set cluster = true".into(),
-                );
-            }
-            if let Some(address) = address {
-                sync.redis = Some(RedisSettings {
-                    address,
-                    cluster_seeds: r.cluster.then(|| {
-                        let mut all = vec![address];
-                        all.extend(seeds.iter().copied().filter(|s| *s != address));
-                        all
-                    }),
-                    username: r.username.clone(),
-                    password,
-                    db: r.db,
-                    key_prefix: r.key_prefix.clone(),
-                    connect_timeout: Duration::from_millis(r.connect_timeout_ms.max(1)),
-                });
-            }
-        }
-        (other, _) => err(
-            "limits.backend".into(),
-            format!("`{other}` is not \"local\" or \"redis\""),
-        ),
     }
+}
 
-    // Policies.
-    let mut policies = Vec::new();
-    let mut policy_ids = BTreeMap::new();
+/// `backend` and `[limits.redis]`: the Redis settings, or `None` for the in-process ledger (and
+/// where Redis's address is wrong).
+fn resolve_backend(
+    backend: &str,
+    redis: Option<&RawRedis>,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: &mut dyn FnMut(String, String),
+) -> Option<RedisSettings> {
+    match (backend, redis) {
+        ("local", _) => None,
+        ("redis", None) => {
+            err(
+                "limits.redis".into(),
+                "backend = \"redis\" needs a [limits.redis] section with an address".into(),
+            );
+            None
+        }
+        ("redis", Some(r)) => resolve_redis(r, env, err),
+        (other, _) => {
+            err(
+                "limits.backend".into(),
+                format!("`{other}` is not \"local\" or \"redis\""),
+            );
+            None
+        }
+    }
+}
+
+fn resolve_redis(
+    r: &RawRedis,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: &mut dyn FnMut(String, String),
+) -> Option<RedisSettings> {
+    let address = match r.address.to_socket_addrs().map(|mut a| a.next()) {
+        Ok(Some(a)) => Some(a),
+        _ => {
+            err(
+                "limits.redis.address".into(),
+                format!("`{}` is not a host:port that resolves", r.address),
+            );
+            None
+        }
+    };
+    let password = r.password_env.as_ref().and_then(|var| {
+        let password = env(var);
+        if password.is_none() {
+            err(
+                "limits.redis.password_env".into(),
+                format!("environment variable `{var}` is not set"),
+            );
+        }
+        password
+    });
+    if let Err(e) = check_id(&r.key_prefix) {
+        err("limits.redis.key_prefix".into(), e);
+    }
+    let mut seeds = Vec::new();
+    for (i, seed) in r.seeds.iter().enumerate() {
+        match seed.to_socket_addrs().map(|mut a| a.next()) {
+            Ok(Some(a)) => seeds.push(a),
+            _ => err(
+                format!("limits.redis.seeds[{i}]"),
+                format!("`{seed}` is not a host:port that resolves"),
+            ),
+        }
+    }
+    if r.cluster && r.db != 0 {
+        err(
+            "limits.redis.db".into(),
+            "a Redis Cluster has only database 0".into(),
+        );
+    }
+    if !r.cluster && !r.seeds.is_empty() {
+        err(
+            "limits.redis.seeds".into(),
+            "seeds are for a Redis Cluster: set cluster = true".into(),
+        );
+    }
+    let address = address?;
+    Some(RedisSettings {
+        address,
+        cluster_seeds: r.cluster.then(|| {
+            let mut all = vec![address];
+            all.extend(seeds.iter().copied().filter(|s| *s != address));
+            all
+        }),
+        username: r.username.clone(),
+        password,
+        db: r.db,
+        key_prefix: r.key_prefix.clone(),
+        connect_timeout: Duration::from_millis(r.connect_timeout_ms.max(1)),
+    })
+}
+
+/// `[[policies]]`, in file order (a policy's index is its [`PolicyIdx`]). `reserve` is the
+/// default reservation rule, for policies without their own.
+fn resolve_policies(
+    raw_policies: &[RawPolicy],
+    reserve: Reserve,
+    err: &mut dyn FnMut(String, String),
+) -> Vec<Policy> {
+    let mut ids = BTreeMap::new();
+    let mut policies = Vec::with_capacity(raw_policies.len());
     for (i, rp) in raw_policies.iter().enumerate() {
         let path = format!("policies[{i}]");
-        if let Err(e) = check_id(&rp.id) {
-            err(format!("{path}.id"), e);
-        }
-        if let Some(prev) = policy_ids.insert(rp.id.clone(), i) {
-            err(
-                format!("{path}.id"),
-                format!("`{}` is already used by policies[{prev}]", rp.id),
-            );
-        }
-        let per = match rp.per.as_str() {
-            "global" => Per::Global,
-            "key" => Per::Key,
-            "entity" => Per::Entity,
-            "model" => Per::Model,
-            other => {
-                err(
-                    format!("{path}.per"),
-                    format!("`{other}` is not \"global\", \"key\", \"entity\" or \"model\""),
-                );
-                Per::Global
-            }
-        };
-        let requests = rate(
-            rp.max_requests,
-            rp.requests_window_secs,
-            rp.requests_burst,
-            &path,
-            "requests",
-            err,
-        );
-        let tokens = rate(
-            rp.max_tokens,
-            rp.tokens_window_secs,
-            rp.tokens_burst,
-            &path,
-            "tokens",
-            err,
-        );
-        if rp.max_concurrency == Some(0) {
-            err(
-                format!("{path}.max_concurrency"),
-                "must be at least 1".into(),
-            );
-        }
-        if requests.is_none() && tokens.is_none() && rp.max_concurrency.is_none() {
-            err(
-                path.clone(),
-                "a policy needs max_requests, max_tokens or max_concurrency".into(),
-            );
-        }
-        policies.push(Policy {
-            id: rp.id.clone(),
-            enabled: rp.enabled,
-            keys: rp.keys.clone(),
-            entities: rp.entities.clone(),
-            tags: rp.tags.clone(),
-            models: rp.models.iter().map(|m| ModelPattern::parse(m)).collect(),
-            per,
-            requests,
-            tokens,
-            concurrency: rp.max_concurrency,
-            reserve: resolve_reserve(rp.reserve, reserve, &format!("{path}.reserve"), err),
+        check_unique_id(&rp.id, i, &mut ids, &path, err, |prev| {
+            format!("`{}` is already used by policies[{prev}]", rp.id)
         });
+        policies.push(resolve_policy(rp, reserve, &path, err));
     }
+    policies
+}
 
-    // Keys.
+fn resolve_policy(
+    rp: &RawPolicy,
+    reserve: Reserve,
+    path: &str,
+    err: &mut dyn FnMut(String, String),
+) -> Policy {
+    let per = match rp.per.as_str() {
+        "global" => Per::Global,
+        "key" => Per::Key,
+        "entity" => Per::Entity,
+        "model" => Per::Model,
+        other => {
+            err(
+                format!("{path}.per"),
+                format!("`{other}` is not \"global\", \"key\", \"entity\" or \"model\""),
+            );
+            Per::Global
+        }
+    };
+    let requests = rate(
+        rp.max_requests,
+        rp.requests_window_secs,
+        rp.requests_burst,
+        path,
+        "requests",
+        err,
+    );
+    let tokens = rate(
+        rp.max_tokens,
+        rp.tokens_window_secs,
+        rp.tokens_burst,
+        path,
+        "tokens",
+        err,
+    );
+    if rp.max_concurrency == Some(0) {
+        err(
+            format!("{path}.max_concurrency"),
+            "must be at least 1".into(),
+        );
+    }
+    if requests.is_none() && tokens.is_none() && rp.max_concurrency.is_none() {
+        err(
+            path.to_string(),
+            "a policy needs max_requests, max_tokens or max_concurrency".into(),
+        );
+    }
+    Policy {
+        id: rp.id.clone(),
+        enabled: rp.enabled,
+        keys: rp.keys.clone(),
+        entities: rp.entities.clone(),
+        tags: rp.tags.clone(),
+        models: rp.models.iter().map(|m| ModelPattern::parse(m)).collect(),
+        per,
+        requests,
+        tokens,
+        concurrency: rp.max_concurrency,
+        reserve: resolve_reserve(rp.reserve, reserve, &format!("{path}.reserve"), err),
+    }
+}
+
+/// Every entity the keys name, sorted and without repeats: keys and metrics refer to an entity
+/// by its index here.
+fn entity_names(raw_keys: &[RawKey]) -> Vec<String> {
     let mut entities: Vec<String> = raw_keys.iter().filter_map(|k| k.entity.clone()).collect();
     entities.sort();
     entities.dedup();
-    let mut keys = Vec::new();
+    entities
+}
+
+/// `[[keys]]`, in file order (a key's index is its [`KeyIdx`]), and the digest → key map that
+/// authentication looks keys up in.
+fn resolve_keys(
+    raw_keys: &[RawKey],
+    policies: &[Policy],
+    entities: &[String],
+    err: &mut dyn FnMut(String, String),
+) -> (Vec<ApiKey>, HashMap<[u8; 32], KeyIdx>) {
+    let mut ids = BTreeMap::new();
     let mut by_digest = HashMap::new();
-    let mut key_ids = BTreeMap::new();
+    let mut keys = Vec::with_capacity(raw_keys.len());
     for (i, rk) in raw_keys.iter().enumerate() {
         let path = format!("keys[{i}]");
-        if let Err(e) = check_id(&rk.id) {
-            err(format!("{path}.id"), e);
-        }
-        if let Some(prev) = key_ids.insert(rk.id.clone(), i) {
+        check_unique_id(&rk.id, i, &mut ids, &path, err, |prev| {
+            format!("`{}` is already used by keys[{prev}]", rk.id)
+        });
+        let digest = parse_digest(&rk.sha256.to_ascii_lowercase()).unwrap_or_else(|| {
             err(
-                format!("{path}.id"),
-                format!("`{}` is already used by keys[{prev}]", rk.id),
+                format!("{path}.sha256"),
+                "must be 64 hex digits (`sluice key hash` prints it)".into(),
             );
-        }
-        let digest = match parse_digest(&rk.sha256.to_ascii_lowercase()) {
-            Some(d) => d,
-            None => {
-                err(
-                    format!("{path}.sha256"),
-                    "must be 64 hex digits (`sluice key hash` prints it)".into(),
-                );
-                [0; 32]
-            }
-        };
+            [0; 32]
+        });
         if let Some(prev) = by_digest.insert(digest, i) {
             err(
                 format!("{path}.sha256"),
                 format!("the same key as keys[{prev}]"),
             );
         }
-        if let Some(e) = &rk.entity {
-            if let Err(m) = check_id(e) {
-                err(format!("{path}.entity"), m);
-            }
+        keys.push(resolve_key(rk, digest, policies, entities, &path, err));
+    }
+    (keys, by_digest)
+}
+
+/// One key, its id and digest already checked (they must be unique among all keys).
+fn resolve_key(
+    rk: &RawKey,
+    digest: [u8; 32],
+    policies: &[Policy],
+    entities: &[String],
+    path: &str,
+    err: &mut dyn FnMut(String, String),
+) -> ApiKey {
+    if let Some(e) = &rk.entity {
+        if let Err(m) = check_id(e) {
+            err(format!("{path}.entity"), m);
         }
-        let expires = rk.expires.as_ref().and_then(|dt| {
-            unix_seconds(dt)
-                .map_err(|m| err(format!("{path}.expires"), m))
-                .ok()
-        });
-        let mut subnets = Vec::new();
-        for (j, s) in rk.source_subnets.iter().enumerate() {
-            match Cidr::parse(s) {
-                Ok(c) => subnets.push(c),
-                Err(m) => err(format!("{path}.source_subnets[{j}]"), m),
-            }
+    }
+    let expires = rk.expires.as_ref().and_then(|dt| {
+        unix_seconds(dt)
+            .map_err(|m| err(format!("{path}.expires"), m))
+            .ok()
+    });
+    let mut subnets = Vec::new();
+    for (j, s) in rk.source_subnets.iter().enumerate() {
+        match Cidr::parse(s) {
+            Ok(c) => subnets.push(c),
+            Err(m) => err(format!("{path}.source_subnets[{j}]"), m),
         }
-        let mut plans = Vec::new();
-        let mut plan_ids = BTreeMap::new();
-        for (j, rp) in rk.plans.iter().enumerate() {
-            let ppath = format!("{path}.plans[{j}]");
-            if let Err(m) = check_id(&rp.id) {
-                err(format!("{ppath}.id"), m);
-            }
-            if plan_ids.insert(rp.id.clone(), j).is_some() {
-                err(
-                    format!("{ppath}.id"),
-                    format!("`{}` is used twice in this key", rp.id),
-                );
-            }
-            let period = parse_period(&rp.period).unwrap_or_else(|m| {
-                err(format!("{ppath}.period"), m);
-                Period::Once
-            });
-            let anchor = rp.anchor.as_ref().map_or(0, |dt| {
-                unix_seconds(dt).unwrap_or_else(|m| {
-                    err(format!("{ppath}.anchor"), m);
-                    0
-                })
-            });
-            let expires = rp.expires.as_ref().and_then(|dt| {
-                unix_seconds(dt)
-                    .map_err(|m| err(format!("{ppath}.expires"), m))
-                    .ok()
-            });
-            plans.push(Plan {
-                id: rp.id.clone(),
-                tokens: rp.tokens,
-                period,
-                anchor,
-                expires,
-                priority: rp.priority,
-            });
-        }
-        plans.sort_by_key(|p| p.priority);
-        let entity = rk
+    }
+    let plans = resolve_plans(&rk.plans, path, err);
+    let patterns = |models: &[String]| -> Vec<ModelPattern> {
+        models.iter().map(|m| ModelPattern::parse(m)).collect()
+    };
+    ApiKey {
+        id: rk.id.clone(),
+        digest,
+        entity: rk
             .entity
             .as_ref()
-            .and_then(|e| entities.binary_search(e).ok());
-        let key_policies = policies
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| {
-                (p.keys.is_empty() || p.keys.contains(&rk.id))
-                    && (p.entities.is_empty()
-                        || rk.entity.as_ref().is_some_and(|e| p.entities.contains(e)))
-                    && (p.tags.is_empty() || p.tags.iter().any(|t| rk.tags.contains(t)))
-            })
-            .map(|(j, _)| j)
-            .collect();
-        keys.push(ApiKey {
-            id: rk.id.clone(),
-            digest,
-            entity,
-            tags: rk.tags.clone(),
-            enabled: rk.enabled,
-            expires,
-            models_allow: rk
-                .models_allow
-                .iter()
-                .map(|m| ModelPattern::parse(m))
-                .collect(),
-            models_block: rk
-                .models_block
-                .iter()
-                .map(|m| ModelPattern::parse(m))
-                .collect(),
-            subnets,
-            plans,
-            policies: key_policies,
-        });
+            .and_then(|e| entities.binary_search(e).ok()),
+        tags: rk.tags.clone(),
+        enabled: rk.enabled,
+        expires,
+        models_allow: patterns(&rk.models_allow),
+        models_block: patterns(&rk.models_block),
+        subnets,
+        plans,
+        policies: policies_of(rk, policies),
     }
-    // A policy naming a key or entity that does not exist is a typo that would silently
-    // never apply.
+}
+
+/// A key's quota plans, by priority (lowest first), file order among equals.
+fn resolve_plans(
+    raw_plans: &[RawPlan],
+    key_path: &str,
+    err: &mut dyn FnMut(String, String),
+) -> Vec<Plan> {
+    let mut ids = BTreeMap::new();
+    let mut plans = Vec::with_capacity(raw_plans.len());
+    for (j, rp) in raw_plans.iter().enumerate() {
+        let path = format!("{key_path}.plans[{j}]");
+        check_unique_id(&rp.id, j, &mut ids, &path, err, |_| {
+            format!("`{}` is used twice in this key", rp.id)
+        });
+        plans.push(resolve_plan(rp, &path, err));
+    }
+    plans.sort_by_key(|p| p.priority);
+    plans
+}
+
+fn resolve_plan(rp: &RawPlan, path: &str, err: &mut dyn FnMut(String, String)) -> Plan {
+    let period = parse_period(&rp.period).unwrap_or_else(|m| {
+        err(format!("{path}.period"), m);
+        Period::Once
+    });
+    let anchor = rp.anchor.as_ref().map_or(0, |dt| {
+        unix_seconds(dt).unwrap_or_else(|m| {
+            err(format!("{path}.anchor"), m);
+            0
+        })
+    });
+    let expires = rp.expires.as_ref().and_then(|dt| {
+        unix_seconds(dt)
+            .map_err(|m| err(format!("{path}.expires"), m))
+            .ok()
+    });
+    Plan {
+        id: rp.id.clone(),
+        tokens: rp.tokens,
+        period,
+        anchor,
+        expires,
+        priority: rp.priority,
+    }
+}
+
+/// The policies whose key / entity / tag filters match a key (models are checked per request).
+fn policies_of(rk: &RawKey, policies: &[Policy]) -> Vec<PolicyIdx> {
+    policies
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| {
+            (p.keys.is_empty() || p.keys.contains(&rk.id))
+                && (p.entities.is_empty()
+                    || rk.entity.as_ref().is_some_and(|e| p.entities.contains(e)))
+                && (p.tags.is_empty() || p.tags.iter().any(|t| rk.tags.contains(t)))
+        })
+        .map(|(j, _)| j)
+        .collect()
+}
+
+/// A policy naming a key or entity that does not exist is a typo that would silently never
+/// apply; so is a policy per key, for every request, when there are no keys.
+fn check_policy_references(
+    policies: &[Policy],
+    keys: &[ApiKey],
+    entities: &[String],
+    err: &mut dyn FnMut(String, String),
+) {
+    let key_ids: BTreeSet<&str> = keys.iter().map(|k| k.id.as_str()).collect();
     for (i, p) in policies.iter().enumerate() {
         for k in &p.keys {
-            if !key_ids.contains_key(k) {
+            if !key_ids.contains(k.as_str()) {
                 err(
                     format!("policies[{i}].keys"),
                     format!("no key with id `{k}`"),
@@ -1030,28 +1144,12 @@ pub fn resolve(
                 );
             }
         }
-        if p.per == Per::Key && p.is_global() && raw_keys.is_empty() {
+        if p.per == Per::Key && p.is_global() && keys.is_empty() {
             err(
                 format!("policies[{i}].per"),
                 "per = \"key\" needs [[keys]]".into(),
             );
         }
-    }
-    let anonymous_policies = policies
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.is_global())
-        .map(|(i, _)| i)
-        .collect();
-    LimitsConfig {
-        keys,
-        by_digest,
-        entities,
-        policies,
-        anonymous_policies,
-        sync,
-        reserve,
-        settle_tokenizer,
     }
 }
 

@@ -87,9 +87,9 @@ struct RawConfig {
     admin: Option<RawAdmin>,
     access_log: Option<RawAccessLog>,
     pricing: BTreeMap<String, Option<RawPrice>>,
-    keys: Vec<Option<crate::config::limits::RawKey>>,
-    policies: Vec<Option<crate::config::limits::RawPolicy>>,
-    limits: crate::config::limits::RawLimits,
+    keys: Vec<Option<limits::RawKey>>,
+    policies: Vec<Option<limits::RawPolicy>>,
+    limits: limits::RawLimits,
     failed: BTreeSet<&'static str>,
     /// Sections with a key that could not be read (left out, so at its default).
     dirty: BTreeSet<&'static str>,
@@ -320,7 +320,7 @@ pub struct Snapshot {
     pub prices: BTreeMap<String, Price>,
     /// API keys, quota plans, limit policies and the sync backend. Shared, not copied, by the
     /// workers: a key table can be large.
-    pub limits: Arc<crate::config::limits::LimitsConfig>,
+    pub limits: Arc<limits::LimitsConfig>,
 }
 
 #[derive(Debug, Clone)]
@@ -556,22 +556,9 @@ pub fn load_with_warnings(text: &str, env: &dyn Fn(&str) -> Option<String>) -> L
     let raw = read_sections(source.doc.as_table().clone(), &source, &mut errors);
     let read_errors = errors.len();
     let snapshot = validate(raw, env, &mut errors, &mut warnings);
-    // A key that could not be read is not checked again at its default: one error per key.
-    let checked = errors.split_off(read_errors);
-    let kept: Vec<ConfigError> = checked
-        .into_iter()
-        .filter(|e| !errors.iter().any(|u| is_under(&e.path, &u.path)))
-        .collect();
-    errors.extend(kept);
-    for e in errors.iter_mut().chain(warnings.iter_mut()) {
-        if e.position.is_none() {
-            e.position = source.position(&e.path, Anchor::Value);
-        }
-    }
-    // File order; errors about keys that are not in the file (a missing section) come last.
-    let order = |e: &ConfigError| e.position.map_or((usize::MAX, 0), |p| (p.line, p.column));
-    errors.sort_by_key(order);
-    warnings.sort_by_key(order);
+    drop_echoes(&mut errors, read_errors);
+    in_file_order(&mut errors, &source);
+    in_file_order(&mut warnings, &source);
     Loaded {
         snapshot: match snapshot {
             Some(s) if errors.is_empty() => Ok(s),
@@ -579,6 +566,29 @@ pub fn load_with_warnings(text: &str, env: &dyn Fn(&str) -> Option<String>) -> L
         },
         warnings,
     }
+}
+
+/// A key that could not be read is not checked again at its default: one error per key. The
+/// first `read_errors` errors are the reading's; any after them about one of those keys (or a key
+/// inside one) goes.
+fn drop_echoes(errors: &mut Vec<ConfigError>, read_errors: usize) {
+    let checked = errors.split_off(read_errors);
+    let kept: Vec<ConfigError> = checked
+        .into_iter()
+        .filter(|e| !errors.iter().any(|u| is_under(&e.path, &u.path)))
+        .collect();
+    errors.extend(kept);
+}
+
+/// Give each problem its key's position and sort them in file order; those about keys that are
+/// not in the file (a missing section) come last, in the order they were found.
+fn in_file_order(problems: &mut [ConfigError], source: &Source) {
+    for e in problems.iter_mut() {
+        if e.position.is_none() {
+            e.position = source.position(&e.path, Anchor::Value);
+        }
+    }
+    problems.sort_by_key(|e| e.position.map_or((usize::MAX, 0), |p| (p.line, p.column)));
 }
 
 fn syntax_error(message: &str, position: Option<Position>) -> ConfigError {
@@ -785,242 +795,389 @@ fn read_list<T: serde::de::DeserializeOwned>(
 }
 
 /// Check what was read and build the snapshot (`None` when something needed is missing; every
-/// problem is in `errors`).
+/// problem is in `errors`). Each section has its resolver, run in file order so that errors at
+/// the same place keep the order they were found in.
 fn validate(
-    mut raw: RawConfig,
+    raw: RawConfig,
     env: &dyn Fn(&str) -> Option<String>,
     errors: &mut Vec<ConfigError>,
     warnings: &mut Vec<ConfigError>,
 ) -> Option<Snapshot> {
+    let RawConfig {
+        server,
+        http,
+        timeouts,
+        upstream,
+        clusters,
+        routes,
+        admin,
+        access_log,
+        pricing,
+        keys,
+        policies,
+        limits,
+        failed,
+        dirty,
+    } = raw;
     let mut err = |path: String, message: String| errors.push(ConfigError::new(path, message));
+    let workers = worker_count(&server);
+    let server = resolve_server(&server, workers, &mut err);
+    let http = resolve_http(&http, &mut err);
+    let timeouts = resolve_timeouts(&timeouts, &mut err);
+    let upstream = resolve_upstream(&upstream, &mut err);
+    let clusters = resolve_clusters(&clusters, env, &mut err, warnings);
+    let routes = resolve_routes(&routes, &clusters.by_name, &mut err);
+    // A server.listen left out for an error is not the one the file meant.
+    let server_listen = server
+        .as_ref()
+        .filter(|_| !dirty.contains("server"))
+        .map(|s| s.listen);
+    let admin_listen = admin
+        .as_ref()
+        .and_then(|a| resolve_admin(a, server_listen, &mut err));
+    let access_log = access_log.as_ref().map(|l| resolve_access_log(l, &mut err));
+    let prices = resolve_pricing(&pricing, &mut err);
+    let limits_read = !failed.contains("limits");
+    let limits = resolve_limits(keys, policies, &limits, limits_read, workers, env, &mut err);
 
-    let listen = match raw.server.listen.to_socket_addrs().map(|mut a| a.next()) {
+    if !errors.is_empty() || !failed.is_empty() {
+        return None;
+    }
+    Some(Snapshot {
+        server: server?,
+        http,
+        timeouts,
+        upstream,
+        clusters: clusters.clusters,
+        routes,
+        backend_count: clusters.backend_count,
+        admin_listen,
+        access_log,
+        prices,
+        limits: Arc::new(limits),
+    })
+}
+
+/// `server.workers`, with 0 meaning one per core.
+fn worker_count(raw: &RawServer) -> usize {
+    match raw.workers {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    }
+}
+
+/// `[server]`; `None` when `listen` is not an address.
+fn resolve_server(
+    raw: &RawServer,
+    workers: usize,
+    err: &mut dyn FnMut(String, String),
+) -> Option<ServerConfig> {
+    let listen = match raw.listen.to_socket_addrs().map(|mut a| a.next()) {
         Ok(Some(addr)) => Some(addr),
         _ => {
             err(
                 "server.listen".into(),
-                format!(
-                    "`{}` is not an address like 127.0.0.1:8080",
-                    raw.server.listen
-                ),
+                format!("`{}` is not an address like 127.0.0.1:8080", raw.listen),
             );
             None
         }
     };
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let workers = if raw.server.workers == 0 {
-        cores
-    } else {
-        raw.server.workers
-    };
-    if raw.server.workers > 1024 {
+    if raw.workers > 1024 {
         err("server.workers".into(), "must be at most 1024".into());
     }
-    if raw.server.max_connections_per_worker == 0 {
+    if raw.max_connections_per_worker == 0 {
         err(
             "server.max_connections_per_worker".into(),
             "must be at least 1".into(),
         );
     }
+    Some(ServerConfig {
+        listen: listen?,
+        workers,
+        pin_workers: raw.pin_workers,
+        max_connections_per_worker: raw.max_connections_per_worker,
+    })
+}
 
-    let h = &raw.http;
+fn resolve_http(raw: &RawHttp, err: &mut dyn FnMut(String, String)) -> HttpLimits {
     for (key, v, min) in [
-        ("http.max_request_line_bytes", h.max_request_line_bytes, 64),
-        ("http.max_header_bytes", h.max_header_bytes, 256),
-        ("http.max_headers", h.max_headers, 8),
-        ("http.max_body_bytes", h.max_body_bytes, 1),
+        (
+            "http.max_request_line_bytes",
+            raw.max_request_line_bytes,
+            64,
+        ),
+        ("http.max_header_bytes", raw.max_header_bytes, 256),
+        ("http.max_headers", raw.max_headers, 8),
+        ("http.max_body_bytes", raw.max_body_bytes, 1),
     ] {
         if v < min {
             err(key.into(), format!("must be at least {min}"));
         }
     }
-    if h.max_request_line_bytes > h.max_header_bytes {
+    if raw.max_request_line_bytes > raw.max_header_bytes {
         err(
             "http.max_request_line_bytes".into(),
             "must not exceed http.max_header_bytes".into(),
         );
     }
+    HttpLimits {
+        max_request_line_bytes: raw.max_request_line_bytes,
+        max_header_bytes: raw.max_header_bytes,
+        max_headers: raw.max_headers,
+        max_body_bytes: raw.max_body_bytes,
+    }
+}
 
-    let t = &raw.timeouts;
+fn resolve_timeouts(raw: &RawTimeouts, err: &mut dyn FnMut(String, String)) -> Timeouts {
     for (key, v) in [
-        ("timeouts.header_read_ms", t.header_read_ms),
-        ("timeouts.body_read_ms", t.body_read_ms),
-        ("timeouts.keepalive_idle_ms", t.keepalive_idle_ms),
-        ("timeouts.upstream_connect_ms", t.upstream_connect_ms),
-        ("timeouts.upstream_first_byte_ms", t.upstream_first_byte_ms),
-        ("timeouts.stream_idle_ms", t.stream_idle_ms),
-        ("upstream.idle_timeout_ms", raw.upstream.idle_timeout_ms),
+        ("timeouts.header_read_ms", raw.header_read_ms),
+        ("timeouts.body_read_ms", raw.body_read_ms),
+        ("timeouts.keepalive_idle_ms", raw.keepalive_idle_ms),
+        ("timeouts.upstream_connect_ms", raw.upstream_connect_ms),
+        (
+            "timeouts.upstream_first_byte_ms",
+            raw.upstream_first_byte_ms,
+        ),
+        ("timeouts.stream_idle_ms", raw.stream_idle_ms),
     ] {
         if v == 0 {
             err(key.into(), "must be at least 1 ms".into());
         }
     }
-    if raw.upstream.max_connections_per_backend == 0 {
+    Timeouts {
+        header_read: Duration::from_millis(raw.header_read_ms),
+        body_read: Duration::from_millis(raw.body_read_ms),
+        keepalive_idle: Duration::from_millis(raw.keepalive_idle_ms),
+        upstream_connect: Duration::from_millis(raw.upstream_connect_ms),
+        upstream_first_byte: Duration::from_millis(raw.upstream_first_byte_ms),
+        stream_idle: Duration::from_millis(raw.stream_idle_ms),
+    }
+}
+
+fn resolve_upstream(raw: &RawUpstream, err: &mut dyn FnMut(String, String)) -> UpstreamLimits {
+    if raw.idle_timeout_ms == 0 {
+        err(
+            "upstream.idle_timeout_ms".into(),
+            "must be at least 1 ms".into(),
+        );
+    }
+    if raw.max_connections_per_backend == 0 {
         err(
             "upstream.max_connections_per_backend".into(),
             "must be at least 1".into(),
         );
     }
+    UpstreamLimits {
+        max_idle_per_backend: raw.max_idle_per_backend,
+        max_connections_per_backend: raw.max_connections_per_backend,
+        idle_timeout: Duration::from_millis(raw.idle_timeout_ms),
+        request_stream_usage: raw.request_stream_usage,
+    }
+}
 
-    // Clusters.
-    let mut clusters = Vec::new();
-    let mut cluster_ids = BTreeMap::new();
-    let mut next_backend = 0usize;
-    if raw.clusters.is_empty() {
+/// The clusters, each backend numbered across all of them (a [`BackendId`]).
+struct ClusterTable {
+    /// Indexed by [`ClusterId`].
+    clusters: Vec<Cluster>,
+    /// Every cluster named in the file; `None` for one that could not be read (it exists, and
+    /// its own error says what is wrong with it).
+    by_name: BTreeMap<String, Option<ClusterId>>,
+    backend_count: usize,
+}
+
+fn resolve_clusters(
+    raw: &BTreeMap<String, Option<RawCluster>>,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: &mut dyn FnMut(String, String),
+    warnings: &mut Vec<ConfigError>,
+) -> ClusterTable {
+    if raw.is_empty() {
         err("clusters".into(), "at least one cluster is required".into());
     }
-    for (name, rc) in &raw.clusters {
-        let path = format!("clusters.{}", key_segment(name));
-        let Some(rc) = rc else {
-            continue; // Not readable: its error is reported.
-        };
-        if rc.backends.is_empty() {
+    let mut table = ClusterTable {
+        clusters: Vec::new(),
+        by_name: BTreeMap::new(),
+        backend_count: 0,
+    };
+    for (name, rc) in raw {
+        // One that could not be read has its error reported.
+        let id = rc.as_ref().map(|rc| {
+            let cluster = resolve_cluster(name, rc, table.backend_count, env, err, warnings);
+            table.backend_count += cluster.backends.len();
+            table.clusters.push(cluster);
+            table.clusters.len() - 1
+        });
+        table.by_name.insert(name.clone(), id);
+    }
+    table
+}
+
+/// One cluster; its backends are numbered from `first_backend`.
+fn resolve_cluster(
+    name: &str,
+    rc: &RawCluster,
+    first_backend: BackendId,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: &mut dyn FnMut(String, String),
+    warnings: &mut Vec<ConfigError>,
+) -> Cluster {
+    let path = format!("clusters.{}", key_segment(name));
+    if rc.backends.is_empty() {
+        err(
+            format!("{path}.backends"),
+            "at least one backend is required".into(),
+        );
+    }
+    let mut backends: Vec<Backend> = Vec::new();
+    for (i, rb) in rc.backends.iter().enumerate() {
+        let id = first_backend + backends.len();
+        let path = format!("{path}.backends[{i}]");
+        backends.extend(resolve_backend(rb, id, &path, err));
+    }
+    for (from, to) in &rc.model_map {
+        if to.is_empty() {
             err(
-                format!("{path}.backends"),
-                "at least one backend is required".into(),
+                format!("{path}.model_map.{}", key_segment(from)),
+                "mapped model must not be empty".into(),
             );
         }
-        let mut backends = Vec::new();
-        let mut any_tls = false;
-        for (i, rb) in rc.backends.iter().enumerate() {
-            let bpath = format!("{path}.backends[{i}]");
-            if rb.weight == 0 {
-                err(format!("{bpath}.weight"), "must be at least 1".into());
-            }
-            match parse_base_url(&rb.base_url) {
-                Ok(url) => {
-                    any_tls |= url.tls;
-                    let addrs: Vec<SocketAddr> =
-                        match (url.host.as_str(), url.port).to_socket_addrs() {
-                            Ok(a) => a.collect(),
-                            Err(e) => {
-                                err(
-                                    format!("{bpath}.base_url"),
-                                    format!("cannot resolve `{}`: {e}", url.host),
-                                );
-                                Vec::new()
-                            }
-                        };
-                    let default_port = if url.tls { 443 } else { 80 };
-                    let host_header = if url.port == default_port {
-                        url.host_for_header.clone()
-                    } else {
-                        format!("{}:{}", url.host_for_header, url.port)
-                    };
-                    backends.push(Backend {
-                        id: next_backend,
-                        weight: rb.weight,
-                        addrs,
-                        tls: url.tls,
-                        host_header,
-                        server_name: url.host,
-                        base_path: url.path,
-                    });
-                    next_backend += 1;
-                }
-                Err(msg) => err(format!("{bpath}.base_url"), msg),
-            }
-        }
-        for (from, to) in &rc.model_map {
-            if to.is_empty() {
-                err(
-                    format!("{path}.model_map.{}", key_segment(from)),
-                    "mapped model must not be empty".into(),
-                );
-            }
-        }
-        let credential = match &rc.credential {
-            None => None,
-            Some(c) => {
-                let header = c.header.to_ascii_lowercase();
-                let valid_name = !header.is_empty()
-                    && header
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-                if !valid_name {
-                    err(
-                        format!("{path}.credential.header"),
-                        format!("`{}` is not a valid header name", c.header),
-                    );
-                } else if !c.allow_custom_header
-                    && !KNOWN_CREDENTIAL_HEADERS.contains(&header.as_str())
-                {
-                    warnings.push(ConfigError::new(
-                        format!("{path}.credential.header"),
-                        format!(
-                            "`{}` is not a known credential header ({}); the secret will be \
-                             sent under it — set credential.allow_custom_header = true if that \
-                             is intended",
-                            c.header,
-                            KNOWN_CREDENTIAL_HEADERS.join(", ")
-                        ),
-                    ));
-                }
-                match env(&c.env) {
-                    Some(value) if !value.is_empty() => {
-                        if value.bytes().any(|b| b < 0x20 || b == 0x7f) {
-                            err(
-                                format!("{path}.credential.env"),
-                                format!(
-                                    "environment variable `{}` holds control characters",
-                                    c.env
-                                ),
-                            );
-                        }
-                        let value = if header == "authorization" {
-                            format!("Bearer {value}")
-                        } else {
-                            value
-                        };
-                        Some(Credential {
-                            header_line: format!("{header}: {value}\r\n").into_bytes(),
-                            header_name: header,
-                        })
-                    }
-                    _ => {
-                        err(
-                            format!("{path}.credential.env"),
-                            format!("environment variable `{}` is not set or empty", c.env),
-                        );
-                        None
-                    }
-                }
-            }
-        };
-        let tls = if any_tls || rc.ca_file.is_some() {
-            match build_tls(rc.ca_file.as_deref()) {
-                Ok(cfg) => Some(cfg),
-                Err(msg) => {
-                    err(format!("{path}.ca_file"), msg);
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let total_weight = backends.iter().map(|b| u64::from(b.weight)).sum();
-        cluster_ids.insert(name.clone(), clusters.len());
-        clusters.push(Cluster {
-            name: name.clone(),
-            backends,
-            total_weight,
-            model_map: rc.model_map.clone(),
-            credential,
-            tls,
-        });
     }
+    let credential = rc
+        .credential
+        .as_ref()
+        .and_then(|c| resolve_credential(c, &path, env, err, warnings));
+    let any_tls = backends.iter().any(|b| b.tls);
+    let tls = if any_tls || rc.ca_file.is_some() {
+        build_tls(rc.ca_file.as_deref())
+            .map_err(|msg| err(format!("{path}.ca_file"), msg))
+            .ok()
+    } else {
+        None
+    };
+    Cluster {
+        name: name.to_string(),
+        total_weight: backends.iter().map(|b| u64::from(b.weight)).sum(),
+        backends,
+        model_map: rc.model_map.clone(),
+        credential,
+        tls,
+    }
+}
 
-    // Routes.
-    let mut routes = Vec::new();
-    if raw.routes.is_empty() {
+/// One backend, its host resolved here, once (workers never make a blocking DNS call); `None`
+/// when its URL is not one. A host that does not resolve is reported, and the backend kept
+/// without addresses.
+fn resolve_backend(
+    rb: &RawBackend,
+    id: BackendId,
+    path: &str,
+    err: &mut dyn FnMut(String, String),
+) -> Option<Backend> {
+    if rb.weight == 0 {
+        err(format!("{path}.weight"), "must be at least 1".into());
+    }
+    let url = parse_base_url(&rb.base_url)
+        .map_err(|msg| err(format!("{path}.base_url"), msg))
+        .ok()?;
+    let addrs: Vec<SocketAddr> = match (url.host.as_str(), url.port).to_socket_addrs() {
+        Ok(a) => a.collect(),
+        Err(e) => {
+            err(
+                format!("{path}.base_url"),
+                format!("cannot resolve `{}`: {e}", url.host),
+            );
+            Vec::new()
+        }
+    };
+    let default_port = if url.tls { 443 } else { 80 };
+    let host_header = if url.port == default_port {
+        url.host_for_header.clone()
+    } else {
+        format!("{}:{}", url.host_for_header, url.port)
+    };
+    Some(Backend {
+        id,
+        weight: rb.weight,
+        addrs,
+        tls: url.tls,
+        host_header,
+        server_name: url.host,
+        base_path: url.path,
+    })
+}
+
+/// A cluster's upstream credential, its secret read from the environment; `None` when it is not
+/// set. A header no API knows draws a warning unless `allow_custom_header` says it is meant.
+fn resolve_credential(
+    c: &RawCredential,
+    cluster_path: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: &mut dyn FnMut(String, String),
+    warnings: &mut Vec<ConfigError>,
+) -> Option<Credential> {
+    let path = format!("{cluster_path}.credential");
+    let header = c.header.to_ascii_lowercase();
+    let valid_name = !header.is_empty()
+        && header
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if !valid_name {
+        err(
+            format!("{path}.header"),
+            format!("`{}` is not a valid header name", c.header),
+        );
+    } else if !c.allow_custom_header && !KNOWN_CREDENTIAL_HEADERS.contains(&header.as_str()) {
+        warnings.push(ConfigError::new(
+            format!("{path}.header"),
+            format!(
+                "`{}` is not a known credential header ({}); the secret will be sent under it \
+                 — set credential.allow_custom_header = true if that is intended",
+                c.header,
+                KNOWN_CREDENTIAL_HEADERS.join(", ")
+            ),
+        ));
+    }
+    let Some(value) = env(&c.env).filter(|v| !v.is_empty()) else {
+        err(
+            format!("{path}.env"),
+            format!("environment variable `{}` is not set or empty", c.env),
+        );
+        return None;
+    };
+    if value.bytes().any(|b| b < 0x20 || b == 0x7f) {
+        err(
+            format!("{path}.env"),
+            format!("environment variable `{}` holds control characters", c.env),
+        );
+    }
+    let value = if header == "authorization" {
+        format!("Bearer {value}")
+    } else {
+        value
+    };
+    Some(Credential {
+        header_line: format!("{header}: {value}\r\n").into_bytes(),
+        header_name: header,
+    })
+}
+
+/// The routes, most specific first: exact names, then globs by literal length (file order among
+/// equals).
+fn resolve_routes(
+    raw: &[Option<RawRoute>],
+    clusters: &BTreeMap<String, Option<ClusterId>>,
+    err: &mut dyn FnMut(String, String),
+) -> Vec<Route> {
+    if raw.is_empty() {
         err("routes".into(), "at least one route is required".into());
     }
+    let mut routes = Vec::new();
     let mut seen = BTreeMap::new();
-    for (i, rr) in raw.routes.iter().enumerate() {
-        let path = format!("routes[{i}]");
+    for (i, rr) in raw.iter().enumerate() {
         let Some(rr) = rr else {
-            continue;
+            continue; // Not readable: its error is reported.
         };
+        let path = format!("routes[{i}]");
         if rr.model.is_empty() {
             err(format!("{path}.model"), "must not be empty".into());
         }
@@ -1030,97 +1187,122 @@ fn validate(
                 format!("`{}` is already routed by routes[{prev}]", rr.model),
             );
         }
-        let pattern = ModelPattern::parse(&rr.model);
-        if !rr.models.is_empty() && matches!(pattern, ModelPattern::Exact(_)) {
-            err(
-                format!("{path}.models"),
-                "only a glob route (a `model` with `*`) declares models; an exact route is listed by its name".into(),
-            );
-        }
-        for (j, m) in rr.models.iter().enumerate() {
-            if !pattern.matches(m) {
-                err(
-                    format!("{path}.models[{j}]"),
-                    format!("`{m}` does not match the route's pattern `{}`", rr.model),
-                );
-            }
-        }
-        match cluster_ids.get(&rr.cluster) {
-            Some(&cluster) => routes.push(Route {
-                pattern,
-                cluster,
-                models: rr.models.clone(),
-            }),
-            // A cluster that could not be read still exists: its own error says what is wrong.
-            None if raw.clusters.contains_key(&rr.cluster) => {}
-            None => err(
-                format!("{path}.cluster"),
-                format!("no cluster named `{}`", rr.cluster),
-            ),
-        }
+        routes.extend(resolve_route(rr, clusters, &path, err));
     }
-    // Most specific first: exact names, then globs by literal length; stable keeps file order
-    // for ties.
     routes.sort_by_key(|r| match &r.pattern {
         ModelPattern::Exact(_) => (0, 0),
         ModelPattern::Glob { .. } => (1, usize::MAX - r.pattern.literal_len()),
     });
+    routes
+}
 
-    let admin_listen = match &raw.admin {
-        None => None,
-        Some(a) => match a.listen.to_socket_addrs().map(|mut i| i.next()) {
-            Ok(Some(addr)) => Some(addr),
-            _ => {
-                err(
-                    "admin.listen".into(),
-                    format!("`{}` is not an address like 127.0.0.1:9090", a.listen),
-                );
-                None
-            }
-        },
-    };
-    if let (Some(server), Some(admin)) = (listen, admin_listen) {
-        // A server.listen left out for an error is not the one the file meant.
-        if !raw.dirty.contains("server") && listeners_clash(server, admin) {
+/// One route, its model name already checked; `None` when its cluster is not one that could be
+/// read.
+fn resolve_route(
+    rr: &RawRoute,
+    clusters: &BTreeMap<String, Option<ClusterId>>,
+    path: &str,
+    err: &mut dyn FnMut(String, String),
+) -> Option<Route> {
+    let pattern = ModelPattern::parse(&rr.model);
+    if !rr.models.is_empty() && matches!(pattern, ModelPattern::Exact(_)) {
+        err(
+            format!("{path}.models"),
+            "only a glob route (a `model` with `*`) declares models; an exact route is listed \
+             by its name"
+                .into(),
+        );
+    }
+    for (j, m) in rr.models.iter().enumerate() {
+        if !pattern.matches(m) {
             err(
-                "admin.listen".into(),
-                format!(
-                    "`{admin}` takes the port of server.listen `{server}`; the admin listener \
-                     needs a port of its own"
-                ),
+                format!("{path}.models[{j}]"),
+                format!("`{m}` does not match the route's pattern `{}`", rr.model),
             );
         }
     }
-    let access_log = raw.access_log.as_ref().map(|l| {
-        if l.max_file_bytes < 4096 {
+    let cluster = match clusters.get(&rr.cluster) {
+        Some(&id) => id?,
+        None => {
             err(
-                "access_log.max_file_bytes".into(),
-                "must be at least 4096".into(),
+                format!("{path}.cluster"),
+                format!("no cluster named `{}`", rr.cluster),
             );
+            return None;
         }
-        if l.max_file_age_secs == 0 {
-            err(
-                "access_log.max_file_age_secs".into(),
-                "must be at least 1".into(),
-            );
-        }
-        if l.batch_bytes == 0 || l.queue_batches == 0 || l.flush_interval_ms == 0 {
-            err(
-                "access_log".into(),
-                "batch_bytes, queue_batches and flush_interval_ms must be at least 1".into(),
-            );
-        }
-        AccessLogSettings {
-            dir: l.dir.clone(),
-            max_file_bytes: l.max_file_bytes,
-            max_file_age: Duration::from_secs(l.max_file_age_secs),
-            batch_bytes: l.batch_bytes,
-            queue_batches: l.queue_batches,
-            flush_interval: Duration::from_millis(l.flush_interval_ms),
-        }
-    });
+    };
+    Some(Route {
+        pattern,
+        cluster,
+        models: rr.models.clone(),
+    })
+}
+
+/// `[admin]`'s address; `None` when it is not one. `server_listen` is server.listen where it is
+/// the one the file meant, which the admin listener must not share a port with.
+fn resolve_admin(
+    raw: &RawAdmin,
+    server_listen: Option<SocketAddr>,
+    err: &mut dyn FnMut(String, String),
+) -> Option<SocketAddr> {
+    let Ok(Some(listen)) = raw.listen.to_socket_addrs().map(|mut i| i.next()) else {
+        err(
+            "admin.listen".into(),
+            format!("`{}` is not an address like 127.0.0.1:9090", raw.listen),
+        );
+        return None;
+    };
+    if let Some(server) = server_listen.filter(|s| listeners_clash(*s, listen)) {
+        err(
+            "admin.listen".into(),
+            format!(
+                "`{listen}` takes the port of server.listen `{server}`; the admin listener needs \
+                 a port of its own"
+            ),
+        );
+    }
+    Some(listen)
+}
+
+fn resolve_access_log(
+    raw: &RawAccessLog,
+    err: &mut dyn FnMut(String, String),
+) -> AccessLogSettings {
+    if raw.max_file_bytes < 4096 {
+        err(
+            "access_log.max_file_bytes".into(),
+            "must be at least 4096".into(),
+        );
+    }
+    if raw.max_file_age_secs == 0 {
+        err(
+            "access_log.max_file_age_secs".into(),
+            "must be at least 1".into(),
+        );
+    }
+    if raw.batch_bytes == 0 || raw.queue_batches == 0 || raw.flush_interval_ms == 0 {
+        err(
+            "access_log".into(),
+            "batch_bytes, queue_batches and flush_interval_ms must be at least 1".into(),
+        );
+    }
+    AccessLogSettings {
+        dir: raw.dir.clone(),
+        max_file_bytes: raw.max_file_bytes,
+        max_file_age: Duration::from_secs(raw.max_file_age_secs),
+        batch_bytes: raw.batch_bytes,
+        queue_batches: raw.queue_batches,
+        flush_interval: Duration::from_millis(raw.flush_interval_ms),
+    }
+}
+
+/// `[pricing]`, by model name; a price that could not be read is left out.
+fn resolve_pricing(
+    raw: &BTreeMap<String, Option<RawPrice>>,
+    err: &mut dyn FnMut(String, String),
+) -> BTreeMap<String, Price> {
     let mut prices = BTreeMap::new();
-    for (model, p) in &raw.pricing {
+    for (model, p) in raw {
         let Some(p) = p else {
             continue;
         };
@@ -1134,70 +1316,37 @@ fn validate(
                 "prices must be finite and non-negative".into(),
             );
         }
-        prices.insert(
-            model.clone(),
-            Price {
-                input: p.input,
-                output: p.output,
-                cached_input,
-            },
-        );
+        let price = Price {
+            input: p.input,
+            output: p.output,
+            cached_input,
+        };
+        prices.insert(model.clone(), price);
     }
+    prices
+}
 
-    // Keys and policies refer to each other by id and are reported by index: when one could not
-    // be read, checking the rest would report echoes of its error, so that waits for a fix.
-    let keys = std::mem::take(&mut raw.keys)
-        .into_iter()
-        .collect::<Option<Vec<_>>>();
-    let policies = std::mem::take(&mut raw.policies)
-        .into_iter()
-        .collect::<Option<Vec<_>>>();
-    let limits = match (keys, policies) {
-        (Some(keys), Some(policies)) if !raw.failed.contains("limits") => {
-            crate::config::limits::resolve(&keys, &policies, &raw.limits, workers, env, &mut err)
+/// `[[keys]]`, `[[policies]]` and `[limits]` (see [`limits::resolve`]). Keys and policies refer
+/// to each other by id and are reported by index: when one could not be read, checking the rest
+/// would report echoes of its error, so that waits for a fix (as does all of it when `[limits]`
+/// could not be read).
+fn resolve_limits(
+    keys: Vec<Option<limits::RawKey>>,
+    policies: Vec<Option<limits::RawPolicy>>,
+    raw: &limits::RawLimits,
+    limits_read: bool,
+    workers: usize,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: &mut dyn FnMut(String, String),
+) -> limits::LimitsConfig {
+    let keys = keys.into_iter().collect::<Option<Vec<_>>>();
+    let policies = policies.into_iter().collect::<Option<Vec<_>>>();
+    match (keys, policies) {
+        (Some(keys), Some(policies)) if limits_read => {
+            limits::resolve(&keys, &policies, raw, workers, env, err)
         }
-        _ => crate::config::limits::LimitsConfig::default(),
-    };
-
-    if !errors.is_empty() || !raw.failed.is_empty() {
-        return None;
+        _ => limits::LimitsConfig::default(),
     }
-    let listen = listen?;
-    Some(Snapshot {
-        server: ServerConfig {
-            listen,
-            workers,
-            pin_workers: raw.server.pin_workers,
-            max_connections_per_worker: raw.server.max_connections_per_worker,
-        },
-        http: HttpLimits {
-            max_request_line_bytes: h.max_request_line_bytes,
-            max_header_bytes: h.max_header_bytes,
-            max_headers: h.max_headers,
-            max_body_bytes: h.max_body_bytes,
-        },
-        timeouts: Timeouts {
-            header_read: Duration::from_millis(t.header_read_ms),
-            body_read: Duration::from_millis(t.body_read_ms),
-            keepalive_idle: Duration::from_millis(t.keepalive_idle_ms),
-            upstream_connect: Duration::from_millis(t.upstream_connect_ms),
-            upstream_first_byte: Duration::from_millis(t.upstream_first_byte_ms),
-            stream_idle: Duration::from_millis(t.stream_idle_ms),
-        },
-        upstream: UpstreamLimits {
-            max_idle_per_backend: raw.upstream.max_idle_per_backend,
-            max_connections_per_backend: raw.upstream.max_connections_per_backend,
-            idle_timeout: Duration::from_millis(raw.upstream.idle_timeout_ms),
-            request_stream_usage: raw.upstream.request_stream_usage,
-        },
-        clusters,
-        routes,
-        backend_count: next_backend,
-        admin_listen,
-        access_log,
-        prices,
-        limits: Arc::new(limits),
-    })
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 //! Limits: API-key quota plans and RPM / TPM / concurrency policies, decided per core and shared
 //! through a sync backend.
 //!
-//! - [`config`]: the `[[keys]]`, `[[policies]]` and `[limits]` sections, validated once.
+//! - [`crate::config::limits`]: the `[[keys]]`, `[[policies]]` and `[limits]` sections, validated
+//!   once at load (in the config layer) into the `LimitsConfig` read here.
 //! - [`shard`]: one worker's budgets; admission and settlement run there, on the request path,
 //!   with no lock and no round trip.
 //! - [`sync`]: the ledger contract every backend implements; [`ledger`] (in-process, the

@@ -27,8 +27,10 @@ use std::time::{Duration, Instant};
 use crate::sys::time::unix_ms;
 
 use super::sync::{BudgetState, BudgetSync};
-use crate::config::limits::LimitDimension;
-use crate::config::limits::{KeyIdx, LimitsConfig, Per, Period, Plan, RateLimit};
+use crate::config::limits::{
+    civil_year_month, days_from_civil, ApiKey, DownPolicy, KeyIdx, LimitDimension, LimitsConfig,
+    Per, Period, Plan, Policy, RateLimit,
+};
 
 const KIND_REQUESTS: u8 = 0;
 const KIND_TOKENS: u8 = 1;
@@ -204,6 +206,19 @@ impl RateHeaders {
             }
         }
     }
+
+    /// Keep the tightest requests and tokens budgets' numbers (`(limit, remaining, reset ms)`);
+    /// other kinds have no header.
+    fn keep_tightest(&mut self, kind: u8, numbers: (u64, u64, u64)) {
+        let slot = match kind {
+            KIND_REQUESTS => &mut self.requests,
+            KIND_TOKENS => &mut self.tokens,
+            _ => return,
+        };
+        if slot.is_none_or(|(_, remaining, _)| numbers.1 < remaining) {
+            *slot = Some(numbers);
+        }
+    }
 }
 
 /// OpenAI's reset format: `20ms`, `1s`, `6m0s`, `1h2m3s`.
@@ -292,7 +307,7 @@ impl LimiterShard {
             urgent: false,
             sync_waker: None,
             down_share: u64::from(cfg.sync.nodes.max(1)) * u64::from(cfg.sync.workers.max(1)),
-            down_allow: cfg.sync.on_down == crate::config::limits::DownPolicy::Allow,
+            down_allow: cfg.sync.on_down == DownPolicy::Allow,
             in_flight: Vec::new(),
             exchanging: false,
             last_prepare_ms: 0,
@@ -340,243 +355,305 @@ impl LimiterShard {
         matched: &mut dyn FnMut(usize, LimitDimension),
     ) -> Result<(), Refusal> {
         let now = Instant::now();
-        let now_ms = unix_ms();
-        let lease_valid = self.lease_valid(now);
-        let mut entries = self.spare_entries.pop().unwrap_or_default();
-        entries.clear();
-        let key = ask.key.and_then(|k| cfg.keys.get(k));
-        let policies = match key {
-            Some(k) => k.policies.as_slice(),
-            None => cfg.anonymous_policies.as_slice(),
+        let a = Admission {
+            cfg,
+            ask,
+            key: ask.key.and_then(|k| cfg.keys.get(k)),
+            now_ms: unix_ms(),
+            lease_valid: self.lease_valid(now),
         };
-        let mut headers = RateHeaders::default();
-        let mut reserved_tokens = 0;
-        let mut refusal = None;
+        let mut passed = self.spare_entries.pop().unwrap_or_default();
+        passed.clear();
         // Budgets short of a lease: demand is registered on all of them, so one exchange can
         // cure every shortfall of this request.
         let mut short: Vec<(BudgetId, u64)> = Vec::new();
         // Check every budget first (creating it if new); reserve only if all pass.
+        let policies = self.check_policies(a, &mut passed, &mut short, matched);
+        // Plans matter unless a policy refused for good.
+        let plans_matter = policies
+            .refusal
+            .is_none_or(|r| r.kind == RefusalKind::NeedLease);
+        let plan = match (a.key, ask.key) {
+            (Some(key), Some(key_idx)) if plans_matter && !key.plans.is_empty() => {
+                self.choose_plan(a, key, key_idx, &mut short).map(Some)
+            }
+            _ => Ok(None),
+        };
+        // The policies' refusal stands over the plans'.
+        let plan = match (policies.refusal, plan) {
+            (Some(refusal), _) | (None, Err(refusal)) => {
+                self.refuse(&refusal, &short, passed);
+                permit.headers = policies.headers;
+                return Err(refusal);
+            }
+            (None, Ok(plan)) => plan,
+        };
+        passed.extend(plan.and_then(|p| p.entry));
+        self.reserve(&passed, a.lease_valid);
+        *permit = Permit {
+            entries: passed,
+            plan: plan.map(|p| p.index),
+            reserved_tokens: policies.reserved_tokens.max(plan.map_or(0, |p| p.cost)),
+            headers: policies.headers,
+            settled: false,
+        };
+        Ok(())
+    }
+
+    /// Check every budget of every policy that applies to the request, creating those met for
+    /// the first time: those that can take it go to `passed`, those short of a lease to `short`.
+    fn check_policies(
+        &mut self,
+        a: Admission<'_>,
+        passed: &mut Vec<(BudgetId, u64)>,
+        short: &mut Vec<(BudgetId, u64)>,
+        matched: &mut dyn FnMut(usize, LimitDimension),
+    ) -> PolicyCheck {
+        let mut out = PolicyCheck::default();
+        let policies = match a.key {
+            Some(k) => k.policies.as_slice(),
+            None => a.cfg.anonymous_policies.as_slice(),
+        };
         for &p in policies {
-            let Some(policy) = cfg.policies.get(p) else {
+            let Some(policy) = a.cfg.policies.get(p) else {
                 continue;
             };
-            if !policy.enabled || !policy.applies_to_model(ask.model) {
+            if !policy.enabled || !policy.applies_to_model(a.ask.model) {
                 continue;
             }
-            let subject = match policy.per {
-                Per::Global => 0,
-                Per::Key => ask.key.map_or(NO_SUBJECT, |k| k as u32),
-                Per::Entity => key.and_then(|k| k.entity).map_or(NO_SUBJECT, |e| e as u32),
-                Per::Model => self.model_subject(ask.model),
-            };
-            let subject_name = || match policy.per {
-                Per::Global => String::from("all"),
-                Per::Key => key.map_or_else(|| "-".into(), |k| format!("k:{}", k.id)),
-                Per::Entity => key
-                    .and_then(|k| k.entity)
-                    .and_then(|e| cfg.entities.get(e))
-                    .map_or_else(|| "-".into(), |e| format!("e:{e}")),
-                Per::Model if subject == NO_SUBJECT - 1 => "m:*overflow*".into(),
-                Per::Model => format!("m:{}", ask.model),
-            };
-            let mut checks: [(u8, Option<RateLimit>, u64, LimitDimension); 3] = [
-                (KIND_REQUESTS, policy.requests, 1, LimitDimension::Rpm),
-                (KIND_TOKENS, policy.tokens, 0, LimitDimension::Tpm),
-                (KIND_CONCURRENCY, None, 1, LimitDimension::Concurrency),
-            ];
-            checks[1].2 = policy
-                .reserve
-                .tokens(ask.prompt_estimate, ask.max_tokens, ask.n);
-            for (kind, rate, cost, dimension) in checks {
-                let (limit, window_ms) = match (kind, rate, policy.concurrency) {
-                    (KIND_CONCURRENCY, _, Some(c)) => (c, 0),
-                    (KIND_CONCURRENCY, _, None) => continue,
-                    (_, Some(r), _) => (r.max, r.window.as_millis() as u64),
-                    (_, None, _) => continue,
+            let subject = self.subject(policy.per, a);
+            for limit in PolicyLimit::all(policy, a.ask) {
+                let Some(limit) = limit else {
+                    continue;
                 };
-                matched(p, dimension);
-                let window = now_ms.checked_div(window_ms).unwrap_or(0);
-                let id = BudgetId {
-                    kind,
-                    owner: p as u32,
-                    subject,
-                    window,
-                };
-                if !self.budgets.contains_key(&id) {
-                    let kind_name = ["r", "t", "c"][kind as usize];
-                    let mut k = String::with_capacity(64);
-                    k.push('{');
-                    k.push_str(&self.prefix);
-                    k.push_str(":p:");
-                    k.push_str(&policy.id);
-                    k.push(':');
-                    k.push_str(&subject_name());
-                    k.push('}');
-                    k.push(':');
-                    k.push_str(kind_name);
-                    if window_ms > 0 {
-                        k.push(':');
-                        k.push_str(&window.to_string());
-                    }
-                    let start = window * window_ms;
-                    self.budgets.insert(
-                        id,
-                        new_budget(
-                            k,
-                            rate.map_or(limit, |r| r.allowance(start, now_ms)),
-                            kind == KIND_CONCURRENCY,
-                            rate.map(|r| (r, start)),
-                            if window_ms > 0 { 2 * window_ms } else { 0 },
-                            if window_ms > 0 { start + window_ms } else { 0 },
-                        ),
-                    );
-                }
+                matched(p, limit.dimension);
+                let id = self.policy_budget(a, p, policy, subject, &limit);
                 let Some(budget) = self.budgets.get(&id) else {
                     continue;
                 };
-                if kind == KIND_TOKENS {
-                    reserved_tokens = reserved_tokens.max(cost);
+                if limit.kind == KIND_TOKENS {
+                    out.reserved_tokens = out.reserved_tokens.max(limit.cost);
                 }
-                let reset_ms = budget.ends_at_ms.saturating_sub(now_ms);
-                let remaining = budget.remaining().saturating_sub(cost);
-                let slot = match kind {
-                    KIND_REQUESTS => Some(&mut headers.requests),
-                    KIND_TOKENS => Some(&mut headers.tokens),
-                    _ => None,
-                };
-                if let Some(slot) = slot {
-                    if slot.is_none_or(|(_, r, _)| remaining < r) {
-                        *slot = Some((limit, remaining, reset_ms));
-                    }
-                }
-                match self.check(&id, cost, lease_valid) {
-                    Ok(()) => entries.push((id, cost)),
+                let reset_ms = budget.ends_at_ms.saturating_sub(a.now_ms);
+                let remaining = budget.remaining().saturating_sub(limit.cost);
+                out.headers
+                    .keep_tightest(limit.kind, (limit.limit, remaining, reset_ms));
+                match self.check(&id, limit.cost, a.lease_valid) {
+                    Ok(()) => passed.push((id, limit.cost)),
                     Err(kind) => {
                         if kind == RefusalKind::NeedLease {
-                            short.push((id, cost));
+                            short.push((id, limit.cost));
                         }
-                        // A refusal waiting cannot cure beats one a lease might.
-                        if refusal.is_none_or(|r: Refusal| {
-                            r.kind == RefusalKind::NeedLease && kind != RefusalKind::NeedLease
-                        }) {
-                            refusal = Some(Refusal {
-                                kind,
-                                policy: Some(p),
-                                dimension,
-                                retry_after: match dimension {
-                                    LimitDimension::Concurrency => Some(1),
-                                    _ => Some(reset_ms.div_ceil(1000).max(1) as u32),
-                                },
-                                limit,
-                            });
-                        }
-                    }
-                }
-            }
-        }
-
-        // Quota plans: the first, by priority, that can cover the reservation.
-        let mut plan_choice = None;
-        let plans_matter = refusal.is_none_or(|r| r.kind == RefusalKind::NeedLease);
-        if let (Some(k), Some(key_idx), true) = (key, ask.key, plans_matter) {
-            if !k.plans.is_empty() {
-                let cost = cfg
-                    .reserve
-                    .tokens(ask.prompt_estimate, ask.max_tokens, ask.n);
-                reserved_tokens = reserved_tokens.max(cost);
-                let now_s = now_ms / 1000;
-                let mut first_hope: Option<BudgetId> = None;
-                let mut any_down = false;
-                let mut soonest_reset: Option<u64> = None;
-                for (i, plan) in k.plans.iter().enumerate() {
-                    if plan.expires.is_some_and(|e| now_s >= e) {
-                        continue;
-                    }
-                    let Some(tokens) = plan.tokens else {
-                        plan_choice = Some((i, None));
-                        break;
-                    };
-                    let (period, start_s, end_s) = period_of(plan, now_s);
-                    let id = BudgetId {
-                        kind: KIND_PLAN,
-                        owner: key_idx as u32,
-                        subject: i as u32,
-                        window: period,
-                    };
-                    if !self.budgets.contains_key(&id) {
-                        let mut name = format!("{{{}:q:{}:{}}}", self.prefix, k.id, plan.id);
-                        let ttl = match plan.period {
-                            Period::Once => 0,
-                            _ => {
-                                name.push_str(&format!(":{period}"));
-                                (end_s - start_s + 86_400) * 1000
-                            }
+                        let retry_after = match limit.dimension {
+                            LimitDimension::Concurrency => Some(1),
+                            _ => Some(reset_ms.div_ceil(1000).max(1) as u32),
                         };
-                        self.budgets.insert(
-                            id,
-                            new_budget(name, tokens, true, None, ttl, end_s.saturating_mul(1000)),
-                        );
+                        out.keep_worst(Refusal {
+                            kind,
+                            policy: Some(p),
+                            dimension: limit.dimension,
+                            retry_after,
+                            limit: limit.limit,
+                        });
                     }
-                    if plan.period != Period::Once {
-                        let reset = end_s.saturating_sub(now_s);
-                        soonest_reset = Some(soonest_reset.map_or(reset, |r| r.min(reset)));
-                    }
-                    match self.check(&id, cost, lease_valid) {
-                        Ok(()) => {
-                            plan_choice = Some((i, Some((id, cost))));
-                            break;
-                        }
-                        Err(RefusalKind::NeedLease) => {
-                            if first_hope.is_none() {
-                                first_hope = Some(id);
-                                short.push((id, cost));
-                            }
-                        }
-                        Err(RefusalKind::BackendDown) => any_down = true,
-                        Err(RefusalKind::Exhausted) => {}
-                    }
-                }
-                if plan_choice.is_none() && refusal.is_none() {
-                    let kind = if first_hope.is_some() {
-                        RefusalKind::NeedLease
-                    } else if any_down {
-                        RefusalKind::BackendDown
-                    } else {
-                        RefusalKind::Exhausted
-                    };
-                    refusal = Some(Refusal {
-                        kind,
-                        policy: None,
-                        dimension: LimitDimension::Quota,
-                        retry_after: soonest_reset.map(|s| s.clamp(1, u32::MAX as u64) as u32),
-                        limit: 0,
-                    });
                 }
             }
         }
+        out
+    }
 
-        if let Some(r) = refusal {
-            if r.kind == RefusalKind::NeedLease {
-                // Ask for enough at the next sync.
-                for (id, cost) in &short {
-                    if let Some(b) = self.budgets.get_mut(id) {
-                        b.demand += cost;
+    /// Whose counter a policy's budgets are: everyone's, the request's key's, its entity's or
+    /// its model's.
+    fn subject(&mut self, per: Per, a: Admission<'_>) -> u32 {
+        match per {
+            Per::Global => 0,
+            Per::Key => a.ask.key.map_or(NO_SUBJECT, |k| k as u32),
+            Per::Entity => a
+                .key
+                .and_then(|k| k.entity)
+                .map_or(NO_SUBJECT, |e| e as u32),
+            Per::Model => self.model_subject(a.ask.model),
+        }
+    }
+
+    /// The budget of one policy limit for `subject` in the current window, created when first
+    /// met.
+    fn policy_budget(
+        &mut self,
+        a: Admission<'_>,
+        p: usize,
+        policy: &Policy,
+        subject: u32,
+        limit: &PolicyLimit,
+    ) -> BudgetId {
+        let window_ms = limit.window_ms;
+        let window = a.now_ms.checked_div(window_ms).unwrap_or(0);
+        let id = BudgetId {
+            kind: limit.kind,
+            owner: p as u32,
+            subject,
+            window,
+        };
+        if !self.budgets.contains_key(&id) {
+            let kind_name = ["r", "t", "c"][limit.kind as usize];
+            let mut k = String::with_capacity(64);
+            k.push('{');
+            k.push_str(&self.prefix);
+            k.push_str(":p:");
+            k.push_str(&policy.id);
+            k.push(':');
+            k.push_str(&subject_name(policy.per, subject, a));
+            k.push('}');
+            k.push(':');
+            k.push_str(kind_name);
+            if window_ms > 0 {
+                k.push(':');
+                k.push_str(&window.to_string());
+            }
+            let start = window * window_ms;
+            self.budgets.insert(
+                id,
+                new_budget(
+                    k,
+                    limit
+                        .rate
+                        .map_or(limit.limit, |r| r.allowance(start, a.now_ms)),
+                    limit.kind == KIND_CONCURRENCY,
+                    limit.rate.map(|r| (r, start)),
+                    if window_ms > 0 { 2 * window_ms } else { 0 },
+                    if window_ms > 0 { start + window_ms } else { 0 },
+                ),
+            );
+        }
+        id
+    }
+
+    /// The key's quota plan to charge: the first, by priority, that can cover the reservation.
+    /// The first plan short of a lease goes to `short`.
+    fn choose_plan(
+        &mut self,
+        a: Admission<'_>,
+        key: &ApiKey,
+        key_idx: KeyIdx,
+        short: &mut Vec<(BudgetId, u64)>,
+    ) -> Result<ChosenPlan, Refusal> {
+        let cost = a
+            .cfg
+            .reserve
+            .tokens(a.ask.prompt_estimate, a.ask.max_tokens, a.ask.n);
+        let now_s = a.now_ms / 1000;
+        let mut hope = false;
+        let mut any_down = false;
+        let mut soonest_reset: Option<u64> = None;
+        for (index, plan) in key.plans.iter().enumerate() {
+            if plan.expires.is_some_and(|e| now_s >= e) {
+                continue;
+            }
+            let Some(tokens) = plan.tokens else {
+                return Ok(ChosenPlan {
+                    index,
+                    cost,
+                    entry: None,
+                });
+            };
+            let (id, end_s) = self.plan_budget(key, key_idx, index, plan, tokens, now_s);
+            if plan.period != Period::Once {
+                let reset = end_s.saturating_sub(now_s);
+                soonest_reset = Some(soonest_reset.map_or(reset, |r| r.min(reset)));
+            }
+            match self.check(&id, cost, a.lease_valid) {
+                Ok(()) => {
+                    return Ok(ChosenPlan {
+                        index,
+                        cost,
+                        entry: Some((id, cost)),
+                    })
+                }
+                Err(RefusalKind::NeedLease) => {
+                    if !hope {
+                        hope = true;
+                        short.push((id, cost));
                     }
                 }
+                Err(RefusalKind::BackendDown) => any_down = true,
+                Err(RefusalKind::Exhausted) => {}
             }
-            permit.headers = headers;
-            entries.clear();
-            self.spare_entries.push(entries);
-            return Err(r);
         }
-        if let Some((_, Some(entry))) = plan_choice {
-            entries.push(entry);
+        let kind = if hope {
+            RefusalKind::NeedLease
+        } else if any_down {
+            RefusalKind::BackendDown
+        } else {
+            RefusalKind::Exhausted
+        };
+        Err(Refusal {
+            kind,
+            policy: None,
+            dimension: LimitDimension::Quota,
+            retry_after: soonest_reset.map(|s| s.clamp(1, u32::MAX as u64) as u32),
+            limit: 0,
+        })
+    }
+
+    /// The budget of a key's quota plan (`index` into its plans) in the period containing
+    /// `now_s`, created when first met; and when that period ends (unix seconds).
+    fn plan_budget(
+        &mut self,
+        key: &ApiKey,
+        key_idx: KeyIdx,
+        index: usize,
+        plan: &Plan,
+        tokens: u64,
+        now_s: u64,
+    ) -> (BudgetId, u64) {
+        let (period, start_s, end_s) = period_of(plan, now_s);
+        let id = BudgetId {
+            kind: KIND_PLAN,
+            owner: key_idx as u32,
+            subject: index as u32,
+            window: period,
+        };
+        if !self.budgets.contains_key(&id) {
+            let mut name = format!("{{{}:q:{}:{}}}", self.prefix, key.id, plan.id);
+            let ttl = match plan.period {
+                Period::Once => 0,
+                _ => {
+                    name.push_str(&format!(":{period}"));
+                    (end_s - start_s + 86_400) * 1000
+                }
+            };
+            self.budgets.insert(
+                id,
+                new_budget(name, tokens, true, None, ttl, end_s.saturating_mul(1000)),
+            );
         }
-        // All pass: reserve.
-        let valid = lease_valid;
-        for (id, cost) in &entries {
+        (id, end_s)
+    }
+
+    /// After a refusal: when a lease may cure it, ask for enough at the next sync; keep the
+    /// request's (emptied) list of reservations for the next one.
+    fn refuse(
+        &mut self,
+        refusal: &Refusal,
+        short: &[(BudgetId, u64)],
+        mut passed: Vec<(BudgetId, u64)>,
+    ) {
+        if refusal.kind == RefusalKind::NeedLease {
+            for (id, cost) in short {
+                if let Some(b) = self.budgets.get_mut(id) {
+                    b.demand += cost;
+                }
+            }
+        }
+        passed.clear();
+        self.spare_entries.push(passed);
+    }
+
+    /// Every budget passed its check: reserve the request's cost on each.
+    fn reserve(&mut self, entries: &[(BudgetId, u64)], lease_valid: bool) {
+        for (id, cost) in entries {
             if let Some(b) = self.budgets.get_mut(id) {
-                if !b.strict && b.free(valid) < *cost as i64 {
+                if !b.strict && b.free(lease_valid) < *cost as i64 {
                     b.credit = true;
                 }
                 b.reserved += cost;
@@ -584,12 +661,6 @@ impl LimiterShard {
                 b.idle_syncs = 0;
             }
         }
-        permit.entries = entries;
-        permit.plan = plan_choice.map(|(i, _)| i);
-        permit.reserved_tokens = reserved_tokens;
-        permit.headers = headers;
-        permit.settled = false;
-        Ok(())
     }
 
     /// Can `cost` be taken from budget `id` now?
@@ -810,6 +881,111 @@ impl LimiterShard {
     }
 }
 
+/// What one admission is decided on: the config, the request and its key, and when.
+#[derive(Clone, Copy)]
+struct Admission<'a> {
+    cfg: &'a LimitsConfig,
+    ask: &'a Ask<'a>,
+    key: Option<&'a ApiKey>,
+    now_ms: u64,
+    /// The leases this core holds are still good (see [`LimiterShard::lease_valid`]).
+    lease_valid: bool,
+}
+
+/// One limit of a policy, as a budget to check: its kind, size and window, and what the
+/// request costs it.
+#[derive(Clone, Copy)]
+struct PolicyLimit {
+    kind: u8,
+    dimension: LimitDimension,
+    limit: u64,
+    /// Requests and tokens: the rate (concurrency has none).
+    rate: Option<RateLimit>,
+    /// 0: no window (concurrency).
+    window_ms: u64,
+    cost: u64,
+}
+
+impl PolicyLimit {
+    /// A policy's requests, tokens and concurrency limits, `None` for those it does not set.
+    fn all(policy: &Policy, ask: &Ask<'_>) -> [Option<PolicyLimit>; 3] {
+        let rate = |kind, dimension, r: RateLimit, cost| PolicyLimit {
+            kind,
+            dimension,
+            limit: r.max,
+            rate: Some(r),
+            window_ms: r.window.as_millis() as u64,
+            cost,
+        };
+        [
+            policy
+                .requests
+                .map(|r| rate(KIND_REQUESTS, LimitDimension::Rpm, r, 1)),
+            policy.tokens.map(|r| {
+                let cost = policy
+                    .reserve
+                    .tokens(ask.prompt_estimate, ask.max_tokens, ask.n);
+                rate(KIND_TOKENS, LimitDimension::Tpm, r, cost)
+            }),
+            policy.concurrency.map(|c| PolicyLimit {
+                kind: KIND_CONCURRENCY,
+                dimension: LimitDimension::Concurrency,
+                limit: c,
+                rate: None,
+                window_ms: 0,
+                cost: 1,
+            }),
+        ]
+    }
+}
+
+/// What checking the policies found, besides the budgets that passed or are short of a lease.
+#[derive(Default)]
+struct PolicyCheck {
+    headers: RateHeaders,
+    /// The largest token reservation.
+    reserved_tokens: u64,
+    refusal: Option<Refusal>,
+}
+
+impl PolicyCheck {
+    /// Keep the refusal that says most: one waiting cannot cure beats one a lease might;
+    /// otherwise the first stands.
+    fn keep_worst(&mut self, refusal: Refusal) {
+        if self.refusal.is_none_or(|r| {
+            r.kind == RefusalKind::NeedLease && refusal.kind != RefusalKind::NeedLease
+        }) {
+            self.refusal = Some(refusal);
+        }
+    }
+}
+
+/// The quota plan a request is charged to.
+#[derive(Clone, Copy)]
+struct ChosenPlan {
+    /// Into the key's plans.
+    index: usize,
+    /// The reservation's size (tokens).
+    cost: u64,
+    /// The reservation; `None` for an unlimited plan.
+    entry: Option<(BudgetId, u64)>,
+}
+
+/// How a policy budget's subject reads in its ledger key.
+fn subject_name(per: Per, subject: u32, a: Admission<'_>) -> String {
+    match per {
+        Per::Global => String::from("all"),
+        Per::Key => a.key.map_or_else(|| "-".into(), |k| format!("k:{}", k.id)),
+        Per::Entity => a
+            .key
+            .and_then(|k| k.entity)
+            .and_then(|e| a.cfg.entities.get(e))
+            .map_or_else(|| "-".into(), |e| format!("e:{e}")),
+        Per::Model if subject == NO_SUBJECT - 1 => "m:*overflow*".into(),
+        Per::Model => format!("m:{}", a.ask.model),
+    }
+}
+
 fn new_budget(
     key: String,
     limit: u64,
@@ -854,17 +1030,16 @@ pub fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
             // Calendar months from the anchor's day-of-month and time (clamped to short
             // months by counting from the 1st plus the anchor's offset into its month).
             let anchor_days = (plan.anchor / 86_400) as i64;
-            let (ay, am) = crate::config::limits::civil_year_month(anchor_days);
-            let anchor_month_start =
-                crate::config::limits::days_from_civil(ay, am, 1) as u64 * 86_400;
+            let (ay, am) = civil_year_month(anchor_days);
+            let anchor_month_start = days_from_civil(ay, am, 1) as u64 * 86_400;
             let offset = plan.anchor - anchor_month_start;
-            let (ny, nm) = crate::config::limits::civil_year_month((now_s / 86_400) as i64);
+            let (ny, nm) = civil_year_month((now_s / 86_400) as i64);
             let mut months = (ny - ay) * 12 + i64::from(nm) - i64::from(am);
             let start_of = |m: i64| -> u64 {
                 let total = i64::from(am) - 1 + m;
                 let y = ay + total.div_euclid(12);
                 let mo = total.rem_euclid(12) as u32 + 1;
-                crate::config::limits::days_from_civil(y, mo, 1).max(0) as u64 * 86_400 + offset
+                days_from_civil(y, mo, 1).max(0) as u64 * 86_400 + offset
             };
             if now_s < start_of(months) {
                 months -= 1;
