@@ -7,13 +7,16 @@
 //!   cargo bench -p sluice --bench hot_paths            # all
 //!   cargo bench -p sluice --bench hot_paths -- sse     # a filter
 //!
-//! Instruction counts for stable comparisons on a noisy machine: `perf/callgrind.sh`.
+//! Instruction counts for stable comparisons on a noisy machine: `perf/callgrind.sh`. The fixture
+//! (`fixture/mod.rs`) is shared with `core/examples/hotpath.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use sluice::hotpath::Fixture;
+
+mod fixture;
+use fixture::Fixture;
 
 fn benches(c: &mut Criterion) {
     let mut f = Fixture::new();

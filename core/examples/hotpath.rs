@@ -1,9 +1,14 @@
 //! Run one hot path N times (for instruction counts under callgrind; see perf/callgrind.sh).
 //!
 //!   hotpath <inspect|sse|estimate|admit|route|pipeline> <iterations>
+//!
+//! The fixture is the criterion benchmarks' (`core/benches/fixture/mod.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::hint::black_box;
+
+#[path = "../benches/fixture/mod.rs"]
+mod fixture;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -14,7 +19,7 @@ fn main() {
         eprintln!("usage: hotpath <inspect|sse|estimate|admit|route|pipeline> <iterations>");
         std::process::exit(2);
     };
-    let mut f = sluice::hotpath::Fixture::new();
+    let mut f = fixture::Fixture::new();
     let mut acc = 0u64;
     for _ in 0..n {
         acc = acc.wrapping_add(match which.as_str() {

@@ -65,5 +65,3 @@ pub mod runtime {
     pub mod server;
     pub mod worker;
 }
-
-pub mod hotpath;

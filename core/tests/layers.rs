@@ -39,20 +39,6 @@ const RULES: &[(&str, &[&str])] = &[
             "gateway",
         ],
     ),
-    (
-        "hotpath",
-        &[
-            "config",
-            "http",
-            "openai",
-            "sys",
-            "limits",
-            "upstream",
-            "telemetry",
-            "gateway",
-            "runtime",
-        ],
-    ),
 ];
 
 /// Which layer a file under `core/src` belongs to: its first path component (`lib.rs` and

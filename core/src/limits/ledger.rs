@@ -98,8 +98,9 @@ impl InProcessLedger {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// [`SyncBackend::exchange`] at a given time (tests drive the clock through it).
-    pub(crate) fn exchange_at(
+    /// [`SyncBackend::exchange`] at a given time, without a runtime (tests drive the clock
+    /// through it; the benchmark fixture, outside the crate, primes its leases with it).
+    pub fn exchange_at(
         &self,
         now: Instant,
         node: &str,

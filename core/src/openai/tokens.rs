@@ -24,8 +24,8 @@ const WEIGHT_SHIFT: u32 = 10;
 
 /// What one byte adds to the estimate, by the class of the byte, in 1/1024 of a token.
 ///
-/// Fitted on the first half of each corpus in `perf/corpus/` (test `fit_weights` reproduces the
-/// numbers): least squares on relative error over 384-byte chunks. ASCII classes are fitted on
+/// Fitted on the first half of each corpus in `perf/corpus/` (`cargo run --release -p sluice
+/// --example estimator -- fit` reproduces the numbers): least squares on relative error over 384-byte chunks. ASCII classes are fitted on
 /// English, Rust, Python and a chat request body against the mean of cl100k and o200k (which
 /// agree within 1% there), then scaled up until no fitted corpus is under-estimated. UTF-8 lead
 /// bytes are fitted on Chinese and a mixed-script corpus against the geometric mean of the two
@@ -50,9 +50,10 @@ mod weights {
     pub const FREE: u16 = 0;
 }
 
-/// The byte classes the estimate distinguishes.
+/// The byte classes the estimate distinguishes. Public for the tool that fits their weights
+/// (`core/examples/estimator.rs`); the gateway only calls [`estimate_tokens`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Class {
+pub enum Class {
     Letter,
     Digit,
     Punct,
@@ -65,7 +66,8 @@ enum Class {
     Invalid,
 }
 
-const fn class_of(b: u8) -> Class {
+/// The class of byte `b`.
+pub const fn class_of(b: u8) -> Class {
     match b {
         b'a'..=b'z' | b'A'..=b'Z' => Class::Letter,
         b'0'..=b'9' => Class::Digit,
@@ -82,7 +84,8 @@ const fn class_of(b: u8) -> Class {
     }
 }
 
-const fn class_weight(class: Class) -> u16 {
+/// What one byte of `class` adds to the estimate, in 1/1024 of a token.
+pub const fn class_weight(class: Class) -> u16 {
     match class {
         Class::Letter => weights::LETTER,
         Class::Digit => weights::DIGIT,
@@ -309,7 +312,8 @@ mod tests {
     use super::*;
 
     /// name, text, and the lowest and highest error (in %) the estimate may show on the held-out
-    /// half against either encoding.
+    /// half against either encoding. `core/examples/estimator.rs` fits the weights on the first
+    /// halves of the same corpora, cut the same way (`halves`), and reports on the second.
     const CORPORA: [(&str, &str, f64, f64); 6] = [
         // Typical text: within 20%, and never more than a little under (the ASCII weights were
         // scaled so the fitted halves are not under-estimated).
@@ -523,270 +527,5 @@ mod tests {
         // Blind cuts land on char boundaries.
         let han = "中".repeat(10_000);
         assert!(count_tokens(Encoding::O200k, &han) > 0);
-    }
-
-    /// Class counts of `bytes`, indexed by `Class as usize`.
-    fn class_counts(bytes: &[u8]) -> [f64; 10] {
-        let mut counts = [0.0; 10];
-        for &b in bytes {
-            counts[class_of(b) as usize] += 1.0;
-        }
-        counts
-    }
-
-    /// `text` in pieces of about `len` bytes, cut at char boundaries.
-    fn chunks(text: &str, len: usize) -> Vec<&str> {
-        let mut out = Vec::new();
-        let mut rest = text;
-        while !rest.is_empty() {
-            let mut end = len.min(rest.len());
-            while !rest.is_char_boundary(end) {
-                end += 1;
-            }
-            let (piece, tail) = rest.split_at(end);
-            out.push(piece);
-            rest = tail;
-        }
-        out
-    }
-
-    /// Least squares: the `w` minimising |A w - b|, by the normal equations (a handful of
-    /// unknowns, well conditioned).
-    fn least_squares(rows: &[Vec<f64>], rhs: &[f64]) -> Vec<f64> {
-        let n = rows[0].len();
-        let mut m = vec![vec![0.0; n + 1]; n];
-        for (row, &y) in rows.iter().zip(rhs) {
-            for i in 0..n {
-                for j in 0..n {
-                    m[i][j] += row[i] * row[j];
-                }
-                m[i][n] += row[i] * y;
-            }
-        }
-        for col in 0..n {
-            let pivot = (col..n)
-                .max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))
-                .unwrap();
-            m.swap(col, pivot);
-            let pivot_row = m[col].clone();
-            for (r, row) in m.iter_mut().enumerate() {
-                if r != col {
-                    let f = row[col] / pivot_row[col];
-                    for (x, p) in row.iter_mut().zip(&pivot_row).skip(col) {
-                        *x -= f * p;
-                    }
-                }
-            }
-        }
-        (0..n).map(|i| m[i][n] / m[i][i]).collect()
-    }
-
-    /// Reproduces [`weights`] from the corpora: prints the fitted weights in 1/1024 of a token.
-    /// `cargo test -p sluice --lib tokens::tests::fit_weights -- --ignored --nocapture`
-    #[test]
-    #[ignore]
-    fn fit_weights() {
-        const CHUNK: usize = 384;
-        let ascii = [
-            Class::Letter,
-            Class::Digit,
-            Class::Punct,
-            Class::Space,
-            Class::Newline,
-        ];
-        let leads = [Class::Lead2, Class::Lead3];
-        let lead4 = f64::from(weights::LEAD4) / 1024.0;
-        let both = |text: &str| {
-            let (cl, o2) = (exact(Encoding::Cl100k, text), exact(Encoding::O200k, text));
-            (cl as f64, o2 as f64)
-        };
-
-        // 1. ASCII classes on English, code and JSON, against the mean of the encodings; each
-        //    row divided by its target so the fit minimises relative error.
-        let (mut rows, mut rhs) = (Vec::new(), Vec::new());
-        for (_, text, ..) in &CORPORA[..4] {
-            for piece in chunks(halves(text).0, CHUNK) {
-                let (cl, o2) = both(piece);
-                let target = (cl + o2) / 2.0;
-                let counts = class_counts(piece.as_bytes());
-                rows.push(ascii.iter().map(|&c| counts[c as usize] / target).collect());
-                rhs.push(1.0);
-            }
-        }
-        let mut w_ascii = least_squares(&rows, &rhs);
-
-        // 2. Scale up until no fitted half is under-estimated against either encoding.
-        let ascii_estimate = |w: &[f64], counts: &[f64; 10]| -> f64 {
-            ascii
-                .iter()
-                .zip(w)
-                .map(|(&c, w)| counts[c as usize] * w)
-                .sum()
-        };
-        let scale = CORPORA[..4]
-            .iter()
-            .map(|(_, text, ..)| {
-                let fit = halves(text).0;
-                let (cl, o2) = both(fit);
-                cl.max(o2) / ascii_estimate(&w_ascii, &class_counts(fit.as_bytes()))
-            })
-            .fold(1.0, f64::max);
-        w_ascii.iter_mut().for_each(|w| *w *= scale);
-
-        // 3. Lead bytes on Chinese and mixed scripts, against the geometric mean of the
-        //    encodings, with the ASCII weights and the hand-set 4-byte weight held fixed.
-        let (mut rows, mut rhs) = (Vec::new(), Vec::new());
-        for (_, text, ..) in &CORPORA[4..] {
-            for piece in chunks(halves(text).0, CHUNK) {
-                let (cl, o2) = both(piece);
-                let target = (cl * o2).sqrt();
-                let counts = class_counts(piece.as_bytes());
-                let fixed =
-                    ascii_estimate(&w_ascii, &counts) + counts[Class::Lead4 as usize] * lead4;
-                rows.push(leads.iter().map(|&c| counts[c as usize] / target).collect());
-                rhs.push((target - fixed) / target);
-            }
-        }
-        let w_leads = least_squares(&rows, &rhs);
-
-        println!("ASCII scale-up {scale:.3}");
-        for (class, w) in ascii.iter().zip(&w_ascii).chain(leads.iter().zip(&w_leads)) {
-            let units = (w * 1024.0).round();
-            println!("{class:?}: {w:.4} tokens = {units} / 1024");
-        }
-    }
-
-    /// `text` with every non-ASCII character written as a JSON `\uXXXX` escape, as JSON
-    /// encoders that default to ASCII output (Python's `json.dumps`) send it.
-    fn ascii_escaped(text: &str) -> String {
-        let mut out = String::with_capacity(text.len() * 2);
-        for ch in text.chars() {
-            if ch.is_ascii() {
-                out.push(ch);
-            } else {
-                let mut units = [0u16; 2];
-                for unit in ch.encode_utf16(&mut units) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
-            }
-        }
-        out
-    }
-
-    /// What OpenAI bills as prompt tokens for a chat body's messages: 3 per message, plus role
-    /// and content, plus 3 that prime the reply.
-    fn billed_prompt(encoding: Encoding, body: &str) -> usize {
-        let value: serde_json::Value = serde_json::from_str(body).unwrap();
-        let messages = value["messages"].as_array().unwrap();
-        3 + messages
-            .iter()
-            .map(|m| {
-                let role = m["role"].as_str().unwrap();
-                let content = m["content"].as_str().unwrap();
-                3 + exact(encoding, role) + exact(encoding, content)
-            })
-            .sum::<usize>()
-    }
-
-    fn best_of<F: FnMut()>(runs: usize, mut f: F) -> std::time::Duration {
-        (0..runs)
-            .map(|_| {
-                let start = std::time::Instant::now();
-                f();
-                start.elapsed()
-            })
-            .min()
-            .unwrap()
-    }
-
-    /// The calibration and speed table in perf/RESULTS.md.
-    /// `cargo test --release -p sluice --lib tokens -- --ignored --nocapture estimator_report`
-    #[test]
-    #[ignore]
-    fn estimator_report() {
-        let encodings = [Encoding::Cl100k, Encoding::O200k];
-        for encoding in encodings {
-            warm_up(encoding);
-        }
-        println!(
-            "Held-out halves (the second half of each corpus; weights were fitted on the first):\n"
-        );
-        println!("| corpus | bytes | encoding | tiktoken | estimate | error | tiktoken µs/KB |");
-        println!("| --- | ---: | --- | ---: | ---: | ---: | ---: |");
-        for (name, text, ..) in CORPORA {
-            let (_, held_out) = halves(text);
-            let estimate = estimate_tokens(held_out.as_bytes());
-            for encoding in encodings {
-                let exact = count_tokens(encoding, held_out);
-                let time = best_of(5, || {
-                    std::hint::black_box(count_tokens(encoding, std::hint::black_box(held_out)));
-                });
-                let us_per_kb = time.as_secs_f64() * 1e6 / (held_out.len() as f64 / 1024.0);
-                println!(
-                    "| {name} | {} | {} | {exact} | {estimate} | {:+.1}% | {us_per_kb:.1} |",
-                    held_out.len(),
-                    encoding.name(),
-                    error_pct(estimate, exact)
-                );
-            }
-        }
-
-        // The chat corpus as sent, and a body whose user turn is the Chinese corpus; each also
-        // with non-ASCII escaped.
-        let chat = CORPORA[3].1;
-        let chinese_chat = serde_json::json!({
-            "model": "gpt-4o",
-            "messages": [
-                {"role": "system", "content": "你是一个乐于助人的助手。"},
-                {"role": "user", "content": CORPORA[4].1},
-            ],
-        })
-        .to_string();
-        println!("\nWhole chat bodies against what the upstream bills for their messages:\n");
-        println!(
-            "| body | bytes | encoding | tiktoken (body) | billed prompt | estimate | vs billed |"
-        );
-        println!("| --- | ---: | --- | ---: | ---: | ---: | ---: |");
-        for (label, body, text) in [
-            ("chat-request.json", chat, chat.to_string()),
-            ("chat-request.json, \\uXXXX", chat, ascii_escaped(chat)),
-            ("Chinese user turn", &chinese_chat, chinese_chat.clone()),
-            (
-                "Chinese user turn, \\uXXXX",
-                &chinese_chat,
-                ascii_escaped(&chinese_chat),
-            ),
-        ] {
-            let estimate = estimate_tokens(text.as_bytes());
-            for encoding in encodings {
-                let billed = billed_prompt(encoding, body);
-                println!(
-                    "| {label} | {} | {} | {} | {billed} | {estimate} | {:+.1}% |",
-                    text.len(),
-                    encoding.name(),
-                    count_tokens(encoding, &text),
-                    error_pct(estimate, billed)
-                );
-            }
-        }
-
-        // Speed over 64 KiB of all corpora, so every class is exercised.
-        let mut buffer = Vec::with_capacity(64 * 1024);
-        while buffer.len() < 64 * 1024 {
-            for (_, text, ..) in CORPORA {
-                buffer.extend_from_slice(text.as_bytes());
-            }
-        }
-        buffer.truncate(64 * 1024);
-        const REPS: u32 = 200;
-        let time = best_of(20, || {
-            for _ in 0..REPS {
-                std::hint::black_box(estimate_tokens(std::hint::black_box(&buffer)));
-            }
-        });
-        let ns_per_kb = time.as_secs_f64() * 1e9 / f64::from(REPS) / 64.0;
-        println!(
-            "\nestimate_tokens: {ns_per_kb:.0} ns/KB over a 64 KiB buffer (best of 20 × {REPS})"
-        );
     }
 }
