@@ -5,6 +5,9 @@
 //! worker count; returns a [`LimitsConfig`], pushing every problem found (with its key path) to
 //! the caller's error list rather than stopping at the first.
 
+// The config loader resolves the Redis address here, once, on the control thread.
+#![allow(clippy::disallowed_methods)]
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;

@@ -11,6 +11,9 @@
 //! bad section does not hide the others' errors, and every error's key path is looked up in the
 //! document for its position.
 
+// The config loader resolves backend and listener names here, once, on the control thread.
+#![allow(clippy::disallowed_methods)]
+
 pub mod limits;
 
 pub use crate::http::HttpLimits;

@@ -732,7 +732,8 @@ fn describe(frame: &BytesFrame) -> String {
 /// A real `redis-server` for tests (this module's and the cluster client's).
 #[cfg(test)]
 pub(crate) mod testing {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    // Tests: unwraps state expectations; sleeps run on the test thread, not on a worker.
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
     use std::io::{BufRead, BufReader, Write};
     use std::net::{SocketAddr, TcpListener, TcpStream as StdStream};
@@ -820,7 +821,8 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    // Tests: unwraps state expectations; sleeps run on the test thread, not on a worker.
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
     use std::io::{BufRead, BufReader, Read, Write};
     use std::net::{TcpListener, TcpStream as StdStream};

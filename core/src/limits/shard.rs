@@ -1052,7 +1052,8 @@ pub fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
 
 #[cfg(test)]
 mod tests_support {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    // Tests: unwraps state expectations; sleeps run on the test thread, not on a worker.
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
     use super::*;
     use crate::config::limits::LimitsConfig;
     use crate::limits::ledger::InProcessLedger;
@@ -1146,7 +1147,8 @@ plans = [{{ id = "q", tokens = 10000 }}]
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    // Tests: unwraps state expectations; sleeps run on the test thread, not on a worker.
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
     use super::tests_support::*;
     use super::*;
     use crate::limits::ledger::InProcessLedger;
@@ -1320,7 +1322,8 @@ mod tests {
 
 #[cfg(test)]
 mod concurrency_tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    // Tests: unwraps state expectations; sleeps run on the test thread, not on a worker.
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
     use super::tests_support::*;
     use super::*;
 

@@ -26,6 +26,9 @@
 //! cut back to the last whole record. A file is only ever appended to, and once its successor
 //! exists it is complete.
 
+// Sleeps here run on the log writer thread and in `sluice logs --follow`, never on a worker.
+#![allow(clippy::disallowed_methods)]
+
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};

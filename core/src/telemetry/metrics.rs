@@ -65,6 +65,11 @@
 //! shard.publish(&hub);
 //! ```
 
+// The hub and each shard's published slot are the one place cores meet for metrics: a worker
+// locks its own slot once per publish interval (a timer, never a request), a scrape locks
+// each slot briefly; `try_lock` keeps a worker from ever waiting on a scrape.
+#![allow(clippy::disallowed_types)]
+
 pub use crate::config::limits::LimitDimension;
 use std::cell::Cell;
 use std::collections::HashMap;
