@@ -18,7 +18,7 @@ use crate::gateway::error::{ErrorKind, GatewayError, Origin, UpstreamFault};
 use crate::gateway::relay::RelayEnd;
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
-use crate::openai::meter::{MeterSummary, SseMeter, Usage};
+use crate::openai::meter::{SseMeter, Usage};
 use crate::telemetry::accesslog::UsageSource as LogUsageSource;
 use crate::telemetry::accesslog::{AccessLog, AccessRecord};
 use crate::telemetry::metrics::MetricsShard;
@@ -151,7 +151,6 @@ pub struct Outcome {
     pub latency: Duration,
     pub overhead: Duration,
     pub upstream_header: Option<Duration>,
-    pub summary: MeterSummary,
 }
 
 impl Observation {
@@ -305,7 +304,6 @@ impl Observation {
             latency: finished.saturating_duration_since(self.received_at),
             overhead: before + self.relay_overhead,
             upstream_header,
-            summary,
         }
     }
 }

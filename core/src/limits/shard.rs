@@ -257,12 +257,6 @@ pub struct Permit {
     settled: bool,
 }
 
-impl Permit {
-    pub fn is_settled(&self) -> bool {
-        self.settled
-    }
-}
-
 pub struct LimiterShard {
     node: String,
     prefix: String,
@@ -873,11 +867,6 @@ impl LimiterShard {
         }
         self.sync_waker = Some(waker.clone());
         false
-    }
-
-    /// Budgets tracked (for tests and metrics).
-    pub fn budget_count(&self) -> usize {
-        self.budgets.len()
     }
 }
 

@@ -866,11 +866,6 @@ impl JsonDecoder {
         }
     }
 
-    /// Bytes of an incomplete record waiting for the rest.
-    pub fn pending_bytes(&self) -> usize {
-        self.pending.len()
-    }
-
     /// Records decoded so far.
     pub fn records(&self) -> u64 {
         self.records

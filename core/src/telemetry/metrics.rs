@@ -382,9 +382,6 @@ impl LabelNames {
     pub fn route(&self, name: &str) -> RouteLabel {
         RouteLabel(self.routes.lookup(name))
     }
-    pub fn route_at(&self, position: usize) -> RouteLabel {
-        RouteLabel(self.routes.at(position))
-    }
     pub fn model(&self, name: &str) -> ModelIdx {
         ModelIdx(self.models.lookup(name))
     }
