@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use sluice_tests::*;
 
@@ -93,18 +93,6 @@ fn body(max_tokens: u64) -> String {
     .to_string()
 }
 
-/// Not in the last `margin` of a wall-clock minute: a 60 s window won't roll over mid-test.
-fn away_from_minute_boundary(margin: Duration) {
-    loop {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-        let into = Duration::from_millis((now.as_millis() % 60_000) as u64);
-        if into + margin < Duration::from_secs(60) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
 #[test]
 fn quota_holds_under_1000_concurrent_requests_from_3_processes() {
     let redis = Redis::start();
@@ -185,7 +173,7 @@ fn rpm_600_under_a_5000_request_burst_from_3_processes() {
         2,
         "#limits\nsync_timeout_ms = 1000\n#policies\n[[policies]]\nid = \"rpm\"\nmax_requests = 600\nrequests_window_secs = 60",
     );
-    away_from_minute_boundary(Duration::from_secs(20));
+    wait_out_window_edge(60, 20);
     let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
     let admitted = Arc::new(AtomicU64::new(0));
     let refused = Arc::new(AtomicU64::new(0));

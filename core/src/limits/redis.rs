@@ -91,23 +91,21 @@ if spent > own then
 end
 spent_total = spent_total + own
 
--- 2 and 3. Drop the other nodes' lapsed leases, sum the live ones.
-for who, v in pairs(leases) do
-  local e = expiries[who]
-  if e ~= nil and e > now then
-    leased_others = leased_others + v
-  else
-    redis.call('HDEL', key, 'l:' .. who, 'e:' .. who)
+-- 2 and 3. Drop the other nodes' lapsed leases (and shortfalls), sum the live ones.
+local function sum_live(values, expires, value_kind, expiry_kind)
+  local total = 0
+  for who, v in pairs(values) do
+    local e = expires[who]
+    if e ~= nil and e > now then
+      total = total + v
+    else
+      redis.call('HDEL', key, value_kind .. who, expiry_kind .. who)
+    end
   end
+  return total
 end
-for who, v in pairs(shorts) do
-  local e = short_expiries[who]
-  if e ~= nil and e > now then
-    wanted_others = wanted_others + v
-  else
-    redis.call('HDEL', key, 'w:' .. who, 'x:' .. who)
-  end
-end
+leased_others = sum_live(leases, expiries, 'l:', 'e:')
+wanted_others = sum_live(shorts, short_expiries, 'w:', 'x:')
 local available = limit - spent_total - leased_others
 if available < 0 then available = 0 end
 
