@@ -70,7 +70,7 @@ fn start_worker(
         runtime.block_on(async move {
             let listener = monoio::net::TcpListener::bind("127.0.0.1:0").expect("bind");
             addr_tx.send(listener.local_addr().unwrap()).unwrap();
-            let hub = sluice::runtime::server::metrics_hub(&first);
+            let hub = sluice::telemetry::metrics::MetricsHub::for_snapshot(&first);
             let worker = Rc::new(Worker::new(0, Rc::new(first), hub, None));
             let w = Rc::clone(&worker);
             monoio::spawn(async move {

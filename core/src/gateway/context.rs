@@ -208,3 +208,83 @@ impl<'w> PerCore<'w> {
         }
     }
 }
+
+/// A worker's per-core state without a worker thread or a socket, for the phases' and the
+/// pipeline's unit tests: the same parts a worker owns, built from one snapshot.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+    use crate::http::request::{parse_request_head, HeadScan, HeadStatus};
+
+    pub(crate) struct OwnedCore {
+        pub(crate) snapshot: Snapshot,
+        pools: Pools,
+        pub(crate) limiter: RefCell<LimiterShard>,
+        pub(crate) metrics: MetricsShard,
+        bufs: BufPool,
+        load: Load,
+        inspector: RefCell<Inspector>,
+        rng: Cell<u64>,
+        observations: ObservationPool,
+        log: LogSink,
+    }
+
+    impl OwnedCore {
+        pub(crate) fn new(config: &str) -> OwnedCore {
+            let snapshot = crate::config::load(config, &|_| None).unwrap();
+            let hub = crate::telemetry::metrics::MetricsHub::for_snapshot(&snapshot);
+            OwnedCore {
+                pools: Pools::new(&snapshot),
+                limiter: RefCell::new(LimiterShard::new(&snapshot.limits, "test-0".into())),
+                metrics: MetricsShard::new(&hub),
+                bufs: BufPool::new(1024, 4),
+                load: Load::default(),
+                inspector: RefCell::new(Inspector::default()),
+                rng: Cell::new(0x9e37_79b9_7f4a_7c15),
+                observations: ObservationPool::default(),
+                log: LogSink::new(None, 0),
+                snapshot,
+            }
+        }
+
+        pub(crate) fn per_core(&self) -> PerCore<'_> {
+            PerCore {
+                snapshot: &self.snapshot,
+                pools: &self.pools,
+                limiter: &self.limiter,
+                metrics: &self.metrics,
+                bufs: &self.bufs,
+                load: &self.load,
+                inspector: &self.inspector,
+                rng: &self.rng,
+                observations: &self.observations,
+                log: &self.log,
+            }
+        }
+
+        /// Parse `raw` (a whole request, head and body) as the connection loop would.
+        pub(crate) fn head(&self, raw: &[u8]) -> RequestHead {
+            let mut head = RequestHead::default();
+            let status = parse_request_head(
+                raw,
+                &mut HeadScan::default(),
+                &self.snapshot.http,
+                &mut head,
+            )
+            .unwrap();
+            assert_eq!(status, HeadStatus::Complete);
+            head
+        }
+    }
+
+    /// The request the connection loop would hand the pipeline for `raw` parsed as `head`.
+    pub(crate) fn request<'a>(raw: &'a [u8], head: &'a RequestHead) -> Request<'a> {
+        Request {
+            buf: raw,
+            received_at: Instant::now(),
+            peer: Some(([10, 0, 0, 1], 40_000).into()),
+            head,
+            body: &raw[head.head_len..],
+        }
+    }
+}

@@ -12,11 +12,10 @@
 //! first-byte timeout) and 503 (backend connection cap).
 
 use std::io::Write as _;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::gateway::context::{Io, Request};
 use crate::gateway::error::{GatewayError, UpstreamFault};
-use crate::gateway::observe::Observation;
 use crate::gateway::route::Target;
 use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
@@ -193,17 +192,34 @@ struct AttemptError {
     stale: bool,
 }
 
-/// Send `request` (as built by [`build_request`]) and read the response head.
+/// When the forward phase's steps happened, returned whether it succeeded or not (the
+/// observation times a failed exchange too).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ForwardTimings {
+    /// When the request started out to the upstream (`None`: it never did).
+    pub started_at: Option<Instant>,
+    /// How long opening a new connection took (`None`: a pooled one served).
+    pub connect: Option<Duration>,
+    /// When the response head was in.
+    pub head_at: Option<Instant>,
+    /// Stale pooled connections retried on a fresh one.
+    pub retries: u32,
+}
+
+/// Send `request` (as built by [`build_request`]) and read the response head: the response or
+/// the error to answer with, and when each step happened.
 pub async fn send<'w>(
     io: Io<'w>,
     target: &Target<'_>,
     mut request: Vec<u8>,
-    obs: &mut Observation,
-) -> Result<UpstreamResponse<'w>, GatewayError> {
+) -> (Result<UpstreamResponse<'w>, GatewayError>, ForwardTimings) {
     let timeouts = io.timeouts;
     let backend = io.metrics.names().backend_at(target.backend.id);
     let mut fresh_only = false;
-    obs.forwarded_at = Some(Instant::now());
+    let mut timings = ForwardTimings {
+        started_at: Some(Instant::now()),
+        ..ForwardTimings::default()
+    };
     loop {
         let conn = match (!fresh_only)
             .then(|| io.pools.checkout(target.backend.id))
@@ -212,9 +228,16 @@ pub async fn send<'w>(
             Some(conn) => conn,
             None => {
                 let started = Instant::now();
-                let conn = connect(io.pools, target.cluster, target.backend, timeouts).await?;
-                obs.upstream_connect = Some(started.elapsed());
-                conn
+                match connect(io.pools, target.cluster, target.backend, timeouts).await {
+                    Ok(conn) => {
+                        timings.connect = Some(started.elapsed());
+                        conn
+                    }
+                    Err(e) => {
+                        io.bufs.give(request);
+                        return (Err(e.into()), timings);
+                    }
+                }
             }
         };
         let deadline = Instant::now() + timeouts.upstream_first_byte;
@@ -223,17 +246,17 @@ pub async fn send<'w>(
         request = returned;
         match result {
             Ok(response) => {
-                obs.upstream_head_at = Some(Instant::now());
+                timings.head_at = Some(Instant::now());
                 io.bufs.give(request);
-                return Ok(response);
+                return (Ok(response), timings);
             }
             Err(AttemptError { stale: true, .. }) if !fresh_only => {
-                obs.retries += 1;
+                timings.retries += 1;
                 fresh_only = true;
             }
             Err(AttemptError { error, .. }) => {
                 io.bufs.give(request);
-                return Err(error);
+                return (Err(error), timings);
             }
         }
     }

@@ -1,9 +1,9 @@
 //! Observe: what one proxied request did, gathered along the pipeline and summed up when it
 //! ends.
 //!
-//! An [`Observation`] is started when a request's head and body are in, filled in by the
-//! forward phase (when the request left, how long connecting and the first byte took) and the
-//! relay (status, bytes, the body as the meter saw it, Sluice's own time per relayed chunk), and
+//! An [`Observation`] is started when a request's head and body are in, given the forward
+//! phase's [`ForwardTimings`] (when the request left, how long connecting and the first byte
+//! took), filled in by the relay (status, bytes, the body as the meter saw it, Sluice's own time per relayed chunk), and
 //! closed by [`Observation::outcome`] into an [`Outcome`]: usage (reported by the upstream, or
 //! estimated from what was streamed when it reported none), cost from the price table, time to
 //! first token, time per output token, total latency and Sluice's overhead. Raises nothing.
@@ -15,6 +15,7 @@ use crate::config::Snapshot;
 use crate::gateway::admit::Caller;
 use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError, Origin, UpstreamFault};
+use crate::gateway::forward::ForwardTimings;
 use crate::gateway::relay::RelayEnd;
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
@@ -86,9 +87,8 @@ enum Metering {
 /// One request's observations. Reused per connection; [`Observation::start`] resets it.
 pub struct Observation {
     pub received_at: Instant,
-    pub forwarded_at: Option<Instant>,
-    pub upstream_connect: Option<Duration>,
-    pub upstream_head_at: Option<Instant>,
+    /// When the forward phase's steps happened (default: it never ran).
+    pub forward: ForwardTimings,
     pub finished_at: Option<Instant>,
     /// Sluice's own time while relaying: from each upstream read to handing its bytes to the
     /// client, summed.
@@ -98,8 +98,6 @@ pub struct Observation {
     pub bytes_out: u64,
     /// How the relayed response ended (`None`: no response was relayed).
     pub end: Option<RelayEnd>,
-    /// Stale pooled connections retried on a fresh one.
-    pub retries: u32,
     /// The cluster and backend chosen, once routed.
     pub routed: Option<(usize, usize)>,
     /// `x-ratelimit-*` header lines for the client's response, once admitted.
@@ -113,16 +111,13 @@ impl Default for Observation {
     fn default() -> Self {
         Observation {
             received_at: Instant::now(),
-            forwarded_at: None,
-            upstream_connect: None,
-            upstream_head_at: None,
+            forward: ForwardTimings::default(),
             finished_at: None,
             relay_overhead: Duration::ZERO,
             status: 0,
             bytes_in: 0,
             bytes_out: 0,
             end: None,
-            retries: 0,
             routed: None,
             rate_headers: String::new(),
             metering: Metering::Off,
@@ -157,16 +152,13 @@ impl Observation {
     /// Begin observing a request whose head and body arrived at `received_at`.
     pub fn start(&mut self, received_at: Instant, bytes_in: u64) {
         self.received_at = received_at;
-        self.forwarded_at = None;
-        self.upstream_connect = None;
-        self.upstream_head_at = None;
+        self.forward = ForwardTimings::default();
         self.finished_at = None;
         self.relay_overhead = Duration::ZERO;
         self.status = 0;
         self.bytes_in = bytes_in;
         self.bytes_out = 0;
         self.end = None;
-        self.retries = 0;
         self.routed = None;
         self.rate_headers.clear();
         self.metering = Metering::Off;
@@ -212,11 +204,12 @@ impl Observation {
     /// Sluice's time before the request left for the upstream, plus the response head's own
     /// handling so far: the `x-sluice-overhead-us` a client sees.
     pub fn overhead_so_far(&self, now: Instant) -> Duration {
-        let before = self.forwarded_at.map_or(Duration::ZERO, |f| {
+        let before = self.forward.started_at.map_or(Duration::ZERO, |f| {
             f.saturating_duration_since(self.received_at)
         });
         let head = self
-            .upstream_head_at
+            .forward
+            .head_at
             .map_or(Duration::ZERO, |h| now.saturating_duration_since(h));
         before + head + self.relay_overhead
     }
@@ -288,10 +281,10 @@ impl Observation {
             }
             _ => None,
         };
-        let before = self.forwarded_at.map_or(Duration::ZERO, |f| {
+        let before = self.forward.started_at.map_or(Duration::ZERO, |f| {
             f.saturating_duration_since(self.received_at)
         });
-        let upstream_header = match (self.forwarded_at, self.upstream_head_at) {
+        let upstream_header = match (self.forward.started_at, self.forward.head_at) {
             (Some(f), Some(h)) => Some(h.saturating_duration_since(f)),
             _ => None,
         };
@@ -408,9 +401,9 @@ pub fn emit(
     m.observe_overhead(route, outcome.overhead);
     if let Some((_, backend_id)) = obs.routed {
         let backend = names.backend_at(backend_id);
-        if obs.forwarded_at.is_some() {
+        if obs.forward.started_at.is_some() {
             m.upstream_request(backend, Attempt::First);
-            for _ in 0..obs.retries {
+            for _ in 0..obs.forward.retries {
                 m.upstream_request(backend, Attempt::Retry);
             }
         }
@@ -513,7 +506,7 @@ pub fn emit(
     rec.ttft_us = outcome.ttft.map_or(0, |d| d.as_micros() as u64);
     rec.tpot_us = outcome.tpot.map_or(0, |d| d.as_micros() as u64);
     rec.latency_us = outcome.latency.as_micros() as u64;
-    rec.upstream_connect_us = obs.upstream_connect.map_or(0, |d| d.as_micros() as u64);
+    rec.upstream_connect_us = obs.forward.connect.map_or(0, |d| d.as_micros() as u64);
     rec.upstream_header_us = outcome.upstream_header.map_or(0, |d| d.as_micros() as u64);
     rec.overhead_us = outcome.overhead.as_micros() as u64;
     rec.bytes_in = obs.bytes_in;
@@ -523,7 +516,7 @@ pub fn emit(
         None => obs.bytes_out,
     };
     set_str(&mut rec.error_class, error_class(obs, error));
-    rec.fallback_attempts = obs.retries;
+    rec.fallback_attempts = obs.forward.retries;
     rec.worker_id = sink.worker_id as u32;
     log.record(&rec);
 }

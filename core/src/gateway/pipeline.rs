@@ -11,7 +11,7 @@ use crate::gateway::context::{ClientSocket, PerCore, Request};
 use crate::gateway::error::GatewayError;
 use crate::gateway::observe::{Estimator, Observation};
 use crate::gateway::relay::{ClientSide, Relayed};
-use crate::gateway::route::Target;
+use crate::gateway::route::{Candidates, Target};
 use crate::gateway::{admit, auth, forward, observe, relay, route};
 use crate::openai::inspect::Inspection;
 
@@ -33,8 +33,9 @@ pub async fn proxy(
 
     // Forward and relay, on the admission's reservation.
     let (mut result, mapped, admission) = match admitted {
-        Ok((target, admission)) => {
+        Ok((candidates, admission)) => {
             admission.rate_headers().write(&mut obs.rate_headers);
+            let target = candidates.primary();
             let served = serve(core, client, request, inspection, &target, &mut obs).await;
             (served, target.mapped_model, Some(admission))
         }
@@ -82,15 +83,15 @@ pub async fn proxy(
     result.map(|relayed| relayed.keep_alive)
 }
 
-/// Authenticate, inspect, authorize, route and admit: the target to send to and the admission
-/// to settle, or the error to answer with (nothing was sent upstream).
-async fn admit_request<'s>(
+/// Authenticate, inspect, authorize, route and admit: the targets to try and the admission to
+/// settle, or the error to answer with (nothing was sent upstream).
+pub async fn admit_request<'s>(
     core: PerCore<'s>,
     request: &Request<'_>,
     inspection: &mut Inspection,
     caller: &mut Caller<'s>,
     obs: &mut Observation,
-) -> Result<(Target<'s>, Admission), GatewayError> {
+) -> Result<(Candidates<'s>, Admission), GatewayError> {
     let limits = &*core.snapshot.limits;
 
     // Authenticate: which key is calling — before any JSON work is spent on the body.
@@ -106,9 +107,11 @@ async fn admit_request<'s>(
     auth::authorize(principal, &inspection.model, request.peer.map(|p| p.ip()))
         .inspect_err(|e| caller.auth_failed(e))?;
 
-    // Route: cluster, backend and the model name the upstream sees.
-    let target = route::route(core.snapshot, &inspection.model, core.rng)?;
-    obs.routed = Some((target.cluster_id, target.backend.id));
+    // Route: the targets to try in order — cluster, backend and the model name the upstream
+    // sees. Only the first is sent to today; the rest are what a fallback would walk.
+    let candidates = route::route(core.snapshot, &inspection.model, core.rng)?;
+    let primary = candidates.primary();
+    obs.routed = Some((primary.cluster_id, primary.backend.id));
 
     // Admit: a reservation under every policy and quota plan that applies (waits at most one
     // sync for a lease).
@@ -122,7 +125,7 @@ async fn admit_request<'s>(
     )
     .await;
     match admitted {
-        Ok(admission) => Ok((target, admission)),
+        Ok(admission) => Ok((candidates, admission)),
         Err(rejection) => {
             let mut error = admit::refusal_error(limits, &rejection.refusal);
             caller.refused(core.metrics, limits, rejection.refusal);
@@ -154,7 +157,9 @@ async fn serve(
         target,
         core.snapshot.upstream.request_stream_usage,
     );
-    let response = forward::send(core.io(), target, upstream_request, obs).await?;
+    let (response, timings) = forward::send(core.io(), target, upstream_request).await;
+    obs.forward = timings;
+    let response = response?;
 
     // Relay: the body to the client as it arrives, metered on the side; a usage chunk the
     // client did not ask for is metered but not relayed.
@@ -165,4 +170,225 @@ async fn serve(
         strip_usage: usage_requested,
     };
     relay::relay(core.io(), client, response, side, obs).await
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    //! The pipeline's decisions without a socket: [`admit_request`] on a per-core state built
+    //! from a config (`context::testing`), with the real limiter shard exchanging with the
+    //! in-process ledger through the real sync task.
+    use super::*;
+    use crate::config::limits::{digest, hex};
+    use crate::gateway::context::testing::{request, OwnedCore};
+    use crate::limits::ledger::InProcessLedger;
+
+    const KEY: &str = "sk-pipeline-test";
+
+    fn core() -> OwnedCore {
+        OwnedCore::new(&format!(
+            r#"
+            [clusters.main]
+            backends = [{{ base_url = "http://127.0.0.1:9/v1", weight = 1 }},
+                        {{ base_url = "http://127.0.0.2:9/v1", weight = 1 }}]
+            model_map = {{ "gpt-4o" = "gpt-4o-2024-08-06" }}
+            [[routes]]
+            model = "gpt-*"
+            cluster = "main"
+            [[routes]]
+            model = "o1"
+            cluster = "main"
+            [[keys]]
+            id = "team-key"
+            sha256 = "{}"
+            models_allow = ["gpt-*", "o1-preview"]
+            source_subnets = ["10.0.0.0/8"]
+            [[policies]]
+            id = "one-rpm"
+            per = "key"
+            max_requests = 1
+            "#,
+            hex(&digest(KEY.as_bytes()))
+        ))
+    }
+
+    fn raw(key: Option<&str>, body: &str) -> Vec<u8> {
+        let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    }
+
+    /// The primary target's cluster, backend and mapped model, and how many fallbacks follow.
+    #[derive(Debug)]
+    struct Chosen {
+        cluster: usize,
+        backend: usize,
+        mapped: Option<String>,
+        fallbacks: usize,
+    }
+
+    /// What the pipeline decided for one request: the primary target's (cluster, backend,
+    /// mapped model) and whether there is a fallback, or the error's (status, code); plus what
+    /// the observation and the caller recorded.
+    struct Decided {
+        result: Result<Chosen, (u16, Option<&'static str>)>,
+        routed: Option<(usize, usize)>,
+        auth_failure: Option<&'static str>,
+        refused: bool,
+        error_headers: Option<String>,
+        retry_after: Option<u32>,
+    }
+
+    fn decide(core: &OwnedCore, raw: &[u8]) -> Decided {
+        let head = core.head(raw);
+        let request = request(raw, &head);
+        let per_core = core.per_core();
+        let mut inspection = Inspection::default();
+        let mut caller = Caller::default();
+        let mut obs = Observation::default();
+        let mut runtime = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        let decided = runtime.block_on(async {
+            let sync = crate::limits::run_sync(
+                per_core.limiter,
+                &core.snapshot.limits.sync,
+                0,
+                |_, _| {},
+                InProcessLedger::new(),
+            );
+            let decide = admit_request(per_core, &request, &mut inspection, &mut caller, &mut obs);
+            monoio::select! {
+                decided = decide => decided,
+                () = sync => unreachable!("the sync task runs for the worker's life"),
+            }
+        });
+        let mut retry_after = None;
+        let (result, error_headers) = match decided {
+            Ok((candidates, admission)) => {
+                let primary = candidates.primary();
+                let fallbacks = candidates.clone().count();
+                admission.settle(per_core.limiter, 10);
+                let mapped = primary.mapped_model.map(str::to_string);
+                let chosen = Chosen {
+                    cluster: primary.cluster_id,
+                    backend: primary.backend.id,
+                    mapped,
+                    fallbacks,
+                };
+                (Ok(chosen), None)
+            }
+            Err(e) => {
+                let headers = e.extra_headers.as_deref().cloned();
+                retry_after = e.retry_after;
+                (Err((e.status(), e.code())), headers)
+            }
+        };
+        Decided {
+            result,
+            routed: obs.routed,
+            auth_failure: caller.auth_failure,
+            refused: caller.refusal.is_some(),
+            error_headers,
+            retry_after,
+        }
+    }
+
+    const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
+
+    #[test]
+    fn an_admitted_request_gets_its_targets_and_a_reservation_that_counts() {
+        let core = core();
+        let d = decide(&core, &raw(Some(KEY), CHAT));
+        let Chosen {
+            cluster,
+            backend,
+            mapped,
+            fallbacks,
+        } = d.result.unwrap();
+        assert_eq!(cluster, 0);
+        assert_eq!(mapped.as_deref(), Some("gpt-4o-2024-08-06"));
+        assert_eq!(fallbacks, 1, "the cluster's other backend is the fallback");
+        assert_eq!(d.routed, Some((cluster, backend)));
+        assert_eq!((d.auth_failure, d.refused), (None, false));
+
+        // The policy allows one request a minute per key: the settled first one counted.
+        let d = decide(&core, &raw(Some(KEY), CHAT));
+        assert_eq!(d.result.unwrap_err(), (429, Some("rate_limit_exceeded")));
+        assert!(d.refused);
+        let headers = d.error_headers.unwrap_or_default();
+        assert!(
+            d.retry_after.is_some_and(|s| (1..=60).contains(&s)),
+            "{:?}",
+            d.retry_after
+        );
+        assert!(
+            headers.contains("x-ratelimit-limit-requests: 1"),
+            "{headers}"
+        );
+    }
+
+    #[test]
+    fn refusals_before_admission_reserve_nothing() {
+        let core = core();
+        // In the order the pipeline checks: key, body, model permission, route.
+        let cases: [(Option<&str>, &str, u16, Option<&str>); 5] = [
+            (None, CHAT, 401, Some("missing_api_key")),
+            (Some("sk-wrong"), CHAT, 401, Some("invalid_api_key")),
+            (Some(KEY), r#"{"model":"gpt-4o","#, 400, None),
+            (
+                Some(KEY),
+                r#"{"model":"claude-3","messages":[]}"#,
+                403,
+                Some("model_not_allowed"),
+            ),
+            // Allowed for the key, routed by nobody.
+            (
+                Some(KEY),
+                r#"{"model":"o1-preview","messages":[]}"#,
+                404,
+                Some("model_not_found"),
+            ),
+        ];
+        for (key, body, status, code) in cases {
+            let d = decide(&core, &raw(key, body));
+            assert_eq!(d.result.unwrap_err(), (status, code), "{key:?} {body}");
+            assert_eq!(d.routed, None, "{body}");
+            assert!(!d.refused);
+            let auth_failed = matches!(status, 401 | 403);
+            assert_eq!(d.auth_failure.is_some(), auth_failed, "{body}");
+        }
+        // None of them used the key's one request.
+        assert!(decide(&core, &raw(Some(KEY), CHAT)).result.is_ok());
+    }
+
+    #[test]
+    fn a_source_outside_the_keys_subnets_is_refused() {
+        let core = core();
+        let raw = raw(Some(KEY), CHAT);
+        let head = core.head(&raw);
+        let mut request = request(&raw, &head);
+        request.peer = Some(([192, 168, 1, 1], 40_000).into());
+        let mut inspection = Inspection::default();
+        let mut caller = Caller::default();
+        let mut obs = Observation::default();
+        let mut runtime = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        let decided = runtime.block_on(admit_request(
+            core.per_core(),
+            &request,
+            &mut inspection,
+            &mut caller,
+            &mut obs,
+        ));
+        let e = decided.expect_err("refused");
+        assert_eq!((e.status(), e.code()), (403, Some("source_not_allowed")));
+        assert_eq!(caller.auth_failure, Some("source_not_allowed"));
+    }
 }

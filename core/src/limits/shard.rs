@@ -249,10 +249,6 @@ pub struct Ask<'a> {
 #[derive(Debug, Default)]
 pub struct Permit {
     entries: Vec<(BudgetId, u64)>,
-    /// The quota plan charged (index into the key's plans).
-    pub plan: Option<usize>,
-    /// The largest token reservation (for the access log).
-    pub reserved_tokens: u64,
     pub headers: RateHeaders,
     settled: bool,
 }
@@ -386,8 +382,6 @@ impl LimiterShard {
         self.reserve(&passed, a.lease_valid);
         *permit = Permit {
             entries: passed,
-            plan: plan.map(|p| p.index),
-            reserved_tokens: policies.reserved_tokens.max(plan.map_or(0, |p| p.cost)),
             headers: policies.headers,
             settled: false,
         };
@@ -425,9 +419,6 @@ impl LimiterShard {
                 let Some(budget) = self.budgets.get(&id) else {
                     continue;
                 };
-                if limit.kind == KIND_TOKENS {
-                    out.reserved_tokens = out.reserved_tokens.max(limit.cost);
-                }
                 let reset_ms = budget.ends_at_ms.saturating_sub(a.now_ms);
                 let remaining = budget.remaining().saturating_sub(limit.cost);
                 out.headers
@@ -544,11 +535,7 @@ impl LimiterShard {
                 continue;
             }
             let Some(tokens) = plan.tokens else {
-                return Ok(ChosenPlan {
-                    index,
-                    cost,
-                    entry: None,
-                });
+                return Ok(ChosenPlan { entry: None });
             };
             let (id, end_s) = self.plan_budget(key, key_idx, index, plan, tokens, now_s);
             if plan.period != Period::Once {
@@ -558,8 +545,6 @@ impl LimiterShard {
             match self.check(&id, cost, a.lease_valid) {
                 Ok(()) => {
                     return Ok(ChosenPlan {
-                        index,
-                        cost,
                         entry: Some((id, cost)),
                     })
                 }
@@ -932,8 +917,6 @@ impl PolicyLimit {
 #[derive(Default)]
 struct PolicyCheck {
     headers: RateHeaders,
-    /// The largest token reservation.
-    reserved_tokens: u64,
     refusal: Option<Refusal>,
 }
 
@@ -952,10 +935,6 @@ impl PolicyCheck {
 /// The quota plan a request is charged to.
 #[derive(Clone, Copy)]
 struct ChosenPlan {
-    /// Into the key's plans.
-    index: usize,
-    /// The reservation's size (tokens).
-    cost: u64,
     /// The reservation; `None` for an unlimited plan.
     entry: Option<(BudgetId, u64)>,
 }
@@ -1149,7 +1128,8 @@ mod tests {
         let mut shards: Vec<LimiterShard> = (0..6)
             .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
             .collect();
-        let mut inflight: Vec<Vec<Permit>> = (0..6).map(|_| Vec::new()).collect();
+        // Each admitted permit with the tokens its ask reserved.
+        let mut inflight: Vec<Vec<(Permit, u64)>> = (0..6).map(|_| Vec::new()).collect();
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         let mut admitted = 0;
         let mut billed = 0;
@@ -1157,21 +1137,22 @@ mod tests {
             for i in 0..6 {
                 for _ in 0..rng.next() % 4 {
                     let mut p = Permit::default();
-                    let ask = ask(rng.next() % 200);
+                    let max_tokens = rng.next() % 200;
+                    let ask = ask(max_tokens);
                     if shards[i]
                         .try_admit(&cfg, &ask, &mut p, &mut |_, _| {})
                         .is_ok()
                     {
                         admitted += 1;
-                        inflight[i].push(p);
+                        inflight[i].push((p, ask.prompt_estimate + max_tokens));
                     }
                 }
                 // Settle some, each for at most what it reserved.
                 while rng.next().is_multiple_of(3) {
-                    let Some(mut p) = inflight[i].pop() else {
+                    let Some((mut p, reserved)) = inflight[i].pop() else {
                         break;
                     };
-                    let used = rng.next() % (p.reserved_tokens + 1);
+                    let used = rng.next() % (reserved + 1);
                     billed += used;
                     shards[i].settle(&mut p, used);
                     shards[i].settle(&mut p, used); // a second settle is a no-op

@@ -21,7 +21,7 @@ use crate::config::Snapshot;
 use crate::runtime::worker::Worker;
 use crate::telemetry::accesslog::{AccessLog, AccessLogConfig};
 use crate::telemetry::admin::spawn_admin;
-use crate::telemetry::metrics::{LabelLists, MetricsHub};
+use crate::telemetry::metrics::MetricsHub;
 
 /// The worker's limits sync task (see [`crate::limits::run_sync`]), holding the worker alive.
 async fn sync_task<B: crate::limits::sync::SyncBackend>(worker: Rc<Worker>, backend: B) {
@@ -71,7 +71,7 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
         }
     }
     let addr = claim_port(snapshot.server.listen)?;
-    let hub = metrics_hub(&snapshot);
+    let hub = MetricsHub::for_snapshot(&snapshot);
     let ready = Arc::new(AtomicBool::new(false));
     let admin = match snapshot.admin_listen {
         // Its error names the address.
@@ -321,50 +321,6 @@ async fn flush_access_log(worker: Rc<Worker>) {
             log.flush_if_due(std::time::Instant::now());
         }
     }
-}
-
-/// The process-wide metrics hub. Its label tables are fixed at startup from the config: label
-/// values only ever come from configured names, so cardinality is bounded.
-pub fn metrics_hub(snapshot: &Snapshot) -> Arc<MetricsHub> {
-    let routes: Vec<String> = crate::openai::endpoint::Endpoint::ALL
-        .iter()
-        .map(|e| e.label().to_string())
-        .collect();
-    let mut models: Vec<String> = Vec::new();
-    for route in &snapshot.routes {
-        if let crate::config::ModelPattern::Exact(m) = &route.pattern {
-            models.push(m.clone());
-        }
-    }
-    for cluster in &snapshot.clusters {
-        models.extend(cluster.model_map.keys().cloned());
-    }
-    models.extend(snapshot.prices.keys().cloned());
-    models.sort();
-    models.dedup();
-    let mut backends = vec![String::new(); snapshot.backend_count];
-    for cluster in &snapshot.clusters {
-        for b in &cluster.backends {
-            if let Some(slot) = backends.get_mut(b.id) {
-                *slot = format!("{}/{}", cluster.name, b.host_header);
-            }
-        }
-    }
-    // Quota refusals count under a last pseudo-policy, `quota`.
-    let mut policies: Vec<String> = snapshot
-        .limits
-        .policies
-        .iter()
-        .map(|p| p.id.clone())
-        .collect();
-    policies.push("quota".into());
-    MetricsHub::new(LabelLists {
-        routes: &routes,
-        models: &models,
-        entities: &snapshot.limits.entities,
-        backends: &backends,
-        policies: &policies,
-    })
 }
 
 type WorkerRuntime = monoio::FusionRuntime<

@@ -945,6 +945,50 @@ pub struct MetricsHub {
 }
 
 impl MetricsHub {
+    /// The process-wide metrics hub. Its label tables are fixed at startup from the config: label
+    /// values only ever come from configured names, so cardinality is bounded.
+    pub fn for_snapshot(snapshot: &crate::config::Snapshot) -> Arc<MetricsHub> {
+        let routes: Vec<String> = crate::openai::endpoint::Endpoint::ALL
+            .iter()
+            .map(|e| e.label().to_string())
+            .collect();
+        let mut models: Vec<String> = Vec::new();
+        for route in &snapshot.routes {
+            if let crate::config::ModelPattern::Exact(m) = &route.pattern {
+                models.push(m.clone());
+            }
+        }
+        for cluster in &snapshot.clusters {
+            models.extend(cluster.model_map.keys().cloned());
+        }
+        models.extend(snapshot.prices.keys().cloned());
+        models.sort();
+        models.dedup();
+        let mut backends = vec![String::new(); snapshot.backend_count];
+        for cluster in &snapshot.clusters {
+            for b in &cluster.backends {
+                if let Some(slot) = backends.get_mut(b.id) {
+                    *slot = format!("{}/{}", cluster.name, b.host_header);
+                }
+            }
+        }
+        // Quota refusals count under a last pseudo-policy, `quota`.
+        let mut policies: Vec<String> = snapshot
+            .limits
+            .policies
+            .iter()
+            .map(|p| p.id.clone())
+            .collect();
+        policies.push("quota".into());
+        Self::new(LabelLists {
+            routes: &routes,
+            models: &models,
+            entities: &snapshot.limits.entities,
+            backends: &backends,
+            policies: &policies,
+        })
+    }
+
     pub fn new(lists: LabelLists<'_>) -> Arc<MetricsHub> {
         let names = LabelNames::new(lists);
         let layout = Layout::new(&names);
