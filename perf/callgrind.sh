@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-2000}
 command -v valgrind >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null; }
-cargo build --release -q -p sluice --example hotpath
+cargo build --release -q -p sluice --features bench --example hotpath
 BIN=target/release/examples/hotpath
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT

@@ -4,19 +4,19 @@
 //! in-process pipeline (head parse → authenticate → inspect → authorize → route → admit →
 //! build the upstream request → settle).
 //!
-//!   cargo bench -p sluice --bench hot_paths            # all
-//!   cargo bench -p sluice --bench hot_paths -- sse     # a filter
+//!   cargo bench -p sluice --features bench --bench hot_paths            # all
+//!   cargo bench -p sluice --features bench --bench hot_paths -- sse     # a filter
 //!
 //! Instruction counts for stable comparisons on a noisy machine: `perf/callgrind.sh`. The fixture
-//! (`fixture/mod.rs`) is shared with `core/examples/hotpath.rs`.
+//! (`fixture/mod.rs`, compiled into the library as `sluice::hotpath` with the `bench` feature) is
+//! shared with `core/examples/hotpath.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
-mod fixture;
-use fixture::Fixture;
+use sluice::hotpath::Fixture;
 
 fn benches(c: &mut Criterion) {
     let mut f = Fixture::new();

@@ -11,7 +11,7 @@
 //! `estimate_tracks_tiktoken_on_held_out_halves` checks them.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use sluice::openai::tokens::{
+use sluice::tokens::{
     class_of, class_weight, count_tokens, estimate_tokens, warm_up, Class, Encoding,
 };
 

@@ -7,9 +7,6 @@
 
 use std::hint::black_box;
 
-#[path = "../benches/fixture/mod.rs"]
-mod fixture;
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(which), Some(n)) = (
@@ -19,7 +16,7 @@ fn main() {
         eprintln!("usage: hotpath <inspect|sse|estimate|admit|route|pipeline> <iterations>");
         std::process::exit(2);
     };
-    let mut f = fixture::Fixture::new();
+    let mut f = sluice::hotpath::Fixture::new();
     let mut acc = 0u64;
     for _ in 0..n {
         acc = acc.wrapping_add(match which.as_str() {

@@ -11,7 +11,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use sluice::openai::meter::{MeterSummary, SseMeter, SseSplitter};
+use sluice::meter::{MeterSummary, SseMeter, SseSplitter};
 
 fn main() {
     let mib: usize = match std::env::args().nth(1) {

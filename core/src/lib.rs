@@ -13,55 +13,98 @@
 //! - [`gateway`]: the phases, the error catalogue and the pipeline.
 //! - [`runtime`]: threads, per-core state, the connection loop: the only caller of the pipeline.
 
-pub mod sys {
+mod sys {
     //! Socket syscalls monoio does not offer (non-blocking send / recv / peek on a raw fd).
-    pub mod sock;
-    pub mod time;
+    pub(crate) mod sock;
+    pub(crate) mod time;
 }
 
-pub mod http;
+mod http;
 
-pub mod openai {
+mod openai {
     //! What Sluice knows of the OpenAI wire format, with no I/O: which top-level fields a request
     //! carries ([`inspect`]), what a response reports as it streams ([`meter`]), and how many
     //! tokens a text is ([`tokens`]).
-    pub mod endpoint;
-    pub mod inspect;
-    pub mod json;
-    pub mod meter;
-    pub mod tokens;
+    pub(crate) mod endpoint;
+    pub(crate) mod inspect;
+    pub(crate) mod json;
+    pub(crate) mod meter;
+    pub(crate) mod tokens;
 }
 
-pub mod config;
-pub mod limits;
-pub mod upstream;
+mod config;
+mod limits;
+mod upstream;
 
-pub mod telemetry {
+mod telemetry {
     //! Metrics (per-core shards published to a hub), the protobuf access log and the admin
     //! listener. Fed by the gateway's observations; never on a request's critical path.
-    pub mod accesslog;
-    pub mod admin;
-    pub mod metrics;
+    pub(crate) mod accesslog;
+    pub(crate) mod admin;
+    pub(crate) mod metrics;
 }
 
-pub mod gateway {
+mod gateway {
     //! One request's phases, each its own module, run top to bottom by [`pipeline::proxy`];
     //! [`error`] is the catalogue every phase answers with.
-    pub mod admit;
-    pub mod auth;
-    pub mod context;
-    pub mod error;
-    pub mod forward;
-    pub mod models;
-    pub mod observe;
-    pub mod pipeline;
-    pub mod relay;
-    pub mod route;
+    pub(crate) mod admit;
+    pub(crate) mod auth;
+    pub(crate) mod context;
+    pub(crate) mod error;
+    pub(crate) mod forward;
+    pub(crate) mod models;
+    pub(crate) mod observe;
+    pub(crate) mod pipeline;
+    pub(crate) mod relay;
+    pub(crate) mod route;
 }
 
-pub mod runtime {
+mod runtime {
     //! Worker threads, per-core state and the connection loop.
-    pub mod conn;
-    pub mod server;
-    pub mod worker;
+    pub(crate) mod conn;
+    pub(crate) mod server;
+    pub(crate) mod worker;
 }
+
+// The public surface: what the binary, the integration tests, the examples and the benchmarks
+// use, and nothing else. Every other item is crate-private (`unreachable_pub` is denied), so the
+// compiler reports what nothing uses.
+
+/// API keys are stored as SHA-256 digests (`sluice hash-key`).
+pub use config::limits::{digest, hex};
+/// Configuration: parse and validate a config file into the snapshot a gateway runs on.
+pub use config::{load, load_with_warnings, ConfigError, Loaded, Snapshot};
+/// Run the gateway on a snapshot (threads, listeners, admin), or one worker's parts of it.
+pub use runtime::{conn::serve, server::run, worker::Worker};
+/// The metrics hub and the families it exposes.
+pub use telemetry::metrics::{MetricsHub, FAMILIES};
+
+/// The protobuf access log: writing records, reading them back (`sluice logs`).
+pub mod accesslog {
+    pub use crate::telemetry::accesslog::{
+        dump, AccessLog, AccessLogConfig, AccessRecord, LogError, UsageSource,
+    };
+}
+
+/// Prompt-token counting and the fast estimate the limiter reserves by.
+pub mod tokens {
+    pub use crate::openai::tokens::{
+        class_of, class_weight, count_tokens, estimate_tokens, warm_up, Class, Encoding,
+    };
+}
+
+/// The SSE splitter and the usage meter the relay runs on streamed responses.
+pub mod meter {
+    pub use crate::openai::meter::sse::SseSplitter;
+    pub use crate::openai::meter::usage::MeterSummary;
+    pub use crate::openai::meter::SseMeter;
+}
+
+/// The benchmark fixture (`core/benches/fixture/mod.rs`): the hot path's pieces one by one, and
+/// the pipeline's decisions whole on a real worker's per-core state, without sockets. Compiled in
+/// only with the `bench` feature, which the criterion benchmarks and the callgrind driver
+/// require: it drives crate-private phases, which so stay crate-private for everyone else (and
+/// the shipped binary carries none of it).
+#[cfg(feature = "bench")]
+#[path = "../benches/fixture/mod.rs"]
+pub mod hotpath;

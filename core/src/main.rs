@@ -46,7 +46,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let loaded = sluice::config::load_with_warnings(&text, &|k| std::env::var(k).ok());
+    let loaded = sluice::load_with_warnings(&text, &|k| std::env::var(k).ok());
     // Warnings do not stop a check or a start, but are always said.
     for w in &loaded.warnings {
         eprintln!("warning: {w}");
@@ -65,7 +65,7 @@ fn main() -> ExitCode {
         println!("config ok");
         return ExitCode::SUCCESS;
     }
-    match sluice::runtime::server::run(snapshot) {
+    match sluice::run(snapshot) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sluice: {e}");
@@ -76,7 +76,7 @@ fn main() -> ExitCode {
 
 /// `sluice key hash [KEY]` / `sluice key new`.
 fn key(args: &[String]) -> ExitCode {
-    use sluice::config::limits::{digest, hex};
+    use sluice::{digest, hex};
     match args {
         [cmd, key] if cmd == "hash" => {
             println!("{}", hex(&digest(key.as_bytes())));
@@ -143,12 +143,11 @@ fn logs(args: &[String]) -> ExitCode {
     }
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(64 << 10, stdout.lock());
-    let mut warn =
-        |e: &sluice::telemetry::accesslog::LogError| eprintln!("sluice logs: warning: {e}");
-    let result = sluice::telemetry::accesslog::dump(&files, follow, &mut out, &mut warn);
+    let mut warn = |e: &sluice::accesslog::LogError| eprintln!("sluice logs: warning: {e}");
+    let result = sluice::accesslog::dump(&files, follow, &mut out, &mut warn);
     let flushed = out.flush();
     match (result, flushed) {
-        (Err(sluice::telemetry::accesslog::LogError::Write(e)), _) | (Ok(_), Err(e))
+        (Err(sluice::accesslog::LogError::Write(e)), _) | (Ok(_), Err(e))
             if e.kind() == std::io::ErrorKind::BrokenPipe =>
         {
             ExitCode::SUCCESS

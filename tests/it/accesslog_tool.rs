@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use sluice::telemetry::accesslog::{AccessLog, AccessLogConfig, AccessRecord, UsageSource};
+use sluice::accesslog::{AccessLog, AccessLogConfig, AccessRecord, UsageSource};
 use sluice_proto::prost::Message;
 use sluice_tests::*;
 

@@ -481,7 +481,7 @@ max_requests = 0
 /// calibrated estimate. The access log shows what was billed.
 #[test]
 fn settlement_counts_the_streamed_text_when_the_upstream_reports_no_usage() {
-    use sluice::openai::tokens::{count_tokens, estimate_tokens, Encoding};
+    use sluice::tokens::{count_tokens, estimate_tokens, Encoding};
     let mock = Mock::start(&["--tokens", "12"]);
     for tokenizer in ["tiktoken", "estimate"] {
         let dir = TempDir::new("settle-log");

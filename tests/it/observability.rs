@@ -431,7 +431,7 @@ fn metrics_count_requests_tokens_and_upstream_errors() {
     let fams = python_parse(&text);
 
     // Every declared family is there with its declared type.
-    for family in sluice::telemetry::metrics::FAMILIES {
+    for family in sluice::FAMILIES {
         let (name, kind) = (family.name, family.kind.as_str());
         let py_name = if kind == "counter" {
             name.strip_suffix("_total").unwrap_or(name)

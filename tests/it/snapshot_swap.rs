@@ -13,8 +13,8 @@ use std::rc::Rc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use sluice::config::Snapshot;
-use sluice::runtime::worker::Worker;
+use sluice::Snapshot;
+use sluice::Worker;
 use sluice_tests::*;
 
 /// `model "m"` goes to `m_backend`; `model "keep"` always goes to `keep_backend`.
@@ -42,7 +42,7 @@ cluster = "kept"
         m_backend.base_url(),
         keep_backend.base_url()
     );
-    sluice::config::load(&text, &|_| None).expect("config")
+    sluice::load(&text, &|_| None).expect("config")
 }
 
 enum Command {
@@ -70,13 +70,13 @@ fn start_worker(
         runtime.block_on(async move {
             let listener = monoio::net::TcpListener::bind("127.0.0.1:0").expect("bind");
             addr_tx.send(listener.local_addr().unwrap()).unwrap();
-            let hub = sluice::telemetry::metrics::MetricsHub::for_snapshot(&first);
+            let hub = sluice::MetricsHub::for_snapshot(&first);
             let worker = Rc::new(Worker::new(0, Rc::new(first), hub, None));
             let w = Rc::clone(&worker);
             monoio::spawn(async move {
                 loop {
                     let (stream, peer) = listener.accept().await.expect("accept");
-                    monoio::spawn(sluice::runtime::conn::serve(Rc::clone(&w), stream, peer));
+                    monoio::spawn(sluice::serve(Rc::clone(&w), stream, peer));
                 }
             });
             loop {

@@ -18,7 +18,7 @@ use crate::config::ModelPattern;
 
 /// Which limit a limiter policy checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LimitDimension {
+pub(crate) enum LimitDimension {
     /// Requests per minute.
     Rpm,
     /// Tokens per minute.
@@ -30,14 +30,14 @@ pub enum LimitDimension {
 }
 
 impl LimitDimension {
-    pub const ALL: [LimitDimension; 4] = [
+    pub(crate) const ALL: [LimitDimension; 4] = [
         LimitDimension::Rpm,
         LimitDimension::Tpm,
         LimitDimension::Concurrency,
         LimitDimension::Quota,
     ];
 
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             LimitDimension::Rpm => "rpm",
             LimitDimension::Tpm => "tpm",
@@ -72,7 +72,7 @@ pub fn hex(digest: &[u8; 32]) -> String {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawKey {
+pub(crate) struct RawKey {
     id: String,
     /// Hex SHA-256 of the key (`sluice key hash`); the plaintext is never in the config.
     sha256: String,
@@ -98,7 +98,7 @@ fn yes() -> bool {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawPlan {
+pub(crate) struct RawPlan {
     id: String,
     /// Tokens per period (or in all, for a one-time plan); absent = unlimited.
     tokens: Option<u64>,
@@ -119,7 +119,7 @@ fn once() -> String {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawPolicy {
+pub(crate) struct RawPolicy {
     id: String,
     #[serde(default = "yes")]
     enabled: bool,
@@ -152,7 +152,7 @@ fn global() -> String {
 
 #[derive(Debug, Deserialize, Clone, Copy)]
 #[serde(deny_unknown_fields)]
-pub struct RawReserve {
+pub(crate) struct RawReserve {
     coefficient: Option<f64>,
     offset: Option<u64>,
     max_tokens_cap: Option<u64>,
@@ -160,7 +160,7 @@ pub struct RawReserve {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawLimits {
+pub(crate) struct RawLimits {
     /// `"local"` (in-process: the workers of one node share limits) or `"redis"`.
     backend: String,
     sync_interval_ms: u64,
@@ -198,7 +198,7 @@ impl Default for RawLimits {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawRedis {
+pub(crate) struct RawRedis {
     /// `host:port`.
     address: String,
     username: Option<String>,
@@ -229,63 +229,63 @@ fn default_connect_ms() -> u64 {
 // Resolved types
 // ---------------------------------------------------------------------------------------------
 
-pub type KeyIdx = usize;
-pub type PolicyIdx = usize;
+pub(crate) type KeyIdx = usize;
+pub(crate) type PolicyIdx = usize;
 
 #[derive(Debug, Clone, Default)]
-pub struct LimitsConfig {
-    pub keys: Vec<ApiKey>,
+pub(crate) struct LimitsConfig {
+    pub(crate) keys: Vec<ApiKey>,
     /// Digest → key, for authentication.
-    pub by_digest: HashMap<[u8; 32], KeyIdx>,
+    pub(crate) by_digest: HashMap<[u8; 32], KeyIdx>,
     /// Entity names, sorted; keys refer to them by index (metrics label slots too).
-    pub entities: Vec<String>,
-    pub policies: Vec<Policy>,
+    pub(crate) entities: Vec<String>,
+    pub(crate) policies: Vec<Policy>,
     /// Policies that apply to requests without a key (no key/entity/tag filter).
-    pub anonymous_policies: Vec<PolicyIdx>,
-    pub sync: SyncSettings,
+    pub(crate) anonymous_policies: Vec<PolicyIdx>,
+    pub(crate) sync: SyncSettings,
     /// The default reservation rule (quota plans, and policies without their own).
-    pub reserve: Reserve,
-    pub settle_tokenizer: SettleTokenizer,
+    pub(crate) reserve: Reserve,
+    pub(crate) settle_tokenizer: SettleTokenizer,
 }
 
 impl LimitsConfig {
     /// Keys are configured: every request must carry one.
-    pub fn auth_required(&self) -> bool {
+    pub(crate) fn auth_required(&self) -> bool {
         !self.keys.is_empty()
     }
 }
 
 #[derive(Debug, Clone)]
-pub struct ApiKey {
-    pub id: String,
-    pub digest: [u8; 32],
-    pub entity: Option<usize>,
-    pub tags: Vec<String>,
-    pub enabled: bool,
+pub(crate) struct ApiKey {
+    pub(crate) id: String,
+    pub(crate) digest: [u8; 32],
+    pub(crate) entity: Option<usize>,
+    pub(crate) tags: Vec<String>,
+    pub(crate) enabled: bool,
     /// Unix seconds.
-    pub expires: Option<u64>,
+    pub(crate) expires: Option<u64>,
     /// Empty: every model.
-    pub models_allow: Vec<ModelPattern>,
-    pub models_block: Vec<ModelPattern>,
+    pub(crate) models_allow: Vec<ModelPattern>,
+    pub(crate) models_block: Vec<ModelPattern>,
     /// Empty: any source.
-    pub subnets: Vec<Cidr>,
+    pub(crate) subnets: Vec<Cidr>,
     /// By priority (lowest first), file order among equals.
-    pub plans: Vec<Plan>,
+    pub(crate) plans: Vec<Plan>,
     /// Policies whose key / entity / tag filters match this key (models are checked per
     /// request).
-    pub policies: Vec<PolicyIdx>,
+    pub(crate) policies: Vec<PolicyIdx>,
 }
 
 impl ApiKey {
     /// Block wins over allow; an empty allow list allows everything.
-    pub fn may_use(&self, model: &str) -> bool {
+    pub(crate) fn may_use(&self, model: &str) -> bool {
         if self.models_block.iter().any(|p| p.matches(model)) {
             return false;
         }
         self.models_allow.is_empty() || self.models_allow.iter().any(|p| p.matches(model))
     }
 
-    pub fn source_allowed(&self, ip: Option<IpAddr>) -> bool {
+    pub(crate) fn source_allowed(&self, ip: Option<IpAddr>) -> bool {
         if self.subnets.is_empty() {
             return true;
         }
@@ -294,26 +294,26 @@ impl ApiKey {
 }
 
 #[derive(Debug, Clone)]
-pub struct Plan {
-    pub id: String,
+pub(crate) struct Plan {
+    pub(crate) id: String,
     /// None: unlimited.
-    pub tokens: Option<u64>,
-    pub period: Period,
+    pub(crate) tokens: Option<u64>,
+    pub(crate) period: Period,
     /// Unix seconds.
-    pub anchor: u64,
-    pub expires: Option<u64>,
-    pub priority: i64,
+    pub(crate) anchor: u64,
+    pub(crate) expires: Option<u64>,
+    pub(crate) priority: i64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Period {
+pub(crate) enum Period {
     Once,
     Days(u32),
     Monthly,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Per {
+pub(crate) enum Per {
     Global,
     Key,
     Entity,
@@ -321,17 +321,17 @@ pub enum Per {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RateLimit {
-    pub max: u64,
-    pub window: Duration,
+pub(crate) struct RateLimit {
+    pub(crate) max: u64,
+    pub(crate) window: Duration,
     /// How much of a window's allowance may be used at once; the rest accrues evenly over the
     /// window. Equal to `max`: a plain fixed window.
-    pub burst: u64,
+    pub(crate) burst: u64,
 }
 
 impl RateLimit {
     /// The allowance of the window that started at `window_start_ms`, as of `now_ms`.
-    pub fn allowance(&self, window_start_ms: u64, now_ms: u64) -> u64 {
+    pub(crate) fn allowance(&self, window_start_ms: u64, now_ms: u64) -> u64 {
         if self.burst >= self.max {
             return self.max;
         }
@@ -343,10 +343,10 @@ impl RateLimit {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Reserve {
-    pub coefficient: f64,
-    pub offset: u64,
-    pub max_tokens_cap: u64,
+pub(crate) struct Reserve {
+    pub(crate) coefficient: f64,
+    pub(crate) offset: u64,
+    pub(crate) max_tokens_cap: u64,
 }
 
 impl Default for Reserve {
@@ -362,7 +362,12 @@ impl Default for Reserve {
 impl Reserve {
     /// Tokens to reserve for a request: the prompt estimate plus its (capped) output cap when it
     /// sets one, else `coefficient × prompt + offset`. `n` choices multiply the output part.
-    pub fn tokens(&self, prompt_estimate: u64, max_tokens: Option<u64>, n: Option<u64>) -> u64 {
+    pub(crate) fn tokens(
+        &self,
+        prompt_estimate: u64,
+        max_tokens: Option<u64>,
+        n: Option<u64>,
+    ) -> u64 {
         let choices = n.unwrap_or(1).clamp(1, 128);
         match max_tokens {
             Some(m) => prompt_estimate + m.min(self.max_tokens_cap).saturating_mul(choices),
@@ -375,22 +380,22 @@ impl Reserve {
 }
 
 #[derive(Debug, Clone)]
-pub struct Policy {
-    pub id: String,
-    pub enabled: bool,
-    pub keys: Vec<String>,
-    pub entities: Vec<String>,
-    pub tags: Vec<String>,
-    pub models: Vec<ModelPattern>,
-    pub per: Per,
-    pub requests: Option<RateLimit>,
-    pub tokens: Option<RateLimit>,
-    pub concurrency: Option<u64>,
-    pub reserve: Reserve,
+pub(crate) struct Policy {
+    pub(crate) id: String,
+    pub(crate) enabled: bool,
+    pub(crate) keys: Vec<String>,
+    pub(crate) entities: Vec<String>,
+    pub(crate) tags: Vec<String>,
+    pub(crate) models: Vec<ModelPattern>,
+    pub(crate) per: Per,
+    pub(crate) requests: Option<RateLimit>,
+    pub(crate) tokens: Option<RateLimit>,
+    pub(crate) concurrency: Option<u64>,
+    pub(crate) reserve: Reserve,
 }
 
 impl Policy {
-    pub fn applies_to_model(&self, model: &str) -> bool {
+    pub(crate) fn applies_to_model(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|p| p.matches(model))
     }
 
@@ -400,7 +405,7 @@ impl Policy {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DownPolicy {
+pub(crate) enum DownPolicy {
     /// Serve on local caps (a limit / (nodes × workers) share per core).
     Allow,
     /// 503 with Retry-After when what a core holds does not cover the request.
@@ -408,36 +413,36 @@ pub enum DownPolicy {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum SettleTokenizer {
+pub(crate) enum SettleTokenizer {
     #[default]
     Estimate,
     Tiktoken,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RedisSettings {
-    pub address: SocketAddr,
+pub(crate) struct RedisSettings {
+    pub(crate) address: SocketAddr,
     /// Some: a Redis Cluster, with these seed nodes (`address` first).
-    pub cluster_seeds: Option<Vec<SocketAddr>>,
-    pub username: Option<String>,
-    pub password: Option<String>,
-    pub db: u32,
-    pub key_prefix: String,
-    pub connect_timeout: Duration,
+    pub(crate) cluster_seeds: Option<Vec<SocketAddr>>,
+    pub(crate) username: Option<String>,
+    pub(crate) password: Option<String>,
+    pub(crate) db: u32,
+    pub(crate) key_prefix: String,
+    pub(crate) connect_timeout: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SyncSettings {
+pub(crate) struct SyncSettings {
     /// None: the in-process ledger.
-    pub redis: Option<RedisSettings>,
-    pub interval: Duration,
-    pub timeout: Duration,
-    pub lease_ttl: Duration,
-    pub lease_wait: Duration,
-    pub on_down: DownPolicy,
-    pub nodes: u32,
+    pub(crate) redis: Option<RedisSettings>,
+    pub(crate) interval: Duration,
+    pub(crate) timeout: Duration,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) lease_wait: Duration,
+    pub(crate) on_down: DownPolicy,
+    pub(crate) nodes: u32,
     /// Workers per node (from `[server]`), for the local share while the backend is down.
-    pub workers: u32,
+    pub(crate) workers: u32,
 }
 
 impl Default for SyncSettings {
@@ -457,7 +462,7 @@ impl Default for SyncSettings {
 
 impl SyncSettings {
     /// The key prefix budgets live under (hash tags start after it).
-    pub fn prefix(&self) -> &str {
+    pub(crate) fn prefix(&self) -> &str {
         self.redis
             .as_ref()
             .map_or("sluice", |r| r.key_prefix.as_str())
@@ -466,14 +471,14 @@ impl SyncSettings {
 
 /// An IPv4 or IPv6 network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cidr {
+pub(crate) struct Cidr {
     net: u128,
     mask: u128,
     v4: bool,
 }
 
 impl Cidr {
-    pub fn parse(s: &str) -> Result<Cidr, String> {
+    pub(crate) fn parse(s: &str) -> Result<Cidr, String> {
         let (addr, len) = match s.split_once('/') {
             Some((a, l)) => (a, Some(l)),
             None => (s, None),
@@ -508,7 +513,7 @@ impl Cidr {
         })
     }
 
-    pub fn contains(&self, ip: IpAddr) -> bool {
+    pub(crate) fn contains(&self, ip: IpAddr) -> bool {
         let (v4, value) = match ip {
             IpAddr::V4(a) => (true, u32::from(a) as u128),
             // An IPv4-mapped IPv6 peer (dual-stack listener) is the IPv4 address it carries.
@@ -555,7 +560,7 @@ fn unix_seconds(dt: &toml::value::Datetime) -> Result<u64, String> {
 }
 
 /// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
-pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+pub(crate) fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
     let y = if m <= 2 { y - 1 } else { y };
     let era = if y >= 0 { y } else { y - 399 } / 400;
     let yoe = y - era * 400;
@@ -566,7 +571,7 @@ pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
 }
 
 /// (year, month) of a day count since 1970-01-01.
-pub fn civil_year_month(days: i64) -> (i64, u32) {
+pub(crate) fn civil_year_month(days: i64) -> (i64, u32) {
     let z = days + 719_468;
     let era = if z >= 0 { z } else { z - 146_096 } / 146_097;
     let doe = z - era * 146_097;
@@ -699,7 +704,7 @@ fn rate(
 }
 
 /// Validate the sections. `workers` is the resolved worker count.
-pub fn resolve(
+pub(crate) fn resolve(
     raw_keys: &[RawKey],
     raw_policies: &[RawPolicy],
     raw: &RawLimits,

@@ -14,9 +14,9 @@
 // The config loader resolves backend and listener names here, once, on the control thread.
 #![allow(clippy::disallowed_methods)]
 
-pub mod limits;
+pub(crate) mod limits;
 
-pub use crate::http::HttpLimits;
+pub(crate) use crate::http::HttpLimits;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -33,9 +33,9 @@ use serde::Deserialize;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
     /// Empty for a TOML syntax error, which has a position but no key.
-    pub path: String,
-    pub message: String,
-    pub position: Option<Position>,
+    pub(crate) path: String,
+    pub(crate) message: String,
+    pub(crate) position: Option<Position>,
 }
 
 impl ConfigError {
@@ -50,9 +50,9 @@ impl ConfigError {
 
 /// A place in the config file: 1-based line, and 1-based column counted in characters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Position {
-    pub line: usize,
-    pub column: usize,
+pub(crate) struct Position {
+    pub(crate) line: usize,
+    pub(crate) column: usize,
 }
 
 impl fmt::Display for ConfigError {
@@ -306,48 +306,53 @@ struct RawRoute {
 /// copy (`Rc<Snapshot>`), so reading it never touches a cache line another core writes.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
-    pub server: ServerConfig,
-    pub http: HttpLimits,
-    pub timeouts: Timeouts,
-    pub upstream: UpstreamLimits,
+    pub(crate) server: ServerConfig,
+    pub(crate) http: HttpLimits,
+    pub(crate) timeouts: Timeouts,
+    pub(crate) upstream: UpstreamLimits,
     /// Clusters, indexed by [`ClusterId`].
-    pub clusters: Vec<Cluster>,
+    pub(crate) clusters: Vec<Cluster>,
     /// Routes, ordered most specific first (see [`crate::gateway::route`]).
-    pub routes: Vec<Route>,
+    pub(crate) routes: Vec<Route>,
     /// Every backend of every cluster, indexed by [`BackendId`] (pools are per backend).
-    pub backend_count: usize,
+    pub(crate) backend_count: usize,
     /// Where the admin listener (metrics, health) binds, if anywhere.
-    pub admin_listen: Option<SocketAddr>,
-    pub access_log: Option<AccessLogSettings>,
+    pub(crate) admin_listen: Option<SocketAddr>,
+    pub(crate) access_log: Option<AccessLogSettings>,
     /// Prices per model name, per million tokens.
-    pub prices: BTreeMap<String, Price>,
+    pub(crate) prices: BTreeMap<String, Price>,
     /// API keys, quota plans, limit policies and the sync backend. Shared, not copied, by the
     /// workers: a key table can be large.
-    pub limits: Arc<limits::LimitsConfig>,
+    pub(crate) limits: Arc<limits::LimitsConfig>,
 }
 
 #[derive(Debug, Clone)]
 pub struct AccessLogSettings {
-    pub dir: PathBuf,
-    pub max_file_bytes: u64,
-    pub max_file_age: Duration,
-    pub batch_bytes: usize,
-    pub queue_batches: usize,
-    pub flush_interval: Duration,
+    pub(crate) dir: PathBuf,
+    pub(crate) max_file_bytes: u64,
+    pub(crate) max_file_age: Duration,
+    pub(crate) batch_bytes: usize,
+    pub(crate) queue_batches: usize,
+    pub(crate) flush_interval: Duration,
 }
 
 /// A model's price, in currency units per million tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Price {
-    pub input: f64,
-    pub output: f64,
+pub(crate) struct Price {
+    pub(crate) input: f64,
+    pub(crate) output: f64,
     /// For prompt tokens served from the provider's cache (defaults to `input`).
-    pub cached_input: f64,
+    pub(crate) cached_input: f64,
 }
 
 impl Price {
     /// Cost of one request. Cached tokens are part of `prompt_tokens` and priced apart.
-    pub fn cost(&self, prompt_tokens: u64, completion_tokens: u64, cached_tokens: u64) -> f64 {
+    pub(crate) fn cost(
+        &self,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+        cached_tokens: u64,
+    ) -> f64 {
         let cached = cached_tokens.min(prompt_tokens);
         let uncached = prompt_tokens - cached;
         (uncached as f64 * self.input
@@ -358,56 +363,56 @@ impl Price {
 }
 
 #[derive(Debug, Clone)]
-pub struct ServerConfig {
-    pub listen: SocketAddr,
-    pub workers: usize,
-    pub pin_workers: bool,
-    pub max_connections_per_worker: usize,
+pub(crate) struct ServerConfig {
+    pub(crate) listen: SocketAddr,
+    pub(crate) workers: usize,
+    pub(crate) pin_workers: bool,
+    pub(crate) max_connections_per_worker: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
-pub struct Timeouts {
-    pub header_read: Duration,
-    pub body_read: Duration,
-    pub keepalive_idle: Duration,
-    pub upstream_connect: Duration,
-    pub upstream_first_byte: Duration,
-    pub stream_idle: Duration,
+pub(crate) struct Timeouts {
+    pub(crate) header_read: Duration,
+    pub(crate) body_read: Duration,
+    pub(crate) keepalive_idle: Duration,
+    pub(crate) upstream_connect: Duration,
+    pub(crate) upstream_first_byte: Duration,
+    pub(crate) stream_idle: Duration,
 }
 
 #[derive(Debug, Clone, Copy)]
-pub struct UpstreamLimits {
-    pub max_idle_per_backend: usize,
-    pub max_connections_per_backend: usize,
-    pub idle_timeout: Duration,
+pub(crate) struct UpstreamLimits {
+    pub(crate) max_idle_per_backend: usize,
+    pub(crate) max_connections_per_backend: usize,
+    pub(crate) idle_timeout: Duration,
     /// Ask the upstream for usage on streamed chat completions and completions
     /// (`stream_options.include_usage`) even when the client did not, so limits settle on
     /// reported usage; that client never sees the extra usage chunk.
-    pub request_stream_usage: bool,
+    pub(crate) request_stream_usage: bool,
 }
 
-pub type ClusterId = usize;
-pub type BackendId = usize;
+pub(crate) type ClusterId = usize;
+pub(crate) type BackendId = usize;
 
 #[derive(Debug, Clone)]
-pub struct Cluster {
-    pub name: String,
-    pub backends: Vec<Backend>,
+pub(crate) struct Cluster {
+    pub(crate) name: String,
+    pub(crate) backends: Vec<Backend>,
     /// Sum of backend weights (> 0).
-    pub total_weight: u64,
-    pub model_map: BTreeMap<String, String>,
-    pub credential: Option<Credential>,
+    pub(crate) total_weight: u64,
+    pub(crate) model_map: BTreeMap<String, String>,
+    pub(crate) credential: Option<Credential>,
     /// TLS client config for https backends (system roots + the cluster's CA file).
-    pub tls: Option<Arc<rustls::ClientConfig>>,
+    pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 /// An upstream credential header, ready to write: `name: value\r\n`. Never logged.
 #[derive(Clone)]
-pub struct Credential {
+pub(crate) struct Credential {
     /// The whole header line, e.g. `authorization: Bearer sk-…\r\n`.
-    pub header_line: Vec<u8>,
+    pub(crate) header_line: Vec<u8>,
     /// Lower-case header name, so the client's own copy of it is never forwarded.
-    pub header_name: String,
+    pub(crate) header_name: String,
 }
 
 impl fmt::Debug for Credential {
@@ -417,30 +422,30 @@ impl fmt::Debug for Credential {
 }
 
 #[derive(Debug, Clone)]
-pub struct Backend {
-    pub id: BackendId,
-    pub weight: u32,
-    pub addrs: Vec<SocketAddr>,
-    pub tls: bool,
+pub(crate) struct Backend {
+    pub(crate) id: BackendId,
+    pub(crate) weight: u32,
+    pub(crate) addrs: Vec<SocketAddr>,
+    pub(crate) tls: bool,
     /// Host header value (`host` or `host:port` when the port is not the scheme's default).
-    pub host_header: String,
+    pub(crate) host_header: String,
     /// Host name used for TLS SNI and certificate checks.
-    pub server_name: String,
+    pub(crate) server_name: String,
     /// Path prefix from `base_url`, without a trailing slash (may be empty).
-    pub base_path: String,
+    pub(crate) base_path: String,
 }
 
 #[derive(Debug, Clone)]
-pub struct Route {
-    pub pattern: ModelPattern,
-    pub cluster: ClusterId,
+pub(crate) struct Route {
+    pub(crate) pattern: ModelPattern,
+    pub(crate) cluster: ClusterId,
     /// Concrete names a glob route declares it serves (each matches the glob), for
     /// `GET /v1/models`; empty for exact routes.
-    pub models: Vec<String>,
+    pub(crate) models: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ModelPattern {
+pub(crate) enum ModelPattern {
     Exact(String),
     /// A glob: the parts between `*`s, in order. `starts_open`/`ends_open` say whether the
     /// pattern starts / ends with `*`.
@@ -453,7 +458,7 @@ pub enum ModelPattern {
 }
 
 impl ModelPattern {
-    pub fn parse(s: &str) -> ModelPattern {
+    pub(crate) fn parse(s: &str) -> ModelPattern {
         if !s.contains('*') {
             return ModelPattern::Exact(s.to_string());
         }
@@ -470,14 +475,14 @@ impl ModelPattern {
     }
 
     /// Literal (non-`*`) characters: the measure of specificity among globs.
-    pub fn literal_len(&self) -> usize {
+    pub(crate) fn literal_len(&self) -> usize {
         match self {
             ModelPattern::Exact(s) => s.len(),
             ModelPattern::Glob { parts, .. } => parts.iter().map(String::len).sum(),
         }
     }
 
-    pub fn matches(&self, model: &str) -> bool {
+    pub(crate) fn matches(&self, model: &str) -> bool {
         match self {
             ModelPattern::Exact(s) => s == model,
             ModelPattern::Glob {

@@ -35,48 +35,48 @@ use crate::telemetry::metrics::MetricsShard;
 
 /// Who called and what the limiter said, for metrics and the access log.
 #[derive(Debug, Default)]
-pub struct Caller<'s> {
-    pub principal: Option<Principal<'s>>,
-    pub refusal: Option<Refusal>,
+pub(crate) struct Caller<'s> {
+    pub(crate) principal: Option<Principal<'s>>,
+    pub(crate) refusal: Option<Refusal>,
     /// Why authentication or authorization failed (the error's code).
-    pub auth_failure: Option<&'static str>,
+    pub(crate) auth_failure: Option<&'static str>,
 }
 
 /// An admitted request's reservation under every limit that applied. It must be settled, and
 /// settling consumes it, so "exactly once" is the compiler's to check.
 #[must_use = "an admitted request's reservation must be settled exactly once"]
 #[derive(Debug)]
-pub struct Admission {
+pub(crate) struct Admission {
     permit: Permit,
 }
 
 impl Admission {
     /// The `x-ratelimit-*` numbers to answer with.
-    pub fn rate_headers(&self) -> &RateHeaders {
+    pub(crate) fn rate_headers(&self) -> &RateHeaders {
         &self.permit.headers
     }
 
     /// Turn the reservations into spend: `tokens` used (0 releases them).
-    pub fn settle(mut self, limiter: &RefCell<LimiterShard>, tokens: u64) {
+    pub(crate) fn settle(mut self, limiter: &RefCell<LimiterShard>, tokens: u64) {
         limiter.borrow_mut().settle(&mut self.permit, tokens);
     }
 }
 
 /// A refused request: why, and the `x-ratelimit-*` numbers to answer with.
 #[derive(Debug)]
-pub struct Rejection {
-    pub refusal: Refusal,
-    pub headers: RateHeaders,
+pub(crate) struct Rejection {
+    pub(crate) refusal: Refusal,
+    pub(crate) headers: RateHeaders,
 }
 
 impl Caller<'_> {
-    pub fn auth_failed(&mut self, error: &GatewayError) {
+    pub(crate) fn auth_failed(&mut self, error: &GatewayError) {
         if matches!(error.status(), 401 | 403) {
             self.auth_failure = error.code();
         }
     }
 
-    pub fn refused(&mut self, metrics: &MetricsShard, cfg: &LimitsConfig, refusal: Refusal) {
+    pub(crate) fn refused(&mut self, metrics: &MetricsShard, cfg: &LimitsConfig, refusal: Refusal) {
         let names = metrics.names();
         let policy = match refusal.policy {
             Some(p) => names.policy_at(p),
@@ -90,7 +90,7 @@ impl Caller<'_> {
 
 /// Reserve for one request whose body is `body` (its prompt tokens are estimated from it, only
 /// when some limit applies).
-pub async fn admit(
+pub(crate) async fn admit(
     limiter: &RefCell<LimiterShard>,
     metrics: &MetricsShard,
     cfg: &LimitsConfig,
@@ -181,7 +181,7 @@ async fn reserve(
 }
 
 /// The error a refusal is answered with.
-pub fn refusal_error(cfg: &LimitsConfig, refusal: &Refusal) -> GatewayError {
+pub(crate) fn refusal_error(cfg: &LimitsConfig, refusal: &Refusal) -> GatewayError {
     let policy = refusal
         .policy
         .and_then(|p| cfg.policies.get(p))
@@ -222,7 +222,7 @@ pub fn refusal_error(cfg: &LimitsConfig, refusal: &Refusal) -> GatewayError {
 /// The tokens a finished request is billed, by how it ended: the upstream's usage, or the
 /// estimate of what it streamed (the outcome fills it in); nothing when the upstream answered
 /// with an error or failed before answering (`end` is `None`: no response was relayed).
-pub fn billable_tokens(status: u16, end: Option<RelayEnd>, outcome: &Outcome) -> u64 {
+pub(crate) fn billable_tokens(status: u16, end: Option<RelayEnd>, outcome: &Outcome) -> u64 {
     match (end, outcome.usage_source) {
         (None, _) | (_, UsageSource::None) => 0,
         _ if !(200..300).contains(&status) => 0,

@@ -20,7 +20,7 @@ use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::openai::json::truncate;
 
-pub use crate::config::limits::{digest, hex};
+pub(crate) use crate::config::limits::digest;
 
 /// Equal in time independent of where the inputs differ.
 fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
@@ -83,14 +83,14 @@ fn invalid_key() -> GatewayError {
 
 /// Who is calling: the key presented, looked up once and handed to every later phase.
 #[derive(Debug, Clone, Copy)]
-pub struct Principal<'s> {
+pub(crate) struct Principal<'s> {
     /// The key's index in the config (what the limiter's budgets are keyed by).
-    pub index: KeyIdx,
-    pub key: &'s ApiKey,
+    pub(crate) index: KeyIdx,
+    pub(crate) key: &'s ApiKey,
 }
 
 /// Who is calling. `Ok(None)`: no keys are configured, so nobody is asked.
-pub fn authenticate<'s>(
+pub(crate) fn authenticate<'s>(
     limits: &'s LimitsConfig,
     request: &Request<'_>,
 ) -> Result<Option<Principal<'s>>, GatewayError> {
@@ -126,7 +126,7 @@ pub fn authenticate<'s>(
 }
 
 /// May this key use `model` from `peer`?
-pub fn authorize(
+pub(crate) fn authorize(
     principal: Option<Principal<'_>>,
     model: &str,
     peer: Option<IpAddr>,
@@ -156,6 +156,7 @@ pub fn authorize(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::config::limits::hex;
 
     #[test]
     fn sha256_matches_the_standard_vector() {

@@ -27,16 +27,16 @@ use crate::upstream::Pools;
 /// request being served: reading and writing take `&mut self`, while watching for the client to
 /// leave takes `&self` — so the compiler guarantees no write runs while a watch is alive (the
 /// relay drops its watch before each write), and no `unsafe` is needed.
-pub struct ClientSocket {
+pub(crate) struct ClientSocket {
     stream: TcpStream,
 }
 
 impl ClientSocket {
-    pub fn new(stream: TcpStream) -> ClientSocket {
+    pub(crate) fn new(stream: TcpStream) -> ClientSocket {
         ClientSocket { stream }
     }
 
-    pub async fn read<B: IoBufMut>(&mut self, buf: B) -> monoio::BufResult<usize, B> {
+    pub(crate) async fn read<B: IoBufMut>(&mut self, buf: B) -> monoio::BufResult<usize, B> {
         self.stream.read(buf).await
     }
 
@@ -47,7 +47,7 @@ impl ClientSocket {
 
     /// Write all of `buf` within `limit`. With `direct`, first straight to the socket (see
     /// [`Load::direct_writes`]); whatever it does not take goes through the runtime.
-    pub async fn write_all(
+    pub(crate) async fn write_all(
         &mut self,
         buf: Vec<u8>,
         limit: Duration,
@@ -75,36 +75,36 @@ impl ClientSocket {
     }
 
     /// Resolves when the client sent something or closed: the caller peeks to tell which.
-    pub async fn readable(&self) -> io::Result<()> {
+    pub(crate) async fn readable(&self) -> io::Result<()> {
         self.stream.readable(false).await
     }
 
     /// Read what the socket already holds (see [`sock::recv_now`]): for right after
     /// [`Self::readable`] fired.
-    pub fn read_ready(&self, buf: &mut Vec<u8>) -> Option<usize> {
+    pub(crate) fn read_ready(&self, buf: &mut Vec<u8>) -> Option<usize> {
         sock::recv_now(self.fd(), buf)
     }
 
     /// Has the client closed (or reset) its side? Peeks without consuming; never blocks.
-    pub fn peer_gone(&self) -> bool {
+    pub(crate) fn peer_gone(&self) -> bool {
         sock::peer_gone(self.fd())
     }
 }
 
 /// A request whose head and body have been read.
-pub struct Request<'a> {
+pub(crate) struct Request<'a> {
     /// The read buffer; `head`'s ranges point into it.
-    pub buf: &'a [u8],
+    pub(crate) buf: &'a [u8],
     /// When the head and body were in.
-    pub received_at: Instant,
-    pub peer: Option<std::net::SocketAddr>,
-    pub head: &'a RequestHead,
-    pub body: &'a [u8],
+    pub(crate) received_at: Instant,
+    pub(crate) peer: Option<std::net::SocketAddr>,
+    pub(crate) head: &'a RequestHead,
+    pub(crate) body: &'a [u8],
 }
 
 /// Buffers handed out for one request and given back after, so the steady state allocates
 /// nothing per request and idle connections hold no large buffers.
-pub struct BufPool {
+pub(crate) struct BufPool {
     free: RefCell<Vec<Vec<u8>>>,
     capacity: usize,
     /// Buffers that grew past this are freed rather than kept.
@@ -113,7 +113,7 @@ pub struct BufPool {
 }
 
 impl BufPool {
-    pub fn new(capacity: usize, max_free: usize) -> BufPool {
+    pub(crate) fn new(capacity: usize, max_free: usize) -> BufPool {
         BufPool {
             free: RefCell::new(Vec::new()),
             capacity,
@@ -122,14 +122,14 @@ impl BufPool {
         }
     }
 
-    pub fn take(&self) -> Vec<u8> {
+    pub(crate) fn take(&self) -> Vec<u8> {
         self.free
             .borrow_mut()
             .pop()
             .unwrap_or_else(|| Vec::with_capacity(self.capacity))
     }
 
-    pub fn give(&self, mut buf: Vec<u8>) {
+    pub(crate) fn give(&self, mut buf: Vec<u8>) {
         let mut free = self.free.borrow_mut();
         if free.len() < self.max_free && buf.capacity() <= self.max_kept_capacity {
             buf.clear();
@@ -140,7 +140,7 @@ impl BufPool {
 
 /// Requests being served on this worker right now, which decides how writes go out.
 #[derive(Default)]
-pub struct Load {
+pub(crate) struct Load {
     active_requests: Cell<usize>,
 }
 
@@ -148,19 +148,19 @@ impl Load {
     /// Is this the only request on the worker? Then writes go straight to the socket
     /// (lowest latency); under load they go through io_uring, where one submission carries
     /// many connections' operations (lowest CPU per request: measured ~3 µs less).
-    pub fn direct_writes(&self) -> bool {
+    pub(crate) fn direct_writes(&self) -> bool {
         self.active_requests.get() <= 1
     }
 
     /// Count a request while the returned guard lives.
-    pub fn enter(&self) -> ActiveRequest<'_> {
+    pub(crate) fn enter(&self) -> ActiveRequest<'_> {
         self.active_requests.set(self.active_requests.get() + 1);
         ActiveRequest(self)
     }
 }
 
 /// One request counted in [`Load`]; uncounted on drop.
-pub struct ActiveRequest<'a>(&'a Load);
+pub(crate) struct ActiveRequest<'a>(&'a Load);
 
 impl Drop for ActiveRequest<'_> {
     fn drop(&mut self) {
@@ -172,12 +172,12 @@ impl Drop for ActiveRequest<'_> {
 /// What the phases that talk to sockets (forward, relay) use: upstream pools, buffers, how to
 /// write, the timeouts, and the metrics shard (for counting upstream exchanges in flight).
 #[derive(Clone, Copy)]
-pub struct Io<'w> {
-    pub pools: &'w Pools,
-    pub bufs: &'w BufPool,
-    pub load: &'w Load,
-    pub timeouts: &'w Timeouts,
-    pub metrics: &'w MetricsShard,
+pub(crate) struct Io<'w> {
+    pub(crate) pools: &'w Pools,
+    pub(crate) bufs: &'w BufPool,
+    pub(crate) load: &'w Load,
+    pub(crate) timeouts: &'w Timeouts,
+    pub(crate) metrics: &'w MetricsShard,
 }
 
 /// One request's loan of its worker's per-core state: the config snapshot the request runs on
@@ -185,20 +185,20 @@ pub struct Io<'w> {
 /// pools, limiter shard, metrics shard, buffers and log.
 #[derive(Clone, Copy)]
 pub struct PerCore<'w> {
-    pub snapshot: &'w Snapshot,
-    pub pools: &'w Pools,
-    pub limiter: &'w RefCell<LimiterShard>,
-    pub metrics: &'w MetricsShard,
-    pub bufs: &'w BufPool,
-    pub load: &'w Load,
-    pub inspector: &'w RefCell<Inspector>,
-    pub rng: &'w Cell<u64>,
-    pub observations: &'w ObservationPool,
-    pub log: &'w LogSink,
+    pub(crate) snapshot: &'w Snapshot,
+    pub(crate) pools: &'w Pools,
+    pub(crate) limiter: &'w RefCell<LimiterShard>,
+    pub(crate) metrics: &'w MetricsShard,
+    pub(crate) bufs: &'w BufPool,
+    pub(crate) load: &'w Load,
+    pub(crate) inspector: &'w RefCell<Inspector>,
+    pub(crate) rng: &'w Cell<u64>,
+    pub(crate) observations: &'w ObservationPool,
+    pub(crate) log: &'w LogSink,
 }
 
 impl<'w> PerCore<'w> {
-    pub fn io(&self) -> Io<'w> {
+    pub(crate) fn io(&self) -> Io<'w> {
         Io {
             pools: self.pools,
             bufs: self.bufs,

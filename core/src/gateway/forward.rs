@@ -44,7 +44,7 @@ fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
 /// a streamed `/v1/chat/completions` or `/v1/completions` request whose client did not set
 /// `stream_options.include_usage: true` gets it spliced in; returns whether that happened (the
 /// relay then withholds the usage chunk from this client).
-pub fn build_request(
+pub(crate) fn build_request(
     out: &mut Vec<u8>,
     request: &Request<'_>,
     inspection: &Inspection,
@@ -175,14 +175,14 @@ fn splice<'a>(out: &mut Vec<u8>, body: &[u8], edits: impl Iterator<Item = Edit<'
 }
 
 /// An upstream's answer, head parsed, body not yet relayed.
-pub struct UpstreamResponse<'w> {
-    pub conn: UpstreamConn,
-    pub head: ResponseHead,
+pub(crate) struct UpstreamResponse<'w> {
+    pub(crate) conn: UpstreamConn,
+    pub(crate) head: ResponseHead,
     /// The head's bytes followed by whatever body bytes arrived with it.
-    pub buf: Vec<u8>,
+    pub(crate) buf: Vec<u8>,
     /// Counts the exchange in `sluice_upstream_in_flight` (from the request's write on) until
     /// dropped: keep it as long as `conn` serves this request.
-    pub in_flight: InFlight<'w>,
+    pub(crate) in_flight: InFlight<'w>,
 }
 
 /// Why an attempt failed, and whether it may be retried on a fresh connection.
@@ -195,20 +195,20 @@ struct AttemptError {
 /// When the forward phase's steps happened, returned whether it succeeded or not (the
 /// observation times a failed exchange too).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct ForwardTimings {
+pub(crate) struct ForwardTimings {
     /// When the request started out to the upstream (`None`: it never did).
-    pub started_at: Option<Instant>,
+    pub(crate) started_at: Option<Instant>,
     /// How long opening a new connection took (`None`: a pooled one served).
-    pub connect: Option<Duration>,
+    pub(crate) connect: Option<Duration>,
     /// When the response head was in.
-    pub head_at: Option<Instant>,
+    pub(crate) head_at: Option<Instant>,
     /// Stale pooled connections retried on a fresh one.
-    pub retries: u32,
+    pub(crate) retries: u32,
 }
 
 /// Send `request` (as built by [`build_request`]) and read the response head: the response or
 /// the error to answer with, and when each step happened.
-pub async fn send<'w>(
+pub(crate) async fn send<'w>(
     io: Io<'w>,
     target: &Target<'_>,
     mut request: Vec<u8>,

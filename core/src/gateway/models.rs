@@ -10,13 +10,13 @@ use crate::config::limits::ApiKey;
 use crate::config::{ModelPattern, Snapshot};
 use crate::openai::json::push_json_string;
 
-pub fn list_body(snapshot: &Snapshot) -> Vec<u8> {
+pub(crate) fn list_body(snapshot: &Snapshot) -> Vec<u8> {
     body(snapshot, |_| true)
 }
 
 /// The list as one key sees it: only models its allow / block lists let it use (built per
 /// request, for keys that have such lists).
-pub fn list_body_for(snapshot: &Snapshot, key: &ApiKey) -> Vec<u8> {
+pub(crate) fn list_body_for(snapshot: &Snapshot, key: &ApiKey) -> Vec<u8> {
     body(snapshot, |m| key.may_use(m))
 }
 

@@ -28,7 +28,7 @@ use crate::telemetry::metrics::{Attempt, EntityIdx, StatusClass, UpstreamErrorKi
 /// Observation state (meter buffers included) lent to one request at a time and given back, so
 /// the steady state allocates none.
 #[derive(Default)]
-pub struct ObservationPool {
+pub(crate) struct ObservationPool {
     // Boxed: an observation is several KB, lent out and given back per request; moving the box
     // moves a pointer, not the observation.
     #[allow(clippy::vec_box)]
@@ -36,11 +36,11 @@ pub struct ObservationPool {
 }
 
 impl ObservationPool {
-    pub fn take(&self) -> Box<Observation> {
+    pub(crate) fn take(&self) -> Box<Observation> {
         self.free.borrow_mut().pop().unwrap_or_default()
     }
 
-    pub fn give(&self, obs: Box<Observation>) {
+    pub(crate) fn give(&self, obs: Box<Observation>) {
         let mut pool = self.free.borrow_mut();
         if pool.len() < 256 {
             pool.push(obs);
@@ -50,14 +50,14 @@ impl ObservationPool {
 
 /// Where a worker's access-log records go: its writer (when one is configured), the one record
 /// refilled per request (so its strings keep their capacity), and the worker's number.
-pub struct LogSink {
-    pub writer: std::cell::RefCell<Option<AccessLog>>,
-    pub record: std::cell::RefCell<AccessRecord>,
-    pub worker_id: usize,
+pub(crate) struct LogSink {
+    pub(crate) writer: std::cell::RefCell<Option<AccessLog>>,
+    pub(crate) record: std::cell::RefCell<AccessRecord>,
+    pub(crate) worker_id: usize,
 }
 
 impl LogSink {
-    pub fn new(writer: Option<AccessLog>, worker_id: usize) -> LogSink {
+    pub(crate) fn new(writer: Option<AccessLog>, worker_id: usize) -> LogSink {
         LogSink {
             writer: std::cell::RefCell::new(writer),
             record: std::cell::RefCell::new(AccessRecord::default()),
@@ -85,23 +85,23 @@ enum Metering {
 }
 
 /// One request's observations. Reused per connection; [`Observation::start`] resets it.
-pub struct Observation {
-    pub received_at: Instant,
+pub(crate) struct Observation {
+    pub(crate) received_at: Instant,
     /// When the forward phase's steps happened (default: it never ran).
-    pub forward: ForwardTimings,
-    pub finished_at: Option<Instant>,
+    pub(crate) forward: ForwardTimings,
+    pub(crate) finished_at: Option<Instant>,
     /// Sluice's own time while relaying: from each upstream read to handing its bytes to the
     /// client, summed.
-    pub relay_overhead: Duration,
-    pub status: u16,
-    pub bytes_in: u64,
-    pub bytes_out: u64,
+    pub(crate) relay_overhead: Duration,
+    pub(crate) status: u16,
+    pub(crate) bytes_in: u64,
+    pub(crate) bytes_out: u64,
     /// How the relayed response ended (`None`: no response was relayed).
-    pub end: Option<RelayEnd>,
+    pub(crate) end: Option<RelayEnd>,
     /// The cluster and backend chosen, once routed.
-    pub routed: Option<(usize, usize)>,
+    pub(crate) routed: Option<(usize, usize)>,
     /// `x-ratelimit-*` header lines for the client's response, once admitted.
-    pub rate_headers: String,
+    pub(crate) rate_headers: String,
     metering: Metering,
     meter: SseMeter,
     json: Vec<u8>,
@@ -129,7 +129,7 @@ impl Default for Observation {
 
 /// How usage was known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UsageSource {
+pub(crate) enum UsageSource {
     Reported,
     Estimated,
     None,
@@ -137,20 +137,20 @@ pub enum UsageSource {
 
 /// A finished request, summed up.
 #[derive(Debug, Clone)]
-pub struct Outcome {
-    pub usage: Usage,
-    pub usage_source: UsageSource,
-    pub cost: Option<f64>,
-    pub ttft: Option<Duration>,
-    pub tpot: Option<Duration>,
-    pub latency: Duration,
-    pub overhead: Duration,
-    pub upstream_header: Option<Duration>,
+pub(crate) struct Outcome {
+    pub(crate) usage: Usage,
+    pub(crate) usage_source: UsageSource,
+    pub(crate) cost: Option<f64>,
+    pub(crate) ttft: Option<Duration>,
+    pub(crate) tpot: Option<Duration>,
+    pub(crate) latency: Duration,
+    pub(crate) overhead: Duration,
+    pub(crate) upstream_header: Option<Duration>,
 }
 
 impl Observation {
     /// Begin observing a request whose head and body arrived at `received_at`.
-    pub fn start(&mut self, received_at: Instant, bytes_in: u64) {
+    pub(crate) fn start(&mut self, received_at: Instant, bytes_in: u64) {
         self.received_at = received_at;
         self.forward = ForwardTimings::default();
         self.finished_at = None;
@@ -170,7 +170,7 @@ impl Observation {
     }
 
     /// The response head arrived: decide how its body is metered.
-    pub fn response_started(&mut self, status: u16, event_stream: bool, has_body: bool) {
+    pub(crate) fn response_started(&mut self, status: u16, event_stream: bool, has_body: bool) {
         self.status = status;
         self.metering = match (has_body, event_stream) {
             (false, _) => Metering::Off,
@@ -180,7 +180,7 @@ impl Observation {
     }
 
     /// Decoded body bytes on their way to the client, read at `now`.
-    pub fn body(&mut self, data: &[u8], now: Instant) {
+    pub(crate) fn body(&mut self, data: &[u8], now: Instant) {
         match &mut self.metering {
             Metering::Off => {}
             Metering::Stream => self.meter.feed(data, now),
@@ -197,13 +197,13 @@ impl Observation {
     /// Whether `event` (one whole SSE event of the response) is the usage-only chunk that
     /// `stream_options.include_usage` adds; for the relay, which withholds it from clients that
     /// did not ask for it. The meter's parse buffers are reused; nothing is recorded.
-    pub fn is_usage_only_event(&mut self, event: &[u8]) -> bool {
+    pub(crate) fn is_usage_only_event(&mut self, event: &[u8]) -> bool {
         self.meter.is_usage_only_event(event)
     }
 
     /// Sluice's time before the request left for the upstream, plus the response head's own
     /// handling so far: the `x-sluice-overhead-us` a client sees.
-    pub fn overhead_so_far(&self, now: Instant) -> Duration {
+    pub(crate) fn overhead_so_far(&self, now: Instant) -> Duration {
         let before = self.forward.started_at.map_or(Duration::ZERO, |f| {
             f.saturating_duration_since(self.received_at)
         });
@@ -217,7 +217,7 @@ impl Observation {
     /// Sum the request up. `estimate` counts text when the upstream reported no usage: the
     /// prompt (`prompt_body`, the request body) and the generated text the meter kept.
     /// reported none.
-    pub fn outcome(
+    pub(crate) fn outcome(
         &mut self,
         snapshot: &Snapshot,
         requested_model: &str,
@@ -303,7 +303,7 @@ impl Observation {
 
 /// How text is counted when an upstream reports no usage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Estimator {
+pub(crate) enum Estimator {
     /// The calibrated byte-class estimate ([`crate::openai::tokens::estimate_tokens`]).
     Bytes,
     /// Exact counts with the model's tiktoken encoding (`limits.settle_tokenizer =
@@ -314,7 +314,10 @@ pub enum Estimator {
 impl Estimator {
     /// The one `limits.settle_tokenizer` asks for; tiktoken's encoding follows the model the
     /// upstream saw.
-    pub fn configured(limits: &crate::config::limits::LimitsConfig, model: &str) -> Estimator {
+    pub(crate) fn configured(
+        limits: &crate::config::limits::LimitsConfig,
+        model: &str,
+    ) -> Estimator {
         match limits.settle_tokenizer {
             crate::config::limits::SettleTokenizer::Estimate => Estimator::Bytes,
             crate::config::limits::SettleTokenizer::Tiktoken => {
@@ -323,7 +326,7 @@ impl Estimator {
         }
     }
 
-    pub fn count(self, text: &[u8]) -> u64 {
+    pub(crate) fn count(self, text: &[u8]) -> u64 {
         match self {
             Estimator::Bytes => crate::openai::tokens::estimate_tokens(text),
             Estimator::Tiktoken(encoding) => match std::str::from_utf8(text) {
@@ -354,7 +357,7 @@ fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str 
 /// Count the finished request in the worker's metrics and write its access-log record.
 /// `error` is what Sluice answered itself, when the request failed before a response started.
 #[allow(clippy::too_many_arguments)] // each is one value the record needs; a struct would only rename them
-pub fn emit(
+pub(crate) fn emit(
     snapshot: &Snapshot,
     metrics: &MetricsShard,
     log: &LogSink,

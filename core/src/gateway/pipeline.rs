@@ -15,7 +15,7 @@ use crate::gateway::route::{Candidates, Target};
 use crate::gateway::{admit, auth, forward, observe, relay, route};
 use crate::openai::inspect::Inspection;
 
-pub async fn proxy(
+pub(crate) async fn proxy(
     core: PerCore<'_>,
     client: &mut ClientSocket,
     request: &Request<'_>,
@@ -85,7 +85,7 @@ pub async fn proxy(
 
 /// Authenticate, inspect, authorize, route and admit: the targets to try and the admission to
 /// settle, or the error to answer with (nothing was sent upstream).
-pub async fn admit_request<'s>(
+pub(crate) async fn admit_request<'s>(
     core: PerCore<'s>,
     request: &Request<'_>,
     inspection: &mut Inspection,

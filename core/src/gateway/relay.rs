@@ -38,18 +38,18 @@ use strip::UsageStrip;
 
 /// How the client asked for the response.
 #[derive(Debug, Clone, Copy)]
-pub struct ClientSide {
-    pub head_only: bool,
-    pub minor_version: u8,
-    pub keep_alive: bool,
+pub(crate) struct ClientSide {
+    pub(crate) head_only: bool,
+    pub(crate) minor_version: u8,
+    pub(crate) keep_alive: bool,
     /// Usage was requested from the upstream for this client, which did not ask for it: an
     /// event stream's usage-only chunk goes to the meter but not to the client.
-    pub strip_usage: bool,
+    pub(crate) strip_usage: bool,
 }
 
 /// How a relayed response ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RelayEnd {
+pub(crate) enum RelayEnd {
     /// The whole body reached the client.
     Complete,
     /// The client left, or stopped taking bytes, before the end.
@@ -61,10 +61,10 @@ pub enum RelayEnd {
 
 /// What [`relay`] returns once a response has started to the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Relayed {
+pub(crate) struct Relayed {
     /// The client connection can serve another request.
-    pub keep_alive: bool,
-    pub end: RelayEnd,
+    pub(crate) keep_alive: bool,
+    pub(crate) end: RelayEnd,
 }
 
 /// How the body reaches the client.
@@ -96,7 +96,7 @@ enum Cut {
     Upstream(GatewayError),
 }
 
-pub async fn relay(
+pub(crate) async fn relay(
     io: Io<'_>,
     client: &mut ClientSocket,
     response: UpstreamResponse<'_>,

@@ -18,18 +18,18 @@ use crate::gateway::error::GatewayError;
 
 /// Where one attempt of a request goes.
 #[derive(Debug, Clone, Copy)]
-pub struct Target<'s> {
-    pub cluster_id: ClusterId,
-    pub cluster: &'s Cluster,
-    pub backend: &'s Backend,
+pub(crate) struct Target<'s> {
+    pub(crate) cluster_id: ClusterId,
+    pub(crate) cluster: &'s Cluster,
+    pub(crate) backend: &'s Backend,
     /// The model name to put in the forwarded body, when it differs from the requested one.
-    pub mapped_model: Option<&'s str>,
+    pub(crate) mapped_model: Option<&'s str>,
 }
 
 /// A request's targets in the order to try them: [`Candidates::primary`] first, then what the
 /// iterator yields. Borrowed from the snapshot; allocates nothing.
 #[derive(Debug, Clone)]
-pub struct Candidates<'s> {
+pub(crate) struct Candidates<'s> {
     primary: Target<'s>,
     /// Index of the primary's backend in its cluster (skipped by the iteration).
     primary_index: usize,
@@ -39,7 +39,7 @@ pub struct Candidates<'s> {
 
 impl<'s> Candidates<'s> {
     /// The first target to try.
-    pub fn primary(&self) -> Target<'s> {
+    pub(crate) fn primary(&self) -> Target<'s> {
         self.primary
     }
 }
@@ -62,7 +62,7 @@ impl<'s> Iterator for Candidates<'s> {
     }
 }
 
-pub fn route<'s>(
+pub(crate) fn route<'s>(
     snapshot: &'s Snapshot,
     model: &str,
     rng: &Cell<u64>,
@@ -93,7 +93,7 @@ pub fn route<'s>(
 
 /// Weighted random choice among the cluster's backends: its index (config guarantees at least
 /// one backend, and a positive total weight).
-pub fn choose_backend(cluster: &Cluster, rng: &Cell<u64>) -> usize {
+pub(crate) fn choose_backend(cluster: &Cluster, rng: &Cell<u64>) -> usize {
     let backends = &cluster.backends;
     if backends.len() == 1 || cluster.total_weight == 0 {
         return 0;
@@ -110,7 +110,7 @@ pub fn choose_backend(cluster: &Cluster, rng: &Cell<u64>) -> usize {
 }
 
 /// xorshift64*: fast, per-worker, good enough for load spreading (not for secrets).
-pub fn next_random(state: &Cell<u64>) -> u64 {
+pub(crate) fn next_random(state: &Cell<u64>) -> u64 {
     let mut x = state.get();
     x ^= x >> 12;
     x ^= x << 25;

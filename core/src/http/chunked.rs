@@ -15,7 +15,7 @@ const MAX_TRAILER_BYTES: usize = 16384;
 const MAX_SIZE_DIGITS: u32 = 15;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChunkError(pub &'static str);
+pub(crate) struct ChunkError(pub &'static str);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -33,7 +33,7 @@ enum State {
 }
 
 #[derive(Debug, Clone)]
-pub struct ChunkedDecoder {
+pub(crate) struct ChunkedDecoder {
     state: State,
     trailer_bytes: usize,
 }
@@ -51,14 +51,14 @@ impl Default for ChunkedDecoder {
 }
 
 impl ChunkedDecoder {
-    pub fn is_done(&self) -> bool {
+    pub(crate) fn is_done(&self) -> bool {
         self.state == State::Done
     }
 
     /// Decode as much of `input` as forms the message; data pieces go to `on_data` in order.
     /// Returns how many bytes of `input` belonged to the message: all of it unless the message
     /// ended inside `input` (then the rest is the next message's, or garbage).
-    pub fn decode(
+    pub(crate) fn decode(
         &mut self,
         input: &[u8],
         mut on_data: impl FnMut(&[u8]),
@@ -204,7 +204,7 @@ impl ChunkedDecoder {
 
 /// Frame `data` as one chunk into `out`: `{len:x}\r\n{data}\r\n`. Empty data writes nothing
 /// (an empty chunk would end the body).
-pub fn encode_chunk(data: &[u8], out: &mut Vec<u8>) {
+pub(crate) fn encode_chunk(data: &[u8], out: &mut Vec<u8>) {
     if data.is_empty() {
         return;
     }
@@ -223,7 +223,7 @@ pub fn encode_chunk(data: &[u8], out: &mut Vec<u8>) {
 }
 
 /// The last chunk of a body, with no trailers.
-pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+pub(crate) const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 
 #[cfg(test)]
 mod tests {

@@ -7,12 +7,12 @@
 //! is an [`HttpError`] carrying the status the client must see; this layer knows nothing of the
 //! gateway that answers it.
 
-pub mod chunked;
-pub mod request;
-pub mod response;
+pub(crate) mod chunked;
+pub(crate) mod request;
+pub(crate) mod response;
 
 /// The reason phrase of a status Sluice answers with (or relays without one of its own).
-pub fn reason(status: u16) -> &'static str {
+pub(crate) fn reason(status: u16) -> &'static str {
     match status {
         100 => "Continue",
         200 => "OK",
@@ -39,7 +39,7 @@ pub fn reason(status: u16) -> &'static str {
 
 /// The start of a response head Sluice writes itself: status line, content type and length.
 /// The caller adds its own fields and the blank line.
-pub fn write_head_start<W: std::fmt::Write>(
+pub(crate) fn write_head_start<W: std::fmt::Write>(
     out: &mut W,
     status: u16,
     content_type: &str,
@@ -53,7 +53,7 @@ pub fn write_head_start<W: std::fmt::Write>(
 }
 
 /// A byte buffer written as text (`fmt::Write`), for heads laid out with `write!`.
-pub struct VecText<'a>(pub &'a mut Vec<u8>);
+pub(crate) struct VecText<'a>(pub &'a mut Vec<u8>);
 
 impl std::fmt::Write for VecText<'_> {
     fn write_str(&mut self, s: &str) -> std::fmt::Result {
@@ -64,18 +64,18 @@ impl std::fmt::Write for VecText<'_> {
 
 /// Bounds on what a client may send, checked while the head and body are read.
 #[derive(Debug, Clone, Copy)]
-pub struct HttpLimits {
-    pub max_request_line_bytes: usize,
-    pub max_header_bytes: usize,
-    pub max_headers: usize,
-    pub max_body_bytes: usize,
+pub(crate) struct HttpLimits {
+    pub(crate) max_request_line_bytes: usize,
+    pub(crate) max_header_bytes: usize,
+    pub(crate) max_headers: usize,
+    pub(crate) max_body_bytes: usize,
 }
 
 /// Why a request head (or its declared body) is refused. Each kind says its status; after any
 /// of them the connection is closed, since the rest of the request can't be trusted or was not
 /// read.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HttpError {
+pub(crate) enum HttpError {
     /// A bound was passed: 414 (request line), 431 (head size, field count), 413 (body).
     Limit { status: u16, message: &'static str },
     /// Not well-formed HTTP/1.1 (or framing smuggling could use): 400.
@@ -94,7 +94,8 @@ impl HttpError {
     }
 
     /// The status the client gets.
-    pub fn status(&self) -> u16 {
+    #[cfg(test)]
+    pub(crate) fn status(&self) -> u16 {
         match self {
             HttpError::Limit { status, .. } => *status,
             HttpError::Malformed(_) => 400,
@@ -106,16 +107,16 @@ impl HttpError {
 /// A header's name and value as byte ranges into the buffer the head was parsed from, so
 /// parsing allocates nothing per request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeaderPos {
-    pub name: (u32, u32),
-    pub value: (u32, u32),
+pub(crate) struct HeaderPos {
+    pub(crate) name: (u32, u32),
+    pub(crate) value: (u32, u32),
 }
 
 impl HeaderPos {
-    pub fn name<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+    pub(crate) fn name<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
         &buf[self.name.0 as usize..self.name.1 as usize]
     }
-    pub fn value<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+    pub(crate) fn value<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
         &buf[self.value.0 as usize..self.value.1 as usize]
     }
     /// Offsets of `name` / `value` (which borrow from `base`) relative to `base`'s start.
@@ -141,7 +142,7 @@ fn offset_in(base: &[u8], part: &[u8]) -> usize {
 
 /// How a message body is delimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyFraming {
+pub(crate) enum BodyFraming {
     /// No body at all.
     None,
     /// Exactly this many bytes.
@@ -154,7 +155,7 @@ pub enum BodyFraming {
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) and framing headers: never forwarded as received,
 /// since each hop sets its own.
-pub fn is_hop_by_hop(name: &[u8]) -> bool {
+pub(crate) fn is_hop_by_hop(name: &[u8]) -> bool {
     const HOP: [&[u8]; 10] = [
         b"connection",
         b"keep-alive",
@@ -172,7 +173,7 @@ pub fn is_hop_by_hop(name: &[u8]) -> bool {
 
 /// Parse a Content-Length value strictly: one or more comma-separated runs of digits that all
 /// agree (RFC 9110 §8.6). `+5`, `-1`, empty, differing lists and overflow are errors.
-pub fn parse_content_length(value: &[u8]) -> Option<u64> {
+pub(crate) fn parse_content_length(value: &[u8]) -> Option<u64> {
     let mut result: Option<u64> = None;
     for part in value.split(|&b| b == b',') {
         let part = trim_ows(part);
@@ -192,7 +193,7 @@ pub fn parse_content_length(value: &[u8]) -> Option<u64> {
 }
 
 /// Trim optional whitespace (SP / HTAB) from both ends.
-pub fn trim_ows(mut s: &[u8]) -> &[u8] {
+pub(crate) fn trim_ows(mut s: &[u8]) -> &[u8] {
     while let [b' ' | b'\t', rest @ ..] = s {
         s = rest;
     }
@@ -203,7 +204,7 @@ pub fn trim_ows(mut s: &[u8]) -> &[u8] {
 }
 
 /// Does a comma-separated header value contain `token` (case-insensitive)?
-pub fn has_token(value: &[u8], token: &[u8]) -> bool {
+pub(crate) fn has_token(value: &[u8], token: &[u8]) -> bool {
     value
         .split(|&b| b == b',')
         .any(|t| trim_ows(t).eq_ignore_ascii_case(token))

@@ -14,10 +14,10 @@ use super::{HttpError, HttpLimits};
 
 /// Hard ceiling on header fields parsed at once (the stack array httparse fills);
 /// `http.max_headers` is checked against the count below it.
-pub const MAX_HEADERS_CEILING: usize = 256;
+pub(crate) const MAX_HEADERS_CEILING: usize = 256;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Method {
+pub(crate) enum Method {
     Get,
     Head,
     Post,
@@ -26,17 +26,17 @@ pub enum Method {
 
 /// A parsed request head. Ranges point into the connection's read buffer.
 #[derive(Debug)]
-pub struct RequestHead {
-    pub method: Method,
+pub(crate) struct RequestHead {
+    pub(crate) method: Method,
     /// Request target (path and query).
-    pub target: (usize, usize),
-    pub minor_version: u8,
+    pub(crate) target: (usize, usize),
+    pub(crate) minor_version: u8,
     /// Bytes of the head including the final CRLF CRLF.
-    pub head_len: usize,
-    pub headers: Vec<HeaderPos>,
-    pub body: BodyFraming,
-    pub keep_alive: bool,
-    pub expect_continue: bool,
+    pub(crate) head_len: usize,
+    pub(crate) headers: Vec<HeaderPos>,
+    pub(crate) body: BodyFraming,
+    pub(crate) keep_alive: bool,
+    pub(crate) expect_continue: bool,
 }
 
 impl Default for RequestHead {
@@ -55,11 +55,11 @@ impl Default for RequestHead {
 }
 
 impl RequestHead {
-    pub fn target<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+    pub(crate) fn target<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
         &buf[self.target.0..self.target.1]
     }
     /// The path without the query string.
-    pub fn path<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+    pub(crate) fn path<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
         let t = self.target(buf);
         match memchr::memchr(b'?', t) {
             Some(q) => &t[..q],
@@ -70,19 +70,19 @@ impl RequestHead {
 
 /// Progress of the line-ending scan over a head that has not fully arrived.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct HeadScan {
+pub(crate) struct HeadScan {
     scanned: usize,
     request_line_end: Option<usize>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
-pub enum HeadStatus {
+pub(crate) enum HeadStatus {
     Partial,
     Complete,
 }
 
 /// Scan `buf` (which starts at the first byte of a request) for a complete, valid head.
-pub fn parse_request_head(
+pub(crate) fn parse_request_head(
     buf: &[u8],
     scan: &mut HeadScan,
     limits: &HttpLimits,

@@ -10,35 +10,35 @@
 use super::{has_token, parse_content_length, BodyFraming, HeaderPos};
 
 /// Largest upstream response head accepted.
-pub const MAX_RESPONSE_HEAD_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_RESPONSE_HEAD_BYTES: usize = 64 * 1024;
 const MAX_RESPONSE_HEADERS: usize = 128;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ResponseError(pub &'static str);
+pub(crate) struct ResponseError(pub &'static str);
 
 #[derive(Debug, Default)]
-pub struct ResponseHead {
-    pub status: u16,
-    pub minor_version: u8,
+pub(crate) struct ResponseHead {
+    pub(crate) status: u16,
+    pub(crate) minor_version: u8,
     /// Reason phrase range.
-    pub reason: (usize, usize),
-    pub head_len: usize,
-    pub headers: Vec<HeaderPos>,
-    pub body: Option<BodyFraming>,
+    pub(crate) reason: (usize, usize),
+    pub(crate) head_len: usize,
+    pub(crate) headers: Vec<HeaderPos>,
+    pub(crate) body: Option<BodyFraming>,
     /// The upstream will keep the connection open after this response.
-    pub keep_alive: bool,
+    pub(crate) keep_alive: bool,
     /// `Content-Type: text/event-stream`.
-    pub event_stream: bool,
+    pub(crate) event_stream: bool,
 }
 
 impl ResponseHead {
-    pub fn framing(&self) -> BodyFraming {
+    pub(crate) fn framing(&self) -> BodyFraming {
         self.body.unwrap_or(BodyFraming::UntilClose)
     }
 }
 
 /// Parse a response head from `buf`. `Ok(false)` means more bytes are needed.
-pub fn parse_response_head(
+pub(crate) fn parse_response_head(
     buf: &[u8],
     request_was_head: bool,
     head: &mut ResponseHead,

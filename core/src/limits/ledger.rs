@@ -26,14 +26,14 @@ use std::time::{Duration, Instant};
 use super::sync::{BudgetState, BudgetSync, SyncBackend, SyncError};
 
 /// The longest an expired budget stays in the map when the map does not grow.
-pub const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+pub(crate) const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
 /// A sweep never runs for fewer stored budgets than this: small maps aren't worth scanning.
 const MIN_SWEEP_LEN: usize = 64;
 
 /// A cheap, clonable handle to one process-wide ledger; every worker holds a clone.
 #[derive(Clone, Default)]
-pub struct InProcessLedger {
+pub(crate) struct InProcessLedger {
     inner: Arc<Mutex<Ledger>>,
 }
 
@@ -83,17 +83,19 @@ struct NodeShare {
 
 impl InProcessLedger {
     /// An empty ledger.
-    pub fn new() -> InProcessLedger {
+    pub(crate) fn new() -> InProcessLedger {
         InProcessLedger::default()
     }
 
     /// Budgets stored, expired ones not yet swept included (for metrics and tests).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.lock().budgets.len()
     }
 
     /// Whether no budget is stored.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
@@ -105,7 +107,7 @@ impl InProcessLedger {
 
     /// [`SyncBackend::exchange`] at a given time, without a runtime (tests drive the clock
     /// through it; the benchmark fixture, outside the crate, primes its leases with it).
-    pub fn exchange_at(
+    pub(crate) fn exchange_at(
         &self,
         now: Instant,
         node: &str,

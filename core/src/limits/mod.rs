@@ -13,11 +13,11 @@
 //!   round trip and applies the grants. A failed exchange marks the ledger unreachable until one
 //!   succeeds (logged once each way); it never fails a request by itself.
 
-pub mod ledger;
-pub mod redis;
-pub mod redis_cluster;
-pub mod shard;
-pub mod sync;
+pub(crate) mod ledger;
+pub(crate) mod redis;
+pub(crate) mod redis_cluster;
+pub(crate) mod shard;
+pub(crate) mod sync;
 
 use std::cell::RefCell;
 use std::future::Future;
@@ -30,12 +30,12 @@ use shard::LimiterShard;
 use sync::{BudgetState, BudgetSync, SyncBackend};
 
 /// Limits need a sync task only when something is limited.
-pub fn any_limits(cfg: &crate::config::limits::LimitsConfig) -> bool {
+pub(crate) fn any_limits(cfg: &crate::config::limits::LimitsConfig) -> bool {
     !cfg.policies.is_empty() || cfg.keys.iter().any(|k| !k.plans.is_empty())
 }
 
 /// A name for this worker in the ledger, unique per process start: `host:pid:nonce:worker`.
-pub fn node_name(worker: usize) -> String {
+pub(crate) fn node_name(worker: usize) -> String {
     let mut host = [0u8; 64];
     // SAFETY: gethostname writes at most `len` bytes into the buffer we own.
     let ok = unsafe { libc::gethostname(host.as_mut_ptr().cast(), host.len()) } == 0;
@@ -53,7 +53,7 @@ pub fn node_name(worker: usize) -> String {
 /// exchange of all its budgets with the backend. Runs for the life of the worker. Takes the
 /// worker's limiter shard, the sync settings, the worker's number (for log lines) and what to
 /// call after each exchange with its duration and outcome (the worker's metrics).
-pub async fn run_sync<B: SyncBackend>(
+pub(crate) async fn run_sync<B: SyncBackend>(
     limiter: &RefCell<LimiterShard>,
     settings: &crate::config::limits::SyncSettings,
     worker_id: usize,

@@ -40,13 +40,13 @@ use super::sync::{BudgetState, BudgetSync, SyncBackend, SyncError};
 
 /// The largest reply (one frame, or the unparsed rest of a pipeline) accepted before the
 /// connection is dropped: ledger replies are a few dozen bytes each.
-pub const MAX_REPLY_BYTES: usize = 1 << 20;
+pub(crate) const MAX_REPLY_BYTES: usize = 1 << 20;
 
 /// First reconnect delay after a failure.
-pub const BACKOFF_MIN: Duration = Duration::from_millis(50);
+pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(50);
 
 /// Longest reconnect delay.
-pub const BACKOFF_MAX: Duration = Duration::from_secs(2);
+pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// Bytes reserved for each socket read.
 const READ_CHUNK: usize = 16 * 1024;
@@ -63,7 +63,7 @@ const MAX_EXACT: u64 = (1 << 53) - 1;
 /// Returns `{granted, spent_total, leased_others, wanted_others}`. Numbers are stored with `%d`, so they stay plain
 /// decimal integers whatever number-to-string conversion the Redis version applies (Lua's own
 /// keeps only 14 significant digits).
-pub const LEDGER_SCRIPT: &str = r#"
+pub(crate) const LEDGER_SCRIPT: &str = r#"
 local key, node = KEYS[1], ARGV[1]
 local limit, spent, want, floor = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local key_ttl, lease_ttl = tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -139,22 +139,22 @@ return {granted, spent_total, leased_others, wanted_others}
 
 /// Where and how to reach Redis.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RedisSettings {
+pub(crate) struct RedisSettings {
     /// Resolved once, when the config is loaded.
-    pub addr: SocketAddr,
+    pub(crate) addr: SocketAddr,
     /// `AUTH` password; none: no `AUTH`.
-    pub password: Option<String>,
+    pub(crate) password: Option<String>,
     /// ACL user for `AUTH` (Redis 6+); only used with a password.
-    pub username: Option<String>,
+    pub(crate) username: Option<String>,
     /// Database to `SELECT` (0: none sent).
-    pub db: u32,
+    pub(crate) db: u32,
     /// Limit on the TCP connect alone (the exchange deadline bounds it too).
-    pub connect_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
 }
 
 impl RedisSettings {
     /// No auth, database 0, a 1 s connect timeout.
-    pub fn new(addr: SocketAddr) -> RedisSettings {
+    pub(crate) fn new(addr: SocketAddr) -> RedisSettings {
         RedisSettings {
             addr,
             password: None,
@@ -167,21 +167,21 @@ impl RedisSettings {
 
 /// Counters of one backend's traffic, for metrics and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RedisStats {
+pub(crate) struct RedisStats {
     /// TCP connects tried.
-    pub connect_attempts: u64,
+    pub(crate) connect_attempts: u64,
     /// Connections that completed the handshake.
-    pub connects: u64,
+    pub(crate) connects: u64,
     /// Pipelined writes (one per round trip).
-    pub writes: u64,
+    pub(crate) writes: u64,
     /// Complete round trips: a write and all of its replies read.
-    pub round_trips: u64,
+    pub(crate) round_trips: u64,
     /// `SCRIPT LOAD`s (one per connect, plus one per `NOSCRIPT` retry).
-    pub script_loads: u64,
+    pub(crate) script_loads: u64,
 }
 
 /// One worker's Redis ledger client (see the module doc).
-pub struct RedisBackend {
+pub(crate) struct RedisBackend {
     settings: RedisSettings,
     conn: Option<Conn>,
     /// The script's SHA1, as `SCRIPT LOAD` returned it (the same on every server).
@@ -194,7 +194,7 @@ pub struct RedisBackend {
 
 impl RedisBackend {
     /// A backend that connects on its first exchange.
-    pub fn new(settings: RedisSettings) -> RedisBackend {
+    pub(crate) fn new(settings: RedisSettings) -> RedisBackend {
         RedisBackend {
             settings,
             conn: None,
@@ -206,18 +206,20 @@ impl RedisBackend {
     }
 
     /// Traffic counters since creation.
-    pub fn stats(&self) -> RedisStats {
+    #[cfg(test)]
+    pub(crate) fn stats(&self) -> RedisStats {
         self.stats
     }
 
     /// Whether a connection is open now.
-    pub fn is_connected(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_connected(&self) -> bool {
         self.conn.is_some()
     }
 
     /// Run one arbitrary command on the backend's connection within `deadline` (health checks,
     /// tests). An error reply is returned as [`SyncError::Protocol`].
-    pub async fn command(
+    pub(crate) async fn command(
         &mut self,
         args: &[&[u8]],
         deadline: Duration,

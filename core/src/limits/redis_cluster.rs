@@ -38,20 +38,20 @@ const NO_MASTER: u16 = u16::MAX;
 
 /// Where and how to reach the cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RedisClusterSettings {
+pub(crate) struct RedisClusterSettings {
     /// Nodes to ask for the slot map when none is known (any subset of the cluster).
-    pub seeds: Vec<SocketAddr>,
+    pub(crate) seeds: Vec<SocketAddr>,
     /// `AUTH` password for every node; none: no `AUTH`.
-    pub password: Option<String>,
+    pub(crate) password: Option<String>,
     /// ACL user for `AUTH`; only used with a password.
-    pub username: Option<String>,
+    pub(crate) username: Option<String>,
     /// Limit on each TCP connect.
-    pub connect_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
 }
 
 impl RedisClusterSettings {
     /// No auth, a 1 s connect timeout.
-    pub fn new(seeds: Vec<SocketAddr>) -> RedisClusterSettings {
+    pub(crate) fn new(seeds: Vec<SocketAddr>) -> RedisClusterSettings {
         RedisClusterSettings {
             seeds,
             password: None,
@@ -72,17 +72,17 @@ impl RedisClusterSettings {
 
 /// Counters of the cluster client, for metrics and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RedisClusterStats {
+pub(crate) struct RedisClusterStats {
     /// Slot maps loaded.
-    pub refreshes: u64,
+    pub(crate) refreshes: u64,
     /// Budgets redirected by `MOVED`.
-    pub moved: u64,
+    pub(crate) moved: u64,
     /// Budgets redirected by `ASK`.
-    pub asked: u64,
+    pub(crate) asked: u64,
 }
 
 /// One worker's Redis Cluster ledger client (see the module doc).
-pub struct RedisClusterBackend {
+pub(crate) struct RedisClusterBackend {
     settings: RedisClusterSettings,
     /// Every node seen (seeds and masters), each with its own connection and backoff.
     nodes: Vec<(SocketAddr, RedisBackend)>,
@@ -109,7 +109,7 @@ struct Group {
 
 impl RedisClusterBackend {
     /// A backend that loads the slot map and connects on its first exchange.
-    pub fn new(settings: RedisClusterSettings) -> RedisClusterBackend {
+    pub(crate) fn new(settings: RedisClusterSettings) -> RedisClusterBackend {
         RedisClusterBackend {
             settings,
             nodes: Vec::new(),
@@ -120,12 +120,14 @@ impl RedisClusterBackend {
     }
 
     /// Counters since creation.
-    pub fn stats(&self) -> RedisClusterStats {
+    #[cfg(test)]
+    pub(crate) fn stats(&self) -> RedisClusterStats {
         self.stats
     }
 
     /// The traffic counters of the connection to `addr`, if it is a known node.
-    pub fn node_stats(&self, addr: SocketAddr) -> Option<super::redis::RedisStats> {
+    #[cfg(test)]
+    pub(crate) fn node_stats(&self, addr: SocketAddr) -> Option<super::redis::RedisStats> {
         self.nodes
             .iter()
             .find(|(a, _)| *a == addr)

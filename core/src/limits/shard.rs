@@ -78,7 +78,7 @@ type IdMap<V> = HashMap<BudgetId, V, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// Which budget: kind, owner (policy or key), subject (key / entity / model / plan), window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct BudgetId {
+pub(crate) struct BudgetId {
     kind: u8,
     owner: u32,
     subject: u32,
@@ -164,7 +164,7 @@ impl Budget {
 
 /// Why a request was not admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RefusalKind {
+pub(crate) enum RefusalKind {
     /// The limit is used up (as far as anyone knows).
     Exhausted,
     /// This core holds too little but the ledger may have more: wait for the next sync.
@@ -174,27 +174,27 @@ pub enum RefusalKind {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Refusal {
-    pub kind: RefusalKind,
+pub(crate) struct Refusal {
+    pub(crate) kind: RefusalKind,
     /// The refusing policy (None: a quota plan).
-    pub policy: Option<usize>,
-    pub dimension: LimitDimension,
+    pub(crate) policy: Option<usize>,
+    pub(crate) dimension: LimitDimension,
     /// Seconds until it may work again, when known.
-    pub retry_after: Option<u32>,
-    pub limit: u64,
+    pub(crate) retry_after: Option<u32>,
+    pub(crate) limit: u64,
 }
 
 /// The `x-ratelimit-*` numbers of the tightest requests and tokens budgets.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RateHeaders {
+pub(crate) struct RateHeaders {
     /// (limit, remaining, reset ms)
-    pub requests: Option<(u64, u64, u64)>,
-    pub tokens: Option<(u64, u64, u64)>,
+    pub(crate) requests: Option<(u64, u64, u64)>,
+    pub(crate) tokens: Option<(u64, u64, u64)>,
 }
 
 impl RateHeaders {
     /// Append OpenAI's header lines.
-    pub fn write(&self, out: &mut impl std::fmt::Write) {
+    pub(crate) fn write(&self, out: &mut impl std::fmt::Write) {
         for (name, v) in [("requests", self.requests), ("tokens", self.tokens)] {
             if let Some((limit, remaining, reset_ms)) = v {
                 let _ = write!(
@@ -237,23 +237,23 @@ fn write_duration(out: &mut impl std::fmt::Write, ms: u64) {
 }
 
 /// What a request asks of the limiter.
-pub struct Ask<'a> {
-    pub key: Option<KeyIdx>,
-    pub model: &'a str,
-    pub prompt_estimate: u64,
-    pub max_tokens: Option<u64>,
-    pub n: Option<u64>,
+pub(crate) struct Ask<'a> {
+    pub(crate) key: Option<KeyIdx>,
+    pub(crate) model: &'a str,
+    pub(crate) prompt_estimate: u64,
+    pub(crate) max_tokens: Option<u64>,
+    pub(crate) n: Option<u64>,
 }
 
 /// Reservations held by one admitted request; give it back to [`LimiterShard::settle`].
 #[derive(Debug, Default)]
-pub struct Permit {
+pub(crate) struct Permit {
     entries: Vec<(BudgetId, u64)>,
-    pub headers: RateHeaders,
+    pub(crate) headers: RateHeaders,
     settled: bool,
 }
 
-pub struct LimiterShard {
+pub(crate) struct LimiterShard {
     node: String,
     prefix: String,
     budgets: IdMap<Budget>,
@@ -265,7 +265,7 @@ pub struct LimiterShard {
     last_ok_sent: Option<Instant>,
     lease_ttl: Duration,
     /// Completed exchanges (ok or not): requests waiting for a lease wait for this to move.
-    pub epoch: u64,
+    pub(crate) epoch: u64,
     waiters: Vec<Waker>,
     /// A request is waiting: sync now rather than at the end of the interval.
     urgent: bool,
@@ -282,7 +282,7 @@ pub struct LimiterShard {
 }
 
 impl LimiterShard {
-    pub fn new(cfg: &LimitsConfig, node: String) -> LimiterShard {
+    pub(crate) fn new(cfg: &LimitsConfig, node: String) -> LimiterShard {
         LimiterShard {
             node,
             prefix: cfg.sync.prefix().to_string(),
@@ -306,15 +306,15 @@ impl LimiterShard {
 
     /// The epoch a request that needs a lease now must wait for: an exchange already on its
     /// way was prepared before the request's demand, so it takes the one after.
-    pub fn lease_epoch(&self) -> u64 {
+    pub(crate) fn lease_epoch(&self) -> u64 {
         self.epoch + 1 + u64::from(self.exchanging)
     }
 
-    pub fn node(&self) -> &str {
+    pub(crate) fn node(&self) -> &str {
         &self.node
     }
 
-    pub fn backend_ok(&self) -> bool {
+    pub(crate) fn backend_ok(&self) -> bool {
         self.backend_ok
     }
 
@@ -337,7 +337,7 @@ impl LimiterShard {
     }
 
     /// Try to reserve everything `ask` needs. On success the permit holds the reservations.
-    pub fn try_admit(
+    pub(crate) fn try_admit(
         &mut self,
         cfg: &LimitsConfig,
         ask: &Ask<'_>,
@@ -685,7 +685,7 @@ impl LimiterShard {
 
     /// End a permit: turn its reservations into spend. `tokens`: what the request used (0 to
     /// release, e.g. after an upstream error). Runs once; a second call does nothing.
-    pub fn settle(&mut self, permit: &mut Permit, tokens: u64) {
+    pub(crate) fn settle(&mut self, permit: &mut Permit, tokens: u64) {
         if permit.settled {
             return;
         }
@@ -708,7 +708,7 @@ impl LimiterShard {
 
     /// Fill `out` with this core's exchange for every budget in use. Leases are lowered
     /// locally to what is guaranteed whatever the exchange's fate (see the module doc).
-    pub fn prepare(&mut self, now_ms: u64, interval: Duration, out: &mut Vec<BudgetSync>) {
+    pub(crate) fn prepare(&mut self, now_ms: u64, interval: Duration, out: &mut Vec<BudgetSync>) {
         out.clear();
         self.in_flight.clear();
         let lease_valid = self.lease_valid(Instant::now());
@@ -798,7 +798,7 @@ impl LimiterShard {
     }
 
     /// Take the exchange's result. `sent_at`: when it was sent (leases count from then).
-    pub fn apply(
+    pub(crate) fn apply(
         &mut self,
         result: Result<&[BudgetState], ()>,
         sent: &[BudgetSync],
@@ -828,7 +828,7 @@ impl LimiterShard {
     }
 
     /// An interval with nothing to exchange still counts as a completed exchange for waiters.
-    pub fn tick(&mut self) {
+    pub(crate) fn tick(&mut self) {
         self.exchanging = false;
         self.epoch += 1;
         for w in self.waiters.drain(..) {
@@ -837,7 +837,7 @@ impl LimiterShard {
     }
 
     /// A request waits for the next exchange: register its waker and hurry the sync task.
-    pub fn wait_for_sync(&mut self, waker: &Waker) {
+    pub(crate) fn wait_for_sync(&mut self, waker: &Waker) {
         self.waiters.push(waker.clone());
         self.urgent = true;
         if let Some(w) = self.sync_waker.take() {
@@ -846,7 +846,7 @@ impl LimiterShard {
     }
 
     /// The sync task asks whether to run now; otherwise it is woken when a request waits.
-    pub fn take_urgent(&mut self, waker: &Waker) -> bool {
+    pub(crate) fn take_urgent(&mut self, waker: &Waker) -> bool {
         if std::mem::take(&mut self.urgent) {
             return true;
         }
@@ -984,7 +984,7 @@ fn new_budget(
 }
 
 /// (period index, start, end) in unix seconds of the plan's period containing `now_s`.
-pub fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
+pub(crate) fn period_of(plan: &Plan, now_s: u64) -> (u64, u64, u64) {
     match plan.period {
         Period::Once => (0, plan.anchor, u64::MAX / 2000),
         Period::Days(n) => {
@@ -1027,7 +1027,7 @@ mod tests_support {
     use crate::limits::ledger::InProcessLedger;
     use std::sync::Arc;
 
-    pub fn limits(extra: &str) -> Arc<LimitsConfig> {
+    pub(super) fn limits(extra: &str) -> Arc<LimitsConfig> {
         let text = format!(
             r#"
 [clusters.main]
@@ -1054,9 +1054,9 @@ plans = [{{ id = "q", tokens = 10000 }}]
         crate::config::load(&text, &|_| None).unwrap().limits
     }
 
-    pub struct Rng(pub u64);
+    pub(super) struct Rng(pub u64);
     impl Rng {
-        pub fn next(&mut self) -> u64 {
+        pub(super) fn next(&mut self) -> u64 {
             self.0 ^= self.0 << 13;
             self.0 ^= self.0 >> 7;
             self.0 ^= self.0 << 17;
@@ -1065,7 +1065,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
     }
 
     /// A request without a key, for model `m`, reserving 1 token.
-    pub fn anonymous() -> Ask<'static> {
+    pub(super) fn anonymous() -> Ask<'static> {
         Ask {
             key: None,
             model: "m",
@@ -1075,7 +1075,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
         }
     }
 
-    pub fn ask(max_tokens: u64) -> Ask<'static> {
+    pub(super) fn ask(max_tokens: u64) -> Ask<'static> {
         Ask {
             key: Some(0),
             model: "m",
@@ -1086,7 +1086,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
     }
 
     /// One sync round for every shard, in the given order.
-    pub fn sync_all(shards: &mut [LimiterShard], ledger: &InProcessLedger, order: &[usize]) {
+    pub(super) fn sync_all(shards: &mut [LimiterShard], ledger: &InProcessLedger, order: &[usize]) {
         let mut batch = Vec::new();
         let mut states = Vec::new();
         for &i in order {
@@ -1098,7 +1098,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
         }
     }
 
-    pub fn plan_use(shards: &[LimiterShard]) -> (u64, u64) {
+    pub(super) fn plan_use(shards: &[LimiterShard]) -> (u64, u64) {
         let mut spent = 0;
         let mut reserved = 0;
         for s in shards {

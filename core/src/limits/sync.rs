@@ -44,42 +44,42 @@ use std::fmt;
 
 /// What one core reports and asks for, for one budget, in one exchange.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BudgetSync {
+pub(crate) struct BudgetSync {
     /// The budget's ledger key. For Redis it is the key itself and carries a hash tag
     /// (`{…}`), so a budget lives in one Redis Cluster slot.
-    pub key: String,
+    pub(crate) key: String,
     /// The budget's size.
-    pub limit: u64,
+    pub(crate) limit: u64,
     /// This core's cumulative spend on the budget (absolute, never decreasing).
-    pub spent: u64,
+    pub(crate) spent: u64,
     /// The lease this core wants to hold after the exchange (absolute, not a delta).
-    pub lease: u64,
+    pub(crate) lease: u64,
     /// The part of the lease in use by in-flight requests: the grant is never below it.
-    pub floor: u64,
+    pub(crate) floor: u64,
     /// What requests waiting on this core for a lease need beyond what it holds (0: none wait).
     /// Other cores see the sum as [`BudgetState::wanted_others`] and give back idle slack.
-    pub shortfall: u64,
+    pub(crate) shortfall: u64,
     /// Expiry of the whole budget in ms after this exchange; 0 keeps it forever.
-    pub key_ttl_ms: u64,
+    pub(crate) key_ttl_ms: u64,
 }
 
 /// The ledger's answer for one budget.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BudgetState {
+pub(crate) struct BudgetState {
     /// The lease now held by this core (`floor ≤ granted`, and `granted ≤ lease` unless the floor
     /// forced more).
-    pub granted: u64,
+    pub(crate) granted: u64,
     /// Σ spend of all cores.
-    pub spent_total: u64,
+    pub(crate) spent_total: u64,
     /// Σ live leases of the other cores.
-    pub leased_others: u64,
+    pub(crate) leased_others: u64,
     /// Σ live shortfalls of the other cores: requests elsewhere wait for this much.
-    pub wanted_others: u64,
+    pub(crate) wanted_others: u64,
 }
 
 /// Why an exchange failed; the caller keeps serving from what it holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SyncError {
+pub(crate) enum SyncError {
     /// No connection (refused, reset, not yet reconnected: in backoff).
     Unavailable(String),
     /// The round trip passed its deadline.
@@ -100,7 +100,7 @@ impl fmt::Display for SyncError {
 
 /// A shared ledger: the in-process one (the cores of one node) or Redis (every node).
 #[allow(async_fn_in_trait)]
-pub trait SyncBackend {
+pub(crate) trait SyncBackend {
     /// Run one exchange for every budget in `batch` (see the module doc), in one round trip,
     /// within `deadline`. On success `out` holds one state per budget, in order.
     async fn exchange(

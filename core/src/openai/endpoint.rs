@@ -3,7 +3,7 @@
 
 /// A proxied OpenAI endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
+pub(crate) enum Endpoint {
     ChatCompletions,
     Completions,
     Embeddings,
@@ -11,7 +11,7 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    pub const ALL: [Endpoint; 4] = [
+    pub(crate) const ALL: [Endpoint; 4] = [
         Endpoint::ChatCompletions,
         Endpoint::Completions,
         Endpoint::Embeddings,
@@ -19,13 +19,13 @@ impl Endpoint {
     ];
 
     /// The endpoint a request path names (exactly; no query string is accepted on these).
-    pub fn from_path(path: &[u8]) -> Option<Endpoint> {
+    pub(crate) fn from_path(path: &[u8]) -> Option<Endpoint> {
         Endpoint::ALL
             .into_iter()
             .find(|e| e.path().as_bytes() == path)
     }
 
-    pub fn path(self) -> &'static str {
+    pub(crate) fn path(self) -> &'static str {
         match self {
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
@@ -35,7 +35,7 @@ impl Endpoint {
     }
 
     /// Its metric `route` label.
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Endpoint::ChatCompletions => "chat_completions",
             Endpoint::Completions => "completions",
@@ -46,7 +46,7 @@ impl Endpoint {
 
     /// A stream from it reports usage only when asked (`stream_options.include_usage`); the
     /// Responses API always reports it in `response.completed`.
-    pub fn usage_on_request(self) -> bool {
+    pub(crate) fn usage_on_request(self) -> bool {
         matches!(self, Endpoint::ChatCompletions | Endpoint::Completions)
     }
 }

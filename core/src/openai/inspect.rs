@@ -20,23 +20,23 @@ use crate::openai::json::truncate;
 
 /// What the pipeline needs from a request body.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Inspection {
-    pub model: String,
+pub(crate) struct Inspection {
+    pub(crate) model: String,
     /// Byte range of the model's JSON string literal (quotes included) in the body.
-    pub model_span: (usize, usize),
-    pub stream: bool,
-    pub include_usage: Option<bool>,
-    pub max_tokens: Option<u64>,
-    pub n: Option<u64>,
+    pub(crate) model_span: (usize, usize),
+    pub(crate) stream: bool,
+    pub(crate) include_usage: Option<bool>,
+    pub(crate) max_tokens: Option<u64>,
+    pub(crate) n: Option<u64>,
     /// Where `stream_options` is, for splicing in `include_usage`. Found for streaming requests
     /// only (nothing else needs it); otherwise left at its default.
-    pub stream_options: StreamOptionsAt,
+    pub(crate) stream_options: StreamOptionsAt,
 }
 
 /// Where a streaming request's `stream_options` sits in the body, as byte offsets: enough for
 /// the forward phase to make `include_usage` true while touching no other byte.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamOptionsAt {
+pub(crate) enum StreamOptionsAt {
     /// No `stream_options` key; a new top-level key can go at `insert_at` (just past the
     /// body's opening `{`, which always has `model` after it, so a comma can follow).
     Absent { insert_at: usize },
@@ -60,9 +60,9 @@ impl Default for StreamOptionsAt {
 /// Why a body can't be served, as the client should read it: the message and the field it
 /// concerns. The gateway answers it as a 400 `invalid_request_error`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InspectError {
-    pub message: String,
-    pub param: Option<&'static str>,
+pub(crate) struct InspectError {
+    pub(crate) message: String,
+    pub(crate) param: Option<&'static str>,
 }
 
 impl InspectError {
@@ -77,14 +77,18 @@ impl InspectError {
 /// Per-worker scratch space, reused across requests so inspection allocates nothing in the
 /// steady state.
 #[derive(Default)]
-pub struct Inspector {
+pub(crate) struct Inspector {
     scratch: Vec<u8>,
     buffers: Option<Buffers>,
     tape: Option<simd_json::Tape<'static>>,
 }
 
 impl Inspector {
-    pub fn inspect(&mut self, body: &[u8], out: &mut Inspection) -> Result<(), InspectError> {
+    pub(crate) fn inspect(
+        &mut self,
+        body: &[u8],
+        out: &mut Inspection,
+    ) -> Result<(), InspectError> {
         // simd-json parses in place (it unescapes strings into its input), so it gets a copy.
         self.scratch.clear();
         self.scratch.extend_from_slice(body);

@@ -5,7 +5,7 @@
 use std::fmt::Write;
 
 /// `s` cut to at most `max` bytes, at a character boundary.
-pub fn truncate(s: &str, max: usize) -> &str {
+pub(crate) fn truncate(s: &str, max: usize) -> &str {
     if s.len() <= max {
         return s;
     }
@@ -17,13 +17,13 @@ pub fn truncate(s: &str, max: usize) -> &str {
 }
 
 /// Append `v` as a JSON string literal.
-pub fn push_json_string(out: &mut String, v: &str) {
+pub(crate) fn push_json_string(out: &mut String, v: &str) {
     let _ = write_json_string(out, v);
 }
 
 /// Write `v` as a JSON string literal to any text sink — a buffer, or a counter that only
 /// adds up lengths. Runs of characters that need no escape go out as one slice.
-pub fn write_json_string<W: Write>(out: &mut W, v: &str) -> std::fmt::Result {
+pub(crate) fn write_json_string<W: Write>(out: &mut W, v: &str) -> std::fmt::Result {
     out.write_char('"')?;
     let mut run = 0;
     // Every character that needs an escape is ASCII, so byte positions are char boundaries.

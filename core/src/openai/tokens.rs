@@ -34,20 +34,20 @@ const WEIGHT_SHIFT: u32 = 10;
 /// rare in the corpora to fit and are set by hand. Continuation bytes cost nothing: their lead
 /// byte carries the character's weight.
 mod weights {
-    pub const LETTER: u16 = 239;
-    pub const DIGIT: u16 = 889;
-    pub const PUNCT: u16 = 612;
-    pub const SPACE: u16 = 67;
-    pub const NEWLINE: u16 = 456;
-    pub const LEAD2: u16 = 519;
-    pub const LEAD3: u16 = 1069;
+    pub(super) const LETTER: u16 = 239;
+    pub(super) const DIGIT: u16 = 889;
+    pub(super) const PUNCT: u16 = 612;
+    pub(super) const SPACE: u16 = 67;
+    pub(super) const NEWLINE: u16 = 456;
+    pub(super) const LEAD2: u16 = 519;
+    pub(super) const LEAD3: u16 = 1069;
     /// Emoji and other astral characters: 2 tokens each (cl100k spends 2-3, o200k 1-2).
-    pub const LEAD4: u16 = 2048;
+    pub(super) const LEAD4: u16 = 2048;
     /// Bytes that never occur in UTF-8 (0xC0, 0xC1, 0xF5-0xFF): byte-level BPE spends a token
     /// on each.
-    pub const INVALID: u16 = 1024;
+    pub(super) const INVALID: u16 = 1024;
     /// `\r` (it pairs with the `\n` that follows) and UTF-8 continuation bytes.
-    pub const FREE: u16 = 0;
+    pub(super) const FREE: u16 = 0;
 }
 
 /// The byte classes the estimate distinguishes. Public for the tool that fits their weights

@@ -243,7 +243,7 @@ async fn dispatch(
 }
 
 /// Write an error response. Returns whether the connection may be kept.
-pub async fn write_error(
+pub(crate) async fn write_error(
     worker: &Worker,
     client: &mut ClientSocket,
     error: &GatewayError,
@@ -450,7 +450,7 @@ async fn read_more(client: &mut ClientSocket, rbuf: &mut Vec<u8>, limit: Duratio
 }
 
 /// Answer a connection over the worker's cap with 503 and close it.
-pub async fn refuse_overloaded(worker: Rc<Worker>, stream: TcpStream) {
+pub(crate) async fn refuse_overloaded(worker: Rc<Worker>, stream: TcpStream) {
     let mut client = ClientSocket::new(stream);
     let e = GatewayError::overloaded("too many connections; retry shortly");
     let _ = write_error(&worker, &mut client, &e, false, false).await;

@@ -39,13 +39,13 @@ async fn sync_task<B: crate::limits::sync::SyncBackend>(worker: Rc<Worker>, back
 
 /// Which I/O driver a worker's runtime uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Driver {
+pub(crate) enum Driver {
     IoUring,
     Legacy,
 }
 
 impl Driver {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Driver::IoUring => "io_uring",
             Driver::Legacy => "legacy",

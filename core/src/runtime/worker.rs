@@ -17,12 +17,12 @@ use crate::upstream::Pools;
 /// What a worker serves new requests on: a config snapshot and what is built from it. A request
 /// holds the generation it started on until it ends; [`Worker::swap_snapshot`] makes a new one.
 pub struct Generation {
-    pub snapshot: Rc<Snapshot>,
+    pub(crate) snapshot: Rc<Snapshot>,
     /// The snapshot's view of the worker's upstream pools (shared with the previous
     /// generation for every backend both have).
-    pub pools: Pools,
+    pub(crate) pools: Pools,
     /// The `/v1/models` response body.
-    pub models_body: Vec<u8>,
+    pub(crate) models_body: Vec<u8>,
 }
 
 impl Generation {
@@ -36,24 +36,24 @@ impl Generation {
 }
 
 pub struct Worker {
-    pub id: usize,
+    pub(crate) id: usize,
     current: RefCell<Rc<Generation>>,
-    pub inspector: RefCell<Inspector>,
-    pub rng: Cell<u64>,
-    pub bufs: BufPool,
+    pub(crate) inspector: RefCell<Inspector>,
+    pub(crate) rng: Cell<u64>,
+    pub(crate) bufs: BufPool,
     /// Open client connections on this worker.
-    pub connections: Cell<usize>,
+    pub(crate) connections: Cell<usize>,
     /// Requests being served on this worker right now.
-    pub load: Load,
+    pub(crate) load: Load,
     /// Observation state (meter buffers included) lent to one request at a time.
-    pub observations: ObservationPool,
+    pub(crate) observations: ObservationPool,
     /// This worker's metrics; published to `hub` on a timer, never per request.
-    pub metrics: MetricsShard,
-    pub hub: std::sync::Arc<MetricsHub>,
+    pub(crate) metrics: MetricsShard,
+    pub(crate) hub: std::sync::Arc<MetricsHub>,
     /// This worker's access-log writer (when one is configured) and its reused record.
-    pub log: LogSink,
+    pub(crate) log: LogSink,
     /// This worker's limiter: local budgets, reconciled by the sync task.
-    pub limiter: RefCell<LimiterShard>,
+    pub(crate) limiter: RefCell<LimiterShard>,
 }
 
 impl Worker {

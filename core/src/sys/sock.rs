@@ -7,7 +7,7 @@ use std::io;
 use std::os::fd::RawFd;
 
 /// Send as much of `data` as the socket takes now. `Ok(0)` when it would block.
-pub fn send_now(fd: RawFd, data: &[u8]) -> io::Result<usize> {
+pub(crate) fn send_now(fd: RawFd, data: &[u8]) -> io::Result<usize> {
     // SAFETY: `data` is a valid slice; MSG_DONTWAIT never blocks, MSG_NOSIGNAL turns a closed
     // peer into EPIPE instead of SIGPIPE.
     let n = unsafe {
@@ -30,7 +30,7 @@ pub fn send_now(fd: RawFd, data: &[u8]) -> io::Result<usize> {
 
 /// Receive what the socket already holds into `buf`'s spare capacity. `Some(0)` is end of
 /// stream; `None` means nothing was there (or an error, which the next regular read reports).
-pub fn recv_now(fd: RawFd, buf: &mut Vec<u8>) -> Option<usize> {
+pub(crate) fn recv_now(fd: RawFd, buf: &mut Vec<u8>) -> Option<usize> {
     let spare = buf.spare_capacity_mut();
     // SAFETY: recv writes at most `spare.len()` bytes into the vector's spare capacity.
     let n = unsafe {
@@ -51,7 +51,7 @@ pub fn recv_now(fd: RawFd, buf: &mut Vec<u8>) -> Option<usize> {
 }
 
 /// Has the peer closed (or reset) its side? Peeks without consuming.
-pub fn peer_gone(fd: RawFd) -> bool {
+pub(crate) fn peer_gone(fd: RawFd) -> bool {
     let mut byte = 0u8;
     // SAFETY: a one-byte peek into a local; MSG_DONTWAIT never blocks.
     let n = unsafe {

@@ -11,21 +11,21 @@ fn since_epoch() -> Duration {
 }
 
 /// Milliseconds since the Unix epoch.
-pub fn unix_ms() -> u64 {
+pub(crate) fn unix_ms() -> u64 {
     since_epoch().as_millis() as u64
 }
 
 /// Seconds since the Unix epoch.
-pub fn unix_secs() -> u64 {
+pub(crate) fn unix_secs() -> u64 {
     since_epoch().as_secs()
 }
 
 /// Microseconds since the Unix epoch.
-pub fn unix_us() -> u64 {
+pub(crate) fn unix_us() -> u64 {
     u64::try_from(since_epoch().as_micros()).unwrap_or(u64::MAX)
 }
 
 /// The sub-second part of now, in nanoseconds (a cheap per-start nonce).
-pub fn subsec_nanos() -> u32 {
+pub(crate) fn subsec_nanos() -> u32 {
     since_epoch().subsec_nanos()
 }

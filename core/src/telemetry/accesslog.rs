@@ -102,7 +102,7 @@ impl From<&crate::config::AccessLogSettings> for AccessLogConfig {
 
 /// How long dropping / closing an [`AccessLog`] waits for the writer to take the last batch and
 /// finish writing before giving up (the rest is then counted as dropped).
-pub const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
+pub(crate) const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
 
 /// Counters of one worker's access log; see [`AccessLog::stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -564,10 +564,10 @@ fn read_varint(buf: &[u8]) -> Result<Option<(u64, usize)>, ()> {
 
 /// Records larger than this are treated as corruption by the readers (the gateway's bounded
 /// request heads keep real records far smaller).
-pub const MAX_RECORD_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_RECORD_BYTES: u64 = 16 << 20;
 
 /// How often `sluice logs --follow` looks for new bytes.
-pub const FOLLOW_POLL: Duration = Duration::from_millis(200);
+pub(crate) const FOLLOW_POLL: Duration = Duration::from_millis(200);
 
 /// What went wrong reading a log.
 #[derive(Debug)]
@@ -687,7 +687,7 @@ enum EnumValue {
 /// Writes `rec` as one JSON object followed by `\n`: every field (defaults included) under its
 /// proto name, in proto order; enums as their proto value names (`"USAGE_SOURCE_REPORTED"`);
 /// 64-bit integers as exact JSON numbers; a non-finite `cost` as `null`.
-pub fn write_json_line<W: Write>(rec: &AccessRecord, out: &mut W) -> io::Result<()> {
+pub(crate) fn write_json_line<W: Write>(rec: &AccessRecord, out: &mut W) -> io::Result<()> {
     // Exhaustive on purpose: a field added to the proto fails to compile here until it is added.
     let AccessRecord {
         time_unix_us,
@@ -771,7 +771,7 @@ pub fn write_json_line<W: Write>(rec: &AccessRecord, out: &mut W) -> io::Result<
 /// Decodes the first length-delimited record of `buf`: `Ok(Some((record, bytes used)))`,
 /// `Ok(None)` when `buf` holds only the start of one (wait for more), or `Err` (offset 0, no
 /// path) when the bytes cannot be a record.
-pub fn decode_record(buf: &[u8]) -> Result<Option<(AccessRecord, usize)>, LogError> {
+pub(crate) fn decode_record(buf: &[u8]) -> Result<Option<(AccessRecord, usize)>, LogError> {
     let corrupt = |reason: String| LogError::Corrupt {
         path: PathBuf::new(),
         offset: 0,
@@ -800,7 +800,8 @@ pub fn decode_record(buf: &[u8]) -> Result<Option<(AccessRecord, usize)>, LogErr
 /// Decodes all of `buf` (a whole log file's bytes) to JSON lines on `out`; returns the number
 /// of records. A record cut off at the end is an error ([`LogError::Truncated`]), after the
 /// records before it were written.
-pub fn decode_to_json<W: Write>(buf: &[u8], out: &mut W) -> Result<u64, LogError> {
+#[cfg(test)]
+pub(crate) fn decode_to_json<W: Write>(buf: &[u8], out: &mut W) -> Result<u64, LogError> {
     let mut dec = JsonDecoder::new();
     dec.feed(buf, out)?;
     dec.finish()?;
@@ -810,7 +811,7 @@ pub fn decode_to_json<W: Write>(buf: &[u8], out: &mut W) -> Result<u64, LogError
 /// Incremental decoder: feed it bytes as they arrive (in any split), it writes one JSON line per
 /// complete record and keeps a partial trailing record until the rest comes.
 #[derive(Debug, Default)]
-pub struct JsonDecoder {
+pub(crate) struct JsonDecoder {
     pending: Vec<u8>,
     offset: u64,
     records: u64,
@@ -818,12 +819,12 @@ pub struct JsonDecoder {
 
 impl JsonDecoder {
     /// A decoder at the start of a file.
-    pub fn new() -> JsonDecoder {
+    pub(crate) fn new() -> JsonDecoder {
         JsonDecoder::default()
     }
 
     /// Decodes the complete records in what was pending plus `bytes`, writing their JSON lines.
-    pub fn feed<W: Write>(&mut self, bytes: &[u8], out: &mut W) -> Result<(), LogError> {
+    pub(crate) fn feed<W: Write>(&mut self, bytes: &[u8], out: &mut W) -> Result<(), LogError> {
         let mut start = 0usize;
         if self.pending.is_empty() {
             // Common case: decode straight from the caller's bytes, keep only a partial tail.
@@ -867,12 +868,12 @@ impl JsonDecoder {
     }
 
     /// Records decoded so far.
-    pub fn records(&self) -> u64 {
+    pub(crate) fn records(&self) -> u64 {
         self.records
     }
 
     /// At the end of the input: an error if it ended inside a record.
-    pub fn finish(&self) -> Result<(), LogError> {
+    pub(crate) fn finish(&self) -> Result<(), LogError> {
         if self.pending.is_empty() {
             Ok(())
         } else {

@@ -29,13 +29,13 @@ use std::time::{Duration, Instant};
 use crate::telemetry::metrics::MetricsHub;
 
 /// Most admin connections served at once.
-pub const MAX_CONNECTIONS: usize = 16;
+pub(crate) const MAX_CONNECTIONS: usize = 16;
 /// Largest request head accepted (431 past it).
-pub const MAX_HEAD_BYTES: usize = 8192;
+pub(crate) const MAX_HEAD_BYTES: usize = 8192;
 /// Time allowed from accept until the whole request head has arrived (408 past it).
-pub const HEAD_DEADLINE: Duration = Duration::from_secs(5);
+pub(crate) const HEAD_DEADLINE: Duration = Duration::from_secs(5);
 /// Longest a single write to the client may block.
-pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 const TEXT: &str = "text/plain; charset=utf-8";
@@ -43,7 +43,7 @@ const TEXT: &str = "text/plain; charset=utf-8";
 /// Bind `addr` (port 0 picks a free port) and serve the admin endpoints on a background thread
 /// for the life of the process. Returns the bound address; a bind failure is returned, never
 /// logged and ignored.
-pub fn spawn_admin(
+pub(crate) fn spawn_admin(
     addr: SocketAddr,
     hub: Arc<MetricsHub>,
     ready: Arc<AtomicBool>,

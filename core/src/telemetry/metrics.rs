@@ -70,7 +70,7 @@
 // each slot briefly; `try_lock` keeps a worker from ever waiting on a scrape.
 #![allow(clippy::disallowed_types)]
 
-pub use crate::config::limits::LimitDimension;
+pub(crate) use crate::config::limits::LimitDimension;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -78,7 +78,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
 
 /// The label value of every table's catch-all slot.
-pub const OTHER: &str = "other";
+pub(crate) const OTHER: &str = "other";
 
 // ---------------------------------------------------------------------------------------------
 // Histogram boundaries
@@ -86,7 +86,7 @@ pub const OTHER: &str = "other";
 
 /// The unit a histogram stores, and how it is exposed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unit {
+pub(crate) enum Unit {
     /// Stored in nanoseconds, exposed in seconds.
     Nanos,
     /// Stored and exposed as a plain count (tokens).
@@ -106,16 +106,16 @@ impl Unit {
 /// Fixed, ascending upper bounds (inclusive: `le`) of one histogram, in its stored unit. The
 /// `+Inf` bucket is implicit.
 #[derive(Debug)]
-pub struct Buckets {
-    pub bounds: &'static [u64],
-    pub unit: Unit,
+pub(crate) struct Buckets {
+    pub(crate) bounds: &'static [u64],
+    pub(crate) unit: Unit,
 }
 
 const MS: u64 = 1_000_000;
 const US: u64 = 1_000;
 
 /// Time to first token, seconds (OpenTelemetry `gen_ai.server.time_to_first_token`).
-pub const TTFT_BUCKETS: Buckets = Buckets {
+pub(crate) const TTFT_BUCKETS: Buckets = Buckets {
     bounds: &[
         MS,
         5 * MS,
@@ -138,7 +138,7 @@ pub const TTFT_BUCKETS: Buckets = Buckets {
 };
 
 /// Time per output token, seconds (OpenTelemetry `gen_ai.server.time_per_output_token`).
-pub const TPOT_BUCKETS: Buckets = Buckets {
+pub(crate) const TPOT_BUCKETS: Buckets = Buckets {
     bounds: &[
         10 * MS,
         25 * MS,
@@ -159,7 +159,7 @@ pub const TPOT_BUCKETS: Buckets = Buckets {
 
 /// Request duration, seconds: 0.01 doubling to 81.92 (OpenTelemetry
 /// `gen_ai.client.operation.duration`).
-pub const LATENCY_BUCKETS: Buckets = Buckets {
+pub(crate) const LATENCY_BUCKETS: Buckets = Buckets {
     bounds: &[
         10 * MS,
         20 * MS,
@@ -180,7 +180,7 @@ pub const LATENCY_BUCKETS: Buckets = Buckets {
 };
 
 /// Tokens per request: 1, 4, 16, … ×4 … 67108864 (OpenTelemetry `gen_ai.client.token.usage`).
-pub const TOKEN_BUCKETS: Buckets = Buckets {
+pub(crate) const TOKEN_BUCKETS: Buckets = Buckets {
     bounds: &[
         1, 4, 16, 64, 256, 1024, 4096, 16_384, 65_536, 262_144, 1_048_576, 4_194_304, 16_777_216,
         67_108_864,
@@ -189,7 +189,7 @@ pub const TOKEN_BUCKETS: Buckets = Buckets {
 };
 
 /// Sluice's own overhead per request: 1 µs … 5 ms, exposed in seconds.
-pub const OVERHEAD_BUCKETS: Buckets = Buckets {
+pub(crate) const OVERHEAD_BUCKETS: Buckets = Buckets {
     bounds: &[
         US,
         2 * US,
@@ -208,7 +208,7 @@ pub const OVERHEAD_BUCKETS: Buckets = Buckets {
 };
 
 /// One sync-backend flush round trip (deltas out, totals back): 0.5 ms … 2.5 s.
-pub const SYNC_FLUSH_BUCKETS: Buckets = Buckets {
+pub(crate) const SYNC_FLUSH_BUCKETS: Buckets = Buckets {
     bounds: &[
         MS / 2,
         MS,
@@ -235,15 +235,15 @@ pub const SYNC_FLUSH_BUCKETS: Buckets = Buckets {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LabelLists<'a> {
     /// API routes (endpoints), e.g. `chat_completions`, `completions`, `embeddings`.
-    pub routes: &'a [String],
+    pub(crate) routes: &'a [String],
     /// Model names as clients request them.
-    pub models: &'a [String],
+    pub(crate) models: &'a [String],
     /// Entities: key tags, tenants, projects — configured names, never key values.
-    pub entities: &'a [String],
+    pub(crate) entities: &'a [String],
     /// Upstream backends, e.g. `cluster/host:port`.
-    pub backends: &'a [String],
+    pub(crate) backends: &'a [String],
     /// Limiter policy names.
-    pub policies: &'a [String],
+    pub(crate) policies: &'a [String],
 }
 
 /// One label's names: the distinct configured names, then `"other"`, always last.
@@ -414,7 +414,7 @@ impl LabelNames {
 
 /// The class of the status the client got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StatusClass {
+pub(crate) enum StatusClass {
     Informational,
     Success,
     Redirect,
@@ -432,7 +432,7 @@ impl StatusClass {
     ];
 
     /// 1xx … 5xx; anything outside 100..=599 counts as 5xx (a status we could not make sense of).
-    pub fn from_status(status: u16) -> StatusClass {
+    pub(crate) fn from_status(status: u16) -> StatusClass {
         match status {
             100..=199 => StatusClass::Informational,
             200..=299 => StatusClass::Success,
@@ -442,7 +442,7 @@ impl StatusClass {
         }
     }
 
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             StatusClass::Informational => "1xx",
             StatusClass::Success => "2xx",
@@ -455,7 +455,7 @@ impl StatusClass {
 
 /// Why a request was sent to a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Attempt {
+pub(crate) enum Attempt {
     /// The first try.
     First,
     /// Again, same cluster (stale pooled connection, retryable failure).
@@ -467,7 +467,7 @@ pub enum Attempt {
 impl Attempt {
     const ALL: [Attempt; 3] = [Attempt::First, Attempt::Retry, Attempt::Fallback];
 
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Attempt::First => "first",
             Attempt::Retry => "retry",
@@ -478,7 +478,7 @@ impl Attempt {
 
 /// What went wrong with one upstream attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UpstreamErrorKind {
+pub(crate) enum UpstreamErrorKind {
     /// TCP connect failed or was refused.
     Connect,
     /// TLS handshake or certificate failure.
@@ -509,7 +509,7 @@ impl UpstreamErrorKind {
         UpstreamErrorKind::PoolExhausted,
     ];
 
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             UpstreamErrorKind::Connect => "connect",
             UpstreamErrorKind::Tls => "tls",
@@ -658,7 +658,7 @@ fn nanos(d: Duration) -> u64 {
 /// Indexes from another [`LabelNames`] or past a table's end count as that table's other slot;
 /// nothing here can panic.
 #[derive(Debug)]
-pub struct MetricsShard {
+pub(crate) struct MetricsShard {
     names: Arc<LabelNames>,
     layout: Layout,
     /// This shard's slot in the hub.
@@ -670,7 +670,7 @@ pub struct MetricsShard {
 
 impl MetricsShard {
     /// A new, zeroed shard with its own slot in `hub` (call once per worker, at start).
-    pub fn new(hub: &MetricsHub) -> MetricsShard {
+    pub(crate) fn new(hub: &MetricsHub) -> MetricsShard {
         let layout = hub.layout.clone();
         let slot = Arc::new(Mutex::new(Slot::zeroed(&layout)));
         hub.lock_slots().push(Arc::clone(&slot));
@@ -685,7 +685,7 @@ impl MetricsShard {
     }
 
     /// The label tables, for resolving names to indexes.
-    pub fn names(&self) -> &LabelNames {
+    pub(crate) fn names(&self) -> &LabelNames {
         &self.names
     }
 
@@ -715,7 +715,7 @@ impl MetricsShard {
     }
 
     /// One client request finished (any outcome): `sluice_requests_total`.
-    pub fn request_done(
+    pub(crate) fn request_done(
         &self,
         route: RouteLabel,
         model: ModelIdx,
@@ -734,7 +734,7 @@ impl MetricsShard {
     /// histogram. Call once per request with its totals. `cached` is the part of `prompt` served
     /// from the upstream's prompt cache (OpenAI's `prompt_tokens_details.cached_tokens`), so it
     /// is a subset of `prompt`, not an addition to it.
-    pub fn tokens(
+    pub(crate) fn tokens(
         &self,
         model: ModelIdx,
         entity: EntityIdx,
@@ -754,7 +754,7 @@ impl MetricsShard {
 
     /// One request's cost, in millionths of the configured currency unit (integer, so sums are
     /// exact): `sluice_cost_total`, exposed in whole units.
-    pub fn cost(&self, model: ModelIdx, entity: EntityIdx, amount_micros: u64) {
+    pub(crate) fn cost(&self, model: ModelIdx, entity: EntityIdx, amount_micros: u64) {
         self.add(
             self.layout.cost + self.model_entity(model, entity),
             amount_micros,
@@ -766,7 +766,7 @@ impl MetricsShard {
     }
 
     /// A limiter policy applied to a request (it was checked): `sluice_limiter_matches_total`.
-    pub fn limiter_match(&self, policy: PolicyIdx, dimension: LimitDimension) {
+    pub(crate) fn limiter_match(&self, policy: PolicyIdx, dimension: LimitDimension) {
         self.add(
             self.layout.limiter_matches + self.policy_dim(policy, dimension),
             1,
@@ -774,7 +774,7 @@ impl MetricsShard {
     }
 
     /// A limiter policy rejected a request: `sluice_limiter_hits_total`.
-    pub fn limiter_hit(&self, policy: PolicyIdx, dimension: LimitDimension) {
+    pub(crate) fn limiter_hit(&self, policy: PolicyIdx, dimension: LimitDimension) {
         self.add(
             self.layout.limiter_hits + self.policy_dim(policy, dimension),
             1,
@@ -783,21 +783,21 @@ impl MetricsShard {
 
     /// Time from the request arriving to the first content chunk sent to the client (not the
     /// response head): `sluice_time_to_first_token_seconds`.
-    pub fn observe_ttft(&self, model: ModelIdx, ttft: Duration) {
+    pub(crate) fn observe_ttft(&self, model: ModelIdx, ttft: Duration) {
         let m = self.names.models.clamp(model.0);
         self.observe(&self.layout.ttft, m, nanos(ttft));
     }
 
     /// Mean time per output token after the first, for one streamed request
     /// (`(total − ttft) / (completion_tokens − 1)`): `sluice_time_per_output_token_seconds`.
-    pub fn observe_tpot(&self, model: ModelIdx, tpot: Duration) {
+    pub(crate) fn observe_tpot(&self, model: ModelIdx, tpot: Duration) {
         let m = self.names.models.clamp(model.0);
         self.observe(&self.layout.tpot, m, nanos(tpot));
     }
 
     /// Whole request duration, head read to last byte written:
     /// `sluice_request_duration_seconds`.
-    pub fn observe_latency(&self, route: RouteLabel, model: ModelIdx, latency: Duration) {
+    pub(crate) fn observe_latency(&self, route: RouteLabel, model: ModelIdx, latency: Duration) {
         let series = self.names.routes.clamp(route.0) * self.layout.models
             + self.names.models.clamp(model.0);
         self.observe(&self.layout.latency, series, nanos(latency));
@@ -805,13 +805,13 @@ impl MetricsShard {
 
     /// Time Sluice itself spent on a request (everything but waiting on the client and the
     /// upstream): `sluice_overhead_seconds`.
-    pub fn observe_overhead(&self, route: RouteLabel, overhead: Duration) {
+    pub(crate) fn observe_overhead(&self, route: RouteLabel, overhead: Duration) {
         let r = self.names.routes.clamp(route.0);
         self.observe(&self.layout.overhead, r, nanos(overhead));
     }
 
     /// One attempt sent to a backend: `sluice_upstream_requests_total`.
-    pub fn upstream_request(&self, backend: BackendIdx, attempt: Attempt) {
+    pub(crate) fn upstream_request(&self, backend: BackendIdx, attempt: Attempt) {
         let b = self.names.backends.clamp(backend.0);
         self.add(
             self.layout.upstream_requests + b * Attempt::ALL.len() + attempt as usize,
@@ -820,7 +820,7 @@ impl MetricsShard {
     }
 
     /// One failed attempt: `sluice_upstream_errors_total`.
-    pub fn upstream_error(&self, backend: BackendIdx, kind: UpstreamErrorKind) {
+    pub(crate) fn upstream_error(&self, backend: BackendIdx, kind: UpstreamErrorKind) {
         let b = self.names.backends.clamp(backend.0);
         self.add(
             self.layout.upstream_errors + b * UpstreamErrorKind::ALL.len() + kind as usize,
@@ -830,7 +830,7 @@ impl MetricsShard {
 
     /// An exchange with `backend` starts: it counts in `sluice_upstream_in_flight` until the
     /// returned guard is dropped, so it is uncounted exactly once however the exchange ends.
-    pub fn upstream_in_flight(&self, backend: BackendIdx) -> InFlight<'_> {
+    pub(crate) fn upstream_in_flight(&self, backend: BackendIdx) -> InFlight<'_> {
         let at = self.layout.in_flight + self.names.backends.clamp(backend.0);
         self.gauge_add(at, 1);
         InFlight { shard: self, at }
@@ -845,14 +845,14 @@ impl MetricsShard {
 
     /// One sync-backend flush: `sluice_sync_flush_duration_seconds` and
     /// `sluice_sync_flushes_total{result="ok"|"error"}`.
-    pub fn sync_flush(&self, latency: Duration, ok: bool) {
+    pub(crate) fn sync_flush(&self, latency: Duration, ok: bool) {
         self.observe(&self.layout.sync_flush, 0, nanos(latency));
         self.add(self.layout.sync_flushes + usize::from(!ok), 1);
     }
 
     /// The worker's open client connections now: `sluice_connections_open` (summed over
     /// workers).
-    pub fn connections_open(&self, n: usize) {
+    pub(crate) fn connections_open(&self, n: usize) {
         if let Some(g) = self.gauges.get(self.layout.connections) {
             g.set(i64::try_from(n).unwrap_or(i64::MAX));
         }
@@ -862,7 +862,7 @@ impl MetricsShard {
     /// copies the arrays (no allocation) and never blocks — when a scrape is reading this slot
     /// right now it returns `false` and the next publish carries the values. A hub other than the
     /// one this shard was made from is left untouched (`false`).
-    pub fn publish(&self, hub: &MetricsHub) -> bool {
+    pub(crate) fn publish(&self, hub: &MetricsHub) -> bool {
         if !Arc::ptr_eq(&self.names, &hub.names) {
             return false;
         }
@@ -891,7 +891,7 @@ impl MetricsShard {
 /// use for the request.
 #[must_use = "the exchange is uncounted when this is dropped"]
 #[derive(Debug)]
-pub struct InFlight<'s> {
+pub(crate) struct InFlight<'s> {
     shard: &'s MetricsShard,
     /// The backend's gauge.
     at: usize,
@@ -1200,7 +1200,7 @@ pub struct Family {
     pub name: &'static str,
     pub kind: Kind,
     /// The `# HELP` text.
-    pub help: &'static str,
+    pub(crate) help: &'static str,
     labels: &'static [Label],
     source: Source,
 }
@@ -1540,7 +1540,7 @@ impl Writer<'_> {
 }
 
 /// A label value, escaped per the text format: `\` → `\\`, `"` → `\"`, newline → `\n`.
-pub fn push_label_value(out: &mut String, v: &str) {
+pub(crate) fn push_label_value(out: &mut String, v: &str) {
     for c in v.chars() {
         match c {
             '\\' => out.push_str("\\\\"),
@@ -1584,19 +1584,19 @@ pub(crate) mod tests {
 
     #[derive(Debug, Clone, PartialEq)]
     pub(crate) struct Sample {
-        pub name: String,
-        pub labels: Vec<(String, String)>,
-        pub value: f64,
+        pub(crate) name: String,
+        pub(crate) labels: Vec<(String, String)>,
+        pub(crate) value: f64,
     }
 
     #[derive(Debug, Default)]
     pub(crate) struct Exposition {
-        pub families: Vec<(String, String)>,
-        pub samples: Vec<Sample>,
+        pub(crate) families: Vec<(String, String)>,
+        pub(crate) samples: Vec<Sample>,
     }
 
     impl Exposition {
-        pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        pub(crate) fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
             let mut want: Vec<(String, String)> = labels
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -1612,7 +1612,7 @@ pub(crate) mod tests {
                 .map(|s| s.value)
         }
 
-        pub fn count(&self, name: &str) -> usize {
+        pub(crate) fn count(&self, name: &str) -> usize {
             self.samples.iter().filter(|s| s.name == name).count()
         }
     }

@@ -23,13 +23,13 @@ use rustls_pki_types::ServerName;
 use crate::config::{Backend, Cluster, Snapshot, Timeouts, UpstreamLimits};
 
 /// A plain or TLS connection to a backend.
-pub enum UpstreamIo {
+pub(crate) enum UpstreamIo {
     Plain(TcpStream),
     Tls(Box<monoio_rustls::ClientTlsStream<TcpStream>>),
 }
 
 impl UpstreamIo {
-    pub async fn read<B: IoBufMut>(&mut self, buf: B) -> monoio::BufResult<usize, B> {
+    pub(crate) async fn read<B: IoBufMut>(&mut self, buf: B) -> monoio::BufResult<usize, B> {
         match self {
             UpstreamIo::Plain(s) => s.read(buf).await,
             UpstreamIo::Tls(s) => s.read(buf).await,
@@ -38,7 +38,7 @@ impl UpstreamIo {
 
     /// Write all of `buf`. With `direct`, a plain connection first tries straight to the socket
     /// (the gateway decides: few requests in flight favour latency, many favour the ring).
-    pub async fn write_all(
+    pub(crate) async fn write_all(
         &mut self,
         buf: Vec<u8>,
         direct: bool,
@@ -66,13 +66,13 @@ impl UpstreamIo {
 }
 
 /// One connection to a backend, counted against the backend's per-worker cap while it lives.
-pub struct UpstreamConn {
-    pub io: UpstreamIo,
+pub(crate) struct UpstreamConn {
+    pub(crate) io: UpstreamIo,
     /// The pool of the backend it leads to: it goes back there whatever snapshot the worker
     /// serves by then.
     pool: Rc<BackendPool>,
     /// Came from the pool (so it may have been closed by the backend while idle).
-    pub reused: bool,
+    pub(crate) reused: bool,
     idle_since: Instant,
     fd: RawFd,
 }
@@ -81,7 +81,7 @@ impl UpstreamConn {
     /// Tear the connection down now, even while an operation on it is still in flight in the
     /// kernel: the backend sees the close at once (an in-flight io_uring read would otherwise
     /// keep the socket alive until it completes).
-    pub fn abort(self) {
+    pub(crate) fn abort(self) {
         // SAFETY: `fd` is the live socket owned by `self.io`, which is dropped right after;
         // shutdown does not close or invalidate the descriptor.
         unsafe {
@@ -131,21 +131,21 @@ struct BackendPool {
 /// Per-worker pools for one snapshot's backends, indexed by its backend ids. The pools
 /// themselves are shared with the next snapshot's view for every backend it keeps
 /// ([`Pools::carry_over`]), so a swap does not drop their connections.
-pub struct Pools {
+pub(crate) struct Pools {
     backends: Vec<Rc<BackendPool>>,
     limits: UpstreamLimits,
 }
 
 impl Pools {
     /// Empty pools for `snapshot`'s backends.
-    pub fn new(snapshot: &Snapshot) -> Pools {
+    pub(crate) fn new(snapshot: &Snapshot) -> Pools {
         Pools::build(snapshot, &[])
     }
 
     /// Pools for `snapshot` that keep the pool (and the connections) of every backend it
     /// shares with these. The pools of backends it drops live on while requests of the old
     /// snapshot use them, and close their connections when the old snapshot's pools go.
-    pub fn carry_over(&self, snapshot: &Snapshot) -> Pools {
+    pub(crate) fn carry_over(&self, snapshot: &Snapshot) -> Pools {
         Pools::build(snapshot, &self.backends)
     }
 
@@ -180,7 +180,7 @@ impl Pools {
     }
 
     /// The most recently used idle connection to `backend` that has not idled too long.
-    pub fn checkout(&self, backend: usize) -> Option<UpstreamConn> {
+    pub(crate) fn checkout(&self, backend: usize) -> Option<UpstreamConn> {
         let pool = self.backends.get(backend)?;
         let mut idle = pool.idle.borrow_mut();
         while let Some(mut conn) = idle.pop() {
@@ -195,7 +195,7 @@ impl Pools {
     }
 
     /// Keep `conn` for reuse, in its backend's pool, if that pool is still in use and has room.
-    pub fn checkin(&self, mut conn: UpstreamConn) {
+    pub(crate) fn checkin(&self, mut conn: UpstreamConn) {
         let pool = Rc::clone(&conn.pool);
         let mut idle = pool.idle.borrow_mut();
         if pool.views.get() > 0 && idle.len() < self.limits.max_idle_per_backend {
@@ -220,7 +220,7 @@ impl Drop for Pools {
 
 /// What went wrong with an upstream, for metrics and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UpstreamFault {
+pub(crate) enum UpstreamFault {
     /// The TCP connection could not be made (refused, unreachable).
     Connect,
     /// The TLS handshake failed (unknown issuer, wrong name, …).
@@ -235,7 +235,7 @@ pub enum UpstreamFault {
 
 /// Why no connection to a backend could be had.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ConnectError {
+pub(crate) enum ConnectError {
     /// TCP or TLS failed (`fault` says which), with what the client may be told.
     Failed {
         fault: UpstreamFault,
@@ -248,7 +248,7 @@ pub enum ConnectError {
 }
 
 /// Open a new connection to `backend` (TCP, plus TLS for https), trying its addresses in order.
-pub async fn connect(
+pub(crate) async fn connect(
     pools: &Pools,
     cluster: &Cluster,
     backend: &Backend,

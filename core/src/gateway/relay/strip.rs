@@ -15,7 +15,7 @@ use memchr::memchr2;
 
 /// Drops usage-only events from an event stream, holding back at most one unfinished event.
 #[derive(Debug)]
-pub struct UsageStrip {
+pub(super) struct UsageStrip {
     /// The unfinished event's bytes from earlier reads (empty while none is held).
     held: Vec<u8>,
     max_event: usize,
@@ -35,7 +35,7 @@ pub struct UsageStrip {
 impl UsageStrip {
     /// A filter that holds at most `max_event` bytes of an unfinished event, in `held` (an empty
     /// buffer the caller lends; get it back with [`UsageStrip::into_buffer`]).
-    pub fn new(max_event: usize, mut held: Vec<u8>) -> UsageStrip {
+    pub(super) fn new(max_event: usize, mut held: Vec<u8>) -> UsageStrip {
         held.clear();
         UsageStrip {
             held,
@@ -49,14 +49,14 @@ impl UsageStrip {
     }
 
     /// Give the hold buffer back.
-    pub fn into_buffer(self) -> Vec<u8> {
+    pub(super) fn into_buffer(self) -> Vec<u8> {
         self.held
     }
 
     /// Take the next bytes of the stream: `emit` gets every byte to pass on, in order and never
     /// an empty slice; `is_usage_only` is asked about each event that ends here (its bytes, from
     /// its first line through the blank line that ends it) and drops it by answering true.
-    pub fn feed(
+    pub(super) fn feed(
         &mut self,
         chunk: &[u8],
         mut is_usage_only: impl FnMut(&[u8]) -> bool,
@@ -173,7 +173,7 @@ impl UsageStrip {
     }
 
     /// The stream ended (or was cut): pass on whatever is held, as it arrived.
-    pub fn finish(&mut self, mut emit: impl FnMut(&[u8])) {
+    pub(super) fn finish(&mut self, mut emit: impl FnMut(&[u8])) {
         if !self.held.is_empty() {
             emit(&self.held);
             self.held.clear();

@@ -15,13 +15,13 @@
 //! events longer than the limit are counted in the summary and otherwise skipped; no input
 //! makes it panic or grow without bound.
 
-pub mod sse;
-pub mod usage;
+pub(crate) mod sse;
+pub(crate) mod usage;
 
 use std::time::Instant;
 
-pub use sse::{data_lines, event_data, SseSplitter, DEFAULT_MAX_EVENT};
-pub use usage::{MeterSummary, StreamMeter, UpstreamError, Usage};
+pub(crate) use sse::{event_data, SseSplitter, DEFAULT_MAX_EVENT};
+pub(crate) use usage::{MeterSummary, StreamMeter, Usage};
 
 /// Splitter and meter together, for one event stream at a time. Keep one per worker and
 /// [`reset`](Self::reset) it between responses: its buffers are reused.
@@ -100,6 +100,7 @@ impl SseMeter {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
+    use super::usage::UpstreamError;
     use super::*;
     use std::time::Duration;
 

@@ -17,7 +17,7 @@ use memchr::{memchr, memchr2};
 /// The longest event [`SseSplitter::new`] passes on, in bytes (line endings inside it included,
 /// the blank line that ends it not). Chat chunks are a few hundred bytes; a Responses API
 /// `response.completed` event repeats the whole output and can be far larger.
-pub const DEFAULT_MAX_EVENT: usize = 256 * 1024;
+pub(crate) const DEFAULT_MAX_EVENT: usize = 256 * 1024;
 
 /// Splits an event stream into events across arbitrary read boundaries.
 #[derive(Debug)]
@@ -191,14 +191,14 @@ impl SseSplitter {
 
 /// The values of an event's `data` lines, in order (see [`data_lines`]).
 #[derive(Debug, Clone)]
-pub struct DataLines<'a> {
+pub(crate) struct DataLines<'a> {
     rest: &'a [u8],
 }
 
 /// Iterate the values of the `data` field lines of one event (as [`SseSplitter`] passes it):
 /// `data:x` and `data: x` both give `x`, a bare `data` line gives an empty value; comments and
 /// other fields are skipped.
-pub fn data_lines(event: &[u8]) -> DataLines<'_> {
+pub(crate) fn data_lines(event: &[u8]) -> DataLines<'_> {
     DataLines { rest: event }
 }
 
@@ -240,7 +240,7 @@ impl<'a> Iterator for DataLines<'a> {
 
 /// An event's data: its `data` lines joined with LF, or `None` when it has none. One data line
 /// (the usual case) is returned as a slice of `event`; several are joined into `buf`.
-pub fn event_data<'a>(event: &'a [u8], buf: &'a mut Vec<u8>) -> Option<&'a [u8]> {
+pub(crate) fn event_data<'a>(event: &'a [u8], buf: &'a mut Vec<u8>) -> Option<&'a [u8]> {
     let mut lines = data_lines(event);
     let first = lines.next()?;
     let Some(second) = lines.next() else {

@@ -22,26 +22,26 @@ use simd_json::{Buffers, Node, StaticNode, Tape, INPUT_PADDING};
 /// embeddings response has no completion tokens), except `total_tokens`, which is then the sum.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    pub total_tokens: u64,
-    pub cached_tokens: u64,
-    pub reasoning_tokens: u64,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) completion_tokens: u64,
+    pub(crate) total_tokens: u64,
+    pub(crate) cached_tokens: u64,
+    pub(crate) reasoning_tokens: u64,
 }
 
 /// An error the upstream reported inside a 2xx response (an error event mid-stream).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct UpstreamError {
+pub(crate) struct UpstreamError {
     /// `message`, cut to [`MAX_ERROR_MESSAGE`] bytes.
-    pub message: String,
+    pub(crate) message: String,
     /// `type`, when given.
-    pub kind: Option<String>,
+    pub(crate) kind: Option<String>,
     /// `code`, when given (a number is written out in decimal).
-    pub code: Option<String>,
+    pub(crate) code: Option<String>,
 }
 
 /// Longest error message kept, in bytes.
-pub const MAX_ERROR_MESSAGE: usize = 1024;
+pub(crate) const MAX_ERROR_MESSAGE: usize = 1024;
 
 /// Longest finish reason, error type or code kept, in bytes.
 const MAX_SHORT_FIELD: usize = 128;
@@ -52,37 +52,37 @@ pub struct MeterSummary {
     /// The last usage the upstream reported (some send it on every chunk, cumulatively).
     pub usage: Option<Usage>,
     /// When the first event (of any kind) arrived.
-    pub first_event_at: Option<Instant>,
+    pub(crate) first_event_at: Option<Instant>,
     /// When the first event carrying generated content arrived: time to first token.
-    pub first_content_at: Option<Instant>,
+    pub(crate) first_content_at: Option<Instant>,
     /// When the last event carrying generated content arrived.
-    pub last_content_at: Option<Instant>,
+    pub(crate) last_content_at: Option<Instant>,
     /// Events that carried generated content.
-    pub content_events: u64,
+    pub(crate) content_events: u64,
     /// Bytes of generated content (text, reasoning, tool-call arguments), as decoded UTF-8: the
     /// basis of an estimate when the upstream reports no usage.
-    pub content_bytes: u64,
+    pub(crate) content_bytes: u64,
     /// The last non-null `finish_reason`; for the Responses API, `incomplete_details.reason` or
     /// else the final `status` (`completed`, `incomplete`, `failed`, `cancelled`).
-    pub finish_reason: Option<String>,
+    pub(crate) finish_reason: Option<String>,
     /// The last error the upstream reported in the response.
-    pub error: Option<UpstreamError>,
+    pub(crate) error: Option<UpstreamError>,
     /// A `data: [DONE]` event arrived.
-    pub done: bool,
+    pub(crate) done: bool,
     /// Events with data.
     pub events: u64,
     /// Events whose data was neither JSON nor `[DONE]` (or a body that was not JSON).
-    pub unparsed_events: u64,
+    pub(crate) unparsed_events: u64,
     /// Events skipped because they were too long (filled in by [`super::SseMeter`]).
-    pub oversized_events: u64,
+    pub(crate) oversized_events: u64,
     /// The stream ended inside an event (filled in by [`super::SseMeter`]).
-    pub partial_event: bool,
+    pub(crate) partial_event: bool,
 }
 
 /// Reads usage and timing from one response. Keep one per worker and [`reset`](Self::reset) it
 /// between responses: its parse buffers are reused.
 #[derive(Default)]
-pub struct StreamMeter {
+pub(crate) struct StreamMeter {
     summary: MeterSummary,
     json: JsonScratch,
     /// The generated text itself, up to [`MAX_CAPTURE`] bytes: what a settlement estimate
@@ -92,7 +92,7 @@ pub struct StreamMeter {
 
 /// Generated text kept per response for settlement estimates; beyond it, the estimate scales
 /// by the byte count.
-pub const MAX_CAPTURE: usize = 64 * 1024;
+pub(crate) const MAX_CAPTURE: usize = 64 * 1024;
 
 impl std::fmt::Debug for StreamMeter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -103,34 +103,36 @@ impl std::fmt::Debug for StreamMeter {
 }
 
 impl StreamMeter {
-    pub fn new() -> Self {
+    #[cfg(test)]
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Forget the response, keeping the parse buffers.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.summary = MeterSummary::default();
         self.captured.clear();
     }
 
     /// The generated text seen so far (UTF-8 pieces as decoded; at most [`MAX_CAPTURE`] bytes,
     /// so it may be a prefix of `summary().content_bytes`).
-    pub fn captured(&self) -> &[u8] {
+    pub(crate) fn captured(&self) -> &[u8] {
         &self.captured
     }
 
     /// What has been recorded so far.
-    pub fn summary(&self) -> &MeterSummary {
+    pub(crate) fn summary(&self) -> &MeterSummary {
         &self.summary
     }
 
     /// Take what has been recorded and start over (the parse buffers stay).
-    pub fn take_summary(&mut self) -> MeterSummary {
+    #[cfg(test)]
+    pub(crate) fn take_summary(&mut self) -> MeterSummary {
         std::mem::take(&mut self.summary)
     }
 
     /// The data of one SSE event (see [`super::sse::event_data`]), seen at `now`.
-    pub fn on_data(&mut self, data: &[u8], now: Instant) {
+    pub(crate) fn on_data(&mut self, data: &[u8], now: Instant) {
         let s = &mut self.summary;
         s.events += 1;
         s.first_event_at.get_or_insert(now);
@@ -162,7 +164,7 @@ impl StreamMeter {
     /// A whole non-streamed JSON response body: chat completion, completion, embeddings,
     /// Responses API response, or an error body. Records usage, finish reason, error and the
     /// content bytes (no timing and no content events).
-    pub fn on_json_body(&mut self, body: &[u8]) {
+    pub(crate) fn on_json_body(&mut self, body: &[u8]) {
         let parsed = self.json.parse(body, |nodes| {
             let content = read_document(nodes, &mut self.summary, &mut self.captured);
             let s = &mut self.summary;
@@ -181,7 +183,7 @@ impl StreamMeter {
     /// first, so ordinary chunks (`"usage":null` or no usage at all) are never parsed twice; a
     /// key written with escapes (`"\u0075sage"`) fails the screen, and the chunk is then simply
     /// not recognized.
-    pub fn is_usage_only(&mut self, data: &[u8]) -> bool {
+    pub(crate) fn is_usage_only(&mut self, data: &[u8]) -> bool {
         let doc = data.trim_ascii();
         let empty_array = |v: &[u8]| {
             v.strip_prefix(b"[")
