@@ -252,30 +252,31 @@ async fn attempt<'w>(
         stale: false,
     };
     let limit = deadline.saturating_duration_since(Instant::now());
-    let request =
-        match monoio::time::timeout(limit, conn.io.write_all(request, io.load.direct_writes()))
-            .await
-        {
-            Ok((Ok(_), request)) => request,
-            Ok((Err(e), request)) => {
-                conn.abort();
-                let error = GatewayError::bad_gateway(
-                    UpstreamFault::Io,
-                    format!("could not send to the upstream: {e}"),
-                );
-                return (
-                    Err(AttemptError {
-                        error,
-                        stale: reused,
-                    }),
-                    request,
-                );
-            }
-            Err(_) => {
-                conn.abort();
-                return (Err(timed_out()), Vec::new());
-            }
-        };
+    let request = match conn
+        .io
+        .write_all(request, io.load.direct_writes(), limit)
+        .await
+    {
+        Ok((Ok(_), request)) => request,
+        Ok((Err(e), request)) => {
+            conn.abort();
+            let error = GatewayError::bad_gateway(
+                UpstreamFault::Io,
+                format!("could not send to the upstream: {e}"),
+            );
+            return (
+                Err(AttemptError {
+                    error,
+                    stale: reused,
+                }),
+                request,
+            );
+        }
+        Err(_) => {
+            conn.abort();
+            return (Err(timed_out()), Vec::new());
+        }
+    };
 
     let mut buf = io.bufs.take();
     let mut head = ResponseHead::default();
