@@ -21,6 +21,7 @@ use crate::http::BodyFraming;
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
 use crate::runtime::worker::{Generation, Worker};
+use crate::sys::stream::{self, ReadOutcome};
 
 /// Smallest read buffer; grows as a request needs, shrinks back after it.
 const MIN_READ_BUF: usize = 2048;
@@ -319,9 +320,9 @@ async fn read_head(
         let had_bytes = !rbuf.is_empty();
         let limit = deadline.saturating_duration_since(Instant::now());
         match read_more(client, rbuf, limit).await {
-            ReadOutcome::Data => {}
-            ReadOutcome::Closed | ReadOutcome::Failed if !had_bytes => return Ok(false),
-            ReadOutcome::Closed | ReadOutcome::Failed => {
+            ReadOutcome::Data(_) => {}
+            ReadOutcome::Closed | ReadOutcome::Failed(_) if !had_bytes => return Ok(false),
+            ReadOutcome::Closed | ReadOutcome::Failed(_) => {
                 return Err(GatewayError::bad_http(
                     "connection closed inside a request head",
                 ))
@@ -409,44 +410,22 @@ async fn read_body_bytes(
     limit: Duration,
 ) -> Result<(), GatewayError> {
     match read_more(client, rbuf, limit).await {
-        ReadOutcome::Data => Ok(()),
+        ReadOutcome::Data(_) => Ok(()),
         ReadOutcome::TimedOut => Err(GatewayError::timeout_client(
             "timed out reading the request body",
         )),
-        ReadOutcome::Closed | ReadOutcome::Failed => Err(GatewayError::bad_http(
+        ReadOutcome::Closed | ReadOutcome::Failed(_) => Err(GatewayError::bad_http(
             "connection closed inside a request body",
         )),
     }
 }
 
-enum ReadOutcome {
-    Data,
-    Closed,
-    TimedOut,
-    Failed,
-}
-
-/// Append one read's worth of bytes to `rbuf`.
+/// Append one read's worth of bytes to `rbuf`: with room for at least 1 KB, doubling the
+/// buffer when it is short.
 async fn read_more(client: &mut ClientSocket, rbuf: &mut Vec<u8>, limit: Duration) -> ReadOutcome {
-    if rbuf.capacity() - rbuf.len() < 1024 {
-        rbuf.reserve(rbuf.capacity().max(MIN_READ_BUF));
-    }
-    let buf = std::mem::take(rbuf);
-    let len = buf.len();
-    let cap = buf.capacity();
-    let read = client.read(monoio::buf::IoBufMut::slice_mut(buf, len..cap));
-    match monoio::time::timeout(limit, read).await {
-        Ok((res, slice)) => {
-            *rbuf = slice.into_inner();
-            match res {
-                Ok(0) => ReadOutcome::Closed,
-                Ok(_) => ReadOutcome::Data,
-                Err(_) => ReadOutcome::Failed,
-            }
-        }
-        // The buffer went with the cancelled read; the connection is closing anyway.
-        Err(_) => ReadOutcome::TimedOut,
-    }
+    let grow = rbuf.capacity().max(MIN_READ_BUF);
+    // On a timeout the buffer goes with the cancelled read; the connection is closing anyway.
+    stream::read_spare(rbuf, 1024, grow, limit, |b| client.read(b)).await
 }
 
 /// Answer a connection over the worker's cap with 503 and close it.
