@@ -4,7 +4,8 @@
 //!
 //! Layers, lowest first; each may import only the layers below it (checked by
 //! `core/tests/layers.rs`):
-//! - [`sys`]: socket syscalls the runtime does not offer. Imports nothing of the crate.
+//! - [`sys`]: socket syscalls the runtime does not offer, and the owned-buffer I/O steps built
+//!   on them that the client and upstream sides share. Imports nothing of the crate.
 //! - [`http`]: RFC 9112 parsing and framing, its own errors and limits.
 //! - [`openai`]: wire knowledge without I/O: inspection, SSE metering, token estimates.
 //! - [`config`]: raw serde types → resolvers → the validated snapshot; leaf types.
@@ -14,8 +15,10 @@
 //! - [`runtime`]: threads, per-core state, the connection loop: the only caller of the pipeline.
 
 mod sys {
-    //! Socket syscalls monoio does not offer (non-blocking send / recv / peek on a raw fd).
+    //! Socket syscalls monoio does not offer (non-blocking send / recv / peek on a raw fd), and
+    //! the owned-buffer I/O steps over monoio streams that the client and upstream sides share.
     pub(crate) mod sock;
+    pub(crate) mod stream;
     pub(crate) mod time;
 }
 

@@ -10,8 +10,8 @@ use std::cell::{Cell, RefCell};
 use std::io;
 use std::time::{Duration, Instant};
 
-use monoio::buf::{IoBuf, IoBufMut};
-use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+use monoio::buf::IoBufMut;
+use monoio::io::AsyncReadRent;
 use monoio::net::TcpStream;
 
 use crate::config::{Snapshot, Timeouts};
@@ -19,7 +19,7 @@ use crate::gateway::observe::{LogSink, ObservationPool};
 use crate::http::request::RequestHead;
 use crate::limits::shard::LimiterShard;
 use crate::openai::inspect::Inspector;
-use crate::sys::sock;
+use crate::sys::{sock, stream};
 use crate::telemetry::metrics::MetricsShard;
 use crate::upstream::Pools;
 
@@ -53,17 +53,8 @@ impl ClientSocket {
         limit: Duration,
         direct: bool,
     ) -> (io::Result<()>, Vec<u8>) {
-        let sent = if direct {
-            match sock::send_now(self.fd(), &buf) {
-                Ok(n) if n == buf.len() => return (Ok(()), buf),
-                Ok(n) => n,
-                Err(e) => return (Err(e), buf),
-            }
-        } else {
-            0
-        };
-        match monoio::time::timeout(limit, self.stream.write_all(buf.slice(sent..))).await {
-            Ok((res, slice)) => (res.map(|_| ()), slice.into_inner()),
+        match stream::write_all(&mut self.stream, buf, direct, limit).await {
+            Ok(written) => written,
             Err(_) => (
                 Err(io::Error::new(
                     io::ErrorKind::TimedOut,

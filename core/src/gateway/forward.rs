@@ -20,6 +20,7 @@ use crate::gateway::route::Target;
 use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
+use crate::sys::stream::{self, ReadOutcome};
 use crate::telemetry::metrics::InFlight;
 use crate::upstream::{connect, UpstreamConn};
 
@@ -275,30 +276,31 @@ async fn attempt<'w>(
         stale: false,
     };
     let limit = deadline.saturating_duration_since(Instant::now());
-    let request =
-        match monoio::time::timeout(limit, conn.io.write_all(request, io.load.direct_writes()))
-            .await
-        {
-            Ok((Ok(_), request)) => request,
-            Ok((Err(e), request)) => {
-                conn.abort();
-                let error = GatewayError::bad_gateway(
-                    UpstreamFault::Io,
-                    format!("could not send to the upstream: {e}"),
-                );
-                return (
-                    Err(AttemptError {
-                        error,
-                        stale: reused,
-                    }),
-                    request,
-                );
-            }
-            Err(_) => {
-                conn.abort();
-                return (Err(timed_out()), Vec::new());
-            }
-        };
+    let request = match conn
+        .io
+        .write_all(request, io.load.direct_writes(), limit)
+        .await
+    {
+        Ok((Ok(_), request)) => request,
+        Ok((Err(e), request)) => {
+            conn.abort();
+            let error = GatewayError::bad_gateway(
+                UpstreamFault::Io,
+                format!("could not send to the upstream: {e}"),
+            );
+            return (
+                Err(AttemptError {
+                    error,
+                    stale: reused,
+                }),
+                request,
+            );
+        }
+        Err(_) => {
+            conn.abort();
+            return (Err(timed_out()), Vec::new());
+        }
+    };
 
     let mut buf = io.bufs.take();
     let mut head = ResponseHead::default();
@@ -347,54 +349,32 @@ async fn attempt<'w>(
                 }
             }
         }
-        if buf.capacity() - buf.len() < 4096 {
-            buf.reserve(16 * 1024);
-        }
         let len = buf.len();
-        let cap = buf.capacity();
         let limit = deadline.saturating_duration_since(Instant::now());
-        let read = conn
-            .io
-            .read(monoio::buf::IoBufMut::slice_mut(buf, len..cap));
-        let (res, slice) = match monoio::time::timeout(limit, read).await {
-            Ok(r) => r,
-            Err(_) => {
-                conn.abort();
-                return (Err(timed_out()), request);
-            }
-        };
-        buf = slice.into_inner();
-        let n = match res {
-            Ok(n) => n,
-            Err(e) => {
-                conn.abort();
-                let error = GatewayError::bad_gateway(
+        let error =
+            match stream::read_spare(&mut buf, 4096, 16 * 1024, limit, |b| conn.io.read(b)).await {
+                ReadOutcome::Data(_) => continue,
+                ReadOutcome::TimedOut => {
+                    conn.abort();
+                    return (Err(timed_out()), request);
+                }
+                ReadOutcome::Failed(e) => GatewayError::bad_gateway(
                     UpstreamFault::Io,
                     format!("upstream connection failed: {e}"),
-                );
-                return (
-                    Err(AttemptError {
-                        error,
-                        stale: reused && len == 0,
-                    }),
-                    request,
-                );
-            }
-        };
-        if n == 0 {
-            conn.abort();
-            let error = GatewayError::bad_gateway(
-                UpstreamFault::Io,
-                "the upstream closed the connection without a response",
-            );
-            return (
-                Err(AttemptError {
-                    error,
-                    stale: reused && len == 0,
-                }),
-                request,
-            );
-        }
+                ),
+                ReadOutcome::Closed => GatewayError::bad_gateway(
+                    UpstreamFault::Io,
+                    "the upstream closed the connection without a response",
+                ),
+            };
+        conn.abort();
+        return (
+            Err(AttemptError {
+                error,
+                stale: reused && len == 0,
+            }),
+            request,
+        );
     }
 }
 

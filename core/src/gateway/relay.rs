@@ -30,6 +30,7 @@ use crate::http::reason;
 use crate::http::response::ResponseHead;
 use crate::http::{is_hop_by_hop, BodyFraming};
 use crate::openai::meter::DEFAULT_MAX_EVENT;
+use crate::sys::stream::{self, ReadOutcome};
 use crate::upstream::UpstreamConn;
 
 mod strip;
@@ -380,16 +381,12 @@ impl Relay<'_, '_> {
     /// client socket only while this waits, never across a write.
     async fn read_upstream(&mut self, watching: &mut bool) -> Result<usize, Cut> {
         self.ubuf.clear();
-        if self.ubuf.capacity() < 16 * 1024 {
-            self.ubuf.reserve(16 * 1024);
-        }
-        let cap = self.ubuf.capacity();
-        let mut read = pin!(monoio::time::timeout(
+        let mut read = pin!(stream::read_spare(
+            &mut self.ubuf,
+            16 * 1024,
+            16 * 1024,
             self.io.timeouts.stream_idle,
-            self.conn.io.read(monoio::buf::IoBufMut::slice_mut(
-                std::mem::take(&mut self.ubuf),
-                0..cap
-            )),
+            |b| self.conn.io.read(b),
         ));
         let client = &*self.client;
         let mut watch = pin!(client.readable());
@@ -410,18 +407,15 @@ impl Relay<'_, '_> {
             }
         };
         match read_result {
-            Err(_) => Err(Cut::Upstream(GatewayError::gateway_timeout(
+            ReadOutcome::Data(n) => Ok(n),
+            ReadOutcome::Closed => Ok(0),
+            ReadOutcome::TimedOut => Err(Cut::Upstream(GatewayError::gateway_timeout(
                 "the upstream stream stalled",
             ))),
-            Ok((res, slice)) => {
-                self.ubuf = slice.into_inner();
-                res.map_err(|e| {
-                    Cut::Upstream(GatewayError::bad_gateway(
-                        UpstreamFault::Io,
-                        format!("upstream connection failed mid-response: {e}"),
-                    ))
-                })
-            }
+            ReadOutcome::Failed(e) => Err(Cut::Upstream(GatewayError::bad_gateway(
+                UpstreamFault::Io,
+                format!("upstream connection failed mid-response: {e}"),
+            ))),
         }
     }
 

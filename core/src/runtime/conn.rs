@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use monoio::net::TcpStream;
 
+use crate::config::Timeouts;
 use crate::gateway::context::{ClientSocket, Request};
 use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::gateway::pipeline;
@@ -21,6 +22,7 @@ use crate::http::BodyFraming;
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
 use crate::runtime::worker::{Generation, Worker};
+use crate::sys::stream::{self, ReadOutcome};
 
 /// Smallest read buffer; grows as a request needs, shrinks back after it.
 const MIN_READ_BUF: usize = 2048;
@@ -55,6 +57,10 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::Socket
     let mut first_request = true;
     loop {
         if state.rbuf.is_empty() {
+            // Between requests no generation is held: this wait belongs to the connection, not
+            // to a request, so it follows the worker's current snapshot (a swap changes the next
+            // wait, never a running request's limits). The request that follows takes its own
+            // generation in `serve_request` and keeps it to its end.
             let timeouts = worker.snapshot().timeouts;
             let idle_limit = if first_request {
                 timeouts.header_read
@@ -89,7 +95,8 @@ async fn serve_request(
 ) -> bool {
     let _active = worker.load.enter();
     // The generation (config snapshot and what is built from it) this request runs on to its
-    // end, whatever the worker swaps in meanwhile.
+    // end, whatever the worker swaps in meanwhile: taken once, here, and the source of every
+    // limit the request uses (reads, its `PerCore`, the responses written here).
     let generation = worker.current();
     let limits = &generation.snapshot.http;
     let timeouts = &generation.snapshot.timeouts;
@@ -105,7 +112,7 @@ async fn serve_request(
         Ok(true) => {}
         Ok(false) => return false,
         Err(e) => {
-            let _ = write_error(worker, client, &e, false, false).await;
+            let _ = write_error(worker, client, timeouts, &e, false, false).await;
             return false;
         }
     }
@@ -163,7 +170,8 @@ async fn read_body_and_dispatch(
     {
         Ok(consumed) => consumed,
         Err(e) => {
-            let _ = write_error(worker, client, &e, false, head.method == Method::Head).await;
+            let head_only = head.method == Method::Head;
+            let _ = write_error(worker, client, &snapshot.timeouts, &e, false, head_only).await;
             return None;
         }
     };
@@ -194,6 +202,7 @@ async fn dispatch(
 ) -> bool {
     let head = request.head;
     let head_only = head.method == Method::Head;
+    let timeouts = &generation.snapshot.timeouts;
     let path = head.path(request.buf);
     let result = match path {
         _ if Endpoint::from_path(path).is_some() => {
@@ -236,42 +245,57 @@ async fn dispatch(
                 }
                 _ => &generation.models_body,
             };
-            write_json(worker, client, 200, body, head.keep_alive, head_only).await
+            write_json(
+                worker,
+                client,
+                timeouts,
+                200,
+                body,
+                head.keep_alive,
+                head_only,
+            )
+            .await
         }
-        Err(e) => write_error(worker, client, &e, head.keep_alive, head_only).await,
+        Err(e) => write_error(worker, client, timeouts, &e, head.keep_alive, head_only).await,
     }
 }
 
-/// Write an error response. Returns whether the connection may be kept.
+/// Write an error response, within `timeouts.stream_idle` (the request's own timeouts, or the
+/// current snapshot's outside a request). Returns whether the connection may be kept.
 pub(crate) async fn write_error(
     worker: &Worker,
     client: &mut ClientSocket,
+    timeouts: &Timeouts,
     error: &GatewayError,
     keep_alive: bool,
     head_only: bool,
 ) -> bool {
     let mut out = worker.bufs.take();
     error.write_response(&mut out, keep_alive, head_only);
-    send_own(worker, client, out).await && error.keeps_connection(keep_alive)
+    send_own(worker, client, timeouts, out).await && error.keeps_connection(keep_alive)
 }
 
 /// Write a response Sluice built itself into a pool buffer, and give the buffer back.
 /// Returns whether the write went through.
-async fn send_own(worker: &Worker, client: &mut ClientSocket, out: Vec<u8>) -> bool {
+async fn send_own(
+    worker: &Worker,
+    client: &mut ClientSocket,
+    timeouts: &Timeouts,
+    out: Vec<u8>,
+) -> bool {
     let (res, out) = client
-        .write_all(
-            out,
-            worker.snapshot().timeouts.stream_idle,
-            worker.load.direct_writes(),
-        )
+        .write_all(out, timeouts.stream_idle, worker.load.direct_writes())
         .await;
     worker.bufs.give(out);
     res.is_ok()
 }
 
+/// Write a JSON response, within the request's `timeouts.stream_idle`. Returns whether the
+/// connection may be kept.
 async fn write_json(
     worker: &Worker,
     client: &mut ClientSocket,
+    timeouts: &Timeouts,
     status: u16,
     body: &[u8],
     keep_alive: bool,
@@ -291,7 +315,7 @@ async fn write_json(
     if !head_only {
         out.extend_from_slice(body);
     }
-    send_own(worker, client, out).await && keep_alive
+    send_own(worker, client, timeouts, out).await && keep_alive
 }
 
 /// Read until a complete head is in `rbuf`; the client has already sent something (or closed).
@@ -319,9 +343,9 @@ async fn read_head(
         let had_bytes = !rbuf.is_empty();
         let limit = deadline.saturating_duration_since(Instant::now());
         match read_more(client, rbuf, limit).await {
-            ReadOutcome::Data => {}
-            ReadOutcome::Closed | ReadOutcome::Failed if !had_bytes => return Ok(false),
-            ReadOutcome::Closed | ReadOutcome::Failed => {
+            ReadOutcome::Data(_) => {}
+            ReadOutcome::Closed | ReadOutcome::Failed(_) if !had_bytes => return Ok(false),
+            ReadOutcome::Closed | ReadOutcome::Failed(_) => {
                 return Err(GatewayError::bad_http(
                     "connection closed inside a request head",
                 ))
@@ -409,49 +433,29 @@ async fn read_body_bytes(
     limit: Duration,
 ) -> Result<(), GatewayError> {
     match read_more(client, rbuf, limit).await {
-        ReadOutcome::Data => Ok(()),
+        ReadOutcome::Data(_) => Ok(()),
         ReadOutcome::TimedOut => Err(GatewayError::timeout_client(
             "timed out reading the request body",
         )),
-        ReadOutcome::Closed | ReadOutcome::Failed => Err(GatewayError::bad_http(
+        ReadOutcome::Closed | ReadOutcome::Failed(_) => Err(GatewayError::bad_http(
             "connection closed inside a request body",
         )),
     }
 }
 
-enum ReadOutcome {
-    Data,
-    Closed,
-    TimedOut,
-    Failed,
-}
-
-/// Append one read's worth of bytes to `rbuf`.
+/// Append one read's worth of bytes to `rbuf`: with room for at least 1 KB, doubling the
+/// buffer when it is short.
 async fn read_more(client: &mut ClientSocket, rbuf: &mut Vec<u8>, limit: Duration) -> ReadOutcome {
-    if rbuf.capacity() - rbuf.len() < 1024 {
-        rbuf.reserve(rbuf.capacity().max(MIN_READ_BUF));
-    }
-    let buf = std::mem::take(rbuf);
-    let len = buf.len();
-    let cap = buf.capacity();
-    let read = client.read(monoio::buf::IoBufMut::slice_mut(buf, len..cap));
-    match monoio::time::timeout(limit, read).await {
-        Ok((res, slice)) => {
-            *rbuf = slice.into_inner();
-            match res {
-                Ok(0) => ReadOutcome::Closed,
-                Ok(_) => ReadOutcome::Data,
-                Err(_) => ReadOutcome::Failed,
-            }
-        }
-        // The buffer went with the cancelled read; the connection is closing anyway.
-        Err(_) => ReadOutcome::TimedOut,
-    }
+    let grow = rbuf.capacity().max(MIN_READ_BUF);
+    // On a timeout the buffer goes with the cancelled read; the connection is closing anyway.
+    stream::read_spare(rbuf, 1024, grow, limit, |b| client.read(b)).await
 }
 
 /// Answer a connection over the worker's cap with 503 and close it.
 pub(crate) async fn refuse_overloaded(worker: Rc<Worker>, stream: TcpStream) {
     let mut client = ClientSocket::new(stream);
     let e = GatewayError::overloaded("too many connections; retry shortly");
-    let _ = write_error(&worker, &mut client, &e, false, false).await;
+    // No request runs here: the answer is written on the current snapshot's limits.
+    let timeouts = worker.snapshot().timeouts;
+    let _ = write_error(&worker, &mut client, &timeouts, &e, false, false).await;
 }

@@ -13,11 +13,12 @@ use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use monoio::buf::{IoBuf, IoBufMut};
+use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
+use monoio::time::error::Elapsed;
 use rustls_pki_types::ServerName;
 
 use crate::config::{Backend, Cluster, Snapshot, Timeouts, UpstreamLimits};
@@ -36,30 +37,20 @@ impl UpstreamIo {
         }
     }
 
-    /// Write all of `buf`. With `direct`, a plain connection first tries straight to the socket
-    /// (the gateway decides: few requests in flight favour latency, many favour the ring).
+    /// Write all of `buf` within `limit`. With `direct`, a plain connection first tries
+    /// straight to the socket (the gateway decides: few requests in flight favour latency, many
+    /// favour the ring). `Err(Elapsed)`: `limit` passed, and the buffer went with the write.
     pub(crate) async fn write_all(
         &mut self,
         buf: Vec<u8>,
         direct: bool,
-    ) -> (std::io::Result<()>, Vec<u8>) {
+        limit: Duration,
+    ) -> Result<(io::Result<()>, Vec<u8>), Elapsed> {
         match self {
-            UpstreamIo::Plain(s) => {
-                let sent = if direct {
-                    match crate::sys::sock::send_now(s.as_raw_fd(), &buf) {
-                        Ok(n) if n == buf.len() => return (Ok(()), buf),
-                        Ok(n) => n,
-                        Err(e) => return (Err(e), buf),
-                    }
-                } else {
-                    0
-                };
-                let (res, slice) = s.write_all(buf.slice(sent..)).await;
-                (res.map(|_| ()), slice.into_inner())
-            }
+            UpstreamIo::Plain(s) => crate::sys::stream::write_all(s, buf, direct, limit).await,
             UpstreamIo::Tls(s) => {
-                let (res, buf) = s.write_all(buf).await;
-                (res.map(|_| ()), buf)
+                let (res, buf) = monoio::time::timeout(limit, s.write_all(buf)).await?;
+                Ok((res.map(|_| ()), buf))
             }
         }
     }
