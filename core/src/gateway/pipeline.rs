@@ -249,10 +249,7 @@ mod tests {
         let mut inspection = Inspection::default();
         let mut caller = Caller::default();
         let mut obs = Observation::default();
-        let mut runtime = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
-            .enable_timer()
-            .build()
-            .unwrap();
+        let mut runtime = runtime();
         let decided = runtime.block_on(async {
             let sync = crate::limits::run_sync(
                 per_core.limiter,
@@ -296,6 +293,14 @@ mod tests {
             error_headers,
             retry_after,
         }
+    }
+
+    /// A runtime with timers (admission may wait for a lease), no I/O.
+    fn runtime() -> monoio::Runtime<monoio::time::TimeDriver<monoio::LegacyDriver>> {
+        monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap()
     }
 
     const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
@@ -376,10 +381,7 @@ mod tests {
         let mut inspection = Inspection::default();
         let mut caller = Caller::default();
         let mut obs = Observation::default();
-        let mut runtime = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
-            .enable_timer()
-            .build()
-            .unwrap();
+        let mut runtime = runtime();
         let decided = runtime.block_on(admit_request(
             core.per_core(),
             &request,
