@@ -65,6 +65,7 @@ mod gateway {
 mod runtime {
     //! Worker threads, per-core state and the connection loop.
     pub(crate) mod conn;
+    pub(crate) mod control;
     pub(crate) mod server;
     pub(crate) mod worker;
 }

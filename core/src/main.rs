@@ -7,7 +7,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const USAGE: &str = "\
 usage:
-  sluice --config FILE          run the gateway
+  sluice --config FILE          run the gateway (SIGHUP reloads FILE; SIGTERM stops)
   sluice check --config FILE    validate a config file and exit (non-zero on errors)
   sluice logs FILE... [--follow] print access-log files as JSON lines (--follow: keep
                                 reading the last file as it grows, across rotation)
@@ -65,7 +65,8 @@ fn main() -> ExitCode {
         println!("config ok");
         return ExitCode::SUCCESS;
     }
-    match sluice::run(snapshot) {
+    // Reloads (SIGHUP, POST /admin/reload) read this same file again.
+    match sluice::run(snapshot, std::path::PathBuf::from(path)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sluice: {e}");

@@ -1430,6 +1430,35 @@ impl Sluice {
         Conn::open(self.addr)
     }
 
+    /// Send `signal` (e.g. `libc::SIGHUP`) to the sluice process.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid; it touches no memory.
+        let rc = unsafe { libc::kill(self.pid() as i32, signal) };
+        assert_eq!(rc, 0, "kill({}, {signal})", self.pid());
+    }
+
+    /// Replace the config file sluice was started with (what a reload reads) by `config`.
+    pub fn rewrite_config(&self, config: &Config) {
+        std::fs::write(&self.config_path, config.to_toml()).expect("rewrite the config file");
+    }
+
+    /// Replace the config file by `text` as written.
+    pub fn rewrite_config_text(&self, text: &str) {
+        std::fs::write(&self.config_path, text).expect("rewrite the config file");
+    }
+
+    /// `POST /admin/reload` with `token` as the bearer token (none: no `Authorization`).
+    pub fn admin_reload(&self, token: Option<&str>) -> Response {
+        let mut req = Req::post("/admin/reload", "");
+        if let Some(t) = token {
+            req = req.header("Authorization", &format!("Bearer {t}"));
+        }
+        let mut c = Conn::open(self.admin_addr());
+        c.set_timeout(Duration::from_secs(40));
+        c.send(&req.build());
+        c.read_response_to("POST")
+    }
+
     /// Send one request on a fresh connection and read the response.
     pub fn request(&self, req: &Req) -> Response {
         let mut c = self.conn();

@@ -55,6 +55,16 @@ pub fn digest(key: &[u8]) -> [u8; 32] {
     out
 }
 
+/// Equal in time independent of where the inputs differ: for comparing a presented secret's
+/// digest with a stored one (API keys, the admin token).
+pub(crate) fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let mut diff = 0u8;
+    for i in 0..32 {
+        diff |= a[i] ^ b[i];
+    }
+    std::hint::black_box(diff) == 0
+}
+
 /// Lowercase hex of a digest (what `sluice key hash` prints).
 pub fn hex(digest: &[u8; 32]) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";

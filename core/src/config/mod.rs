@@ -118,6 +118,8 @@ const SECTIONS: [&str; 12] = [
 #[serde(deny_unknown_fields)]
 struct RawAdmin {
     listen: String,
+    /// The environment variable holding the bearer token `POST /admin/reload` requires.
+    token_env: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -318,6 +320,8 @@ pub struct Snapshot {
     pub(crate) backend_count: usize,
     /// Where the admin listener (metrics, health) binds, if anywhere.
     pub(crate) admin_listen: Option<SocketAddr>,
+    /// SHA-256 of the bearer token `POST /admin/reload` requires (`None`: no reload over HTTP).
+    pub(crate) admin_token_digest: Option<[u8; 32]>,
     pub(crate) access_log: Option<AccessLogSettings>,
     /// Prices per model name, per million tokens.
     pub(crate) prices: BTreeMap<String, Price>,
@@ -326,7 +330,7 @@ pub struct Snapshot {
     pub(crate) limits: Arc<limits::LimitsConfig>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AccessLogSettings {
     pub(crate) dir: PathBuf,
     pub(crate) max_file_bytes: u64,
@@ -843,6 +847,9 @@ fn validate(
     let admin_listen = admin
         .as_ref()
         .and_then(|a| resolve_admin(a, server_listen, &mut err));
+    let admin_token_digest = admin
+        .as_ref()
+        .and_then(|a| resolve_admin_token(a, env, &mut err));
     let access_log = access_log.as_ref().map(|l| resolve_access_log(l, &mut err));
     let prices = resolve_pricing(&pricing, &mut err);
     let limits_read = !failed.contains("limits");
@@ -860,10 +867,62 @@ fn validate(
         routes,
         backend_count: clusters.backend_count,
         admin_listen,
+        admin_token_digest,
         access_log,
         prices,
         limits: Arc::new(limits),
     })
+}
+
+impl Snapshot {
+    /// For a reload: keep `running`'s values of the settings a running process cannot change
+    /// (the listeners, the worker threads, the admin token, the limits sync backend and its
+    /// cadence), so every worker sees one coherent config; returns the keys whose new values
+    /// wait for a restart. Everything else — keys, policies, plans, routes, clusters, prices,
+    /// timeouts, limits, the access log — is the new file's.
+    pub(crate) fn keep_restart_only(&mut self, running: &Snapshot) -> Vec<&'static str> {
+        let mut kept = Vec::new();
+        let server = &running.server;
+        if self.server.listen != server.listen {
+            kept.push("server.listen");
+        }
+        if self.server.workers != server.workers {
+            kept.push("server.workers");
+        }
+        if self.server.pin_workers != server.pin_workers {
+            kept.push("server.pin_workers");
+        }
+        self.server.listen = server.listen;
+        self.server.workers = server.workers;
+        self.server.pin_workers = server.pin_workers;
+        if self.admin_listen != running.admin_listen {
+            kept.push("admin.listen");
+        }
+        if self.admin_token_digest != running.admin_token_digest {
+            kept.push("admin.token_env");
+        }
+        self.admin_listen = running.admin_listen;
+        self.admin_token_digest = running.admin_token_digest;
+        let (new, old) = (&self.limits.sync, &running.limits.sync);
+        let sync_changed = new.redis != old.redis
+            || new.interval != old.interval
+            || new.timeout != old.timeout
+            || new.nodes != old.nodes;
+        if sync_changed {
+            kept.push(
+                "limits.redis / limits.sync_interval_ms / limits.sync_timeout_ms / limits.nodes",
+            );
+            let limits = Arc::make_mut(&mut self.limits);
+            limits.sync.redis = old.redis.clone();
+            limits.sync.interval = old.interval;
+            limits.sync.timeout = old.timeout;
+            limits.sync.nodes = old.nodes;
+        }
+        if self.limits.sync.workers != old.workers {
+            Arc::make_mut(&mut self.limits).sync.workers = old.workers;
+        }
+        kept
+    }
 }
 
 /// `server.workers`, with 0 meaning one per core.
@@ -1270,6 +1329,34 @@ fn resolve_admin(
         );
     }
     Some(listen)
+}
+
+/// The digest of the admin bearer token, read from the variable `admin.token_env` names: a
+/// variable that is unset, empty or shorter than 16 characters is an error (a guessable token
+/// would let anyone who reaches the port change the config).
+fn resolve_admin_token(
+    raw: &RawAdmin,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: &mut dyn FnMut(String, String),
+) -> Option<[u8; 32]> {
+    let var = raw.token_env.as_deref()?;
+    match env(var) {
+        Some(token) if token.trim().len() >= 16 => Some(limits::digest(token.trim().as_bytes())),
+        Some(_) => {
+            err(
+                "admin.token_env".into(),
+                format!("`{var}` holds fewer than 16 characters; use a long random token"),
+            );
+            None
+        }
+        None => {
+            err(
+                "admin.token_env".into(),
+                format!("the environment variable `{var}` is not set"),
+            );
+            None
+        }
+    }
 }
 
 fn resolve_access_log(

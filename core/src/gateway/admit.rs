@@ -31,7 +31,7 @@ use crate::gateway::observe::{Outcome, UsageSource};
 use crate::gateway::relay::RelayEnd;
 use crate::limits::shard::{Ask, LimiterShard, Permit, RateHeaders, Refusal, RefusalKind};
 use crate::openai::inspect::Inspection;
-use crate::telemetry::metrics::MetricsShard;
+use crate::telemetry::metrics::MetricsView;
 
 /// Who called and what the limiter said, for metrics and the access log.
 #[derive(Debug, Default)]
@@ -76,14 +76,8 @@ impl Caller<'_> {
         }
     }
 
-    pub(crate) fn refused(&mut self, metrics: &MetricsShard, cfg: &LimitsConfig, refusal: Refusal) {
-        let names = metrics.names();
-        let policy = match refusal.policy {
-            Some(p) => names.policy_at(p),
-            // Quota refusals count under the last label, `quota`.
-            None => names.policy_at(cfg.policies.len()),
-        };
-        metrics.limiter_hit(policy, refusal.dimension);
+    pub(crate) fn refused(&mut self, metrics: MetricsView<'_>, refusal: Refusal) {
+        metrics.limiter_hit(metrics.labels.policy(refusal.policy), refusal.dimension);
         self.refusal = Some(refusal);
     }
 }
@@ -92,7 +86,7 @@ impl Caller<'_> {
 /// when some limit applies).
 pub(crate) async fn admit(
     limiter: &RefCell<LimiterShard>,
-    metrics: &MetricsShard,
+    metrics: MetricsView<'_>,
     cfg: &LimitsConfig,
     principal: Option<Principal<'_>>,
     inspection: &Inspection,
@@ -124,7 +118,7 @@ pub(crate) async fn admit(
 /// Ask the shard for every reservation, waiting at most `lease_wait` for a lease.
 async fn reserve(
     limiter: &RefCell<LimiterShard>,
-    metrics: &MetricsShard,
+    metrics: MetricsView<'_>,
     cfg: &LimitsConfig,
     principal: Option<Principal<'_>>,
     inspection: &Inspection,
@@ -138,9 +132,8 @@ async fn reserve(
         max_tokens: inspection.max_tokens,
         n: inspection.n,
     };
-    let names = metrics.names();
     let mut matched = |policy: usize, dimension: LimitDimension| {
-        metrics.limiter_match(names.policy_at(policy), dimension);
+        metrics.limiter_match(metrics.labels.policy(Some(policy)), dimension);
     };
     let first = limiter
         .borrow_mut()

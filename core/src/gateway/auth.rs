@@ -22,14 +22,7 @@ use crate::openai::json::truncate;
 
 pub(crate) use crate::config::limits::digest;
 
-/// Equal in time independent of where the inputs differ.
-fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    let mut diff = 0u8;
-    for i in 0..32 {
-        diff |= a[i] ^ b[i];
-    }
-    std::hint::black_box(diff) == 0
-}
+use crate::config::limits::constant_time_eq;
 
 /// The key the request presents, if any: the `Bearer` token of `Authorization`, or `x-api-key`.
 fn presented_key<'a>(request: &Request<'a>) -> Result<Option<&'a [u8]>, GatewayError> {

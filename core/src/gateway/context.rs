@@ -20,7 +20,9 @@ use crate::http::request::RequestHead;
 use crate::limits::shard::LimiterShard;
 use crate::openai::inspect::Inspector;
 use crate::sys::{sock, stream};
-use crate::telemetry::metrics::MetricsShard;
+use crate::telemetry::metrics::MetricsView;
+#[cfg(test)]
+use crate::telemetry::metrics::{MetricsShard, SnapshotLabels};
 use crate::upstream::Pools;
 
 /// The client connection. It has one owner (the connection loop), which lends it to the
@@ -168,7 +170,7 @@ pub(crate) struct Io<'w> {
     pub(crate) bufs: &'w BufPool,
     pub(crate) load: &'w Load,
     pub(crate) timeouts: &'w Timeouts,
-    pub(crate) metrics: &'w MetricsShard,
+    pub(crate) metrics: MetricsView<'w>,
 }
 
 /// One request's loan of its worker's per-core state: the config snapshot the request runs on
@@ -179,7 +181,8 @@ pub struct PerCore<'w> {
     pub(crate) snapshot: &'w Snapshot,
     pub(crate) pools: &'w Pools,
     pub(crate) limiter: &'w RefCell<LimiterShard>,
-    pub(crate) metrics: &'w MetricsShard,
+    /// The worker's metrics shard, with the request's snapshot's label map.
+    pub(crate) metrics: MetricsView<'w>,
     pub(crate) bufs: &'w BufPool,
     pub(crate) load: &'w Load,
     pub(crate) inspector: &'w RefCell<Inspector>,
@@ -212,6 +215,7 @@ pub(crate) mod testing {
         pools: Pools,
         pub(crate) limiter: RefCell<LimiterShard>,
         pub(crate) metrics: MetricsShard,
+        labels: SnapshotLabels,
         bufs: BufPool,
         load: Load,
         inspector: RefCell<Inspector>,
@@ -225,6 +229,7 @@ pub(crate) mod testing {
             let snapshot = crate::config::load(config, &|_| None).unwrap();
             let hub = crate::telemetry::metrics::MetricsHub::for_snapshot(&snapshot);
             OwnedCore {
+                labels: SnapshotLabels::new(hub.names(), &snapshot),
                 pools: Pools::new(&snapshot),
                 limiter: RefCell::new(LimiterShard::new(&snapshot.limits, "test-0".into())),
                 metrics: MetricsShard::new(&hub),
@@ -243,7 +248,10 @@ pub(crate) mod testing {
                 snapshot: &self.snapshot,
                 pools: &self.pools,
                 limiter: &self.limiter,
-                metrics: &self.metrics,
+                metrics: MetricsView {
+                    shard: &self.metrics,
+                    labels: &self.labels,
+                },
                 bufs: &self.bufs,
                 load: &self.load,
                 inspector: &self.inspector,

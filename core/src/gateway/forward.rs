@@ -215,7 +215,7 @@ pub(crate) async fn send<'w>(
     mut request: Vec<u8>,
 ) -> (Result<UpstreamResponse<'w>, GatewayError>, ForwardTimings) {
     let timeouts = io.timeouts;
-    let backend = io.metrics.names().backend_at(target.backend.id);
+    let backend = io.metrics.labels.backend(target.backend.id);
     let mut fresh_only = false;
     let mut timings = ForwardTimings {
         started_at: Some(Instant::now()),
@@ -242,7 +242,7 @@ pub(crate) async fn send<'w>(
             }
         };
         let deadline = Instant::now() + timeouts.upstream_first_byte;
-        let in_flight = io.metrics.upstream_in_flight(backend);
+        let in_flight = io.metrics.shard.upstream_in_flight(backend);
         let (result, returned) = attempt(io, conn, in_flight, request, deadline).await;
         request = returned;
         match result {

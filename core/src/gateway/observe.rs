@@ -22,7 +22,7 @@ use crate::openai::inspect::Inspection;
 use crate::openai::meter::{SseMeter, Usage};
 use crate::telemetry::accesslog::UsageSource as LogUsageSource;
 use crate::telemetry::accesslog::{AccessLog, AccessRecord};
-use crate::telemetry::metrics::MetricsShard;
+use crate::telemetry::metrics::MetricsView;
 use crate::telemetry::metrics::{Attempt, EntityIdx, StatusClass, UpstreamErrorKind};
 
 /// Observation state (meter buffers included) lent to one request at a time and given back, so
@@ -359,7 +359,7 @@ fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str 
 #[allow(clippy::too_many_arguments)] // each is one value the record needs; a struct would only rename them
 pub(crate) fn emit(
     snapshot: &Snapshot,
-    metrics: &MetricsShard,
+    metrics: MetricsView<'_>,
     log: &LogSink,
     request: &Request<'_>,
     inspection: &Inspection,
@@ -379,7 +379,7 @@ pub(crate) fn emit(
     let model = names.model(&inspection.model);
     let entity = key
         .and_then(|k| k.entity)
-        .map_or(EntityIdx::OTHER, |e| names.entity_at(e));
+        .map_or(EntityIdx::OTHER, |e| m.labels.entity(e));
     m.request_done(route, model, entity, StatusClass::from_status(status));
     if outcome.usage_source != UsageSource::None {
         let u = &outcome.usage;
@@ -403,7 +403,7 @@ pub(crate) fn emit(
     m.observe_latency(route, model, outcome.latency);
     m.observe_overhead(route, outcome.overhead);
     if let Some((_, backend_id)) = obs.routed {
-        let backend = names.backend_at(backend_id);
+        let backend = m.labels.backend(backend_id);
         if obs.forward.started_at.is_some() {
             m.upstream_request(backend, Attempt::First);
             for _ in 0..obs.forward.retries {

@@ -128,7 +128,7 @@ pub(crate) async fn admit_request<'s>(
         Ok(admission) => Ok((candidates, admission)),
         Err(rejection) => {
             let mut error = admit::refusal_error(limits, &rejection.refusal);
-            caller.refused(core.metrics, limits, rejection.refusal);
+            caller.refused(core.metrics, rejection.refusal);
             let mut lines = String::new();
             rejection.headers.write(&mut lines);
             error.add_headers(&lines);

@@ -279,11 +279,85 @@ pub(crate) struct LimiterShard {
     exchanging: bool,
     /// When the last exchange was prepared (unix ms), to scale use to a whole interval.
     last_prepare_ms: u64,
+    /// Budgets are keyed by stable ids of the names they count for, not by config positions,
+    /// so a reload that adds, removes or reorders policies, keys or plans keeps every other
+    /// budget — its lease, its spend and the reservations of requests in flight.
+    ids: StableIds,
+}
+
+/// Stable ids for the names budgets are keyed by, and the current config's positions mapped to
+/// them (a vector index per lookup on the request path).
+#[derive(Default)]
+struct StableIds {
+    /// Every name met so far (policies, keys, entities, plans): a handful per config entry,
+    /// growing only with names that reloads add.
+    interned: HashMap<String, u32>,
+    policies: Vec<u32>,
+    keys: Vec<u32>,
+    entities: Vec<u32>,
+    /// Per key, per plan.
+    plans: Vec<Vec<u32>>,
+}
+
+impl StableIds {
+    fn intern(&mut self, kind: char, name: &str) -> u32 {
+        let name = format!("{kind}\0{name}");
+        let next = self.interned.len() as u32;
+        *self.interned.entry(name).or_insert(next)
+    }
+
+    /// Map `cfg`'s positions to stable ids, naming new ones as they come.
+    fn assign(&mut self, cfg: &LimitsConfig) {
+        let policies: Vec<u32> = cfg
+            .policies
+            .iter()
+            .map(|p| self.intern('p', &p.id))
+            .collect();
+        let keys: Vec<u32> = cfg.keys.iter().map(|k| self.intern('k', &k.id)).collect();
+        let entities: Vec<u32> = cfg.entities.iter().map(|e| self.intern('e', e)).collect();
+        let plans: Vec<Vec<u32>> = cfg
+            .keys
+            .iter()
+            .map(|k| {
+                k.plans
+                    .iter()
+                    .map(|p| self.intern('q', &format!("{}\0{}", k.id, p.id)))
+                    .collect()
+            })
+            .collect();
+        *self = StableIds {
+            interned: std::mem::take(&mut self.interned),
+            policies,
+            keys,
+            entities,
+            plans,
+        };
+    }
+
+    fn policy(&self, index: usize) -> u32 {
+        self.policies.get(index).copied().unwrap_or(NO_SUBJECT)
+    }
+    fn key(&self, index: KeyIdx) -> u32 {
+        self.keys.get(index).copied().unwrap_or(NO_SUBJECT)
+    }
+    fn entity(&self, index: usize) -> u32 {
+        self.entities.get(index).copied().unwrap_or(NO_SUBJECT)
+    }
+    fn plan(&self, key: KeyIdx, index: usize) -> u32 {
+        self.plans
+            .get(key)
+            .and_then(|p| p.get(index))
+            .copied()
+            .unwrap_or(NO_SUBJECT)
+    }
 }
 
 impl LimiterShard {
     pub(crate) fn new(cfg: &LimitsConfig, node: String) -> LimiterShard {
+        let mut ids = StableIds::default();
+        ids.assign(cfg);
         LimiterShard {
+            ids,
             node,
             prefix: cfg.sync.prefix().to_string(),
             budgets: IdMap::default(),
@@ -301,6 +375,63 @@ impl LimiterShard {
             in_flight: Vec::new(),
             exchanging: false,
             last_prepare_ms: 0,
+        }
+    }
+
+    /// Follow a reloaded config: its positions map to the same budgets by name, budgets already
+    /// met take its limits at once, and the sync settings a shard applies (lease TTL, what to
+    /// do while the backend is down) are its. Budgets of policies, keys or plans it no longer
+    /// has are kept for the requests that reserved from them and for their spend to reach the
+    /// ledger; nothing admits against them again. (Ledger key prefix, sync backend and
+    /// interval are not reloadable: the reload reports them.)
+    pub(crate) fn reconfigure(&mut self, cfg: &LimitsConfig, now_ms: u64) {
+        self.ids.assign(cfg);
+        self.lease_ttl = cfg.sync.lease_ttl;
+        self.down_share = u64::from(cfg.sync.nodes.max(1)) * u64::from(cfg.sync.workers.max(1));
+        self.down_allow = cfg.sync.on_down == DownPolicy::Allow;
+        let policies: HashMap<u32, &Policy> = self
+            .ids
+            .policies
+            .iter()
+            .copied()
+            .zip(&cfg.policies)
+            .collect();
+        let mut plans: HashMap<(u32, u32), &Plan> = HashMap::new();
+        for (k, key) in cfg.keys.iter().enumerate() {
+            for (i, plan) in key.plans.iter().enumerate() {
+                plans.insert((self.ids.key(k), self.ids.plan(k, i)), plan);
+            }
+        }
+        for (id, budget) in &mut self.budgets {
+            match id.kind {
+                KIND_PLAN => {
+                    if let Some(tokens) = plans.get(&(id.owner, id.subject)).and_then(|p| p.tokens)
+                    {
+                        budget.limit = tokens;
+                    }
+                }
+                KIND_CONCURRENCY => {
+                    if let Some(max) = policies.get(&id.owner).and_then(|p| p.concurrency) {
+                        budget.limit = max;
+                    }
+                }
+                kind => {
+                    let policy = policies.get(&id.owner);
+                    let rate = if kind == KIND_REQUESTS {
+                        policy.and_then(|p| p.requests)
+                    } else {
+                        policy.and_then(|p| p.tokens)
+                    };
+                    // Only within the same window length: a budget of another length is an
+                    // old window, ending on its own.
+                    if let (Some(new), Some((old, start))) = (rate, budget.rate) {
+                        if new.window == old.window {
+                            budget.rate = Some((new, start));
+                            budget.limit = new.allowance(start, now_ms);
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -452,11 +583,11 @@ impl LimiterShard {
     fn subject(&mut self, per: Per, a: Admission<'_>) -> u32 {
         match per {
             Per::Global => 0,
-            Per::Key => a.ask.key.map_or(NO_SUBJECT, |k| k as u32),
+            Per::Key => a.ask.key.map_or(NO_SUBJECT, |k| self.ids.key(k)),
             Per::Entity => a
                 .key
                 .and_then(|k| k.entity)
-                .map_or(NO_SUBJECT, |e| e as u32),
+                .map_or(NO_SUBJECT, |e| self.ids.entity(e)),
             Per::Model => self.model_subject(a.ask.model),
         }
     }
@@ -475,7 +606,7 @@ impl LimiterShard {
         let window = a.now_ms.checked_div(window_ms).unwrap_or(0);
         let id = BudgetId {
             kind: limit.kind,
-            owner: p as u32,
+            owner: self.ids.policy(p),
             subject,
             window,
         };
@@ -588,8 +719,8 @@ impl LimiterShard {
         let (period, start_s, end_s) = period_of(plan, now_s);
         let id = BudgetId {
             kind: KIND_PLAN,
-            owner: key_idx as u32,
-            subject: index as u32,
+            owner: self.ids.key(key_idx),
+            subject: self.ids.plan(key_idx, index),
             window: period,
         };
         if !self.budgets.contains_key(&id) {
@@ -1120,6 +1251,81 @@ mod tests {
     use super::tests_support::*;
     use super::*;
     use crate::limits::ledger::InProcessLedger;
+
+    #[test]
+    fn a_reconfigured_shard_keeps_each_budget_under_its_name() {
+        let key = |id: &str| {
+            let sha = crate::config::limits::hex(&crate::config::limits::digest(id.as_bytes()));
+            format!("[[keys]]\nid = \"{id}\"\nsha256 = \"{sha}\"\n")
+        };
+        let policy = |id: &str, max: u64| {
+            format!("[[policies]]\nid = \"{id}\"\nper = \"key\"\nmax_requests = {max}\nrequests_window_secs = 3600\n")
+        };
+        let load = |rest: String| {
+            let text = format!(
+                "[clusters.main]\nbackends = [{{ base_url = \"http://127.0.0.1:9/v1\" }}]\n\
+                 [[routes]]\nmodel = \"m\"\ncluster = \"main\"\n{rest}"
+            );
+            crate::config::load(&text, &|_| None).unwrap().limits
+        };
+        // Before: alice is key 0, policy `a` is policy 0. After: bob first, `b` before `a`, and
+        // `a` raised to 4.
+        let old = load(format!("{}{}{}", key("alice"), key("bob"), policy("a", 3)));
+        let new = load(format!(
+            "{}{}{}{}",
+            key("bob"),
+            key("alice"),
+            policy("b", 100),
+            policy("a", 4)
+        ));
+        let ledger = InProcessLedger::new();
+        let mut shards = vec![LimiterShard::new(&old, "n0".into())];
+        let admit = |shards: &mut Vec<LimiterShard>, cfg: &LimitsConfig, key: usize| {
+            let ask = Ask {
+                key: Some(key),
+                ..ask(1)
+            };
+            for _ in 0..10 {
+                let mut p = Permit::default();
+                match shards[0].try_admit(cfg, &ask, &mut p, &mut |_, _| {}) {
+                    Ok(()) => {
+                        shards[0].settle(&mut p, 1);
+                        return true;
+                    }
+                    Err(r) if r.kind == RefusalKind::NeedLease => {
+                        sync_all(shards, &ledger, &[0]);
+                    }
+                    Err(_) => return false,
+                }
+            }
+            false
+        };
+        assert!(admit(&mut shards, &old, 0));
+        assert!(admit(&mut shards, &old, 0));
+        shards[0].reconfigure(&new, unix_ms());
+        // Alice (now key 1) once more: counted under `b` and under `a`, each its own budget.
+        assert!(admit(&mut shards, &new, 1));
+        let mut batch = Vec::new();
+        shards[0].prepare(unix_ms(), Duration::from_millis(50), &mut batch);
+        let budget = |name: &str| {
+            let found: Vec<&BudgetSync> = batch.iter().filter(|b| b.key.contains(name)).collect();
+            assert_eq!(found.len(), 1, "{name}: {batch:?}");
+            (found[0].spent, found[0].limit)
+        };
+        assert_eq!(
+            budget(":p:a:k:alice}"),
+            (3, 4),
+            "a's spend kept, its new limit taken"
+        );
+        assert_eq!(budget(":p:b:k:alice}"), (1, 100));
+        assert!(
+            !batch.iter().any(|b| b.key.contains("bob")),
+            "bob made no request: {batch:?}"
+        );
+        // One more for alice under `a` (4 of 4), then refused.
+        assert!(admit(&mut shards, &new, 1));
+        assert!(!admit(&mut shards, &new, 1));
+    }
 
     #[test]
     fn quota_reservations_never_pass_the_balance_across_cores() {

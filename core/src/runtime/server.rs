@@ -4,8 +4,10 @@
 //! listener per worker (after checking that no other process holds the port — SO_REUSEPORT
 //! would otherwise silently share it), starts one thread per worker pinned to a core, each with
 //! its own monoio runtime (io_uring, or epoll when io_uring is unavailable or
-//! `MONOIO_FORCE_LEGACY_DRIVER=1`), logs the address and the driver, and serves until the process
-//! is stopped. Returns an error when the port is taken or a runtime cannot start.
+//! `MONOIO_FORCE_LEGACY_DRIVER=1`), logs the address and the driver, and then becomes the control
+//! thread: it waits for signals (a thread of its own takes them with `sigwait`; every other
+//! thread has them blocked) and admin requests, and hands workers their commands
+//! (`runtime::control`). Returns an error when the port is taken or a runtime cannot start.
 
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
@@ -53,8 +55,22 @@ impl Driver {
     }
 }
 
-/// Run the gateway until the process is stopped.
-pub fn run(snapshot: Snapshot) -> io::Result<()> {
+/// What the control thread is told.
+pub(crate) enum ControlEvent {
+    /// SIGTERM or SIGINT.
+    Stop,
+    /// SIGHUP (`None`), or `POST /admin/reload` (where to send the outcome).
+    Reload(Option<mpsc::Sender<crate::telemetry::admin::ReloadReply>>),
+}
+
+/// Run the gateway on `snapshot`, read from `config_path` (read again on reload), until it is
+/// stopped.
+pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()> {
+    // First, before any thread starts: every thread inherits the mask, so only the signal
+    // thread ever takes these signals.
+    let signals = block_control_signals()?;
+    let (events_tx, events_rx) = mpsc::channel::<ControlEvent>();
+    spawn_signal_thread(signals, events_tx.clone())?;
     raise_fd_limit();
     if snapshot.limits.settle_tokenizer == crate::config::limits::SettleTokenizer::Tiktoken {
         // Building the BPE tables takes a while: do it before serving, not on a request.
@@ -75,11 +91,21 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
     let ready = Arc::new(AtomicBool::new(false));
     let admin = match snapshot.admin_listen {
         // Its error names the address.
-        Some(admin_addr) => Some(spawn_admin(
-            admin_addr,
-            Arc::clone(&hub),
-            Arc::clone(&ready),
-        )?),
+        Some(admin_addr) => {
+            let events = events_tx.clone();
+            let reload: crate::telemetry::admin::ReloadHook = Box::new(move |reply| {
+                let _ = events.send(ControlEvent::Reload(Some(reply)));
+            });
+            Some(spawn_admin(
+                admin_addr,
+                Arc::clone(&hub),
+                Arc::clone(&ready),
+                Some(crate::telemetry::admin::AdminControl {
+                    reload,
+                    token_digest: snapshot.admin_token_digest,
+                }),
+            )?)
+        }
         None => None,
     };
     let workers = snapshot.server.workers;
@@ -92,7 +118,10 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
     let ledger = crate::limits::ledger::InProcessLedger::new();
     let (ready_tx, ready_rx) = mpsc::channel::<io::Result<Driver>>();
     let mut handles = Vec::with_capacity(workers);
+    let mut controls = Vec::with_capacity(workers);
     for (id, listener) in listeners.into_iter().enumerate() {
+        let (control_tx, control) = crate::runtime::control::channel()?;
+        controls.push(control_tx);
         let ready = ready_tx.clone();
         let pin = snapshot.server.pin_workers.then_some(id % cores);
         let own = snapshot.clone();
@@ -122,6 +151,7 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
                         hub,
                         access_log,
                         ledger,
+                        control,
                     },
                     ready,
                 )
@@ -146,11 +176,251 @@ pub fn run(snapshot: Snapshot) -> io::Result<()> {
         driver.name()
     );
     if let Some(admin) = admin {
-        eprintln!("sluice: admin listening on {admin} (/metrics, /healthz, /readyz)");
+        eprintln!(
+            "sluice: admin listening on {admin} (/metrics, /healthz, /readyz, /admin/reload)"
+        );
     }
+    drop(events_tx);
+    let control = Control {
+        config_path,
+        snapshot,
+        workers: controls,
+        ready,
+        hub,
+    };
+    control.run(events_rx);
     for h in handles {
         let _ = h.join();
     }
+    Ok(())
+}
+
+/// The control thread's state: what it needs to reload and to stop.
+struct Control {
+    config_path: std::path::PathBuf,
+    /// The snapshot the workers were last given.
+    snapshot: Snapshot,
+    workers: Vec<crate::runtime::control::ControlSender>,
+    ready: Arc<AtomicBool>,
+    hub: Arc<MetricsHub>,
+}
+
+/// How long a reload waits for every worker to take the new snapshot (a worker takes it
+/// between two of its tasks' steps, so this is a wedged worker's bound, not a normal wait).
+const SWAP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Control {
+    /// Handle events until the workers are stopped.
+    fn run(mut self, events: mpsc::Receiver<ControlEvent>) {
+        while let Ok(event) = events.recv() {
+            match event {
+                ControlEvent::Reload(reply) => self.reload(reply),
+                ControlEvent::Stop => {
+                    // Graceful drain: to do. Until then, a stop ends the process at once.
+                    self.ready.store(false, Ordering::Release);
+                    std::process::exit(0);
+                }
+            }
+        }
+    }
+
+    /// Read the config file again, validate all of it, and hand every worker the new snapshot;
+    /// an invalid file changes nothing. Logs one line and counts the outcome, and answers
+    /// `reply` (the admin request) with a JSON report.
+    fn reload(&mut self, reply: Option<mpsc::Sender<crate::telemetry::admin::ReloadReply>>) {
+        let started = std::time::Instant::now();
+        let outcome = self.try_reload();
+        let took_ms = started.elapsed().as_millis();
+        let now_s = crate::sys::time::unix_ms() / 1000;
+        let (status, body) = match outcome {
+            Ok(applied) => {
+                self.hub.record_reload(true, now_s);
+                let restart = if applied.restart_only.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; not applied until a restart: {}",
+                        applied.restart_only.join(", ")
+                    )
+                };
+                eprintln!(
+                    "sluice: reload applied (config sha256 {}, {} workers, {took_ms} ms){restart}",
+                    applied.sha256, applied.workers
+                );
+                for w in &applied.warnings {
+                    eprintln!("sluice: reload warning: {w}");
+                }
+                let body = serde_json::json!({
+                    "status": "applied",
+                    "config_sha256": applied.sha256,
+                    "workers": applied.workers,
+                    "restart_required": applied.restart_only,
+                    "warnings": applied.warnings,
+                });
+                (200, body)
+            }
+            Err(rejected) => {
+                self.hub.record_reload(false, now_s);
+                eprintln!(
+                    "sluice: reload rejected (config sha256 {}): {} error(s); the running config stays",
+                    rejected.sha256,
+                    rejected.errors.len()
+                );
+                for e in &rejected.errors {
+                    eprintln!("sluice: reload error: {e}");
+                }
+                let body = serde_json::json!({
+                    "status": "rejected",
+                    "config_sha256": rejected.sha256,
+                    "errors": rejected.errors,
+                });
+                (rejected.status, body)
+            }
+        };
+        if let Some(reply) = reply {
+            let _ = reply.send(crate::telemetry::admin::ReloadReply {
+                status,
+                body: body.to_string(),
+            });
+        }
+    }
+
+    fn try_reload(&mut self) -> Result<Applied, Rejected> {
+        let text = std::fs::read_to_string(&self.config_path).map_err(|e| Rejected {
+            status: 500,
+            sha256: String::new(),
+            errors: vec![format!("cannot read {}: {e}", self.config_path.display())],
+        })?;
+        let sha256 = crate::config::limits::hex(&crate::config::limits::digest(text.as_bytes()));
+        let loaded = crate::config::load_with_warnings(&text, &|k| std::env::var(k).ok());
+        let warnings: Vec<String> = loaded.warnings.iter().map(ToString::to_string).collect();
+        let mut snapshot = loaded.snapshot.map_err(|errors| Rejected {
+            status: 422,
+            sha256: sha256.clone(),
+            errors: errors.iter().map(ToString::to_string).collect(),
+        })?;
+        let restart_only = snapshot.keep_restart_only(&self.snapshot);
+        // Log files are opened here, off the workers; a directory that cannot be used rejects
+        // the whole reload (the old writers keep writing).
+        let access_logs = if snapshot.access_log != self.snapshot.access_log {
+            let mut logs = Vec::with_capacity(self.workers.len());
+            for id in 0..self.workers.len() {
+                logs.push(match &snapshot.access_log {
+                    Some(settings) => Some(
+                        AccessLog::open(&AccessLogConfig::from(settings), id as u32).map_err(
+                            |e| Rejected {
+                                status: 422,
+                                sha256: sha256.clone(),
+                                errors: vec![format!(
+                                    "access_log: cannot open {}: {e}",
+                                    settings.dir.display()
+                                )],
+                            },
+                        )?,
+                    ),
+                    None => None,
+                });
+            }
+            Some(logs)
+        } else {
+            None
+        };
+        let (done_tx, done_rx) = mpsc::channel();
+        let mut sent = 0;
+        let mut logs = access_logs.map(Vec::into_iter);
+        for worker in &self.workers {
+            let to = crate::runtime::control::SwapTo {
+                snapshot: snapshot.clone(),
+                access_log: logs.as_mut().map(|l| l.next().flatten()),
+                done: done_tx.clone(),
+            };
+            if worker
+                .send(crate::runtime::control::Command::Swap(Box::new(to)))
+                .is_ok()
+            {
+                sent += 1;
+            }
+        }
+        let deadline = std::time::Instant::now() + SWAP_DEADLINE;
+        let mut swapped = 0;
+        while swapped < sent {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match done_rx.recv_timeout(left) {
+                Ok(_) => swapped += 1,
+                Err(_) => break,
+            }
+        }
+        self.snapshot = snapshot;
+        if swapped < self.workers.len() {
+            eprintln!(
+                "sluice: reload: {swapped} of {} workers confirmed the new config in time",
+                self.workers.len()
+            );
+        }
+        Ok(Applied {
+            sha256,
+            workers: swapped,
+            restart_only,
+            warnings,
+        })
+    }
+}
+
+/// A reload that is serving.
+struct Applied {
+    sha256: String,
+    /// Workers that confirmed the swap.
+    workers: usize,
+    /// Settings whose new values wait for a restart.
+    restart_only: Vec<&'static str>,
+    warnings: Vec<String>,
+}
+
+/// A reload that changed nothing, and why.
+struct Rejected {
+    status: u16,
+    sha256: String,
+    errors: Vec<String>,
+}
+
+/// Block SIGTERM, SIGINT and SIGHUP in this thread (and so in every thread it starts); returns
+/// the set, for [`spawn_signal_thread`].
+fn block_control_signals() -> io::Result<libc::sigset_t> {
+    // SAFETY: sigset_t is plain data that sigemptyset initialises; pthread_sigmask only reads
+    // the set and changes this thread's mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut set, sig);
+        }
+        let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        Ok(set)
+    }
+}
+
+/// A thread that takes the blocked signals one at a time and tells the control thread.
+fn spawn_signal_thread(set: libc::sigset_t, events: mpsc::Sender<ControlEvent>) -> io::Result<()> {
+    std::thread::Builder::new()
+        .name("sluice-signals".into())
+        .spawn(move || loop {
+            let mut sig: libc::c_int = 0;
+            // SAFETY: `set` is an initialised signal set; sigwait writes the signal taken.
+            let rc = unsafe { libc::sigwait(&set, &mut sig) };
+            if rc != 0 {
+                continue;
+            }
+            let event = match sig {
+                libc::SIGHUP => ControlEvent::Reload(None),
+                _ => ControlEvent::Stop,
+            };
+            if events.send(event).is_err() {
+                return;
+            }
+        })?;
     Ok(())
 }
 
@@ -194,6 +464,8 @@ struct WorkerSetup {
     access_log: Option<AccessLog>,
     /// The process's shared in-process ledger (used unless limits live in Redis).
     ledger: crate::limits::ledger::InProcessLedger,
+    /// Where the control thread's commands arrive.
+    control: crate::runtime::control::ControlReceiver,
 }
 
 fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
@@ -205,6 +477,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         hub,
         access_log,
         ledger,
+        control,
     } = setup;
     if let Some(core) = pin {
         pin_to_core(core);
@@ -232,9 +505,8 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         };
         let worker = Rc::new(Worker::new(id, snapshot, hub, access_log));
         monoio::spawn(publish_metrics(Rc::clone(&worker)));
-        if worker.log.writer.borrow().is_some() {
-            monoio::spawn(flush_access_log(Rc::clone(&worker)));
-        }
+        // Always: a reload may turn the access log on.
+        monoio::spawn(flush_access_log(Rc::clone(&worker)));
         let limits = Arc::clone(&worker.snapshot().limits);
         if crate::limits::any_limits(&limits) {
             match limits.sync.redis.clone() {
@@ -265,14 +537,44 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
                 }
             }
         }
+        let commanded = Rc::clone(&worker);
+        monoio::spawn(control.serve(move |command| obey(&commanded, command)));
         let _ = ready.send(Ok(driver));
         accept_loop(worker, listener).await;
     });
 }
 
+/// Carry out one command from the control thread.
+fn obey(worker: &Rc<Worker>, command: crate::runtime::control::Command) {
+    use crate::runtime::control::Command;
+    match command {
+        Command::Swap(to) => {
+            let crate::runtime::control::SwapTo {
+                snapshot,
+                access_log,
+                done,
+            } = *to;
+            worker
+                .limiter
+                .borrow_mut()
+                .reconfigure(&snapshot.limits, crate::sys::time::unix_ms());
+            if let Some(writer) = access_log {
+                // The old writer's records are flushed before it closes: none is lost.
+                let old = worker.log.writer.replace(writer);
+                if let Some(old) = old {
+                    old.close();
+                }
+            }
+            worker.swap_snapshot(Rc::new(snapshot));
+            let _ = done.send(worker.id);
+        }
+    }
+}
+
 async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener) {
-    let max = worker.snapshot().server.max_connections_per_worker;
     loop {
+        // The current snapshot's cap: it reloads.
+        let max = worker.snapshot().server.max_connections_per_worker;
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
             Err(_) => {
@@ -309,13 +611,14 @@ async fn publish_metrics(worker: Rc<Worker>) {
 }
 
 async fn flush_access_log(worker: Rc<Worker>) {
-    let interval = worker
-        .log
-        .writer
-        .borrow()
-        .as_ref()
-        .map_or(METRICS_PUBLISH_INTERVAL, AccessLog::flush_interval);
     loop {
+        // The current writer's interval: a reload may change it, or turn logging on or off.
+        let interval = worker
+            .log
+            .writer
+            .borrow()
+            .as_ref()
+            .map_or(METRICS_PUBLISH_INTERVAL, AccessLog::flush_interval);
         monoio::time::sleep(interval).await;
         if let Some(log) = worker.log.writer.borrow_mut().as_mut() {
             log.flush_if_due(std::time::Instant::now());

@@ -11,7 +11,9 @@ use crate::gateway::observe::{LogSink, ObservationPool};
 use crate::limits::shard::LimiterShard;
 use crate::openai::inspect::Inspector;
 use crate::telemetry::accesslog::AccessLog;
-use crate::telemetry::metrics::{MetricsHub, MetricsShard};
+use crate::telemetry::metrics::{
+    LabelNames, MetricsHub, MetricsShard, MetricsView, SnapshotLabels,
+};
 use crate::upstream::Pools;
 
 /// What a worker serves new requests on: a config snapshot and what is built from it. A request
@@ -23,12 +25,15 @@ pub struct Generation {
     pub(crate) pools: Pools,
     /// The `/v1/models` response body.
     pub(crate) models_body: Vec<u8>,
+    /// The snapshot's positions mapped to the metrics hub's label slots.
+    pub(crate) labels: SnapshotLabels,
 }
 
 impl Generation {
-    fn new(snapshot: Rc<Snapshot>, pools: Pools) -> Generation {
+    fn new(snapshot: Rc<Snapshot>, pools: Pools, names: &LabelNames) -> Generation {
         Generation {
             models_body: crate::gateway::models::list_body(&snapshot),
+            labels: SnapshotLabels::new(names, &snapshot),
             snapshot,
             pools,
         }
@@ -69,7 +74,7 @@ impl Worker {
         let seed = (std::process::id() as u64) << 32 | (id as u64 + 1);
         Worker {
             id,
-            current: RefCell::new(Rc::new(Generation::new(snapshot, pools))),
+            current: RefCell::new(Rc::new(Generation::new(snapshot, pools, hub.names()))),
             inspector: RefCell::new(Inspector::default()),
             rng: Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
             bufs: BufPool::new(16 * 1024, 256),
@@ -99,7 +104,7 @@ impl Worker {
     /// snapshot that reorders or changes policies needs them re-keyed first (left to reload).
     pub fn swap_snapshot(&self, snapshot: Rc<Snapshot>) {
         let pools = self.current.borrow().pools.carry_over(&snapshot);
-        *self.current.borrow_mut() = Rc::new(Generation::new(snapshot, pools));
+        *self.current.borrow_mut() = Rc::new(Generation::new(snapshot, pools, self.hub.names()));
     }
 
     /// What one request borrows of this worker, on `generation` (the one it started on).
@@ -108,7 +113,10 @@ impl Worker {
             snapshot: &generation.snapshot,
             pools: &generation.pools,
             limiter: &self.limiter,
-            metrics: &self.metrics,
+            metrics: MetricsView {
+                shard: &self.metrics,
+                labels: &generation.labels,
+            },
             bufs: &self.bufs,
             load: &self.load,
             inspector: &self.inspector,

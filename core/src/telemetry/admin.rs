@@ -1,4 +1,5 @@
-//! The admin listener: `GET /metrics`, `GET /healthz`, `GET /readyz` on their own port.
+//! The admin listener: `GET /metrics`, `GET /healthz`, `GET /readyz` and `POST /admin/reload`
+//! on their own port.
 //!
 //! Runs beside the workers, never on them: one plain std thread blocks in `accept`, and each
 //! connection gets a short-lived thread of its own (at most [`MAX_CONNECTIONS`] at once; past that
@@ -13,8 +14,9 @@
 //! | `GET /metrics` | 200, `text/plain; version=0.0.4`, every family summed over workers |
 //! | `GET /healthz` | 200 `ok` while the process runs |
 //! | `GET /readyz` | 200 `ready` once the flag is true, else 503 `not ready` |
-//! | `HEAD` of any of them | the same head, no body |
-//! | another path | 404; another method: 405 with `Allow: GET, HEAD`; a bad head: 400 |
+//! | `POST /admin/reload` | reload the config file: 200 and a JSON report when the new config is serving, 422 and its errors when it is invalid (the old one keeps serving); 401 without the bearer token `admin.token_env` names, 403 when none is configured |
+//! | `HEAD` of the `GET`s | the same head, no body |
+//! | another path | 404; another method: 405 with `Allow`; a bad head: 400 |
 
 // The admin listener runs on its own plain thread with blocking sockets, never on a worker.
 #![allow(clippy::disallowed_methods)]
@@ -22,7 +24,7 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -40,6 +42,26 @@ pub(crate) const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 const TEXT: &str = "text/plain; charset=utf-8";
 
+/// How long `POST /admin/reload` waits for the reload's outcome.
+pub(crate) const RELOAD_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The outcome of a reload, as the control thread reports it: the status and JSON body to
+/// answer with.
+pub(crate) struct ReloadReply {
+    pub(crate) status: u16,
+    pub(crate) body: String,
+}
+
+/// Asks the control thread for a reload; the outcome comes back on the sender it is given.
+pub(crate) type ReloadHook = Box<dyn Fn(mpsc::Sender<ReloadReply>) + Send + Sync>;
+
+/// What `POST /admin/reload` needs: the hook, and the SHA-256 of the bearer token callers must
+/// present (`None`: no token configured, so reloading over HTTP is refused).
+pub(crate) struct AdminControl {
+    pub(crate) reload: ReloadHook,
+    pub(crate) token_digest: Option<[u8; 32]>,
+}
+
 /// Bind `addr` (port 0 picks a free port) and serve the admin endpoints on a background thread
 /// for the life of the process. Returns the bound address; a bind failure is returned, never
 /// logged and ignored.
@@ -47,14 +69,27 @@ pub(crate) fn spawn_admin(
     addr: SocketAddr,
     hub: Arc<MetricsHub>,
     ready: Arc<AtomicBool>,
+    control: Option<AdminControl>,
 ) -> io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr)
         .map_err(|e| io::Error::new(e.kind(), format!("cannot bind admin listener {addr}: {e}")))?;
     let local = listener.local_addr()?;
+    let shared = Arc::new(Shared {
+        hub,
+        ready,
+        control,
+    });
     thread::Builder::new()
         .name("sluice-admin".into())
-        .spawn(move || accept_loop(listener, hub, ready))?;
+        .spawn(move || accept_loop(listener, shared))?;
     Ok(local)
+}
+
+/// What every admin connection reads.
+struct Shared {
+    hub: Arc<MetricsHub>,
+    ready: Arc<AtomicBool>,
+    control: Option<AdminControl>,
 }
 
 /// Releases a connection's place when its thread ends (or fails to start).
@@ -66,7 +101,7 @@ impl Drop for Place {
     }
 }
 
-fn accept_loop(listener: TcpListener, hub: Arc<MetricsHub>, ready: Arc<AtomicBool>) {
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let active = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         let stream = match conn {
@@ -92,13 +127,12 @@ fn accept_loop(listener: TcpListener, hub: Arc<MetricsHub>, ready: Arc<AtomicBoo
             continue;
         }
         let place = Place(Arc::clone(&active));
-        let hub = Arc::clone(&hub);
-        let ready = Arc::clone(&ready);
+        let shared = Arc::clone(&shared);
         let spawned = thread::Builder::new()
             .name("sluice-admin-conn".into())
             .spawn(move || {
                 let _place = place;
-                serve(stream, &hub, &ready);
+                serve(stream, &shared);
             });
         if let Err(e) = spawned {
             eprintln!("sluice: admin connection thread failed to start: {e}");
@@ -108,7 +142,12 @@ fn accept_loop(listener: TcpListener, hub: Arc<MetricsHub>, ready: Arc<AtomicBoo
 
 /// What the head asked for.
 enum Parsed {
-    Request { method: Method, path: String },
+    Request {
+        method: Method,
+        path: String,
+        /// The `Authorization` header's value, when there is one.
+        authorization: Option<String>,
+    },
     Bad,
 }
 
@@ -116,11 +155,12 @@ enum Parsed {
 enum Method {
     Get,
     Head,
+    Post,
     Other,
 }
 
 /// Read one request head and answer it. Errors just close the connection.
-fn serve(mut stream: TcpStream, hub: &MetricsHub, ready: &AtomicBool) {
+fn serve(mut stream: TcpStream, shared: &Shared) {
     let _ = stream.set_nodelay(true);
     if stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
         return;
@@ -136,8 +176,12 @@ fn serve(mut stream: TcpStream, hub: &MetricsHub, ready: &AtomicBool) {
             return;
         }
     };
-    let (method, path) = match parsed {
-        Parsed::Request { method, path } => (method, path),
+    let (method, path, authorization) = match parsed {
+        Parsed::Request {
+            method,
+            path,
+            authorization,
+        } => (method, path, authorization),
         Parsed::Bad => {
             if respond(&mut stream, 400, TEXT, b"bad request\n", false).is_ok() {
                 linger_close(stream);
@@ -147,15 +191,25 @@ fn serve(mut stream: TcpStream, hub: &MetricsHub, ready: &AtomicBool) {
     };
     let head_only = method == Method::Head;
     let known = matches!(path.as_str(), "/metrics" | "/healthz" | "/readyz");
-    let result = if !known {
+    let result = if path == "/admin/reload" {
+        if method == Method::Post {
+            reload(
+                &mut stream,
+                shared.control.as_ref(),
+                authorization.as_deref(),
+            )
+        } else {
+            respond_405(&mut stream, "POST")
+        }
+    } else if !known {
         respond(&mut stream, 404, TEXT, b"not found\n", head_only)
-    } else if method == Method::Other {
-        respond_405(&mut stream)
+    } else if !matches!(method, Method::Get | Method::Head) {
+        respond_405(&mut stream, "GET, HEAD")
     } else {
         match path.as_str() {
             "/metrics" => {
                 let mut body = String::with_capacity(64 * 1024);
-                hub.render(&mut body);
+                shared.hub.render(&mut body);
                 respond(
                     &mut stream,
                     200,
@@ -166,7 +220,7 @@ fn serve(mut stream: TcpStream, hub: &MetricsHub, ready: &AtomicBool) {
             }
             "/healthz" => respond(&mut stream, 200, TEXT, b"ok", head_only),
             _ => {
-                if ready.load(Ordering::Acquire) {
+                if shared.ready.load(Ordering::Acquire) {
                     respond(&mut stream, 200, TEXT, b"ready", head_only)
                 } else {
                     respond(&mut stream, 503, TEXT, b"not ready", head_only)
@@ -220,8 +274,15 @@ fn read_head(stream: &mut TcpStream) -> Result<Option<Parsed>, u16> {
                 let method = match req.method {
                     Some("GET") => Method::Get,
                     Some("HEAD") => Method::Head,
+                    Some("POST") => Method::Post,
                     _ => Method::Other,
                 };
+                let authorization = req
+                    .headers
+                    .iter()
+                    .find(|h| h.name.eq_ignore_ascii_case("authorization"))
+                    .and_then(|h| std::str::from_utf8(h.value).ok())
+                    .map(str::to_string);
                 let Some(target) = req.path else {
                     return Ok(Some(Parsed::Bad));
                 };
@@ -229,6 +290,7 @@ fn read_head(stream: &mut TcpStream) -> Result<Option<Parsed>, u16> {
                 return Ok(Some(Parsed::Request {
                     method,
                     path: path.to_string(),
+                    authorization,
                 }));
             }
             Ok(httparse::Status::Partial) => continue,
@@ -248,15 +310,60 @@ fn respond(
     respond_with(stream, status, content_type, "", body, head_only)
 }
 
-fn respond_405(stream: &mut TcpStream) -> io::Result<()> {
+fn respond_405(stream: &mut TcpStream, allow: &str) -> io::Result<()> {
     respond_with(
         stream,
         405,
         TEXT,
-        "Allow: GET, HEAD\r\n",
+        &format!("Allow: {allow}\r\n"),
         b"method not allowed\n",
         false,
     )
+}
+
+const JSON: &str = "application/json";
+
+/// `POST /admin/reload`: check the bearer token, ask the control thread, answer its report.
+fn reload(
+    stream: &mut TcpStream,
+    control: Option<&AdminControl>,
+    authorization: Option<&str>,
+) -> io::Result<()> {
+    let Some(control) = control else {
+        return respond(stream, 404, TEXT, b"not found\n", false);
+    };
+    let Some(expected) = control.token_digest else {
+        let body = br#"{"error":"reloading over HTTP is off: set admin.token_env to the environment variable holding its bearer token"}"#;
+        return respond(stream, 403, JSON, body, false);
+    };
+    let presented = authorization
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| crate::config::limits::digest(t.trim().as_bytes()));
+    // Digests of equal length, compared in constant time.
+    let authorized =
+        presented.is_some_and(|p| crate::config::limits::constant_time_eq(&p, &expected));
+    if !authorized {
+        return respond_with(
+            stream,
+            401,
+            JSON,
+            "www-authenticate: Bearer\r\n",
+            br#"{"error":"a valid admin bearer token is required"}"#,
+            false,
+        );
+    }
+    let (tx, rx) = mpsc::channel();
+    (control.reload)(tx);
+    match rx.recv_timeout(RELOAD_DEADLINE) {
+        Ok(reply) => respond(stream, reply.status, JSON, reply.body.as_bytes(), false),
+        Err(_) => respond(
+            stream,
+            503,
+            JSON,
+            br#"{"error":"the reload did not finish in time; see the log"}"#,
+            false,
+        ),
+    }
 }
 
 fn respond_with(
@@ -369,6 +476,7 @@ mod tests {
             "127.0.0.1:0".parse().unwrap(),
             Arc::clone(&hub),
             Arc::clone(&ready),
+            None,
         )
         .unwrap();
         (addr, hub, ready)
@@ -483,7 +591,7 @@ mod tests {
     #[test]
     fn bind_failure_is_returned() {
         let (addr, hub, ready) = start();
-        let again = spawn_admin(addr, hub, ready);
+        let again = spawn_admin(addr, hub, ready, None);
         let Err(e) = again else {
             panic!("a second bind of {addr} should fail");
         };

@@ -74,6 +74,7 @@ pub(crate) use crate::config::limits::LimitDimension;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -408,6 +409,85 @@ impl LabelNames {
     }
 }
 
+/// The pseudo-policy quota refusals count under.
+const QUOTA_POLICY: &str = "quota";
+
+/// A backend's `backend` label: `cluster/host[:port]`.
+fn backend_label(cluster: &crate::config::Cluster, backend: &crate::config::Backend) -> String {
+    format!("{}/{}", cluster.name, backend.host_header)
+}
+
+/// One config snapshot's positions — backend ids, policy and entity indexes — mapped to the
+/// hub's label slots by name, built once per snapshot (off the request path). The hub's tables
+/// are fixed at startup (bounded cardinality), so a name a reload adds counts under `other`
+/// until the next restart; a name that moved keeps its series.
+#[derive(Debug)]
+pub(crate) struct SnapshotLabels {
+    backends: Vec<BackendIdx>,
+    policies: Vec<PolicyIdx>,
+    entities: Vec<EntityIdx>,
+    quota: PolicyIdx,
+}
+
+impl SnapshotLabels {
+    pub(crate) fn new(names: &LabelNames, snapshot: &crate::config::Snapshot) -> SnapshotLabels {
+        let mut backends = vec![BackendIdx::OTHER; snapshot.backend_count];
+        for cluster in &snapshot.clusters {
+            for b in &cluster.backends {
+                if let Some(slot) = backends.get_mut(b.id) {
+                    *slot = names.backend(&backend_label(cluster, b));
+                }
+            }
+        }
+        let limits = &snapshot.limits;
+        SnapshotLabels {
+            backends,
+            policies: limits
+                .policies
+                .iter()
+                .map(|p| names.policy(&p.id))
+                .collect(),
+            entities: limits.entities.iter().map(|e| names.entity(e)).collect(),
+            quota: names.policy(QUOTA_POLICY),
+        }
+    }
+
+    pub(crate) fn backend(&self, id: usize) -> BackendIdx {
+        self.backends.get(id).copied().unwrap_or(BackendIdx::OTHER)
+    }
+
+    /// A policy's slot; `None` (a quota refusal) is the `quota` slot.
+    pub(crate) fn policy(&self, index: Option<usize>) -> PolicyIdx {
+        match index {
+            Some(p) => self.policies.get(p).copied().unwrap_or(PolicyIdx::OTHER),
+            None => self.quota,
+        }
+    }
+
+    pub(crate) fn entity(&self, index: usize) -> EntityIdx {
+        self.entities
+            .get(index)
+            .copied()
+            .unwrap_or(EntityIdx::OTHER)
+    }
+}
+
+/// A worker's metrics shard with the label map of the snapshot a request runs on: what the
+/// request path records through. Derefs to the shard.
+#[derive(Clone, Copy)]
+pub(crate) struct MetricsView<'w> {
+    pub(crate) shard: &'w MetricsShard,
+    pub(crate) labels: &'w SnapshotLabels,
+}
+
+impl std::ops::Deref for MetricsView<'_> {
+    type Target = MetricsShard;
+
+    fn deref(&self) -> &MetricsShard {
+        self.shard
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Fixed enumerations
 // ---------------------------------------------------------------------------------------------
@@ -526,6 +606,8 @@ impl UpstreamErrorKind {
 const TOKEN_TYPES: [&str; 3] = ["prompt", "completion", "cached"];
 const HIST_TOKEN_TYPES: [&str; 2] = ["prompt", "completion"];
 const SYNC_RESULTS: [&str; 2] = ["ok", "error"];
+/// `outcome` of a config reload.
+const RELOAD_OUTCOMES: [&str; 2] = ["applied", "rejected"];
 
 // ---------------------------------------------------------------------------------------------
 // Layout: where each family lives in the flat arrays
@@ -940,6 +1022,8 @@ impl Slot {
 pub struct MetricsHub {
     names: Arc<LabelNames>,
     layout: Layout,
+    /// Config reloads, recorded by the control thread (never by a worker).
+    reloads: ReloadStats,
     /// Registered shards' slots; the outer lock is taken only to register and to list them.
     slots: Mutex<Vec<Arc<Mutex<Slot>>>>,
 }
@@ -968,7 +1052,7 @@ impl MetricsHub {
         for cluster in &snapshot.clusters {
             for b in &cluster.backends {
                 if let Some(slot) = backends.get_mut(b.id) {
-                    *slot = format!("{}/{}", cluster.name, b.host_header);
+                    *slot = backend_label(cluster, b);
                 }
             }
         }
@@ -979,7 +1063,7 @@ impl MetricsHub {
             .iter()
             .map(|p| p.id.clone())
             .collect();
-        policies.push("quota".into());
+        policies.push(QUOTA_POLICY.into());
         Self::new(LabelLists {
             routes: &routes,
             models: &models,
@@ -995,6 +1079,7 @@ impl MetricsHub {
         Arc::new(MetricsHub {
             names: Arc::new(names),
             layout,
+            reloads: ReloadStats::default(),
             slots: Mutex::new(Vec::new()),
         })
     }
@@ -1055,6 +1140,7 @@ impl MetricsHub {
             names: &self.names,
             shards,
             oldest,
+            reloads: &self.reloads,
         };
         let mut w = Writer { out };
         for family in FAMILIES {
@@ -1115,6 +1201,8 @@ enum Label {
     ErrorKind,
     /// `result` of a sync flush: ok, error.
     SyncResult,
+    /// `outcome` of a config reload: applied, rejected.
+    ReloadOutcome,
 }
 
 /// The most labels a family has (buckets add `le` on their own).
@@ -1134,6 +1222,7 @@ impl Label {
             Label::Attempt => "attempt",
             Label::ErrorKind => "kind",
             Label::SyncResult => "result",
+            Label::ReloadOutcome => "outcome",
         }
     }
 
@@ -1152,6 +1241,7 @@ impl Label {
             Label::Attempt => Attempt::ALL.len(),
             Label::ErrorKind => UpstreamErrorKind::ALL.len(),
             Label::SyncResult => SYNC_RESULTS.len(),
+            Label::ReloadOutcome => RELOAD_OUTCOMES.len(),
         }
     }
 
@@ -1171,6 +1261,7 @@ impl Label {
             Label::Attempt => Attempt::ALL.get(i).map_or(OTHER, |a| a.label()),
             Label::ErrorKind => UpstreamErrorKind::ALL.get(i).map_or(OTHER, |k| k.label()),
             Label::SyncResult => listed(&SYNC_RESULTS),
+            Label::ReloadOutcome => listed(&RELOAD_OUTCOMES),
         }
     }
 }
@@ -1192,6 +1283,12 @@ enum Source {
     ShardCount,
     /// The age of the oldest shard's last publish, in seconds.
     PublishAge,
+    /// Config reloads by outcome (series: [`RELOAD_OUTCOMES`]).
+    Reloads,
+    /// Whether the last reload was applied (1) or rejected (0); 1 before any.
+    LastReloadOk,
+    /// When a reload was last applied (unix seconds); 0 before any.
+    LastReloadAt,
 }
 
 /// One metric family: all the exposition says about it. [`FAMILIES`] lists them.
@@ -1351,7 +1448,51 @@ pub const FAMILIES: &[Family] = &[
         labels: &[],
         source: Source::PublishAge,
     },
+    Family {
+        name: "sluice_config_reloads_total",
+        kind: Kind::Counter,
+        help: "Config reloads (SIGHUP or POST /admin/reload): applied, or rejected with the old config still serving.",
+        labels: &[Label::ReloadOutcome],
+        source: Source::Reloads,
+    },
+    Family {
+        name: "sluice_config_last_reload_successful",
+        kind: Kind::Gauge,
+        help: "1 when the last reload was applied (or none happened), 0 when it was rejected.",
+        labels: &[],
+        source: Source::LastReloadOk,
+    },
+    Family {
+        name: "sluice_config_last_reload_success_timestamp_seconds",
+        kind: Kind::Gauge,
+        help: "When a reload was last applied, in unix seconds (0: never since start).",
+        labels: &[],
+        source: Source::LastReloadAt,
+    },
 ];
+
+/// Config reload counts and the last outcome: written by the control thread, read by scrapes.
+#[derive(Debug, Default)]
+struct ReloadStats {
+    applied: AtomicU64,
+    rejected: AtomicU64,
+    last_rejected: AtomicBool,
+    last_applied_at: AtomicU64,
+}
+
+impl MetricsHub {
+    /// Count a reload: applied (at `now_unix_s`) or rejected.
+    pub(crate) fn record_reload(&self, applied: bool, now_unix_s: u64) {
+        let r = &self.reloads;
+        if applied {
+            r.applied.fetch_add(1, Ordering::Relaxed);
+            r.last_applied_at.store(now_unix_s, Ordering::Relaxed);
+        } else {
+            r.rejected.fetch_add(1, Ordering::Relaxed);
+        }
+        r.last_rejected.store(!applied, Ordering::Relaxed);
+    }
+}
 
 /// One scrape's values (all shards summed) and what names their series.
 struct Scrape<'s> {
@@ -1360,6 +1501,7 @@ struct Scrape<'s> {
     names: &'s LabelNames,
     shards: usize,
     oldest: Duration,
+    reloads: &'s ReloadStats,
 }
 
 impl Scrape<'_> {
@@ -1400,7 +1542,12 @@ impl Scrape<'_> {
                 let counts = self.totals.bucket_counts(&hist(self.layout), series);
                 counts.iter().fold(0u64, |a, c| a.wrapping_add(*c)) == 0
             }
-            Source::Gauge(_) | Source::ShardCount | Source::PublishAge => false,
+            Source::Gauge(_)
+            | Source::ShardCount
+            | Source::PublishAge
+            | Source::Reloads
+            | Source::LastReloadOk
+            | Source::LastReloadAt => false,
         }
     }
 
@@ -1430,6 +1577,19 @@ impl Scrape<'_> {
             Source::PublishAge => {
                 let micros = u64::try_from(self.oldest.as_micros()).unwrap_or(u64::MAX);
                 w.sample_scaled(name, labels, u128::from(micros), 6);
+            }
+            Source::Reloads => {
+                let r = self.reloads;
+                let count = if series == 0 { &r.applied } else { &r.rejected };
+                w.sample_u(name, labels, count.load(Ordering::Relaxed));
+            }
+            Source::LastReloadOk => {
+                let ok = !self.reloads.last_rejected.load(Ordering::Relaxed);
+                w.sample_u(name, labels, u64::from(ok));
+            }
+            Source::LastReloadAt => {
+                let at = self.reloads.last_applied_at.load(Ordering::Relaxed);
+                w.sample_u(name, labels, at);
             }
         }
     }
@@ -2233,6 +2393,8 @@ pub(crate) mod tests {
         a.sync_flush(Duration::from_millis(1), true);
         a.publish(&hub);
         b.publish(&hub);
+        hub.record_reload(true, 1_700_000_000);
+        hub.record_reload(false, 1_700_000_100);
 
         let (text, _) = render(&hub);
         let text = without_publish_age(&text);
@@ -2296,7 +2458,11 @@ pub(crate) mod tests {
                     claim(&mut counters, h.counts_at, series * h.stride(), f.name);
                     claim(&mut sums, h.sums_at, series, f.name);
                 }
-                Source::ShardCount | Source::PublishAge => {}
+                Source::ShardCount
+                | Source::PublishAge
+                | Source::Reloads
+                | Source::LastReloadOk
+                | Source::LastReloadAt => {}
             }
         }
         [counters, sums, gauges]
