@@ -51,7 +51,7 @@ mod weights {
 }
 
 /// The byte classes the estimate distinguishes. Public for the tool that fits their weights
-/// (`core/examples/estimator.rs`); the gateway only calls [`estimate_tokens`].
+/// (`perf/tools/src/bin/estimator.rs`); the gateway only calls [`estimate_tokens`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Class {
     Letter,
@@ -312,7 +312,7 @@ mod tests {
     use super::*;
 
     /// name, text, and the lowest and highest error (in %) the estimate may show on the held-out
-    /// half against either encoding. `core/examples/estimator.rs` fits the weights on the first
+    /// half against either encoding. `perf/tools/src/bin/estimator.rs` fits the weights on the first
     /// halves of the same corpora, cut the same way (`halves`), and reports on the second.
     const CORPORA: [(&str, &str, f64, f64); 6] = [
         // Typical text: within 20%, and never more than a little under (the ASCII weights were

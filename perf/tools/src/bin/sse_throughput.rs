@@ -1,8 +1,8 @@
 //! SSE splitter and meter throughput on a synthetic chat stream: the figures of perf/RESULTS.md,
 //! "SSE splitter throughput".
 //!
-//!   cargo run --release -p sluice --example sse_throughput            # 64 MiB, as reported
-//!   cargo run --release -p sluice --example sse_throughput -- 4       # a 4 MiB stream
+//!   cargo run --release -p sluice-perf --bin sse_throughput   # 64 MiB, as reported
+//!   cargo run --release -p sluice-perf --bin sse_throughput -- 4  # a 4 MiB stream
 //!
 //! Realistic chunks with varying content lengths and a usage chunk every 200 events, fed in
 //! 16 KiB reads; best of 3 runs of the splitter alone and of splitter + meter.

@@ -1,8 +1,8 @@
 //! The prompt-token estimator's calibration, from the corpora in `perf/corpus/`: the figures of
 //! perf/RESULTS.md, "Prompt-token estimator".
 //!
-//!   cargo run --release -p sluice --example estimator -- fit      # the weights, refitted
-//!   cargo run --release -p sluice --example estimator -- report   # error and speed tables
+//!   cargo run --release -p sluice-perf --bin estimator -- fit      # the weights, refitted
+//!   cargo run --release -p sluice-perf --bin estimator -- report   # error and speed tables
 //!
 //! `fit` reproduces the weights in `core/src/openai/tokens.rs` (module `weights`); `report`
 //! prints the held-out error against tiktoken, whole chat bodies against what the upstream
@@ -18,15 +18,15 @@ use sluice::tokens::{
 /// The corpora, in the order (and with the halves) of the unit tests in `tokens.rs`: four ASCII
 /// ones (English, Rust, Python, a chat body), then Chinese and mixed scripts.
 const CORPORA: [(&str, &str); 6] = [
-    ("english", include_str!("../../perf/corpus/english.txt")),
-    ("rust", include_str!("../../perf/corpus/rust.txt")),
-    ("python", include_str!("../../perf/corpus/python.txt")),
+    ("english", include_str!("../../../corpus/english.txt")),
+    ("rust", include_str!("../../../corpus/rust.txt")),
+    ("python", include_str!("../../../corpus/python.txt")),
     (
         "chat-json",
-        include_str!("../../perf/corpus/chat-request.json"),
+        include_str!("../../../corpus/chat-request.json"),
     ),
-    ("chinese", include_str!("../../perf/corpus/chinese.txt")),
-    ("mixed", include_str!("../../perf/corpus/mixed.txt")),
+    ("chinese", include_str!("../../../corpus/chinese.txt")),
+    ("mixed", include_str!("../../../corpus/mixed.txt")),
 ];
 
 fn main() {
