@@ -169,6 +169,8 @@ struct RawServer {
     workers: usize,
     pin_workers: bool,
     max_connections_per_worker: usize,
+    max_requests_per_worker: usize,
+    max_body_memory_per_worker: usize,
 }
 
 impl Default for RawServer {
@@ -178,6 +180,8 @@ impl Default for RawServer {
             workers: 0,
             pin_workers: true,
             max_connections_per_worker: 16384,
+            max_requests_per_worker: 8192,
+            max_body_memory_per_worker: 256 * 1024 * 1024,
         }
     }
 }
@@ -207,6 +211,7 @@ impl Default for RawHttp {
 struct RawTimeouts {
     header_read_ms: u64,
     body_read_ms: u64,
+    body_total_ms: u64,
     keepalive_idle_ms: u64,
     upstream_connect_ms: u64,
     upstream_first_byte_ms: u64,
@@ -218,6 +223,7 @@ impl Default for RawTimeouts {
         RawTimeouts {
             header_read_ms: 10_000,
             body_read_ms: 30_000,
+            body_total_ms: 60_000,
             keepalive_idle_ms: 60_000,
             upstream_connect_ms: 3_000,
             upstream_first_byte_ms: 120_000,
@@ -372,12 +378,18 @@ pub(crate) struct ServerConfig {
     pub(crate) workers: usize,
     pub(crate) pin_workers: bool,
     pub(crate) max_connections_per_worker: usize,
+    /// Requests being read or served at once on one worker; past it, new ones get a fast 503.
+    pub(crate) max_requests_per_worker: usize,
+    /// Request-body bytes one worker holds at once; past it, new bodies get a fast 503.
+    pub(crate) max_body_memory_per_worker: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Timeouts {
     pub(crate) header_read: Duration,
     pub(crate) body_read: Duration,
+    /// The whole body, however it trickles in (`body_read` bounds each read).
+    pub(crate) body_total: Duration,
     pub(crate) keepalive_idle: Duration,
     pub(crate) upstream_connect: Duration,
     pub(crate) upstream_first_byte: Duration,
@@ -952,10 +964,24 @@ fn resolve_server(
     if raw.workers > 1024 {
         err("server.workers".into(), "must be at most 1024".into());
     }
-    if raw.max_connections_per_worker == 0 {
+    for (key, v) in [
+        (
+            "server.max_connections_per_worker",
+            raw.max_connections_per_worker,
+        ),
+        (
+            "server.max_requests_per_worker",
+            raw.max_requests_per_worker,
+        ),
+    ] {
+        if v == 0 {
+            err(key.into(), "must be at least 1".into());
+        }
+    }
+    if raw.max_body_memory_per_worker < 64 * 1024 {
         err(
-            "server.max_connections_per_worker".into(),
-            "must be at least 1".into(),
+            "server.max_body_memory_per_worker".into(),
+            "must be at least 65536 (bytes)".into(),
         );
     }
     Some(ServerConfig {
@@ -963,6 +989,8 @@ fn resolve_server(
         workers,
         pin_workers: raw.pin_workers,
         max_connections_per_worker: raw.max_connections_per_worker,
+        max_requests_per_worker: raw.max_requests_per_worker,
+        max_body_memory_per_worker: raw.max_body_memory_per_worker,
     })
 }
 
@@ -999,6 +1027,7 @@ fn resolve_timeouts(raw: &RawTimeouts, err: &mut dyn FnMut(String, String)) -> T
     for (key, v) in [
         ("timeouts.header_read_ms", raw.header_read_ms),
         ("timeouts.body_read_ms", raw.body_read_ms),
+        ("timeouts.body_total_ms", raw.body_total_ms),
         ("timeouts.keepalive_idle_ms", raw.keepalive_idle_ms),
         ("timeouts.upstream_connect_ms", raw.upstream_connect_ms),
         (
@@ -1014,6 +1043,7 @@ fn resolve_timeouts(raw: &RawTimeouts, err: &mut dyn FnMut(String, String)) -> T
     Timeouts {
         header_read: Duration::from_millis(raw.header_read_ms),
         body_read: Duration::from_millis(raw.body_read_ms),
+        body_total: Duration::from_millis(raw.body_total_ms),
         keepalive_idle: Duration::from_millis(raw.keepalive_idle_ms),
         upstream_connect: Duration::from_millis(raw.upstream_connect_ms),
         upstream_first_byte: Duration::from_millis(raw.upstream_first_byte_ms),

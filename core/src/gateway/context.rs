@@ -78,6 +78,11 @@ impl ClientSocket {
         sock::recv_now(self.fd(), buf)
     }
 
+    /// Stop sending: the client sees the end of the stream once it has read what was sent.
+    pub(crate) fn shutdown_write(&self) {
+        sock::shutdown_write(self.fd());
+    }
+
     /// Has the client closed (or reset) its side? Peeks without consuming; never blocks.
     pub(crate) fn peer_gone(&self) -> bool {
         sock::peer_gone(self.fd())
@@ -131,10 +136,12 @@ impl BufPool {
     }
 }
 
-/// Requests being served on this worker right now, which decides how writes go out.
+/// Requests being served on this worker right now, which decides how writes go out and when new
+/// ones are shed, and the request-body bytes they hold.
 #[derive(Default)]
 pub(crate) struct Load {
     active_requests: Cell<usize>,
+    body_bytes: Cell<usize>,
 }
 
 impl Load {
@@ -145,10 +152,54 @@ impl Load {
         self.active_requests.get() <= 1
     }
 
+    /// Requests being read or served now.
+    pub(crate) fn active(&self) -> usize {
+        self.active_requests.get()
+    }
+
+    /// Account for a request body while the returned guard lives; it grows with
+    /// [`BodyHold::grow_to`], within `cap` bytes for the whole worker.
+    pub(crate) fn hold_body(&self, cap: usize) -> BodyHold<'_> {
+        BodyHold {
+            load: self,
+            held: 0,
+            cap,
+        }
+    }
+
     /// Count a request while the returned guard lives.
     pub(crate) fn enter(&self) -> ActiveRequest<'_> {
         self.active_requests.set(self.active_requests.get() + 1);
         ActiveRequest(self)
+    }
+}
+
+/// One request's body bytes, counted in [`Load`] until dropped.
+pub(crate) struct BodyHold<'a> {
+    load: &'a Load,
+    held: usize,
+    cap: usize,
+}
+
+impl BodyHold<'_> {
+    /// Hold `bytes` for this body in all (not more). `false`: the worker's bodies would pass
+    /// the cap, and nothing more is held.
+    pub(crate) fn grow_to(&mut self, bytes: usize) -> bool {
+        let total = &self.load.body_bytes;
+        let more = bytes.saturating_sub(self.held);
+        if total.get() + more > self.cap {
+            return false;
+        }
+        total.set(total.get() + more);
+        self.held += more;
+        true
+    }
+}
+
+impl Drop for BodyHold<'_> {
+    fn drop(&mut self) {
+        let total = &self.load.body_bytes;
+        total.set(total.get().saturating_sub(self.held));
     }
 }
 

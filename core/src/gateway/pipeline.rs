@@ -1,12 +1,15 @@
 //! The life of one proxied request, top to bottom. Each step is one phase module; the order
 //! here is the order in `docs/request-lifecycle.md`.
 //!
-//! Runs for every POST to an OpenAI endpoint, after the connection loop has read the head and
-//! body, on a [`PerCore`] loan of the worker's state. Returns whether the client connection can
-//! be kept, or the error to answer with when nothing was sent to the client yet (errors after
-//! the response started are the relay's to end).
+//! Runs for every POST to an OpenAI endpoint, on a [`PerCore`] loan of the worker's state, in
+//! two steps: [`authenticate_head`] as soon as the head is in — an unknown, disabled or expired
+//! key is refused before a byte of its body is read — and [`proxy`] once the body is in, with
+//! the principal the first step found. Each returns the error to answer with when nothing was
+//! sent to the client yet (errors after the response started are the relay's to end); `proxy`
+//! otherwise returns whether the client connection can be kept.
 
 use crate::gateway::admit::{Admission, Caller};
+use crate::gateway::auth::Principal;
 use crate::gateway::context::{ClientSocket, PerCore, Request};
 use crate::gateway::error::GatewayError;
 use crate::gateway::observe::{Estimator, Observation};
@@ -15,20 +18,73 @@ use crate::gateway::route::{Candidates, Target};
 use crate::gateway::{admit, auth, forward, observe, relay, route};
 use crate::openai::inspect::Inspection;
 
-pub(crate) async fn proxy(
-    core: PerCore<'_>,
+/// Proof that a request's head was authenticated: only [`authenticate_head`] makes one, and
+/// [`proxy`] takes one, so no path can proxy a request nobody authenticated.
+#[derive(Clone, Copy)]
+pub(crate) struct Authenticated<'s> {
+    /// The caller's key (`None`: no keys are configured, so nobody is asked).
+    pub(crate) principal: Option<Principal<'s>>,
+}
+
+/// Authenticate: which key is calling, from the head alone (`request.body` is empty). A refusal
+/// is observed here — counted and logged like any request — and returned to be answered; the
+/// connection is then closed without reading the body.
+pub(crate) fn authenticate_head<'s>(
+    core: PerCore<'s>,
+    request: &Request<'_>,
+) -> Result<Authenticated<'s>, GatewayError> {
+    let error = match auth::authenticate(&core.snapshot.limits, request) {
+        Ok(principal) => return Ok(Authenticated { principal }),
+        Err(e) => e,
+    };
+    refused_before_body(core, request, &error);
+    Err(error)
+}
+
+/// Observe a request answered with `error` from its head alone (refused or shed before its
+/// body was read): counted and logged like any other.
+pub(crate) fn refused_before_body(core: PerCore<'_>, request: &Request<'_>, error: &GatewayError) {
+    let mut caller = Caller::default();
+    caller.auth_failed(error);
+    let mut obs = core.observations.take();
+    obs.start(request.received_at, request.head.head_len as u64);
+    // Nothing of the body was read: no model, no usage.
+    let inspection = Inspection::default();
+    let estimator = Estimator::configured(&core.snapshot.limits, "");
+    let outcome = obs.outcome(core.snapshot, "", None, &[], estimator);
+    observe::emit(
+        core.snapshot,
+        core.metrics,
+        core.log,
+        request,
+        &inspection,
+        &obs,
+        &outcome,
+        Some(error),
+        &caller,
+    );
+    core.observations.give(obs);
+}
+
+/// Serve one request whose head was authenticated and whose body is in.
+pub(crate) async fn proxy<'s>(
+    core: PerCore<'s>,
     client: &mut ClientSocket,
     request: &Request<'_>,
     inspection: &mut Inspection,
+    authenticated: Authenticated<'s>,
 ) -> Result<bool, GatewayError> {
     let mut obs = core.observations.take();
     obs.start(
         request.received_at,
         (request.head.head_len + request.body.len()) as u64,
     );
-    let mut caller = Caller::default();
+    let mut caller = Caller {
+        principal: authenticated.principal,
+        ..Caller::default()
+    };
 
-    // Authenticate, inspect, authorize, route, admit: decided before anything goes upstream.
+    // Inspect, authorize, route, admit: decided before anything goes upstream.
     let admitted = admit_request(core, request, inspection, &mut caller, &mut obs).await;
 
     // Forward and relay, on the admission's reservation.
@@ -83,8 +139,9 @@ pub(crate) async fn proxy(
     result.map(|relayed| relayed.keep_alive)
 }
 
-/// Authenticate, inspect, authorize, route and admit: the targets to try and the admission to
-/// settle, or the error to answer with (nothing was sent upstream).
+/// Inspect, authorize, route and admit, for the caller's principal (authenticated from the
+/// head): the targets to try and the admission to settle, or the error to answer with (nothing
+/// was sent upstream).
 pub(crate) async fn admit_request<'s>(
     core: PerCore<'s>,
     request: &Request<'_>,
@@ -93,10 +150,7 @@ pub(crate) async fn admit_request<'s>(
     obs: &mut Observation,
 ) -> Result<(Candidates<'s>, Admission), GatewayError> {
     let limits = &*core.snapshot.limits;
-
-    // Authenticate: which key is calling — before any JSON work is spent on the body.
-    let principal = auth::authenticate(limits, request).inspect_err(|e| caller.auth_failed(e))?;
-    caller.principal = principal;
+    let principal = caller.principal;
 
     // Inspect: the top-level model and friends, exactly as the upstream will read them.
     core.inspector
@@ -175,7 +229,8 @@ async fn serve(
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
-    //! The pipeline's decisions without a socket: [`admit_request`] on a per-core state built
+    //! The pipeline's decisions without a socket: [`authenticate_head`] then [`admit_request`]
+    //! on a per-core state built
     //! from a config (`context::testing`), with the real limiter shard exchanging with the
     //! in-process ledger through the real sync task.
     use super::*;
@@ -250,19 +305,37 @@ mod tests {
         let mut caller = Caller::default();
         let mut obs = Observation::default();
         let mut runtime = runtime();
-        let decided = runtime.block_on(async {
-            let sync = crate::limits::run_sync(
-                per_core.limiter,
-                &core.snapshot.limits.sync,
-                0,
-                |_, _| {},
-                InProcessLedger::new(),
-            );
-            let decide = admit_request(per_core, &request, &mut inspection, &mut caller, &mut obs);
-            monoio::select! {
-                decided = decide => decided,
-                () = sync => unreachable!("the sync task runs for the worker's life"),
+        // Authenticated from the head first, as the connection loop does.
+        let head_only = Request {
+            body: &[],
+            ..request
+        };
+        let decided = match authenticate_head(per_core, &head_only) {
+            Ok(authenticated) => {
+                caller.principal = authenticated.principal;
+                Ok(())
             }
+            Err(e) => {
+                caller.auth_failed(&e);
+                Err(e)
+            }
+        };
+        let decided = decided.and_then(|()| {
+            runtime.block_on(async {
+                let sync = crate::limits::run_sync(
+                    per_core.limiter,
+                    &core.snapshot.limits.sync,
+                    0,
+                    |_, _| {},
+                    InProcessLedger::new(),
+                );
+                let decide =
+                    admit_request(per_core, &request, &mut inspection, &mut caller, &mut obs);
+                monoio::select! {
+                    decided = decide => decided,
+                    () = sync => unreachable!("the sync task runs for the worker's life"),
+                }
+            })
         });
         let mut retry_after = None;
         let (result, error_headers) = match decided {
@@ -379,7 +452,12 @@ mod tests {
         let mut request = request(&raw, &head);
         request.peer = Some(([192, 168, 1, 1], 40_000).into());
         let mut inspection = Inspection::default();
-        let mut caller = Caller::default();
+        let mut caller = Caller {
+            principal: authenticate_head(core.per_core(), &request)
+                .unwrap()
+                .principal,
+            ..Caller::default()
+        };
         let mut obs = Observation::default();
         let mut runtime = runtime();
         let decided = runtime.block_on(admit_request(

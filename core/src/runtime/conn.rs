@@ -158,13 +158,58 @@ async fn read_body_and_dispatch(
     peer: Option<std::net::SocketAddr>,
 ) -> Option<usize> {
     let snapshot = &generation.snapshot;
+    let server = &snapshot.server;
+    let proxied = head.method == Method::Post && Endpoint::from_path(head.path(rbuf)).is_some();
+    let head_only = Request {
+        buf: rbuf,
+        received_at: Instant::now(),
+        peer,
+        head,
+        body: &[],
+    };
+    // Decided from the head, before the body is read — so a refused request never gets to send
+    // (or make Sluice hold) its body, and since that body stays unread the connection closes
+    // after the answer. First shedding: past this worker's request cap, or with a body that
+    // would take its request-body memory past the cap, a fast 503 with Retry-After.
+    let mut body_hold = worker.load.hold_body(server.max_body_memory_per_worker);
+    let shed = if worker.load.active() > server.max_requests_per_worker {
+        Some(GatewayError::overloaded(format!(
+            "This server is serving its maximum of {} requests per worker; retry shortly.",
+            server.max_requests_per_worker
+        )))
+    } else {
+        match head.body {
+            BodyFraming::Length(n) if !body_hold.grow_to(n as usize) => Some(body_memory_full()),
+            _ => None,
+        }
+    };
+    // Then, for an OpenAI endpoint, authentication: an unknown, disabled or expired key.
+    let authenticated = match shed {
+        Some(e) => {
+            pipeline::refused_before_body(worker.per_core(generation), &head_only, &e);
+            Err(e)
+        }
+        None if proxied => {
+            pipeline::authenticate_head(worker.per_core(generation), &head_only).map(Some)
+        }
+        None => Ok(None),
+    };
+    let authenticated = match authenticated {
+        Ok(authenticated) => authenticated,
+        Err(e) => {
+            let _ = write_error(worker, client, &snapshot.timeouts, &e, false, false).await;
+            linger_close(client, rbuf, snapshot.timeouts.body_read).await;
+            return None;
+        }
+    };
     let consumed = match read_body(
         client,
         rbuf,
         head,
         chunked_body,
-        snapshot.http.max_body_bytes,
-        snapshot.timeouts.body_read,
+        &mut body_hold,
+        &snapshot.http,
+        &snapshot.timeouts,
     )
     .await
     {
@@ -187,9 +232,16 @@ async fn read_body_and_dispatch(
         head,
         body,
     };
-    dispatch(worker, generation, client, &request, inspection)
-        .await
-        .then_some(consumed)
+    dispatch(
+        worker,
+        generation,
+        client,
+        &request,
+        inspection,
+        authenticated,
+    )
+    .await
+    .then_some(consumed)
 }
 
 /// Route a complete request by path and method. Returns whether the connection stays open.
@@ -199,6 +251,7 @@ async fn dispatch(
     client: &mut ClientSocket,
     request: &Request<'_>,
     inspection: &mut Inspection,
+    authenticated: Option<pipeline::Authenticated<'_>>,
 ) -> bool {
     let head = request.head;
     let head_only = head.method == Method::Head;
@@ -206,10 +259,10 @@ async fn dispatch(
     let path = head.path(request.buf);
     let result = match path {
         _ if Endpoint::from_path(path).is_some() => {
-            if head.method == Method::Post {
-                match pipeline::proxy(worker.per_core(generation), client, request, inspection)
-                    .await
-                {
+            // A POST here was authenticated from its head (`read_body_and_dispatch`).
+            if let (Method::Post, Some(authenticated)) = (head.method, authenticated) {
+                let core = worker.per_core(generation);
+                match pipeline::proxy(core, client, request, inspection, authenticated).await {
                     Ok(keep_alive) => return keep_alive && head.keep_alive,
                     Err(e) => Err(e),
                 }
@@ -359,16 +412,29 @@ async fn read_head(
     }
 }
 
-/// Read the body framed by `head`. Returns how many bytes of `rbuf` the request took (head
-/// included). A Content-Length body stays in `rbuf`; a chunked one is decoded into `chunked`.
+/// The answer to a body that would take the worker's request bodies past their memory cap.
+fn body_memory_full() -> GatewayError {
+    GatewayError::overloaded(
+        "This server holds as many request bodies as it has memory for; retry shortly.",
+    )
+}
+
+/// Read the body framed by `head`, each read within `timeouts.body_read` and the whole body
+/// within `timeouts.body_total`, holding its bytes in `hold`. Returns how many bytes of `rbuf`
+/// the request took (head included). A Content-Length body stays in `rbuf` (and was held
+/// whole before this); a chunked one is decoded into `chunked`, held as it grows.
 async fn read_body(
     client: &mut ClientSocket,
     rbuf: &mut Vec<u8>,
     head: &RequestHead,
     chunked: &mut Vec<u8>,
-    max_body: usize,
-    body_limit: Duration,
+    hold: &mut crate::gateway::context::BodyHold<'_>,
+    limits: &crate::config::HttpLimits,
+    timeouts: &Timeouts,
 ) -> Result<usize, GatewayError> {
+    let max_body = limits.max_body_bytes;
+    let body_limit = timeouts.body_read;
+    let deadline = Instant::now() + timeouts.body_total;
     let start = head.head_len;
     if head.expect_continue && rbuf.len() == start && head.body != BodyFraming::None {
         let (res, _) = client
@@ -385,7 +451,7 @@ async fn read_body(
             while rbuf.len() < end {
                 let want = end - rbuf.len();
                 rbuf.reserve(want);
-                read_body_bytes(client, rbuf, body_limit).await?;
+                read_body_bytes(client, rbuf, body_limit, deadline).await?;
             }
             Ok(end)
         }
@@ -396,10 +462,14 @@ async fn read_body(
             loop {
                 if pos < rbuf.len() {
                     let mut over = false;
+                    let mut no_memory = false;
                     let used = decoder
                         .decode(&rbuf[pos..], |data| {
-                            if chunked.len() + data.len() > max_body {
+                            let len = chunked.len() + data.len();
+                            if len > max_body {
                                 over = true;
+                            } else if !hold.grow_to(len) {
+                                no_memory = true;
                             } else {
                                 chunked.extend_from_slice(data);
                             }
@@ -413,6 +483,9 @@ async fn read_body(
                             "request body too large",
                         ));
                     }
+                    if no_memory {
+                        return Err(body_memory_full());
+                    }
                     pos += used;
                     if decoder.is_done() {
                         return Ok(pos);
@@ -421,19 +494,26 @@ async fn read_body(
                 // Decoded bytes are copied out, so the raw chunked bytes need not be kept.
                 rbuf.truncate(start);
                 pos = start;
-                read_body_bytes(client, rbuf, body_limit).await?;
+                read_body_bytes(client, rbuf, body_limit, deadline).await?;
             }
         }
     }
 }
 
+/// One read of body bytes, within `limit` and before `deadline` (the whole body's).
 async fn read_body_bytes(
     client: &mut ClientSocket,
     rbuf: &mut Vec<u8>,
     limit: Duration,
+    deadline: Instant,
 ) -> Result<(), GatewayError> {
-    match read_more(client, rbuf, limit).await {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let whole_body_first = left < limit;
+    match read_more(client, rbuf, limit.min(left)).await {
         ReadOutcome::Data(_) => Ok(()),
+        ReadOutcome::TimedOut if whole_body_first => Err(GatewayError::timeout_client(
+            "the request body did not arrive in time (timeouts.body_total_ms)",
+        )),
         ReadOutcome::TimedOut => Err(GatewayError::timeout_client(
             "timed out reading the request body",
         )),
@@ -449,6 +529,26 @@ async fn read_more(client: &mut ClientSocket, rbuf: &mut Vec<u8>, limit: Duratio
     let grow = rbuf.capacity().max(MIN_READ_BUF);
     // On a timeout the buffer goes with the cancelled read; the connection is closing anyway.
     stream::read_spare(rbuf, 1024, grow, limit, |b| client.read(b)).await
+}
+
+/// Close after an answer while the client may still be sending (a body Sluice did not read):
+/// stop writing, then read and drop what arrives for a moment, so the close does not turn into a
+/// reset that could destroy the answer before the client reads it (what nginx calls a lingering
+/// close). Bounded in bytes and time.
+async fn linger_close(client: &mut ClientSocket, rbuf: &mut Vec<u8>, limit: Duration) {
+    const LINGER_BYTES: usize = 256 * 1024;
+    let limit = limit.min(Duration::from_secs(2));
+    client.shutdown_write();
+    let deadline = Instant::now() + limit;
+    let mut drained = 0;
+    while drained < LINGER_BYTES {
+        rbuf.clear();
+        let left = deadline.saturating_duration_since(Instant::now());
+        match read_more(client, rbuf, left).await {
+            ReadOutcome::Data(n) => drained += n,
+            _ => return,
+        }
+    }
 }
 
 /// Answer a connection over the worker's cap with 503 and close it.

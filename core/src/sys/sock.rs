@@ -71,3 +71,12 @@ pub(crate) fn peer_gone(fd: RawFd) -> bool {
     }
     false
 }
+
+/// Half-close: no more sends on `fd` (the peer reads end-of-stream after what was sent).
+/// Errors (the peer already gone) are of no interest to a closing connection.
+pub(crate) fn shutdown_write(fd: RawFd) {
+    // SAFETY: shutdown(2) on a socket descriptor the caller owns; it touches no memory.
+    unsafe {
+        libc::shutdown(fd, libc::SHUT_WR);
+    }
+}
