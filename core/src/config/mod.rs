@@ -15,6 +15,7 @@
 #![allow(clippy::disallowed_methods)]
 
 pub(crate) mod limits;
+mod redis_url;
 
 pub(crate) use crate::http::HttpLimits;
 
