@@ -81,6 +81,7 @@ pub fn hex(digest: &[u8; 32]) -> String {
 // ---------------------------------------------------------------------------------------------
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawKey {
     id: String,
@@ -107,6 +108,7 @@ fn yes() -> bool {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawPlan {
     id: String,
@@ -128,6 +130,7 @@ fn once() -> String {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawPolicy {
     id: String,
@@ -161,6 +164,7 @@ fn global() -> String {
 }
 
 #[derive(Debug, Deserialize, Clone, Copy)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawReserve {
     coefficient: Option<f64>,
@@ -169,6 +173,7 @@ pub(crate) struct RawReserve {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 pub(crate) struct RawLimits {
     /// `"local"` (in-process: the workers of one node share limits) or `"redis"`.
@@ -207,6 +212,7 @@ impl Default for RawLimits {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawRedis {
     /// `redis://[user[:password]@]host[:port][/db]` or `host:port` (see [`redis_url`]).
@@ -231,7 +237,7 @@ pub(crate) struct RawRedis {
 }
 
 /// The database when neither `db` nor the address names one.
-const DEFAULT_REDIS_DB: u32 = 0;
+pub(crate) const DEFAULT_REDIS_DB: u32 = 0;
 
 fn default_prefix() -> String {
     "sluice".into()
@@ -695,6 +701,9 @@ fn resolve_reserve(
     reserve
 }
 
+/// A policy's requests or tokens window when it gives none.
+pub(crate) const DEFAULT_WINDOW_SECS: u64 = 60;
+
 fn rate(
     max: Option<u64>,
     window_secs: Option<u64>,
@@ -712,7 +721,7 @@ fn rate(
         }
         return None;
     };
-    let window = window_secs.unwrap_or(60);
+    let window = window_secs.unwrap_or(DEFAULT_WINDOW_SECS);
     if window == 0 || window > 31 * 86_400 {
         err(
             format!("{path}.{what}_window_secs"),

@@ -16,6 +16,8 @@
 
 pub(crate) mod limits;
 mod redis_url;
+#[cfg(test)]
+mod reference;
 
 pub(crate) use crate::http::HttpLimits;
 
@@ -116,6 +118,7 @@ const SECTIONS: [&str; 12] = [
 ];
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawAdmin {
     listen: String,
@@ -124,6 +127,7 @@ struct RawAdmin {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawAccessLog {
     dir: PathBuf,
@@ -156,6 +160,7 @@ fn default_log_flush_ms() -> u64 {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawPrice {
     input: f64,
@@ -164,6 +169,7 @@ struct RawPrice {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 struct RawServer {
     listen: String,
@@ -184,6 +190,7 @@ impl Default for RawServer {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 struct RawHttp {
     max_request_line_bytes: usize,
@@ -204,6 +211,7 @@ impl Default for RawHttp {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 struct RawTimeouts {
     header_read_ms: u64,
@@ -228,6 +236,7 @@ impl Default for RawTimeouts {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 struct RawUpstream {
     max_idle_per_backend: usize,
@@ -248,6 +257,7 @@ impl Default for RawUpstream {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawCluster {
     #[serde(default)]
@@ -259,6 +269,7 @@ struct RawCluster {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawBackend {
     base_url: String,
@@ -271,6 +282,7 @@ fn default_weight() -> u32 {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawCredential {
     env: String,
@@ -291,6 +303,7 @@ fn default_credential_header() -> String {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawRoute {
     model: String,
