@@ -44,6 +44,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
 fi
 
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+  log "installing systemd (Debian package, ~6 MB): systemd-analyze verify checks conf/sluice.service"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null
+fi
+
 if ! command -v nginx >/dev/null 2>&1 || ! command -v haproxy >/dev/null 2>&1; then
   log "installing nginx-light and haproxy (Debian packages): the comparison kit's smoke test runs scripts/bench.sh --quick against them"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light haproxy >/dev/null

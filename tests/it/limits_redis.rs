@@ -551,3 +551,104 @@ fn client_abort_mid_stream_is_billed_in_the_ledger() {
     // whole 40-token answer plus prompt.
     assert!((3..60).contains(&b), "billed {b}");
 }
+
+/// `[limits.redis] address` as a URL (issue #13, point 8): an ACL user, a password with
+/// characters that must be percent-encoded, and database 5. Redis refuses anyone else (its
+/// default user gets a password Sluice is not told), so every exchange went in as that user; the
+/// budgets are in database 5 and nowhere else; the quota holds, and the ledger's spend is what
+/// the answers used; the password is in none of Sluice's output.
+#[test]
+fn limits_run_on_redis_addressed_by_a_url_with_user_password_and_db() {
+    const PASSWORD: &str = "p@ss:w/rd%?#é";
+    const ENCODED: &str = "p%40ss%3Aw%2Frd%25%3F%23%C3%A9";
+    let redis = Redis::start();
+    redis
+        .cmd(&[
+            "ACL",
+            "SETUSER",
+            "sluice",
+            "on",
+            &format!(">{PASSWORD}"),
+            "~*",
+            "+@all",
+        ])
+        .assert_ok();
+    // The kept connection stays logged in; a new one must AUTH.
+    redis
+        .cmd(&["CONFIG", "SET", "requirepass", "only-the-test-knows"])
+        .assert_ok();
+    let in_db = |db: &str| {
+        let mut c = redis.client();
+        c.cmd(&["AUTH", "only-the-test-knows"]).unwrap().assert_ok();
+        c.cmd(&["SELECT", db]).unwrap().assert_ok();
+        c
+    };
+    let mock = Mock::start(&["--tokens", "8"]);
+    let toml = format!(
+        r#"
+[limits]
+backend = "redis"
+
+[limits.redis]
+address = "redis://sluice:{ENCODED}@127.0.0.1:{}/5"
+key_prefix = "url"
+
+[[keys]]
+id = "shared"
+sha256 = "{}"
+plans = [{{ id = "pre", tokens = 300 }}]
+"#,
+        redis.port,
+        key_hash(KEY),
+    );
+    let gw = Sluice::start(&Config::one_cluster(&mock).raw(&toml));
+    let mut used = 0;
+    let mut refused = None;
+    for _ in 0..60 {
+        let r = request(gw.addr, &body(8), &[]);
+        match r.status {
+            200 => used += usage_total(&r),
+            429 => {
+                refused = Some(r);
+                break;
+            }
+            _ => panic!("unexpected answer: {}\n{}", r.dump(), gw.stderr_text()),
+        }
+    }
+    let refused = refused.expect("a quota of 300 tokens never ran out");
+    let e: serde_json::Value = serde_json::from_slice(&refused.body).unwrap();
+    assert_eq!(
+        e["error"]["type"],
+        "insufficient_quota",
+        "{}",
+        refused.dump()
+    );
+    assert!((1..=300).contains(&used), "used {used}");
+    let spent = |db: &str| {
+        let mut c = in_db(db);
+        c.keys("{url:q:shared:pre}")
+            .unwrap()
+            .iter()
+            .flat_map(|k| c.hgetall(k).unwrap())
+            .filter(|(f, _)| f.starts_with("s:"))
+            .map(|(_, v)| v.parse::<u64>().unwrap())
+            .sum::<u64>()
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), || spent("5") == used),
+        "database 5 holds {} spent, the answers used {used}",
+        spent("5")
+    );
+    for db in ["0", "1"] {
+        assert_eq!(
+            in_db(db).keys("*").unwrap(),
+            Vec::<String>::new(),
+            "db {db}"
+        );
+    }
+    assert!(
+        !gw.stderr_text().contains("p@ss") && !gw.stderr_text().contains(ENCODED),
+        "{}",
+        gw.stderr_text()
+    );
+}

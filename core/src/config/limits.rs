@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::config::ModelPattern;
+use crate::config::{redis_url, ModelPattern};
 
 /// Which limit a limiter policy checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +81,7 @@ pub fn hex(digest: &[u8; 32]) -> String {
 // ---------------------------------------------------------------------------------------------
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawKey {
     id: String,
@@ -107,6 +108,7 @@ fn yes() -> bool {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawPlan {
     id: String,
@@ -128,6 +130,7 @@ fn once() -> String {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawPolicy {
     id: String,
@@ -161,6 +164,7 @@ fn global() -> String {
 }
 
 #[derive(Debug, Deserialize, Clone, Copy)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawReserve {
     coefficient: Option<f64>,
@@ -169,6 +173,7 @@ pub(crate) struct RawReserve {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 pub(crate) struct RawLimits {
     /// `"local"` (in-process: the workers of one node share limits) or `"redis"`.
@@ -207,15 +212,18 @@ impl Default for RawLimits {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawRedis {
-    /// `host:port`.
+    /// `redis://[user[:password]@]host[:port][/db]` or `host:port` (see [`redis_url`]).
     address: String,
+    /// Also settable in `address`; both given must agree.
     username: Option<String>,
-    /// Name of an environment variable holding the password.
+    /// Name of an environment variable holding the password (also settable in `address`; both
+    /// given must agree).
     password_env: Option<String>,
-    #[serde(default)]
-    db: u32,
+    /// Absent: `address`'s `/db`, else 0. Both given must agree.
+    db: Option<u32>,
     #[serde(default = "default_prefix")]
     key_prefix: String,
     #[serde(default = "default_connect_ms")]
@@ -227,6 +235,9 @@ pub(crate) struct RawRedis {
     #[serde(default)]
     seeds: Vec<String>,
 }
+
+/// The database when neither `db` nor the address names one.
+pub(crate) const DEFAULT_REDIS_DB: u32 = 0;
 
 fn default_prefix() -> String {
     "sluice".into()
@@ -429,7 +440,8 @@ pub(crate) enum SettleTokenizer {
     Tiktoken,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where and how workers reach Redis. `Debug` leaves the password out.
+#[derive(Clone, PartialEq, Eq)]
 pub(crate) struct RedisSettings {
     pub(crate) address: SocketAddr,
     /// Some: a Redis Cluster, with these seed nodes (`address` first).
@@ -439,6 +451,20 @@ pub(crate) struct RedisSettings {
     pub(crate) db: u32,
     pub(crate) key_prefix: String,
     pub(crate) connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisSettings")
+            .field("address", &self.address)
+            .field("cluster_seeds", &self.cluster_seeds)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("db", &self.db)
+            .field("key_prefix", &self.key_prefix)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -675,6 +701,9 @@ fn resolve_reserve(
     reserve
 }
 
+/// A policy's requests or tokens window when it gives none.
+pub(crate) const DEFAULT_WINDOW_SECS: u64 = 60;
+
 fn rate(
     max: Option<u64>,
     window_secs: Option<u64>,
@@ -692,7 +721,7 @@ fn rate(
         }
         return None;
     };
-    let window = window_secs.unwrap_or(60);
+    let window = window_secs.unwrap_or(DEFAULT_WINDOW_SECS);
     if window == 0 || window > 31 * 86_400 {
         err(
             format!("{path}.{what}_window_secs"),
@@ -843,45 +872,20 @@ fn resolve_redis(
     env: &dyn Fn(&str) -> Option<String>,
     err: &mut dyn FnMut(String, String),
 ) -> Option<RedisSettings> {
-    let address = match r.address.to_socket_addrs().map(|mut a| a.next()) {
-        Ok(Some(a)) => Some(a),
-        _ => {
-            err(
-                "limits.redis.address".into(),
-                format!("`{}` is not a host:port that resolves", r.address),
-            );
-            None
-        }
-    };
-    let password = r.password_env.as_ref().and_then(|var| {
-        let password = env(var);
-        if password.is_none() {
-            err(
-                "limits.redis.password_env".into(),
-                format!("environment variable `{var}` is not set"),
-            );
-        }
-        password
+    let url = redis_url::parse(&r.address)
+        .map_err(|m| err("limits.redis.address".into(), m))
+        .ok();
+    let address = url.as_ref().and_then(|u| {
+        resolve_host(u)
+            .map_err(|m| err("limits.redis.address".into(), m))
+            .ok()
     });
+    let credentials = url.as_ref().map(|u| redis_credentials(r, u, env, err));
     if let Err(e) = check_id(&r.key_prefix) {
         err("limits.redis.key_prefix".into(), e);
     }
-    let mut seeds = Vec::new();
-    for (i, seed) in r.seeds.iter().enumerate() {
-        match seed.to_socket_addrs().map(|mut a| a.next()) {
-            Ok(Some(a)) => seeds.push(a),
-            _ => err(
-                format!("limits.redis.seeds[{i}]"),
-                format!("`{seed}` is not a host:port that resolves"),
-            ),
-        }
-    }
-    if r.cluster && r.db != 0 {
-        err(
-            "limits.redis.db".into(),
-            "a Redis Cluster has only database 0".into(),
-        );
-    }
+    let db = redis_db(r, url.as_ref(), err);
+    let seeds = redis_seeds(r, err);
     if !r.cluster && !r.seeds.is_empty() {
         err(
             "limits.redis.seeds".into(),
@@ -889,6 +893,7 @@ fn resolve_redis(
         );
     }
     let address = address?;
+    let (username, password) = credentials?;
     Some(RedisSettings {
         address,
         cluster_seeds: r.cluster.then(|| {
@@ -896,12 +901,132 @@ fn resolve_redis(
             all.extend(seeds.iter().copied().filter(|s| *s != address));
             all
         }),
-        username: r.username.clone(),
+        username,
         password,
-        db: r.db,
+        db,
         key_prefix: r.key_prefix.clone(),
         connect_timeout: Duration::from_millis(r.connect_timeout_ms.max(1)),
     })
+}
+
+/// An address's host, resolved once, here (workers never resolve names).
+fn resolve_host(a: &redis_url::RedisAddress) -> Result<SocketAddr, String> {
+    match (a.host.as_str(), a.port).to_socket_addrs() {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| format!("`{}` resolves to no address", a.host_port())),
+        Err(e) => Err(format!("`{}` does not resolve: {e}", a.host_port())),
+    }
+}
+
+/// The user and password: from the URL in `address`, from `username` / `password_env`, or both
+/// when they agree. A user without a password is refused: `AUTH` needs one, and without it the
+/// connection would quietly be the default user's. No message carries a password.
+fn redis_credentials(
+    r: &RawRedis,
+    url: &redis_url::RedisAddress,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: &mut dyn FnMut(String, String),
+) -> (Option<String>, Option<String>) {
+    let username = match (&url.username, &r.username) {
+        (Some(in_url), Some(key)) if in_url != key => {
+            err(
+                "limits.redis.username".into(),
+                format!(
+                    "`{key}` differs from the user in address (`{in_url}`); give it in one place"
+                ),
+            );
+            Some(in_url.clone())
+        }
+        (in_url, key) => in_url.clone().or_else(|| key.clone()),
+    };
+    let from_env = r.password_env.as_ref().map(|var| (var, env(var)));
+    let password = match (&url.password, from_env) {
+        (_, Some((var, None))) => {
+            err(
+                "limits.redis.password_env".into(),
+                format!("environment variable `{var}` is not set"),
+            );
+            return (username, url.password.clone());
+        }
+        (Some(in_url), Some((var, Some(value)))) if *in_url != value => {
+            err(
+                "limits.redis.password_env".into(),
+                format!(
+                    "`{var}` holds a different password than the one in address; give it in \
+                     one place"
+                ),
+            );
+            Some(value)
+        }
+        (in_url, from_env) => in_url.clone().or(from_env.and_then(|(_, v)| v)),
+    };
+    if username.is_some() && password.is_none() {
+        let path = if url.username.is_some() {
+            "limits.redis.address"
+        } else {
+            "limits.redis.username"
+        };
+        err(
+            path.into(),
+            "a user name needs a password (redis://user:password@host, or password_env): \
+             Redis's AUTH takes both, and without it the connection would be the default user's"
+                .into(),
+        );
+    }
+    (username, password)
+}
+
+/// The database: `db`, the URL's `/db`, or both when they agree; 0 when neither says. A Redis
+/// Cluster has only database 0.
+fn redis_db(
+    r: &RawRedis,
+    url: Option<&redis_url::RedisAddress>,
+    err: &mut dyn FnMut(String, String),
+) -> u32 {
+    let in_url = url.and_then(|u| u.db);
+    let (db, path) = match (in_url, r.db) {
+        (Some(u), Some(key)) if u != key => {
+            err(
+                "limits.redis.db".into(),
+                format!("{key} differs from the database in address (/{u}); give it in one place"),
+            );
+            (u, "limits.redis.address")
+        }
+        (Some(u), _) => (u, "limits.redis.address"),
+        (None, key) => (key.unwrap_or(DEFAULT_REDIS_DB), "limits.redis.db"),
+    };
+    if r.cluster && db != 0 {
+        err(path.into(), "a Redis Cluster has only database 0".into());
+    }
+    db
+}
+
+/// `seeds`: more nodes of a Redis Cluster, each a `redis://` URL or `host:port`, without a user,
+/// password or database of its own (every node is reached as `address` says).
+fn redis_seeds(r: &RawRedis, err: &mut dyn FnMut(String, String)) -> Vec<SocketAddr> {
+    let mut seeds = Vec::new();
+    for (i, seed) in r.seeds.iter().enumerate() {
+        let path = format!("limits.redis.seeds[{i}]");
+        let resolved = redis_url::parse(seed).and_then(|s| {
+            if s.username.is_some() || s.password.is_some() {
+                return Err(
+                    "a seed takes no user or password: every node is reached with \
+                     address's (or username / password_env)"
+                        .into(),
+                );
+            }
+            if s.db.is_some_and(|db| db != 0) {
+                return Err("a Redis Cluster has only database 0".into());
+            }
+            resolve_host(&s)
+        });
+        match resolved {
+            Ok(a) => seeds.push(a),
+            Err(m) => err(path, m),
+        }
+    }
+    seeds
 }
 
 /// `[[policies]]`, in file order (a policy's index is its [`PolicyIdx`]). `reserve` is the
@@ -1219,6 +1344,205 @@ mod tests {
         assert_eq!(r.allowance(0, 60_000), 600);
         let plain = RateLimit { burst: 600, ..r };
         assert_eq!(plain.allowance(0, 0), 600);
+    }
+
+    /// `[limits.redis]` holding `section`, loaded with `env`: the settings, or every error as
+    /// (path, message).
+    fn redis(section: &str, env: &[(&str, &str)]) -> Result<RedisSettings, Vec<(String, String)>> {
+        let text = format!(
+            "[clusters.a]\nbackends = [{{ base_url = \"http://127.0.0.1:1/v1\" }}]\n\
+             [[routes]]\nmodel = \"*\"\ncluster = \"a\"\n\
+             [limits]\nbackend = \"redis\"\n[limits.redis]\n{section}"
+        );
+        let env = |k: &str| {
+            env.iter()
+                .find(|(name, _)| *name == k)
+                .map(|(_, v)| v.to_string())
+        };
+        match crate::config::load(&text, &env) {
+            Ok(s) => Ok(s.limits.sync.redis.clone().unwrap()),
+            Err(errs) => Err(errs.into_iter().map(|e| (e.path, e.message)).collect()),
+        }
+    }
+
+    fn errors(e: &[(String, String)]) -> Vec<(&str, &str)> {
+        e.iter().map(|(p, m)| (p.as_str(), m.as_str())).collect()
+    }
+
+    #[test]
+    fn a_redis_url_gives_user_password_and_db() {
+        let r = redis("address = \"redis://sluice:p%40ss@127.0.0.1:6380/3\"", &[]).unwrap();
+        assert_eq!(r.address, SocketAddr::from(([127, 0, 0, 1], 6380)));
+        assert_eq!(r.username.as_deref(), Some("sluice"));
+        assert_eq!(r.password.as_deref(), Some("p@ss"));
+        assert_eq!(r.db, 3);
+        assert_eq!(r.cluster_seeds, None);
+        assert!(!format!("{r:?}").contains("p@ss"), "{r:?}");
+        // Port 6379 and database 0 unless said; a plain host:port as always.
+        let r = redis("address = \"redis://127.0.0.1\"", &[]).unwrap();
+        assert_eq!(
+            (r.address.port(), r.db, r.username, r.password),
+            (6379, 0, None, None)
+        );
+        let r = redis("address = \"127.0.0.1:7000\"\ndb = 2", &[]).unwrap();
+        assert_eq!((r.address.port(), r.db), (7000, 2));
+    }
+
+    #[test]
+    fn url_and_keys_may_say_the_same_thing_or_share_the_work() {
+        // The user in the URL, the password from the environment (kept out of the file).
+        let r = redis(
+            "address = \"redis://sluice@127.0.0.1/1\"\npassword_env = \"PW\"",
+            &[("PW", "from-env")],
+        )
+        .unwrap();
+        assert_eq!(r.username.as_deref(), Some("sluice"));
+        assert_eq!(r.password.as_deref(), Some("from-env"));
+        assert_eq!(r.db, 1);
+        // Each given twice, the same both times.
+        let r = redis(
+            "address = \"redis://u:same@127.0.0.1/4\"\nusername = \"u\"\n\
+             password_env = \"PW\"\ndb = 4",
+            &[("PW", "same")],
+        )
+        .unwrap();
+        assert_eq!(
+            (r.username.as_deref(), r.password.as_deref(), r.db),
+            (Some("u"), Some("same"), 4)
+        );
+    }
+
+    /// A setting given in the URL and by its own key, differently, is an error for each, all at
+    /// once, and no message shows either password.
+    #[test]
+    fn url_and_keys_that_differ_are_errors() {
+        let errs = redis(
+            "address = \"redis://a:urlsecret1@127.0.0.1/2\"\nusername = \"b\"\n\
+             password_env = \"PW\"\ndb = 3",
+            &[("PW", "envsecret2")],
+        )
+        .unwrap_err();
+        assert_eq!(
+            errors(&errs),
+            [
+                (
+                    "limits.redis.username",
+                    "`b` differs from the user in address (`a`); give it in one place"
+                ),
+                (
+                    "limits.redis.password_env",
+                    "`PW` holds a different password than the one in address; give it in one \
+                     place"
+                ),
+                (
+                    "limits.redis.db",
+                    "3 differs from the database in address (/2); give it in one place"
+                ),
+            ]
+        );
+        for (_, m) in &errs {
+            assert!(
+                !m.contains("urlsecret1") && !m.contains("envsecret2"),
+                "{m}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_user_needs_a_password() {
+        let need = "a user name needs a password (redis://user:password@host, or password_env): \
+                    Redis's AUTH takes both, and without it the connection would be the default \
+                    user's";
+        let errs = redis("address = \"redis://sluice@127.0.0.1\"", &[]).unwrap_err();
+        assert_eq!(errors(&errs), [("limits.redis.address", need)]);
+        let errs = redis("address = \"127.0.0.1:6379\"\nusername = \"u\"", &[]).unwrap_err();
+        assert_eq!(errors(&errs), [("limits.redis.username", need)]);
+        // An unset variable is its own error, not this one too.
+        let errs = redis(
+            "address = \"redis://sluice@127.0.0.1\"\npassword_env = \"NOPE\"",
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(
+            errors(&errs),
+            [(
+                "limits.redis.password_env",
+                "environment variable `NOPE` is not set"
+            )]
+        );
+    }
+
+    #[test]
+    fn bad_addresses_are_reported_without_their_password() {
+        let errs = redis("address = \"rediss://u:tlssecret@127.0.0.1/1\"", &[]).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].0, "limits.redis.address");
+        assert!(
+            errs[0]
+                .1
+                .starts_with("TLS to Redis is not supported yet (`rediss://`)"),
+            "{errs:?}"
+        );
+        let errs = redis(
+            "address = \"redis://u:dnssecret@no-such-host.invalid:6379/1\"",
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].0, "limits.redis.address");
+        assert!(
+            errs[0]
+                .1
+                .starts_with("`no-such-host.invalid:6379` does not resolve"),
+            "{errs:?}"
+        );
+        assert!(!errs[0].1.contains("dnssecret"), "{errs:?}");
+    }
+
+    #[test]
+    fn cluster_seeds_take_urls_without_credentials_and_only_db_0() {
+        let r = redis(
+            "address = \"redis://:pw@127.0.0.1:7000\"\ncluster = true\n\
+             seeds = [\"redis://127.0.0.1:7001\", \"127.0.0.1:7002\", \"redis://127.0.0.1:7003/0\"]",
+            &[],
+        )
+        .unwrap();
+        let ports: Vec<u16> = r.cluster_seeds.unwrap().iter().map(|a| a.port()).collect();
+        assert_eq!(ports, [7000, 7001, 7002, 7003]);
+        assert_eq!(r.password.as_deref(), Some("pw"));
+        let errs = redis(
+            "address = \"redis://127.0.0.1:7000/1\"\ncluster = true\n\
+             seeds = [\"redis://:pw@127.0.0.1:7001\", \"redis://127.0.0.1:7002/2\", \
+             \"rediss://127.0.0.1:7003\"]",
+            &[],
+        )
+        .unwrap_err();
+        let errs = errors(&errs);
+        assert_eq!(errs.len(), 4, "{errs:?}");
+        assert_eq!(
+            errs[0],
+            (
+                "limits.redis.address",
+                "a Redis Cluster has only database 0"
+            )
+        );
+        assert_eq!(
+            errs[1],
+            (
+                "limits.redis.seeds[0]",
+                "a seed takes no user or password: every node is reached with address's (or \
+                 username / password_env)"
+            )
+        );
+        assert_eq!(
+            errs[2],
+            (
+                "limits.redis.seeds[1]",
+                "a Redis Cluster has only database 0"
+            )
+        );
+        assert_eq!(errs[3].0, "limits.redis.seeds[2]");
+        assert!(errs[3].1.starts_with("TLS to Redis is not supported yet"));
     }
 
     #[test]

@@ -15,6 +15,9 @@
 #![allow(clippy::disallowed_methods)]
 
 pub(crate) mod limits;
+mod redis_url;
+#[cfg(test)]
+mod reference;
 
 pub(crate) use crate::http::HttpLimits;
 
@@ -115,6 +118,7 @@ const SECTIONS: [&str; 12] = [
 ];
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawAdmin {
     listen: String,
@@ -123,6 +127,7 @@ struct RawAdmin {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawAccessLog {
     dir: PathBuf,
@@ -155,6 +160,7 @@ fn default_log_flush_ms() -> u64 {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawPrice {
     input: f64,
@@ -163,6 +169,7 @@ struct RawPrice {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 struct RawServer {
     listen: String,
@@ -187,6 +194,7 @@ impl Default for RawServer {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 struct RawHttp {
     max_request_line_bytes: usize,
@@ -207,6 +215,7 @@ impl Default for RawHttp {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 struct RawTimeouts {
     header_read_ms: u64,
@@ -233,6 +242,7 @@ impl Default for RawTimeouts {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 struct RawUpstream {
     max_idle_per_backend: usize,
@@ -253,6 +263,7 @@ impl Default for RawUpstream {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawCluster {
     #[serde(default)]
@@ -264,6 +275,7 @@ struct RawCluster {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawBackend {
     base_url: String,
@@ -276,6 +288,7 @@ fn default_weight() -> u32 {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawCredential {
     env: String,
@@ -296,6 +309,7 @@ fn default_credential_header() -> String {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 struct RawRoute {
     model: String,

@@ -137,8 +137,8 @@ end
 return {granted, spent_total, leased_others, wanted_others}
 "#;
 
-/// Where and how to reach Redis.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where and how to reach Redis. `Debug` leaves the password out.
+#[derive(Clone, PartialEq, Eq)]
 pub(crate) struct RedisSettings {
     /// Resolved once, when the config is loaded.
     pub(crate) addr: SocketAddr,
@@ -150,6 +150,18 @@ pub(crate) struct RedisSettings {
     pub(crate) db: u32,
     /// Limit on the TCP connect alone (the exchange deadline bounds it too).
     pub(crate) connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisSettings")
+            .field("addr", &self.addr)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("username", &self.username)
+            .field("db", &self.db)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
 }
 
 impl RedisSettings {
@@ -844,6 +856,27 @@ mod tests {
         let mut out = Vec::new();
         b.exchange(node, 60_000, batch, &mut out, deadline).await?;
         Ok(out)
+    }
+
+    /// Settings are passed around and may be printed with `{:?}`: never their password.
+    #[test]
+    fn debug_leaves_the_password_out() {
+        let mut settings = RedisSettings::new(SocketAddr::from(([127, 0, 0, 1], 6379)));
+        settings.password = Some("hunter2-redis".into());
+        settings.username = Some("sluice".into());
+        let shown = format!("{settings:?}");
+        assert!(
+            !shown.contains("hunter2-redis") && shown.contains("sluice"),
+            "{shown}"
+        );
+        let mut cluster =
+            super::super::redis_cluster::RedisClusterSettings::new(vec![settings.addr]);
+        cluster.password = settings.password.clone();
+        let shown = format!("{cluster:?}");
+        assert!(
+            !shown.contains("hunter2-redis") && shown.contains("<redacted>"),
+            "{shown}"
+        );
     }
 
     #[test]

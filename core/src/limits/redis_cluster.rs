@@ -36,8 +36,8 @@ const SLOTS: usize = 16384;
 /// A slot no known master serves.
 const NO_MASTER: u16 = u16::MAX;
 
-/// Where and how to reach the cluster.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where and how to reach the cluster. `Debug` leaves the password out.
+#[derive(Clone, PartialEq, Eq)]
 pub(crate) struct RedisClusterSettings {
     /// Nodes to ask for the slot map when none is known (any subset of the cluster).
     pub(crate) seeds: Vec<SocketAddr>,
@@ -47,6 +47,17 @@ pub(crate) struct RedisClusterSettings {
     pub(crate) username: Option<String>,
     /// Limit on each TCP connect.
     pub(crate) connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisClusterSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisClusterSettings")
+            .field("seeds", &self.seeds)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("username", &self.username)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
 }
 
 impl RedisClusterSettings {
