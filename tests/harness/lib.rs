@@ -1397,6 +1397,21 @@ impl Sluice {
         addr.expect("admin address")
     }
 
+    /// The TLS listener's address, from `sluice: tls listening on ADDR` (printed before the
+    /// startup line, so it is there once the process is up; the config needs `[tls]`).
+    pub fn tls_addr(&self) -> SocketAddr {
+        let lines = self.stderr.lock().unwrap();
+        lines
+            .iter()
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix("sluice: tls listening on ")?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("no `sluice: tls listening on` line:\n{}", lines.join("\n")))
+    }
+
     /// `GET path` on the admin listener (see [`admin_get`]).
     pub fn admin_get(&self, path: &str) -> Response {
         admin_get(self.admin_addr(), path)

@@ -67,7 +67,7 @@ fn production_config_passes_check_with_the_environment_it_documents() {
         "token_env = \"SLUICE_ADMIN_TOKEN\"",
         "[access_log]",
         "listen = \"127.0.0.1:9090\"",
-        "# [server.tls]",
+        "# [tls]",
     ] {
         assert!(text.contains(piece), "conf/production.toml lacks {piece}");
     }

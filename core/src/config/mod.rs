@@ -18,6 +18,7 @@ pub(crate) mod limits;
 mod redis_url;
 #[cfg(test)]
 mod reference;
+pub(crate) mod tls;
 
 pub(crate) use crate::http::HttpLimits;
 
@@ -91,6 +92,7 @@ struct RawConfig {
     clusters: BTreeMap<String, Option<RawCluster>>,
     routes: Vec<Option<RawRoute>>,
     admin: Option<RawAdmin>,
+    tls: Option<tls::RawTls>,
     access_log: Option<RawAccessLog>,
     pricing: BTreeMap<String, Option<RawPrice>>,
     keys: Vec<Option<limits::RawKey>>,
@@ -102,8 +104,9 @@ struct RawConfig {
 }
 
 /// The top-level sections, in the order the example config has them.
-const SECTIONS: [&str; 12] = [
+const SECTIONS: [&str; 13] = [
     "server",
+    "tls",
     "http",
     "timeouts",
     "upstream",
@@ -342,6 +345,8 @@ pub struct Snapshot {
     pub(crate) admin_listen: Option<SocketAddr>,
     /// SHA-256 of the bearer token `POST /admin/reload` requires (`None`: no reload over HTTP).
     pub(crate) admin_token_digest: Option<[u8; 32]>,
+    /// The TLS listener, when there is one (its certificates reload; its address does not).
+    pub(crate) tls: Option<tls::TlsListener>,
     pub(crate) access_log: Option<AccessLogSettings>,
     /// Prices per model name, per million tokens.
     pub(crate) prices: BTreeMap<String, Price>,
@@ -667,6 +672,7 @@ fn read_sections(
             "upstream" => read(value, "upstream", src, errors).map(|v| raw.upstream = v),
             "limits" => read(value, "limits", src, errors).map(|v| raw.limits = v),
             "admin" => read(value, "admin", src, errors).map(|v| raw.admin = Some(v)),
+            "tls" => read(value, "tls", src, errors).map(|v| raw.tls = Some(v)),
             "access_log" => {
                 read(value, "access_log", src, errors).map(|v| raw.access_log = Some(v))
             }
@@ -849,6 +855,7 @@ fn validate(
         clusters,
         routes,
         admin,
+        tls,
         access_log,
         pricing,
         keys,
@@ -876,6 +883,23 @@ fn validate(
     let admin_token_digest = admin
         .as_ref()
         .and_then(|a| resolve_admin_token(a, env, &mut err));
+    let tls = tls.as_ref().and_then(|t| tls::resolve_tls(t, &mut err));
+    if let (Some(t), Some(server)) = (&tls, server_listen) {
+        if listeners_clash(t.listen, server) {
+            err(
+                "tls.listen".into(),
+                format!("`{}` takes the port of server.listen `{server}`", t.listen),
+            );
+        }
+    }
+    if let (Some(t), Some(admin)) = (&tls, admin_listen) {
+        if listeners_clash(t.listen, admin) {
+            err(
+                "tls.listen".into(),
+                format!("`{}` takes the port of admin.listen `{admin}`", t.listen),
+            );
+        }
+    }
     let access_log = access_log.as_ref().map(|l| resolve_access_log(l, &mut err));
     let prices = resolve_pricing(&pricing, &mut err);
     let limits_read = !failed.contains("limits");
@@ -894,6 +918,7 @@ fn validate(
         backend_count: clusters.backend_count,
         admin_listen,
         admin_token_digest,
+        tls,
         access_log,
         prices,
         limits: Arc::new(limits),
@@ -929,6 +954,18 @@ impl Snapshot {
         }
         self.admin_listen = running.admin_listen;
         self.admin_token_digest = running.admin_token_digest;
+        // The listener's address (or whether there is one) is fixed; its certificates reload.
+        match (&mut self.tls, &running.tls) {
+            (Some(new), Some(old)) if new.listen != old.listen => {
+                kept.push("tls.listen");
+                new.listen = old.listen;
+            }
+            (Some(_), None) | (None, Some(_)) => {
+                kept.push("tls");
+                self.tls = running.tls.clone();
+            }
+            _ => {}
+        }
         let (new, old) = (&self.limits.sync, &running.limits.sync);
         let sync_changed = new.redis != old.redis
             || new.interval != old.interval

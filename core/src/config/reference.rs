@@ -17,6 +17,7 @@ use super::limits::{
     RawKey, RawLimits, RawPlan, RawPolicy, RawRedis, RawReserve, Reserve, DEFAULT_REDIS_DB,
     DEFAULT_WINDOW_SECS,
 };
+use super::tls::{RawCertificate, RawTls};
 use super::{
     RawAccessLog, RawAdmin, RawBackend, RawCluster, RawCredential, RawHttp, RawPrice, RawRoute,
     RawServer, RawTimeouts, RawUpstream, SECTIONS,
@@ -77,6 +78,12 @@ fn sections() -> Vec<Section> {
         ),
         section::<RawRoute>("[[routes]]", r#"{ model = "m", cluster = "c" }"#, None),
         section::<RawAdmin>("[admin]", r#"{ listen = "127.0.0.1:9090" }"#, None),
+        section::<RawTls>("[tls]", r#"{ listen = "0.0.0.0:8443" }"#, None),
+        section::<RawCertificate>(
+            "tls.certificates[]",
+            r#"{ cert = "c.pem", key = "k.pem" }"#,
+            Some(("[tls]", "certificates")),
+        ),
         section::<RawAccessLog>("[access_log]", r#"{ dir = "/tmp" }"#, None),
         section::<RawPrice>(
             "[pricing.\"<model>\"]",
@@ -262,7 +269,11 @@ mod tests {
         let tops: BTreeSet<String> = mapped.iter().map(|h| top(h)).collect();
         let code: BTreeSet<String> = SECTIONS.iter().map(|s| s.to_string()).collect();
         assert_eq!(tops, code, "top-level sections: documented vs read");
-        let sources = [include_str!("mod.rs"), include_str!("limits.rs")];
+        let sources = [
+            include_str!("mod.rs"),
+            include_str!("limits.rs"),
+            include_str!("tls.rs"),
+        ];
         let raw_structs: BTreeSet<&str> = sources
             .iter()
             .flat_map(|src| src.split("struct ").skip(1))

@@ -16,11 +16,14 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use serde::Deserialize;
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawTls {
     listen: String,
     #[serde(default = "default_handshake_timeout_ms")]
     handshake_timeout_ms: u64,
+    /// At least one (checked when resolving, with the section's other errors).
+    #[serde(default)]
     certificates: Vec<RawCertificate>,
 }
 
@@ -29,8 +32,9 @@ fn default_handshake_timeout_ms() -> u64 {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 #[serde(deny_unknown_fields)]
-struct RawCertificate {
+pub(super) struct RawCertificate {
     /// PEM: the certificate, then its chain.
     cert: PathBuf,
     /// PEM: its private key (PKCS#8, PKCS#1 or SEC1).
@@ -96,7 +100,10 @@ pub(super) fn resolve_tls(
     }
     let server_config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .map(|b| b.with_no_client_auth().with_cert_resolver(Arc::new(BySni { keys })));
+        .map(|b| {
+            b.with_no_client_auth()
+                .with_cert_resolver(Arc::new(BySni { keys }))
+        });
     let mut server_config = match server_config {
         Ok(c) => c,
         Err(e) => {

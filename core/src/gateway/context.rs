@@ -11,7 +11,7 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use monoio::buf::IoBufMut;
-use monoio::io::AsyncReadRent;
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 
 use crate::config::{Snapshot, Timeouts};
@@ -25,26 +25,64 @@ use crate::telemetry::metrics::MetricsView;
 use crate::telemetry::metrics::{MetricsShard, SnapshotLabels};
 use crate::upstream::Pools;
 
-/// The client connection. It has one owner (the connection loop), which lends it to the
-/// request being served: reading and writing take `&mut self`, while watching for the client to
-/// leave takes `&self` — so the compiler guarantees no write runs while a watch is alive (the
-/// relay drops its watch before each write), and no `unsafe` is needed.
+/// The client connection, plain or TLS. It has one owner (the connection loop), which lends it
+/// to the request being served: reading and writing take `&mut self`, while watching for the
+/// client to leave takes `&self` — so the compiler guarantees no write runs while a watch is
+/// alive (the relay drops its watch before each write), and no `unsafe` is needed.
 pub(crate) struct ClientSocket {
-    stream: TcpStream,
+    io: ClientIo,
+}
+
+enum ClientIo {
+    Plain(TcpStream),
+    /// The TLS session owns the socket; `watch` is a second descriptor of the same socket
+    /// (`dup`), to wait for readiness and peek at its raw bytes without touching the session.
+    Tls {
+        stream: Box<monoio_rustls::ServerTlsStream<TcpStream>>,
+        watch: TcpStream,
+    },
 }
 
 impl ClientSocket {
     pub(crate) fn new(stream: TcpStream) -> ClientSocket {
-        ClientSocket { stream }
+        ClientSocket {
+            io: ClientIo::Plain(stream),
+        }
+    }
+
+    /// A TLS session (after its handshake) over a socket, watched through `watch`, a
+    /// duplicate descriptor of the same socket.
+    pub(crate) fn tls(
+        stream: monoio_rustls::ServerTlsStream<TcpStream>,
+        watch: TcpStream,
+    ) -> ClientSocket {
+        ClientSocket {
+            io: ClientIo::Tls {
+                stream: Box::new(stream),
+                watch,
+            },
+        }
+    }
+
+    /// Whether the bytes go through TLS (so raw reads of the socket are never right, and the
+    /// session may hold decrypted bytes that readiness cannot show).
+    pub(crate) fn is_tls(&self) -> bool {
+        matches!(self.io, ClientIo::Tls { .. })
     }
 
     pub(crate) async fn read<B: IoBufMut>(&mut self, buf: B) -> monoio::BufResult<usize, B> {
-        self.stream.read(buf).await
+        match &mut self.io {
+            ClientIo::Plain(stream) => stream.read(buf).await,
+            ClientIo::Tls { stream, .. } => stream.read(buf).await,
+        }
     }
 
     fn fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
-        self.stream.as_raw_fd()
+        match &self.io {
+            ClientIo::Plain(stream) => stream.as_raw_fd(),
+            ClientIo::Tls { watch, .. } => watch.as_raw_fd(),
+        }
     }
 
     /// Write all of `buf` within `limit`. With `direct`, first straight to the socket (see
@@ -55,7 +93,14 @@ impl ClientSocket {
         limit: Duration,
         direct: bool,
     ) -> (io::Result<()>, Vec<u8>) {
-        match stream::write_all(&mut self.stream, buf, direct, limit).await {
+        let written = match &mut self.io {
+            ClientIo::Plain(s) => stream::write_all(s, buf, direct, limit).await,
+            // Encrypted by the session on its way out: no direct send past it.
+            ClientIo::Tls { stream, .. } => monoio::time::timeout(limit, stream.write_all(buf))
+                .await
+                .map(|(res, buf)| (res.map(|_| ()), buf)),
+        };
+        match written {
             Ok(written) => written,
             Err(_) => (
                 Err(io::Error::new(
@@ -69,13 +114,19 @@ impl ClientSocket {
 
     /// Resolves when the client sent something or closed: the caller peeks to tell which.
     pub(crate) async fn readable(&self) -> io::Result<()> {
-        self.stream.readable(false).await
+        match &self.io {
+            ClientIo::Plain(stream) => stream.readable(false).await,
+            ClientIo::Tls { watch, .. } => watch.readable(false).await,
+        }
     }
 
     /// Read what the socket already holds (see [`sock::recv_now`]): for right after
-    /// [`Self::readable`] fired.
+    /// [`Self::readable`] fired. Never on TLS (`None`): its bytes are the session's to read.
     pub(crate) fn read_ready(&self, buf: &mut Vec<u8>) -> Option<usize> {
-        sock::recv_now(self.fd(), buf)
+        match &self.io {
+            ClientIo::Plain(_) => sock::recv_now(self.fd(), buf),
+            ClientIo::Tls { .. } => None,
+        }
     }
 
     /// Stop sending: the client sees the end of the stream once it has read what was sent.

@@ -49,7 +49,61 @@ struct ConnState {
 /// cancelled by the idle timeout without losing bytes.
 pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::SocketAddr) {
     let _ = stream.set_nodelay(true);
-    let mut client = ClientSocket::new(stream);
+    serve_client(worker, ClientSocket::new(stream), peer).await;
+}
+
+/// The first byte of a TLS connection: a handshake record.
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
+/// Serve one connection accepted on the TLS listener: the handshake on the worker's current
+/// certificates within `tls.handshake_timeout_ms`, then requests as on a plain connection. A
+/// client that speaks plain HTTP to this port gets a plain-text 400 saying so, and the
+/// connection closes; a failed or slow handshake closes it.
+pub(crate) async fn serve_tls(worker: Rc<Worker>, stream: TcpStream, peer: std::net::SocketAddr) {
+    use std::os::fd::AsRawFd;
+    let _ = stream.set_nodelay(true);
+    let snapshot = worker.snapshot();
+    let Some(tls) = &snapshot.tls else {
+        return;
+    };
+    let deadline = Instant::now() + tls.handshake_timeout;
+    match monoio::time::timeout(tls.handshake_timeout, stream.readable(false)).await {
+        Ok(Ok(())) => {}
+        _ => return,
+    }
+    let fd = stream.as_raw_fd();
+    match crate::sys::sock::peek_byte(fd) {
+        Some(TLS_HANDSHAKE_RECORD) => {}
+        Some(_) => {
+            let mut client = ClientSocket::new(stream);
+            let e = GatewayError::bad_http(
+                "This port speaks TLS: send the request over HTTPS (or to the plain listener).",
+            );
+            let _ = write_error(&worker, &mut client, &snapshot.timeouts, &e, false, false).await;
+            return;
+        }
+        None => return,
+    }
+    // The session will own the socket; a duplicate descriptor watches it.
+    let watch = match crate::sys::sock::duplicate(fd)
+        .map(std::net::TcpStream::from)
+        .and_then(TcpStream::from_std)
+    {
+        Ok(watch) => watch,
+        Err(_) => return,
+    };
+    let acceptor = monoio_rustls::TlsAcceptor::from(std::sync::Arc::clone(&tls.server_config));
+    let left = deadline.saturating_duration_since(Instant::now());
+    let session = match monoio::time::timeout(left, acceptor.accept(stream)).await {
+        Ok(Ok(session)) => session,
+        _ => return,
+    };
+    drop(snapshot);
+    serve_client(worker, ClientSocket::tls(session, watch), peer).await;
+}
+
+/// Serve a connection's requests until it ends (see [`serve`]).
+async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::net::SocketAddr) {
     let mut state = ConnState {
         peer: Some(peer),
         ..ConnState::default()
@@ -68,15 +122,24 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::Socket
                 timeouts.keepalive_idle
             };
             state.rbuf = Vec::new();
-            match monoio::time::timeout(idle_limit, client.readable()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) | Err(_) => return,
-            }
-            // The bytes are there: take them now rather than with one more trip around the
-            // event loop (this is most of a keep-alive request's wake-up latency).
-            state.rbuf.reserve(MIN_READ_BUF);
-            if client.read_ready(&mut state.rbuf) == Some(0) {
-                return;
+            if client.is_tls() {
+                // The session may already hold the next request, decrypted, where readiness
+                // cannot show it: read (a TLS connection keeps a small buffer while idle).
+                match read_more(&mut client, &mut state.rbuf, idle_limit).await {
+                    ReadOutcome::Data(_) => {}
+                    _ => return,
+                }
+            } else {
+                match monoio::time::timeout(idle_limit, client.readable()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) | Err(_) => return,
+                }
+                // The bytes are there: take them now rather than with one more trip around
+                // the event loop (this is most of a keep-alive request's wake-up latency).
+                state.rbuf.reserve(MIN_READ_BUF);
+                if client.read_ready(&mut state.rbuf) == Some(0) {
+                    return;
+                }
             }
         }
         first_request = false;

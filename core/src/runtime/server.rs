@@ -87,6 +87,10 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
         }
     }
     let addr = claim_port(snapshot.server.listen)?;
+    let tls_addr = match &snapshot.tls {
+        Some(tls) => Some(claim_port(tls.listen)?),
+        None => None,
+    };
     let hub = MetricsHub::for_snapshot(&snapshot);
     let ready = Arc::new(AtomicBool::new(false));
     let admin = match snapshot.admin_listen {
@@ -111,7 +115,11 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
     let workers = snapshot.server.workers;
     let mut listeners = Vec::with_capacity(workers);
     for _ in 0..workers {
-        listeners.push(reuseport_listener(addr)?);
+        let tls = match tls_addr {
+            Some(a) => Some(reuseport_listener(a)?),
+            None => None,
+        };
+        listeners.push((reuseport_listener(addr)?, tls));
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     // The in-process ledger the workers share when limits are not kept in Redis.
@@ -119,7 +127,7 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
     let (ready_tx, ready_rx) = mpsc::channel::<io::Result<Driver>>();
     let mut handles = Vec::with_capacity(workers);
     let mut controls = Vec::with_capacity(workers);
-    for (id, listener) in listeners.into_iter().enumerate() {
+    for (id, (listener, tls_listener)) in listeners.into_iter().enumerate() {
         let (control_tx, control) = crate::runtime::control::channel()?;
         controls.push(control_tx);
         let ready = ready_tx.clone();
@@ -147,6 +155,7 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
                         id,
                         pin,
                         listener,
+                        tls_listener,
                         snapshot: own,
                         hub,
                         access_log,
@@ -171,6 +180,9 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
         eprintln!("sluice: io_uring unavailable or disabled; running on the epoll (legacy) driver");
     }
     ready.store(true, Ordering::Release);
+    if let Some(tls_addr) = tls_addr {
+        eprintln!("sluice: tls listening on {tls_addr}");
+    }
     eprintln!(
         "sluice: listening on {addr} (workers={workers}, driver={})",
         driver.name()
@@ -459,6 +471,8 @@ struct WorkerSetup {
     id: usize,
     pin: Option<usize>,
     listener: StdListener,
+    /// The TLS listener's socket for this worker, when there is one.
+    tls_listener: Option<StdListener>,
     snapshot: Snapshot,
     hub: Arc<MetricsHub>,
     access_log: Option<AccessLog>,
@@ -473,6 +487,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         id,
         pin,
         listener,
+        tls_listener,
         snapshot,
         hub,
         access_log,
@@ -496,7 +511,13 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
     };
     let mut runtime = runtime;
     runtime.block_on(async move {
-        let listener = match monoio::net::TcpListener::from_std(listener) {
+        let listeners = monoio::net::TcpListener::from_std(listener).and_then(|plain| {
+            let tls = tls_listener
+                .map(monoio::net::TcpListener::from_std)
+                .transpose()?;
+            Ok((plain, tls))
+        });
+        let (listener, tls_listener) = match listeners {
             Ok(l) => l,
             Err(e) => {
                 let _ = ready.send(Err(e));
@@ -540,7 +561,10 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         let commanded = Rc::clone(&worker);
         monoio::spawn(control.serve(move |command| obey(&commanded, command)));
         let _ = ready.send(Ok(driver));
-        accept_loop(worker, listener).await;
+        if let Some(tls) = tls_listener {
+            monoio::spawn(accept_loop(Rc::clone(&worker), tls, Listener::Tls));
+        }
+        accept_loop(worker, listener, Listener::Plain).await;
     });
 }
 
@@ -571,7 +595,14 @@ fn obey(worker: &Rc<Worker>, command: crate::runtime::control::Command) {
     }
 }
 
-async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener) {
+/// Which protocol a listener's connections speak.
+#[derive(Clone, Copy)]
+enum Listener {
+    Plain,
+    Tls,
+}
+
+async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener, kind: Listener) {
     loop {
         // The current snapshot's cap: it reloads.
         let max = worker.snapshot().server.max_connections_per_worker;
@@ -593,7 +624,10 @@ async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener) {
         worker.connections.set(worker.connections.get() + 1);
         let w = Rc::clone(&worker);
         monoio::spawn(async move {
-            crate::runtime::conn::serve(Rc::clone(&w), stream, peer).await;
+            match kind {
+                Listener::Plain => crate::runtime::conn::serve(Rc::clone(&w), stream, peer).await,
+                Listener::Tls => crate::runtime::conn::serve_tls(Rc::clone(&w), stream, peer).await,
+            }
             w.connections.set(w.connections.get() - 1);
         });
     }

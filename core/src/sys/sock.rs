@@ -80,3 +80,33 @@ pub(crate) fn shutdown_write(fd: RawFd) {
         libc::shutdown(fd, libc::SHUT_WR);
     }
 }
+
+/// The first byte waiting on the socket, without consuming it (`None`: nothing there yet, the
+/// peer closed, or an error).
+pub(crate) fn peek_byte(fd: RawFd) -> Option<u8> {
+    let mut byte = 0u8;
+    // SAFETY: a one-byte peek into a local; MSG_DONTWAIT never blocks.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    (n == 1).then_some(byte)
+}
+
+/// A second descriptor of the same socket (its readiness and bytes are the socket's), closed
+/// on drop.
+pub(crate) fn duplicate(fd: RawFd) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor the caller holds open; it returns a new
+    // descriptor or -1, and touches no memory.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if new < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `new` is a freshly created descriptor that nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(new) })
+}
