@@ -169,6 +169,7 @@ struct RawServer {
     workers: usize,
     pin_workers: bool,
     max_connections_per_worker: usize,
+    shutdown_grace_ms: u64,
 }
 
 impl Default for RawServer {
@@ -178,6 +179,7 @@ impl Default for RawServer {
             workers: 0,
             pin_workers: true,
             max_connections_per_worker: 16384,
+            shutdown_grace_ms: 30_000,
         }
     }
 }
@@ -372,6 +374,9 @@ pub(crate) struct ServerConfig {
     pub(crate) workers: usize,
     pub(crate) pin_workers: bool,
     pub(crate) max_connections_per_worker: usize,
+    /// How long a stop (SIGTERM, SIGINT) lets requests and streams in flight run before it
+    /// ends them.
+    pub(crate) shutdown_grace: Duration,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -933,6 +938,10 @@ fn worker_count(raw: &RawServer) -> usize {
     }
 }
 
+/// The longest `server.shutdown_grace_ms`: a stop that waits longer than an hour is a stuck
+/// stop (a second SIGTERM ends it at once anyway).
+const MAX_SHUTDOWN_GRACE_MS: u64 = 3_600_000;
+
 /// `[server]`; `None` when `listen` is not an address.
 fn resolve_server(
     raw: &RawServer,
@@ -958,11 +967,18 @@ fn resolve_server(
             "must be at least 1".into(),
         );
     }
+    if raw.shutdown_grace_ms > MAX_SHUTDOWN_GRACE_MS {
+        err(
+            "server.shutdown_grace_ms".into(),
+            format!("must be at most {MAX_SHUTDOWN_GRACE_MS} (one hour)"),
+        );
+    }
     Some(ServerConfig {
         listen: listen?,
         workers,
         pin_workers: raw.pin_workers,
         max_connections_per_worker: raw.max_connections_per_worker,
+        shutdown_grace: Duration::from_millis(raw.shutdown_grace_ms),
     })
 }
 
@@ -1808,6 +1824,29 @@ mod tests {
                 .any(|e| e.message.contains("expected a boolean")),
             "{errs:?}"
         );
+    }
+
+    #[test]
+    fn shutdown_grace_defaults_to_30_s_and_is_bounded() {
+        let cluster = "[clusters.a]\nbackends = [{ base_url = \"http://127.0.0.1:1/v1\" }]\n\
+                       [[routes]]\nmodel = \"*\"\ncluster = \"a\"\n";
+        let grace = |server: &str| {
+            load(&format!("[server]\n{server}\n{cluster}"), &|_| None)
+                .map(|s| s.server.shutdown_grace)
+        };
+        assert_eq!(grace("").unwrap(), Duration::from_secs(30));
+        assert_eq!(grace("shutdown_grace_ms = 0").unwrap(), Duration::ZERO);
+        assert_eq!(
+            grace("shutdown_grace_ms = 3600000").unwrap(),
+            Duration::from_secs(3600)
+        );
+        let errs = grace("shutdown_grace_ms = 3600001").unwrap_err();
+        assert_eq!(
+            errs.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            ["server.shutdown_grace_ms (line 2, column 21): must be at most 3600000 (one hour)"]
+        );
+        let errs = grace("shutdown_grace_ms = -1").unwrap_err();
+        assert_eq!(errs[0].path, "server.shutdown_grace_ms", "{errs:?}");
     }
 
     #[test]
