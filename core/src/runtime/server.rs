@@ -35,6 +35,7 @@ async fn sync_task<B: crate::limits::sync::SyncBackend>(worker: Rc<Worker>, back
         worker.id,
         |took, ok| metrics.sync_flush(took, ok),
         backend,
+        std::future::pending(),
     )
     .await;
 }
