@@ -6,7 +6,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use crate::config::Snapshot;
-use crate::gateway::context::{BufPool, Load, PerCore};
+use crate::gateway::context::{BufPool, Drain, Load, PerCore};
 use crate::gateway::observe::{LogSink, ObservationPool};
 use crate::limits::shard::LimiterShard;
 use crate::openai::inspect::Inspector;
@@ -59,6 +59,8 @@ pub struct Worker {
     pub(crate) log: LogSink,
     /// This worker's limiter: local budgets, reconciled by the sync task.
     pub(crate) limiter: RefCell<LimiterShard>,
+    /// Where the worker stands in a stop; lent to every request.
+    pub(crate) drain: Drain,
 }
 
 impl Worker {
@@ -85,6 +87,7 @@ impl Worker {
             hub,
             log: LogSink::new(access_log, id),
             limiter: RefCell::new(limiter),
+            drain: Drain::default(),
         }
     }
 
@@ -123,6 +126,7 @@ impl Worker {
             rng: &self.rng,
             observations: &self.observations,
             log: &self.log,
+            drain: &self.drain,
         }
     }
 }
