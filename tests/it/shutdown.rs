@@ -328,10 +328,11 @@ fn a_second_sigterm_exits_at_once() {
 
 #[test]
 fn after_sigint_new_connections_are_refused_idle_ones_closed_and_answers_say_close() {
-    // A 4 s stream keeps the drain going; a request whose answer comes 3 s after it was sent
-    // is answered while draining.
-    let mock = Mock::start(&["--tokens", "40", "--inter-token-ms", "100"]);
-    let mut gw = Sluice::start(&Config::one_cluster(&mock).workers(2));
+    // A 6 s stream keeps the drain going; a request whose answer comes 3 s after it was sent
+    // is answered while draining. Three workers and two busy connections: at least one worker
+    // has nothing to finish, and ends at once (its listener must not outlive it).
+    let mock = Mock::start(&["--tokens", "60", "--inter-token-ms", "100"]);
+    let mut gw = Sluice::start(&Config::one_cluster(&mock).workers(3));
     let addr = gw.addr;
 
     // Idle: a keep-alive connection after its request, and one that never sent a byte.
@@ -368,13 +369,16 @@ fn after_sigint_new_connections_are_refused_idle_ones_closed_and_answers_say_clo
         "the stream ended before the idle connections were seen closed"
     );
 
-    // New connections are refused while the drain runs.
+    // New connections are refused while the drain runs: every attempt, whichever worker's
+    // listener the port would have picked (ten in a row, once every worker has begun).
+    let mut in_a_row = 0;
     let refused = wait_until(Duration::from_secs(10), || {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Err(e) => e.kind() == std::io::ErrorKind::ConnectionRefused,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => in_a_row += 1,
             // One accepted just as its worker began draining is closed unanswered.
-            Ok(_) => false,
+            _ => in_a_row = 0,
         }
+        in_a_row == 10
     });
     assert!(refused, "new connections are still accepted");
     assert!(
@@ -382,11 +386,17 @@ fn after_sigint_new_connections_are_refused_idle_ones_closed_and_answers_say_clo
         "refused only because the process had exited"
     );
 
-    // The answer written while draining says the connection closes, and it does.
+    // The answer written while draining says the connection closes, and it does, at once (not
+    // when the process exits).
     let r = slow.read_response();
     assert_eq!(r.status, 200, "{}", r.dump());
     assert!(r.header_has_token("connection", "close"), "{}", r.dump());
     slow.assert_closed(Duration::from_secs(5));
+    assert_eq!(
+        mock.stat("active_streams"),
+        1,
+        "the stream ended before the answered connection was seen closed"
+    );
 
     let r = running.join().expect("stream thread");
     assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());

@@ -737,6 +737,10 @@ async fn finish_drain(
         // Flushes what is buffered and waits for the writer thread to write it.
         log.close();
     }
+    // One more turn of the runtime, parked: on io_uring a socket dropped just now (the last
+    // connections') is closed by an operation queued to the ring, which goes to the kernel only
+    // when the runtime parks; without it the client would see its close only at exit.
+    monoio::time::sleep(std::time::Duration::from_millis(1)).await;
     let (finished, ended_at_deadline) = worker.drain.counts();
     StopReport {
         finished,
@@ -775,15 +779,27 @@ fn obey(worker: &Rc<Worker>, command: crate::runtime::control::Command) {
     }
 }
 
-/// Accept connections until a drain starts; the listener closes when it returns (connections
-/// still in its queue are reset, and new ones are refused once every worker's is closed).
+/// Accept connections until a drain starts; the listener stops listening when it returns
+/// (connections still in its queue are reset, and new ones are refused once every worker's has
+/// stopped).
 async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener) {
     loop {
         // The current snapshot's cap: it reloads.
         let max = worker.snapshot().server.max_connections_per_worker;
         let accepted = monoio::select! {
-            accepted = listener.accept() => accepted,
-            () = worker.stop.draining.wait() => return,
+            accepted = listener.accept() => Some(accepted),
+            () = worker.stop.draining.wait() => None,
+        };
+        // One accepted as the drain began is closed unanswered, like those still queued.
+        let Some(accepted) = accepted.filter(|_| !worker.drain.draining()) else {
+            // Now, not when the runtime gets round to closing the listener: on io_uring the
+            // close is queued to the ring, and the accept still pending there keeps the socket
+            // listening until both are processed (a worker that ends at once, having no
+            // requests, may never submit them). Shutting a listening socket down takes it out
+            // of the port's SO_REUSEPORT group at once, in the kernel.
+            use std::os::fd::AsRawFd;
+            crate::sys::sock::shutdown(listener.as_raw_fd());
+            return;
         };
         let (stream, peer) = match accepted {
             Ok(s) => s,
@@ -793,10 +809,6 @@ async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener) {
                 continue;
             }
         };
-        if worker.drain.draining() {
-            // Accepted as the drain began: closed unanswered, like the ones still queued.
-            return;
-        }
         if worker.connections.get() >= max {
             monoio::spawn(crate::runtime::conn::refuse_overloaded(
                 Rc::clone(&worker),
