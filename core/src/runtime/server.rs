@@ -683,7 +683,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         let commanded = Rc::clone(&worker);
         monoio::spawn(control.serve(move |command| obey(&commanded, command)));
         let _ = ready.send(Ok(driver));
-        // Until a drain starts; the listener closes as it returns.
+        // Until a drain starts; the listener stops listening as it returns.
         accept_loop(Rc::clone(&worker), listener).await;
         let sync_timeout = limits.sync.timeout;
         Some(finish_drain(worker, sync.map(|task| (task, sync_timeout))).await)

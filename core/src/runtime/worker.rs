@@ -159,18 +159,16 @@ impl Worker {
 
     /// Start a stop: take nothing new (the accept loop ends), close the client connections that
     /// wait for a request with nothing sent, and let requests in flight run for `grace`.
-    /// Returns how many idle connections it closed.
-    pub(crate) fn start_drain(&self, grace: Duration) -> usize {
+    pub(crate) fn start_drain(&self, grace: Duration) {
         self.stop.grace.set(grace);
         self.drain.start();
         self.stop.draining.set();
         // Each one's task wakes to a closed socket and ends; one that has bytes waiting (a
         // request on its way) is served, with `connection: close`.
-        let closed = self.clients.borrow().shut_down_quiet_marked();
+        self.clients.borrow().shut_down_quiet_marked();
         if self.connections.get() == 0 {
             self.stop.all_closed.set();
         }
-        closed
     }
 
     /// A client connection was opened.
