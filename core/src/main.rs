@@ -7,7 +7,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const USAGE: &str = "\
 usage:
-  sluice --config FILE          run the gateway (SIGHUP reloads FILE; SIGTERM stops)
+  sluice --config FILE          run the gateway (SIGHUP reloads FILE; SIGTERM drains, stops)
   sluice check --config FILE    validate a config file and exit (non-zero on errors)
   sluice logs FILE... [--follow] print access-log files as JSON lines (--follow: keep
                                 reading the last file as it grows, across rotation)

@@ -20,7 +20,7 @@ use std::fmt::Write as _;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -1195,6 +1195,8 @@ pub struct Sluice {
     pub addr: SocketAddr,
     pub startup: Startup,
     stderr: Arc<Mutex<Vec<String>>>,
+    /// Set when stderr reached EOF (the process exited): every line is in `stderr`.
+    stderr_done: Arc<std::sync::atomic::AtomicBool>,
     _dir: TempDir,
     pub config_path: PathBuf,
 }
@@ -1244,9 +1246,11 @@ impl Sluice {
         let mut child = cmd.spawn().expect("spawn sluice");
         let stderr_pipe = child.stderr.take().expect("sluice stderr");
         let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let stderr_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (tx, rx) = mpsc::channel::<Startup>();
         {
             let lines = Arc::clone(&lines);
+            let done = Arc::clone(&stderr_done);
             std::thread::spawn(move || {
                 let mut reader = BufReader::new(stderr_pipe);
                 let mut buf = Vec::new();
@@ -1263,6 +1267,7 @@ impl Sluice {
                         }
                     }
                 }
+                done.store(true, Ordering::Release);
                 // tx drops here: the receiver learns that stderr closed.
             });
         }
@@ -1289,6 +1294,7 @@ impl Sluice {
                 addr: startup.addr,
                 startup,
                 stderr: lines,
+                stderr_done,
                 _dir: dir,
                 config_path,
             }),
@@ -1371,6 +1377,33 @@ impl Sluice {
     /// Everything sluice wrote to stderr so far.
     pub fn stderr_text(&self) -> String {
         self.stderr.lock().unwrap().join("\n")
+    }
+
+    /// Wait up to `within` for a stderr line containing `needle`; whether one came.
+    pub fn wait_stderr(&self, within: Duration, needle: &str) -> bool {
+        wait_until(within, || {
+            self.stderr
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.contains(needle))
+        })
+    }
+
+    /// Wait up to `within` for the process to exit: its status, or `None` while it still runs.
+    /// Its stderr lines are all collected once it has exited.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<ExitStatus> {
+        let mut status = None;
+        wait_until(within, || {
+            status = self.child.try_wait().ok().flatten();
+            status.is_some()
+        });
+        if status.is_some() {
+            // The reader thread has the last lines once it reads EOF on the pipe.
+            let done = Arc::clone(&self.stderr_done);
+            wait_until(Duration::from_secs(5), || done.load(Ordering::Acquire));
+        }
+        status
     }
 
     /// The admin listener's address, from the startup line `sluice: admin listening on ADDR

@@ -181,6 +181,7 @@ struct RawServer {
     max_connections_per_worker: usize,
     max_requests_per_worker: usize,
     max_body_memory_per_worker: usize,
+    shutdown_grace_ms: u64,
 }
 
 impl Default for RawServer {
@@ -192,6 +193,7 @@ impl Default for RawServer {
             max_connections_per_worker: 16384,
             max_requests_per_worker: 8192,
             max_body_memory_per_worker: 256 * 1024 * 1024,
+            shutdown_grace_ms: 30_000,
         }
     }
 }
@@ -401,6 +403,9 @@ pub(crate) struct ServerConfig {
     pub(crate) max_requests_per_worker: usize,
     /// Request-body bytes one worker holds at once; past it, new bodies get a fast 503.
     pub(crate) max_body_memory_per_worker: usize,
+    /// How long a stop (SIGTERM, SIGINT) lets requests and streams in flight run before it
+    /// ends them.
+    pub(crate) shutdown_grace: Duration,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -996,6 +1001,10 @@ fn worker_count(raw: &RawServer) -> usize {
     }
 }
 
+/// The longest `server.shutdown_grace_ms`: a stop that waits longer than an hour is a stuck
+/// stop (a second SIGTERM ends it at once anyway).
+const MAX_SHUTDOWN_GRACE_MS: u64 = 3_600_000;
+
 /// `[server]`; `None` when `listen` is not an address.
 fn resolve_server(
     raw: &RawServer,
@@ -1035,6 +1044,12 @@ fn resolve_server(
             "must be at least 65536 (bytes)".into(),
         );
     }
+    if raw.shutdown_grace_ms > MAX_SHUTDOWN_GRACE_MS {
+        err(
+            "server.shutdown_grace_ms".into(),
+            format!("must be at most {MAX_SHUTDOWN_GRACE_MS} (one hour)"),
+        );
+    }
     Some(ServerConfig {
         listen: listen?,
         workers,
@@ -1042,6 +1057,7 @@ fn resolve_server(
         max_connections_per_worker: raw.max_connections_per_worker,
         max_requests_per_worker: raw.max_requests_per_worker,
         max_body_memory_per_worker: raw.max_body_memory_per_worker,
+        shutdown_grace: Duration::from_millis(raw.shutdown_grace_ms),
     })
 }
 
@@ -1889,6 +1905,29 @@ mod tests {
                 .any(|e| e.message.contains("expected a boolean")),
             "{errs:?}"
         );
+    }
+
+    #[test]
+    fn shutdown_grace_defaults_to_30_s_and_is_bounded() {
+        let cluster = "[clusters.a]\nbackends = [{ base_url = \"http://127.0.0.1:1/v1\" }]\n\
+                       [[routes]]\nmodel = \"*\"\ncluster = \"a\"\n";
+        let grace = |server: &str| {
+            load(&format!("[server]\n{server}\n{cluster}"), &|_| None)
+                .map(|s| s.server.shutdown_grace)
+        };
+        assert_eq!(grace("").unwrap(), Duration::from_secs(30));
+        assert_eq!(grace("shutdown_grace_ms = 0").unwrap(), Duration::ZERO);
+        assert_eq!(
+            grace("shutdown_grace_ms = 3600000").unwrap(),
+            Duration::from_secs(3600)
+        );
+        let errs = grace("shutdown_grace_ms = 3600001").unwrap_err();
+        assert_eq!(
+            errs.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            ["server.shutdown_grace_ms (line 2, column 21): must be at most 3600000 (one hour)"]
+        );
+        let errs = grace("shutdown_grace_ms = -1").unwrap_err();
+        assert_eq!(errs[0].path, "server.shutdown_grace_ms", "{errs:?}");
     }
 
     #[test]

@@ -219,8 +219,11 @@ pub(crate) fn billable_tokens(status: u16, end: Option<RelayEnd>, outcome: &Outc
     match (end, outcome.usage_source) {
         (None, _) | (_, UsageSource::None) => 0,
         _ if !(200..300).contains(&status) => 0,
-        // Complete, the client left, or the upstream cut the stream: billed for what it used.
-        (Some(_), _) => outcome.usage.total_tokens,
+        // Complete, the client left, the upstream cut the stream, or a stop's grace ended it:
+        // billed for what it used (a cut stream reported no usage: the prompt and what was
+        // streamed, estimated).
+        (Some(RelayEnd::Complete | RelayEnd::ClientLeft), _)
+        | (Some(RelayEnd::UpstreamCut(_) | RelayEnd::Shutdown), _) => outcome.usage.total_tokens,
     }
 }
 
@@ -317,6 +320,10 @@ mod tests {
             Some(RelayEnd::UpstreamCut(UpstreamFault::Io)),
         );
         assert!(cut > left, "{cut} vs {left}: more was delivered");
+
+        // A stop's grace ran out after the same eight events: billed alike — the prompt and
+        // what reached the client, never nothing.
+        assert_eq!(billed(200, &content[..8], Some(RelayEnd::Shutdown)), cut);
 
         // The upstream answered with an error status: nothing billed, the reservation released.
         assert_eq!(billed(500, &content[..2], Some(RelayEnd::Complete)), 0);

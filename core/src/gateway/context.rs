@@ -77,7 +77,7 @@ impl ClientSocket {
         }
     }
 
-    fn fd(&self) -> std::os::fd::RawFd {
+    pub(crate) fn fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
         match &self.io {
             ClientIo::Plain(stream) => stream.as_raw_fd(),
@@ -137,6 +137,11 @@ impl ClientSocket {
     /// Has the client closed (or reset) its side? Peeks without consuming; never blocks.
     pub(crate) fn peer_gone(&self) -> bool {
         sock::peer_gone(self.fd())
+    }
+
+    /// Has the client sent bytes not read yet? Peeks without consuming; never blocks.
+    pub(crate) fn has_bytes(&self) -> bool {
+        sock::has_bytes(self.fd())
     }
 }
 
@@ -264,8 +269,75 @@ impl Drop for ActiveRequest<'_> {
     }
 }
 
+/// Where the worker stands in a stop (SIGTERM): serving; draining — requests and streams in
+/// flight finish, responses say `connection: close`, nothing new is taken; or past the grace —
+/// what still runs is ended (the runtime shuts the upstream connections, and the relay and the
+/// forward phase, seeing an upstream cut at this stage, end the request as a shutdown). The
+/// runtime sets it; the phases read it at most once per request (when a response head is
+/// written) and on the paths that end a request early, never per event.
+#[derive(Default)]
+pub(crate) struct Drain {
+    phase: Cell<DrainPhase>,
+    /// Requests that ended while the worker drained.
+    finished: Cell<u64>,
+    /// Of those, the ones the end of the grace ended.
+    cut: Cell<u64>,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum DrainPhase {
+    #[default]
+    Serving,
+    Draining,
+    PastGrace,
+}
+
+impl Drain {
+    /// Stop taking new work; let what runs finish.
+    pub(crate) fn start(&self) {
+        if self.phase.get() == DrainPhase::Serving {
+            self.phase.set(DrainPhase::Draining);
+        }
+    }
+
+    /// The grace ran out: what still runs is ended.
+    pub(crate) fn end_grace(&self) {
+        self.phase.set(DrainPhase::PastGrace);
+    }
+
+    /// Draining (or past the grace): take nothing new, close connections after their response.
+    pub(crate) fn draining(&self) -> bool {
+        self.phase.get() != DrainPhase::Serving
+    }
+
+    /// The grace ran out: an upstream cut now is the shutdown's doing.
+    pub(crate) fn past_grace(&self) -> bool {
+        self.phase.get() == DrainPhase::PastGrace
+    }
+
+    /// A request ended (counted only while draining).
+    pub(crate) fn request_ended(&self) {
+        if self.draining() {
+            self.finished.set(self.finished.get() + 1);
+        }
+    }
+
+    /// A request was ended by the end of the grace (it is also counted by
+    /// [`Self::request_ended`]).
+    pub(crate) fn ended_by_shutdown(&self) {
+        self.cut.set(self.cut.get() + 1);
+    }
+
+    /// Requests that ended while draining: (finished on their own, ended at the deadline).
+    pub(crate) fn counts(&self) -> (u64, u64) {
+        let cut = self.cut.get();
+        (self.finished.get().saturating_sub(cut), cut)
+    }
+}
+
 /// What the phases that talk to sockets (forward, relay) use: upstream pools, buffers, how to
-/// write, the timeouts, and the metrics shard (for counting upstream exchanges in flight).
+/// write, the timeouts, the metrics shard (for counting upstream exchanges in flight), and
+/// whether the worker is stopping.
 #[derive(Clone, Copy)]
 pub(crate) struct Io<'w> {
     pub(crate) pools: &'w Pools,
@@ -273,6 +345,7 @@ pub(crate) struct Io<'w> {
     pub(crate) load: &'w Load,
     pub(crate) timeouts: &'w Timeouts,
     pub(crate) metrics: MetricsView<'w>,
+    pub(crate) drain: &'w Drain,
 }
 
 /// One request's loan of its worker's per-core state: the config snapshot the request runs on
@@ -291,6 +364,7 @@ pub struct PerCore<'w> {
     pub(crate) rng: &'w Cell<u64>,
     pub(crate) observations: &'w ObservationPool,
     pub(crate) log: &'w LogSink,
+    pub(crate) drain: &'w Drain,
 }
 
 impl<'w> PerCore<'w> {
@@ -301,6 +375,7 @@ impl<'w> PerCore<'w> {
             load: self.load,
             timeouts: &self.snapshot.timeouts,
             metrics: self.metrics,
+            drain: self.drain,
         }
     }
 }
@@ -324,6 +399,7 @@ pub(crate) mod testing {
         rng: Cell<u64>,
         observations: ObservationPool,
         log: LogSink,
+        drain: Drain,
     }
 
     impl OwnedCore {
@@ -341,6 +417,7 @@ pub(crate) mod testing {
                 rng: Cell::new(0x9e37_79b9_7f4a_7c15),
                 observations: ObservationPool::default(),
                 log: LogSink::new(None, 0),
+                drain: Drain::default(),
                 snapshot,
             }
         }
@@ -360,6 +437,7 @@ pub(crate) mod testing {
                 rng: &self.rng,
                 observations: &self.observations,
                 log: &self.log,
+                drain: &self.drain,
             }
         }
 

@@ -73,6 +73,8 @@ pub(crate) enum ErrorKind {
     UpstreamIo,
     /// The upstream broke HTTP framing.
     UpstreamProtocol,
+    /// Sluice is stopping and the request's shutdown grace ran out.
+    ShuttingDown,
 }
 
 /// What one [`ErrorKind`] is on the wire.
@@ -119,7 +121,7 @@ const fn spec(
 impl ErrorKind {
     /// Every kind, in declaration order.
     #[cfg(test)]
-    pub(crate) const ALL: [ErrorKind; 24] = {
+    pub(crate) const ALL: [ErrorKind; 25] = {
         use ErrorKind::*;
         [
             MalformedHttp,
@@ -146,6 +148,7 @@ impl ErrorKind {
             UpstreamTimeout,
             UpstreamIo,
             UpstreamProtocol,
+            ShuttingDown,
         ]
     };
 
@@ -184,6 +187,7 @@ impl ErrorKind {
             UpstreamTimeout   => spec(504, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
             UpstreamIo        => spec(502, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
             UpstreamProtocol  => spec(502, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
+            ShuttingDown      => spec(503, SERVER,     Some("server_shutting_down"),Gateway,  CLOSE, NOWHERE),
         };
         row
     }
@@ -366,6 +370,16 @@ impl GatewayError {
     /// 503: this worker can take no more connections.
     pub(crate) fn overloaded(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Overloaded, message).with_retry_after(Some(1))
+    }
+
+    /// 503: Sluice is stopping and the grace it gives running requests is over. As an SSE
+    /// error event, it ends a stream that was still running then.
+    pub(crate) fn shutting_down() -> Self {
+        Self::new(
+            ErrorKind::ShuttingDown,
+            "the gateway is shutting down and this request ran past its shutdown grace period; retry it",
+        )
+        .with_retry_after(Some(1))
     }
 
     pub(crate) fn status(&self) -> u16 {
@@ -588,6 +602,7 @@ mod tests {
                 UpstreamTimeout   => (504, "upstream_error",        None,                        true,  false),
                 UpstreamIo        => (502, "upstream_error",        None,                        true,  false),
                 UpstreamProtocol  => (502, "upstream_error",        None,                        true,  false),
+                ShuttingDown      => (503, "server_error",          Some("server_shutting_down"),false, true),
             };
             let actual = (
                 kind.status(),
@@ -605,7 +620,7 @@ mod tests {
             }
         }
         // `ALL` holds every kind once, in declaration order.
-        assert_eq!(ErrorKind::ALL.len(), UpstreamProtocol as usize + 1);
+        assert_eq!(ErrorKind::ALL.len(), ShuttingDown as usize + 1);
         for (i, kind) in ErrorKind::ALL.iter().enumerate() {
             assert_eq!(*kind as usize, i);
         }

@@ -9,7 +9,9 @@
 //! [`UpstreamResponse`]: the connection, the head, and any body bytes read with it. A pooled
 //! connection that turns out dead before answering a single byte is retried once on a fresh one.
 //! Raises 502 (refused, reset, TLS failure, malformed or missing response), 504 (connect or
-//! first-byte timeout) and 503 (backend connection cap).
+//! first-byte timeout) and 503 (backend connection cap, or `server_shutting_down` once a stop's
+//! grace is over: then nothing more is sent, and a failure of the exchange — the runtime shut the
+//! upstream connections down — is neither retried nor blamed on the upstream).
 
 use std::io::Write as _;
 use std::time::{Duration, Instant};
@@ -222,6 +224,11 @@ pub(crate) async fn send<'w>(
         ..ForwardTimings::default()
     };
     loop {
+        if io.drain.past_grace() {
+            io.bufs.give(request);
+            io.drain.ended_by_shutdown();
+            return (Err(GatewayError::shutting_down()), timings);
+        }
         let conn = match (!fresh_only)
             .then(|| io.pools.checkout(target.backend.id))
             .flatten()
@@ -251,6 +258,8 @@ pub(crate) async fn send<'w>(
                 io.bufs.give(request);
                 return (Ok(response), timings);
             }
+            // The loop's top ends it: the runtime shut the connection down.
+            Err(_) if io.drain.past_grace() => {}
             Err(AttemptError { stale: true, .. }) if !fresh_only => {
                 timings.retries += 1;
                 fresh_only = true;

@@ -340,6 +340,7 @@ impl Estimator {
 /// What kind of failure a request ended in, for the access log (`error_class`).
 fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str {
     match error {
+        Some(e) if e.kind == ErrorKind::ShuttingDown => "server_shutdown",
         Some(e) => match e.origin() {
             Origin::Client => "client_error",
             Origin::Upstream => "upstream_error",
@@ -348,6 +349,7 @@ fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str 
         None => match obs.end {
             Some(RelayEnd::ClientLeft) => "client_abort",
             Some(RelayEnd::UpstreamCut(_)) => "upstream_abort",
+            Some(RelayEnd::Shutdown) => "server_shutdown",
             _ if obs.status >= 400 => "upstream_status",
             _ => "",
         },

@@ -328,6 +328,7 @@ mod tests {
                     0,
                     |_, _| {},
                     InProcessLedger::new(),
+                    std::future::pending(),
                 );
                 let decide =
                     admit_request(per_core, &request, &mut inspection, &mut caller, &mut obs);

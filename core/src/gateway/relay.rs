@@ -12,6 +12,12 @@
 //! event (its framing stays valid), any other body is cut by closing the client connection. The
 //! upstream connection goes back to the pool only after a complete, well-framed response.
 //!
+//! Stopping (see [`Drain`](crate::gateway::context::Drain)): a response head written while the
+//! worker drains says `connection: close`. When the shutdown grace runs out the runtime shuts
+//! the upstream connections down; the relay sees that as an upstream cut and, the grace being
+//! over, ends the response the same way but as a shutdown ([`RelayEnd::Shutdown`]: the SSE error
+//! event carries `server_shutting_down`). Nothing is checked per event.
+//!
 //! When the forward phase asked the upstream for stream usage on the client's behalf
 //! ([`ClientSide::strip_usage`]), the usage-only chunk is metered but not relayed
 //! ([`strip::UsageStrip`]): the one exception to relaying each read whole is that the unfinished
@@ -58,6 +64,9 @@ pub(crate) enum RelayEnd {
     /// The upstream failed, stalled or sent garbage mid-body; the client got an SSE error
     /// event (event streams) or a cut connection.
     UpstreamCut(UpstreamFault),
+    /// Sluice is stopping and the shutdown grace ran out mid-body; the client got an SSE error
+    /// event (`server_shutting_down`, event streams) or a cut connection.
+    Shutdown,
 }
 
 /// What [`relay`] returns once a response has started to the client.
@@ -95,6 +104,8 @@ enum Cut {
     Client,
     /// The upstream failed, stalled or sent garbage.
     Upstream(GatewayError),
+    /// The shutdown grace ran out (the runtime shut the upstream connection down).
+    Shutdown,
 }
 
 pub(crate) async fn relay(
@@ -110,7 +121,11 @@ pub(crate) async fn relay(
         buf: ubuf,
         in_flight: _in_flight, // the exchange counts as in flight until the relay returns
     } = response;
-    let plan = Plan::new(&head, side);
+    let mut plan = Plan::new(&head, side);
+    if io.drain.draining() {
+        // Stopping: this response is the connection's last.
+        plan.keep_client = false;
+    }
     let mut relay = Relay {
         io,
         client,
@@ -138,7 +153,7 @@ pub(crate) async fn relay(
 
     // The rest of the body, one upstream read at a time.
     if cut.is_none() {
-        cut = relay.pump().await;
+        cut = relay.pump().await.map(|c| relay.past_grace(c));
     }
 
     // The end: the last chunk (or an SSE error event), the upstream connection back to the pool
@@ -149,6 +164,7 @@ pub(crate) async fn relay(
         Some(Cut::Upstream(e)) => {
             RelayEnd::UpstreamCut(e.upstream_fault().unwrap_or(UpstreamFault::Io))
         }
+        Some(Cut::Shutdown) => RelayEnd::Shutdown,
     };
     relay.obs.end = Some(end);
     let keep_alive = relay.finish(cut, head.keep_alive).await;
@@ -328,6 +344,13 @@ impl Relay<'_, '_> {
         while !matches!(self.body, UpstreamBody::Done) {
             self.out.clear();
             let n = match self.read_upstream(&mut watching).await {
+                // The close that ends this body may be the shutdown's (see `past_grace`).
+                Ok(0)
+                    if matches!(self.body, UpstreamBody::UntilClose)
+                        && self.io.drain.past_grace() =>
+                {
+                    return Some(Cut::Shutdown);
+                }
                 Ok(0) if matches!(self.body, UpstreamBody::UntilClose) => {
                     self.body = UpstreamBody::Done;
                     self.clean = false;
@@ -419,10 +442,21 @@ impl Relay<'_, '_> {
         }
     }
 
+    /// An upstream cut once the shutdown grace is over is the runtime's doing (it shut the
+    /// upstream connections down): the response ends as a shutdown. Checked only when the body
+    /// stopped early.
+    fn past_grace(&self, cut: Cut) -> Cut {
+        match cut {
+            Cut::Upstream(_) if self.io.drain.past_grace() => Cut::Shutdown,
+            cut => cut,
+        }
+    }
+
     /// End the response as `cut` says: a complete body gets its last chunk and the upstream
     /// connection goes back to the pool (when reusable); a client that left gets nothing more;
-    /// an upstream fault ends an event stream with an SSE error event and a proper end, and
-    /// cuts any other body. Returns whether the client connection may be kept.
+    /// an upstream fault or the end of the shutdown grace ends an event stream with an SSE
+    /// error event and a proper end, and cuts any other body. Returns whether the client
+    /// connection may be kept.
     async fn finish(mut self, cut: Option<Cut>, upstream_keep_alive: bool) -> bool {
         let plan = self.plan;
         let (keep_alive, reusable) = match cut {
@@ -440,25 +474,33 @@ impl Relay<'_, '_> {
                 (plan.keep_client && sent, reusable)
             }
             Some(Cut::Client) => (false, false),
-            Some(Cut::Upstream(error)) => {
-                // An event stream learns why through an error event and a proper end; any
-                // other body can only be cut, so the client sees it incomplete. `out` still
-                // holds the well-formed data decoded before the fault.
-                if plan.event_stream && plan.framing == ClientFraming::Chunked {
-                    // What was held back goes first, as it would have without stripping.
-                    self.flush_strip();
-                    encode_chunk(error.sse_event().as_bytes(), &mut self.out);
-                    self.out.extend_from_slice(LAST_CHUNK);
-                    let sent = self.send_out(Instant::now()).await.is_none();
-                    (plan.keep_client && sent, false)
-                } else {
-                    (false, false)
-                }
+            Some(Cut::Upstream(error)) => (self.end_early(&error).await, false),
+            Some(Cut::Shutdown) => {
+                self.io.drain.ended_by_shutdown();
+                (self.end_early(&GatewayError::shutting_down()).await, false)
             }
         };
         self.obs.finished_at = Some(Instant::now());
         self.close(reusable);
         keep_alive
+    }
+
+    /// End a body that stopped before its end for `error`: an event stream learns why through an
+    /// error event and a proper end; any other body can only be cut, so the client sees it
+    /// incomplete. `out` still holds the well-formed data decoded before the fault. Returns
+    /// whether the client connection may be kept.
+    async fn end_early(&mut self, error: &GatewayError) -> bool {
+        let plan = self.plan;
+        if plan.event_stream && plan.framing == ClientFraming::Chunked {
+            // What was held back goes first, as it would have without stripping.
+            self.flush_strip();
+            encode_chunk(error.sse_event().as_bytes(), &mut self.out);
+            self.out.extend_from_slice(LAST_CHUNK);
+            let sent = self.send_out(Instant::now()).await.is_none();
+            plan.keep_client && sent
+        } else {
+            false
+        }
     }
 
     /// An unfinished event the usage strip held back goes out as it came.

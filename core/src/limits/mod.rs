@@ -11,7 +11,8 @@
 //!   limited; once per `sync_interval_ms` (sooner, but at most ten times per interval, when a
 //!   request waits for a lease) it sends every active budget's spend and lease wish in one
 //!   round trip and applies the grants. A failed exchange marks the ledger unreachable until one
-//!   succeeds (logged once each way); it never fails a request by itself.
+//!   succeeds (logged once each way); it never fails a request by itself. When the worker stops,
+//!   one last exchange carries the spend of the requests that finished since the one before.
 
 pub(crate) mod ledger;
 pub(crate) mod redis;
@@ -50,7 +51,9 @@ pub(crate) fn node_name(worker: usize) -> String {
 }
 
 /// The worker's sync task: every interval (or sooner when a request waits for a lease), one
-/// exchange of all its budgets with the backend. Runs for the life of the worker. Takes the
+/// exchange of all its budgets with the backend. Runs for the life of the worker: when `stop`
+/// resolves (the worker is stopping, its requests are done), it makes one final exchange at once
+/// — so the spend settled since the last one reaches the ledger — and returns. Takes the
 /// worker's limiter shard, the sync settings, the worker's number (for log lines) and what to
 /// call after each exchange with its duration and outcome (the worker's metrics).
 pub(crate) async fn run_sync<B: SyncBackend>(
@@ -59,31 +62,39 @@ pub(crate) async fn run_sync<B: SyncBackend>(
     worker_id: usize,
     on_exchange: impl Fn(Duration, bool),
     mut backend: B,
+    stop: impl Future<Output = ()>,
 ) {
     let node = limiter.borrow().node().to_string();
     let lease_ttl_ms = settings.lease_ttl.as_millis() as u64;
     let mut batch: Vec<BudgetSync> = Vec::new();
     let mut states: Vec<BudgetState> = Vec::new();
     let mut last_exchange: Option<Instant> = None;
-    backend
-        .warm_up(settings.timeout.max(settings.interval))
-        .await;
+    let mut stop = std::pin::pin!(stop);
+    let mut stopping = false;
+    monoio::select! {
+        () = backend.warm_up(settings.timeout.max(settings.interval)) => {}
+        () = &mut stop => stopping = true,
+    }
     loop {
-        {
+        if !stopping {
             let urgent = Urgent { shard: limiter };
             monoio::select! {
                 _ = monoio::time::sleep(settings.interval) => {}
                 _ = urgent => {}
+                () = &mut stop => stopping = true,
             }
         }
         // A hurried exchange still waits a tenth of the interval after the last one, so a
         // storm of waiting requests can't turn into a storm of round trips: at most ten
-        // exchanges per interval per worker, whatever the request rate.
-        if let Some(last) = last_exchange {
+        // exchanges per interval per worker, whatever the request rate. The final one does not.
+        if let (Some(last), false) = (last_exchange, stopping) {
             let gap = settings.interval / 10;
             let since = last.elapsed();
             if since < gap {
-                monoio::time::sleep(gap - since).await;
+                monoio::select! {
+                    _ = monoio::time::sleep(gap - since) => {}
+                    () = &mut stop => stopping = true,
+                }
             }
         }
         last_exchange = Some(Instant::now());
@@ -93,6 +104,9 @@ pub(crate) async fn run_sync<B: SyncBackend>(
             .prepare(now_ms, settings.interval, &mut batch);
         if batch.is_empty() {
             limiter.borrow_mut().tick();
+            if stopping {
+                return;
+            }
             continue;
         }
         let sent_at = Instant::now();
@@ -121,6 +135,9 @@ pub(crate) async fn run_sync<B: SyncBackend>(
             &batch,
             sent_at,
         );
+        if stopping {
+            return;
+        }
     }
 }
 
@@ -138,5 +155,103 @@ impl Future for Urgent<'_> {
         } else {
             Poll::Pending
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::limits::ledger::InProcessLedger;
+    use crate::limits::shard::{Ask, Permit, RefusalKind};
+
+    /// A stop asks the sync task for its last exchange: it makes it at once (not at the end of
+    /// its 10 s interval), the spend settled since the exchange before reaches the ledger, and
+    /// the task ends.
+    #[test]
+    fn a_stop_makes_one_last_exchange_then_the_sync_task_ends() {
+        let config = format!(
+            r#"
+[clusters.main]
+backends = [{{ base_url = "http://127.0.0.1:9/v1" }}]
+[[routes]]
+model = "m"
+cluster = "main"
+[limits]
+sync_interval_ms = 10000
+lease_ttl_ms = 60000
+[[keys]]
+id = "k"
+sha256 = "{}"
+plans = [{{ id = "q", tokens = 10000 }}]
+"#,
+            crate::config::limits::hex(&crate::config::limits::digest(b"k")),
+        );
+        let cfg = crate::config::load(&config, &|_| None).unwrap().limits;
+        let shard = RefCell::new(LimiterShard::new(&cfg, "n1".into()));
+        let ledger = InProcessLedger::new();
+        let ask = Ask {
+            key: Some(0),
+            model: "m",
+            prompt_estimate: 20,
+            max_tokens: Some(100),
+            n: None,
+        };
+
+        // A lease first (a quota admits only from one), then a request spends 42 of it.
+        let mut permit = Permit::default();
+        let refused = shard
+            .borrow_mut()
+            .try_admit(&cfg, &ask, &mut permit, &mut |_, _| {})
+            .unwrap_err();
+        assert_eq!(refused.kind, RefusalKind::NeedLease);
+        let (mut batch, mut states) = (Vec::new(), Vec::new());
+        shard
+            .borrow_mut()
+            .prepare(crate::sys::time::unix_ms(), cfg.sync.interval, &mut batch);
+        ledger.exchange_at(Instant::now(), "n1", 60_000, &batch, &mut states);
+        shard
+            .borrow_mut()
+            .apply(Ok(&states), &batch, Instant::now());
+        let key = batch[0].key.clone();
+        let mut permit = Permit::default();
+        shard
+            .borrow_mut()
+            .try_admit(&cfg, &ask, &mut permit, &mut |_, _| {})
+            .unwrap();
+        shard.borrow_mut().settle(&mut permit, 42);
+
+        // What another node sees of the budget's spend.
+        let spent_total = || {
+            let mut out = Vec::new();
+            let probe = sync::BudgetSync {
+                key: key.clone(),
+                limit: 10_000,
+                spent: 0,
+                lease: 0,
+                floor: 0,
+                shortfall: 0,
+                key_ttl_ms: 0,
+            };
+            ledger.exchange_at(Instant::now(), "probe", 60_000, &[probe], &mut out);
+            out[0].spent_total
+        };
+        assert_eq!(spent_total(), 0, "nothing was exchanged since the spend");
+
+        let started = Instant::now();
+        crate::limits::ledger::conformance::block_on(run_sync(
+            &shard,
+            &cfg.sync,
+            0,
+            |_, ok| assert!(ok),
+            ledger.clone(),
+            std::future::ready(()),
+        ));
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the last exchange waited for the interval: {:?}",
+            started.elapsed()
+        );
+        assert_eq!(spent_total(), 42);
     }
 }

@@ -6,7 +6,13 @@
 //! unusable. Raises, as responses: the HTTP layer's 400 / 413 / 414 / 417 / 431 (then closes),
 //! 408 when a head or body is not received in time (then closes), 404 for unknown paths and 405
 //! for a wrong method. Everything behind a routed path is [`crate::gateway::pipeline::proxy`]'s.
+//!
+//! While the worker drains for a stop, a connection closes instead of waiting for another
+//! request (unless one is already on its way), and the responses written here say
+//! `connection: close`. The connection is in the worker's client set for its life, marked while
+//! it waits for a request, so the drain's start closes the waiting ones at once.
 
+use std::os::fd::RawFd;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -104,6 +110,8 @@ pub(crate) async fn serve_tls(worker: Rc<Worker>, stream: TcpStream, peer: std::
 
 /// Serve a connection's requests until it ends (see [`serve`]).
 async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::net::SocketAddr) {
+    // Dropped before `client`: the slot is freed before the descriptor closes.
+    let slot = ClientSlot::new(&worker.clients, client.fd());
     let mut state = ConnState {
         peer: Some(peer),
         ..ConnState::default()
@@ -111,6 +119,10 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
     let mut first_request = true;
     loop {
         if state.rbuf.is_empty() {
+            // A drain takes no new request, unless the client already sent one.
+            if worker.drain.draining() && !client.has_bytes() {
+                return;
+            }
             // Between requests no generation is held: this wait belongs to the connection, not
             // to a request, so it follows the worker's current snapshot (a swap changes the next
             // wait, never a running request's limits). The request that follows takes its own
@@ -122,18 +134,25 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
                 timeouts.keepalive_idle
             };
             state.rbuf = Vec::new();
-            if client.is_tls() {
+            slot.waiting(true);
+            let waited = if client.is_tls() {
                 // The session may already hold the next request, decrypted, where readiness
                 // cannot show it: read (a TLS connection keeps a small buffer while idle).
-                match read_more(&mut client, &mut state.rbuf, idle_limit).await {
-                    ReadOutcome::Data(_) => {}
-                    _ => return,
-                }
+                matches!(
+                    read_more(&mut client, &mut state.rbuf, idle_limit).await,
+                    ReadOutcome::Data(_)
+                )
             } else {
-                match monoio::time::timeout(idle_limit, client.readable()).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(_)) | Err(_) => return,
-                }
+                matches!(
+                    monoio::time::timeout(idle_limit, client.readable()).await,
+                    Ok(Ok(()))
+                )
+            };
+            slot.waiting(false);
+            if !waited {
+                return;
+            }
+            if !client.is_tls() {
                 // The bytes are there: take them now rather than with one more trip around
                 // the event loop (this is most of a keep-alive request's wake-up latency).
                 state.rbuf.reserve(MIN_READ_BUF);
@@ -146,6 +165,31 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
         if !Box::pin(serve_request(&worker, &mut client, &mut state)).await {
             return;
         }
+    }
+}
+
+/// A connection's place in its worker's client set, for its life; marked while the connection
+/// waits for a request.
+struct ClientSlot<'w> {
+    clients: &'w std::cell::RefCell<crate::sys::sock::SocketSet>,
+    slot: usize,
+}
+
+impl<'w> ClientSlot<'w> {
+    /// Add `fd`, marked: a new connection waits for its first request.
+    fn new(clients: &'w std::cell::RefCell<crate::sys::sock::SocketSet>, fd: RawFd) -> Self {
+        let slot = clients.borrow_mut().insert(fd, true);
+        ClientSlot { clients, slot }
+    }
+
+    fn waiting(&self, waiting: bool) {
+        self.clients.borrow_mut().mark(self.slot, waiting);
+    }
+}
+
+impl Drop for ClientSlot<'_> {
+    fn drop(&mut self) {
+        self.clients.borrow_mut().remove(self.slot);
     }
 }
 
@@ -295,7 +339,7 @@ async fn read_body_and_dispatch(
         head,
         body,
     };
-    dispatch(
+    let keep_alive = dispatch(
         worker,
         generation,
         client,
@@ -303,8 +347,9 @@ async fn read_body_and_dispatch(
         inspection,
         authenticated,
     )
-    .await
-    .then_some(consumed)
+    .await;
+    worker.drain.request_ended();
+    keep_alive.then_some(consumed)
 }
 
 /// Route a complete request by path and method. Returns whether the connection stays open.
@@ -377,7 +422,8 @@ async fn dispatch(
 }
 
 /// Write an error response, within `timeouts.stream_idle` (the request's own timeouts, or the
-/// current snapshot's outside a request). Returns whether the connection may be kept.
+/// current snapshot's outside a request). Returns whether the connection may be kept (never
+/// while draining).
 pub(crate) async fn write_error(
     worker: &Worker,
     client: &mut ClientSocket,
@@ -386,6 +432,7 @@ pub(crate) async fn write_error(
     keep_alive: bool,
     head_only: bool,
 ) -> bool {
+    let keep_alive = keep_alive && !worker.drain.draining();
     let mut out = worker.bufs.take();
     error.write_response(&mut out, keep_alive, head_only);
     send_own(worker, client, timeouts, out).await && error.keeps_connection(keep_alive)
@@ -407,7 +454,7 @@ async fn send_own(
 }
 
 /// Write a JSON response, within the request's `timeouts.stream_idle`. Returns whether the
-/// connection may be kept.
+/// connection may be kept (never while draining).
 async fn write_json(
     worker: &Worker,
     client: &mut ClientSocket,
@@ -417,6 +464,7 @@ async fn write_json(
     keep_alive: bool,
     head_only: bool,
 ) -> bool {
+    let keep_alive = keep_alive && !worker.drain.draining();
     let mut out = worker.bufs.take();
     let _ = crate::http::write_head_start(
         &mut crate::http::VecText(&mut out),

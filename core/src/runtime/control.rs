@@ -19,6 +19,10 @@ use crate::telemetry::accesslog::AccessLog;
 pub(crate) enum Command {
     /// Serve new requests on this snapshot; requests already running finish on theirs.
     Swap(Box<SwapTo>),
+    /// Stop: accept nothing more, close idle connections, let requests in flight run for up to
+    /// `grace` and then end them; then a last limiter exchange, the access log flushed and
+    /// closed, and the worker's thread ends (it reports how it went to the control thread).
+    Drain { grace: std::time::Duration },
 }
 
 /// A new configuration for one worker, with what the control thread prepared for it off the

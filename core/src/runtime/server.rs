@@ -8,6 +8,15 @@
 //! thread: it waits for signals (a thread of its own takes them with `sigwait`; every other
 //! thread has them blocked) and admin requests, and hands workers their commands
 //! (`runtime::control`). Returns an error when the port is taken or a runtime cannot start.
+//!
+//! Stopping (SIGTERM, SIGINT): `/readyz` turns 503 at once and every worker drains — its accept
+//! loop ends (the listener closes, so new connections are refused), idle connections close, and
+//! requests in flight run for up to `server.shutdown_grace_ms`. Then the worker shuts its
+//! upstream connections down, which ends what still runs (streams with an SSE error event,
+//! through the relay's usual path, billed and logged), waits up to [`AFTER_GRACE`] more for those
+//! requests to finish, makes a last limiter exchange, closes its access log and ends its thread.
+//! `run` returns once every worker has reported, so the process exits 0. A second signal while
+//! draining exits at once, with status 1.
 
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
@@ -25,7 +34,8 @@ use crate::telemetry::accesslog::{AccessLog, AccessLogConfig};
 use crate::telemetry::admin::spawn_admin;
 use crate::telemetry::metrics::MetricsHub;
 
-/// The worker's limits sync task (see [`crate::limits::run_sync`]), holding the worker alive.
+/// The worker's limits sync task (see [`crate::limits::run_sync`]), holding the worker alive;
+/// it ends after its last exchange, once the worker's stop asks for it.
 async fn sync_task<B: crate::limits::sync::SyncBackend>(worker: Rc<Worker>, backend: B) {
     let settings = worker.snapshot().limits.sync.clone();
     let metrics = &worker.metrics;
@@ -35,6 +45,7 @@ async fn sync_task<B: crate::limits::sync::SyncBackend>(worker: Rc<Worker>, back
         worker.id,
         |took, ok| metrics.sync_flush(took, ok),
         backend,
+        worker.stop.last_sync.wait(),
     )
     .await;
 }
@@ -61,7 +72,29 @@ pub(crate) enum ControlEvent {
     Stop,
     /// SIGHUP (`None`), or `POST /admin/reload` (where to send the outcome).
     Reload(Option<mpsc::Sender<crate::telemetry::admin::ReloadReply>>),
+    /// A worker finished draining; its thread is ending.
+    Stopped(StopReport),
 }
+
+/// How one worker's drain went.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StopReport {
+    /// Requests that ended while it drained, on their own.
+    finished: u64,
+    /// Requests the end of the grace ended (an SSE error event, or a closed connection).
+    ended_at_deadline: u64,
+    /// Requests still running [`AFTER_GRACE`] after the grace: dropped, neither billed nor
+    /// logged (a client that stopped reading, say).
+    abandoned: usize,
+}
+
+/// How long a worker whose grace ran out waits for the requests it ended (its upstream
+/// connections shut down) to write their end, settle and log, before it drops what is left.
+const AFTER_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Beyond a worker's own bounds (grace, [`AFTER_GRACE`], two limiter exchanges), how long the
+/// control thread waits for its report before giving up on it.
+const STOP_MARGIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Run the gateway on `snapshot`, read from `config_path` (read again on reload), until it is
 /// stopped.
@@ -147,6 +180,7 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
             None => None,
         };
         let ledger = ledger.clone();
+        let events = events_tx.clone();
         let handle = std::thread::Builder::new()
             .name(format!("sluice-worker-{id}"))
             .spawn(move || {
@@ -161,6 +195,7 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
                         access_log,
                         ledger,
                         control,
+                        events,
                     },
                     ready,
                 )
@@ -199,8 +234,11 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
         workers: controls,
         ready,
         hub,
+        stopping: None,
     };
-    control.run(events_rx);
+    // Every worker reported: their threads are ending; join them. Otherwise the process ends
+    // with them still running.
+    control.run(events_rx)?;
     for h in handles {
         let _ = h.join();
     }
@@ -215,6 +253,18 @@ struct Control {
     workers: Vec<crate::runtime::control::ControlSender>,
     ready: Arc<AtomicBool>,
     hub: Arc<MetricsHub>,
+    /// Set once a stop began.
+    stopping: Option<Stopping>,
+}
+
+/// A stop in progress: the workers' reports so far.
+struct Stopping {
+    started: std::time::Instant,
+    /// When to stop waiting for the reports still missing.
+    give_up_at: std::time::Instant,
+    /// Workers that have not reported yet.
+    waiting: usize,
+    total: StopReport,
 }
 
 /// How long a reload waits for every worker to take the new snapshot (a worker takes it
@@ -222,18 +272,109 @@ struct Control {
 const SWAP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Control {
-    /// Handle events until the workers are stopped.
-    fn run(mut self, events: mpsc::Receiver<ControlEvent>) {
-        while let Ok(event) = events.recv() {
+    /// Handle events until the workers are stopped: `Ok` once every worker has drained and
+    /// reported, an error when some did not within their bounds.
+    fn run(mut self, events: mpsc::Receiver<ControlEvent>) -> io::Result<()> {
+        loop {
+            let event = match &self.stopping {
+                None => events.recv().ok(),
+                Some(stopping) => {
+                    let left = stopping
+                        .give_up_at
+                        .saturating_duration_since(std::time::Instant::now());
+                    match events.recv_timeout(left) {
+                        Ok(event) => Some(event),
+                        Err(mpsc::RecvTimeoutError::Timeout) => {
+                            let message = format!(
+                                "{} of {} workers did not stop in time",
+                                stopping.waiting,
+                                self.workers.len()
+                            );
+                            return Err(io::Error::other(message));
+                        }
+                        Err(mpsc::RecvTimeoutError::Disconnected) => None,
+                    }
+                }
+            };
+            // The signal thread keeps a sender for the life of the process: no more events
+            // means nothing can stop the workers any more.
+            let Some(event) = event else {
+                return Ok(());
+            };
             match event {
+                ControlEvent::Reload(reply) if self.stopping.is_some() => {
+                    eprintln!("sluice: reload ignored: shutting down");
+                    if let Some(reply) = reply {
+                        let body = serde_json::json!({
+                            "status": "rejected",
+                            "errors": ["shutting down"],
+                        });
+                        let _ = reply.send(crate::telemetry::admin::ReloadReply {
+                            status: 503,
+                            body: body.to_string(),
+                        });
+                    }
+                }
                 ControlEvent::Reload(reply) => self.reload(reply),
-                ControlEvent::Stop => {
-                    // Graceful drain: to do. Until then, a stop ends the process at once.
-                    self.ready.store(false, Ordering::Release);
-                    std::process::exit(0);
+                ControlEvent::Stop if self.stopping.is_some() => {
+                    // The operator insists: no more waiting. Requests still running are cut
+                    // and neither billed nor logged; the exit status says so.
+                    eprintln!(
+                        "sluice: second stop signal; exiting now without finishing the drain"
+                    );
+                    std::process::exit(1);
+                }
+                ControlEvent::Stop => self.stop(),
+                ControlEvent::Stopped(report) => {
+                    if let Some(stopping) = &mut self.stopping {
+                        stopping.waiting = stopping.waiting.saturating_sub(1);
+                        stopping.total.finished += report.finished;
+                        stopping.total.ended_at_deadline += report.ended_at_deadline;
+                        stopping.total.abandoned += report.abandoned;
+                    }
                 }
             }
+            if let Some(stopping) = self.stopping.as_ref().filter(|s| s.waiting == 0) {
+                let StopReport {
+                    finished,
+                    ended_at_deadline,
+                    abandoned,
+                } = stopping.total;
+                let dropped = if abandoned > 0 {
+                    format!(", {abandoned} dropped unfinished")
+                } else {
+                    String::new()
+                };
+                eprintln!(
+                    "sluice: stopped ({finished} requests finished, {ended_at_deadline} ended at the deadline{dropped}; {} ms)",
+                    stopping.started.elapsed().as_millis()
+                );
+                return Ok(());
+            }
         }
+    }
+
+    /// Begin a stop: not ready any more, and every worker drains for the configured grace
+    /// (the running config's: a reload may have changed it).
+    fn stop(&mut self) {
+        self.ready.store(false, Ordering::Release);
+        let grace = self.snapshot.server.shutdown_grace;
+        eprintln!("sluice: draining (grace {} ms)", grace.as_millis());
+        let mut sent = 0;
+        for worker in &self.workers {
+            let command = crate::runtime::control::Command::Drain { grace };
+            if worker.send(command).is_ok() {
+                sent += 1;
+            }
+        }
+        let started = std::time::Instant::now();
+        let sync_bound = 2 * self.snapshot.limits.sync.timeout;
+        self.stopping = Some(Stopping {
+            started,
+            give_up_at: started + grace + AFTER_GRACE + sync_bound + STOP_MARGIN,
+            waiting: sent,
+            total: StopReport::default(),
+        });
     }
 
     /// Read the config file again, validate all of it, and hand every worker the new snapshot;
@@ -480,6 +621,8 @@ struct WorkerSetup {
     ledger: crate::limits::ledger::InProcessLedger,
     /// Where the control thread's commands arrive.
     control: crate::runtime::control::ControlReceiver,
+    /// Where the worker reports that it stopped.
+    events: mpsc::Sender<ControlEvent>,
 }
 
 fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
@@ -493,6 +636,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         access_log,
         ledger,
         control,
+        events,
     } = setup;
     if let Some(core) = pin {
         pin_to_core(core);
@@ -510,7 +654,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         monoio::FusionRuntime::Legacy(_) => Driver::Legacy,
     };
     let mut runtime = runtime;
-    runtime.block_on(async move {
+    let report = runtime.block_on(async move {
         let listeners = monoio::net::TcpListener::from_std(listener).and_then(|plain| {
             let tls = tls_listener
                 .map(monoio::net::TcpListener::from_std)
@@ -521,7 +665,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
             Ok(l) => l,
             Err(e) => {
                 let _ = ready.send(Err(e));
-                return;
+                return None;
             }
         };
         let worker = Rc::new(Worker::new(id, snapshot, hub, access_log));
@@ -529,8 +673,9 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         // Always: a reload may turn the access log on.
         monoio::spawn(flush_access_log(Rc::clone(&worker)));
         let limits = Arc::clone(&worker.snapshot().limits);
+        let mut sync = None;
         if crate::limits::any_limits(&limits) {
-            match limits.sync.redis.clone() {
+            sync = Some(match limits.sync.redis.clone() {
                 Some(settings) => match settings.cluster_seeds.clone() {
                     Some(seeds) => {
                         use crate::limits::redis_cluster::{
@@ -541,7 +686,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
                         cluster.password = settings.password;
                         cluster.connect_timeout = settings.connect_timeout;
                         let backend = RedisClusterBackend::new(cluster);
-                        monoio::spawn(sync_task(Rc::clone(&worker), backend));
+                        monoio::spawn(sync_task(Rc::clone(&worker), backend))
                     }
                     None => {
                         let mut redis = crate::limits::redis::RedisSettings::new(settings.address);
@@ -550,13 +695,11 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
                         redis.db = settings.db;
                         redis.connect_timeout = settings.connect_timeout;
                         let backend = crate::limits::redis::RedisBackend::new(redis);
-                        monoio::spawn(sync_task(Rc::clone(&worker), backend));
+                        monoio::spawn(sync_task(Rc::clone(&worker), backend))
                     }
                 },
-                None => {
-                    monoio::spawn(sync_task(Rc::clone(&worker), ledger));
-                }
-            }
+                None => monoio::spawn(sync_task(Rc::clone(&worker), ledger)),
+            });
         }
         let commanded = Rc::clone(&worker);
         monoio::spawn(control.serve(move |command| obey(&commanded, command)));
@@ -564,8 +707,70 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         if let Some(tls) = tls_listener {
             monoio::spawn(accept_loop(Rc::clone(&worker), tls, Listener::Tls));
         }
-        accept_loop(worker, listener, Listener::Plain).await;
+        // Until a drain starts; the listener stops listening as it returns (the TLS one too).
+        accept_loop(Rc::clone(&worker), listener, Listener::Plain).await;
+        let sync_timeout = limits.sync.timeout;
+        Some(finish_drain(worker, sync.map(|task| (task, sync_timeout))).await)
     });
+    // Every task (and the sockets they hold) goes with the runtime, before the report.
+    drop(runtime);
+    if let Some(report) = report {
+        let _ = events.send(ControlEvent::Stopped(report));
+    }
+}
+
+/// The rest of a worker's stop, once its accept loop ended: wait for its connections to close
+/// (their requests to end) for the grace; past it, shut the upstream connections down (what
+/// still streams ends with an SSE error event) and wait [`AFTER_GRACE`] more; then the limiter's
+/// last exchange (bounded by twice the sync timeout: one may be under way) and the access log
+/// flushed and closed.
+async fn finish_drain(
+    worker: Rc<Worker>,
+    sync: Option<(monoio::task::JoinHandle<()>, std::time::Duration)>,
+) -> StopReport {
+    let grace = worker.stop.grace.get();
+    let mut abandoned = 0;
+    let closed = monoio::time::timeout(grace, worker.stop.all_closed.wait()).await;
+    if closed.is_err() {
+        worker.drain.end_grace();
+        let upstream = worker.current().pools.shut_down_all();
+        eprintln!(
+            "sluice: worker {}: shutdown grace over; ending {} requests still running ({upstream} upstream connections closed)",
+            worker.id,
+            worker.load.active()
+        );
+        let settled = monoio::time::timeout(AFTER_GRACE, worker.stop.all_closed.wait()).await;
+        if settled.is_err() {
+            abandoned = worker.load.active();
+        }
+    }
+    worker.stop.last_sync.set();
+    if let Some((task, sync_timeout)) = sync {
+        let bound = 2 * sync_timeout + std::time::Duration::from_millis(500);
+        if monoio::time::timeout(bound, task).await.is_err() {
+            eprintln!(
+                "sluice: worker {}: the last limiter exchange did not finish in time",
+                worker.id
+            );
+        }
+    }
+    worker.metrics.connections_open(worker.connections.get());
+    worker.metrics.publish(&worker.hub);
+    let writer = worker.log.writer.borrow_mut().take();
+    if let Some(log) = writer {
+        // Flushes what is buffered and waits for the writer thread to write it.
+        log.close();
+    }
+    // One more turn of the runtime, parked: on io_uring a socket dropped just now (the last
+    // connections') is closed by an operation queued to the ring, which goes to the kernel only
+    // when the runtime parks; without it the client would see its close only at exit.
+    monoio::time::sleep(std::time::Duration::from_millis(1)).await;
+    let (finished, ended_at_deadline) = worker.drain.counts();
+    StopReport {
+        finished,
+        ended_at_deadline,
+        abandoned,
+    }
 }
 
 /// Carry out one command from the control thread.
@@ -592,6 +797,9 @@ fn obey(worker: &Rc<Worker>, command: crate::runtime::control::Command) {
             worker.swap_snapshot(Rc::new(snapshot));
             let _ = done.send(worker.id);
         }
+        Command::Drain { grace } => {
+            worker.start_drain(grace);
+        }
     }
 }
 
@@ -602,11 +810,29 @@ enum Listener {
     Tls,
 }
 
+/// Accept connections until a drain starts; the listener stops listening when it returns
+/// (connections still in its queue are reset, and new ones are refused once every worker's has
+/// stopped).
 async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener, kind: Listener) {
     loop {
         // The current snapshot's cap: it reloads.
         let max = worker.snapshot().server.max_connections_per_worker;
-        let (stream, peer) = match listener.accept().await {
+        let accepted = monoio::select! {
+            accepted = listener.accept() => Some(accepted),
+            () = worker.stop.draining.wait() => None,
+        };
+        // One accepted as the drain began is closed unanswered, like those still queued.
+        let Some(accepted) = accepted.filter(|_| !worker.drain.draining()) else {
+            // Now, not when the runtime gets round to closing the listener: on io_uring the
+            // close is queued to the ring, and the accept still pending there keeps the socket
+            // listening until both are processed (a worker that ends at once, having no
+            // requests, may never submit them). Shutting a listening socket down takes it out
+            // of the port's SO_REUSEPORT group at once, in the kernel.
+            use std::os::fd::AsRawFd;
+            crate::sys::sock::shutdown(listener.as_raw_fd());
+            return;
+        };
+        let (stream, peer) = match accepted {
             Ok(s) => s,
             Err(_) => {
                 // EMFILE and friends: back off briefly instead of spinning.
@@ -621,14 +847,14 @@ async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener, kin
             ));
             continue;
         }
-        worker.connections.set(worker.connections.get() + 1);
+        worker.connection_opened();
         let w = Rc::clone(&worker);
         monoio::spawn(async move {
             match kind {
                 Listener::Plain => crate::runtime::conn::serve(Rc::clone(&w), stream, peer).await,
                 Listener::Tls => crate::runtime::conn::serve_tls(Rc::clone(&w), stream, peer).await,
             }
-            w.connections.set(w.connections.get() - 1);
+            w.connection_closed();
         });
     }
 }

@@ -3,10 +3,14 @@
 //! borrows what it uses as a [`PerCore`].
 
 use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use crate::config::Snapshot;
-use crate::gateway::context::{BufPool, Load, PerCore};
+use crate::gateway::context::{BufPool, Drain, Load, PerCore};
 use crate::gateway::observe::{LogSink, ObservationPool};
 use crate::limits::shard::LimiterShard;
 use crate::openai::inspect::Inspector;
@@ -59,6 +63,68 @@ pub struct Worker {
     pub(crate) log: LogSink,
     /// This worker's limiter: local budgets, reconciled by the sync task.
     pub(crate) limiter: RefCell<LimiterShard>,
+    /// Where the worker stands in a stop; lent to every request.
+    pub(crate) drain: Drain,
+    /// The worker's side of a stop: its grace, and the signals its tasks wait on.
+    pub(crate) stop: Stop,
+    /// Open client connections, marked while they wait for a request (so a drain can close
+    /// those at once). Registered once per connection; a request only flips its mark.
+    pub(crate) clients: RefCell<crate::sys::sock::SocketSet>,
+}
+
+/// A worker's stop, as its tasks see it.
+#[derive(Default)]
+pub(crate) struct Stop {
+    /// How long requests in flight may run once the drain starts.
+    pub(crate) grace: Cell<Duration>,
+    /// Set when the drain starts: the accept loop ends.
+    pub(crate) draining: Signal,
+    /// Set when no client connection is left during a drain.
+    pub(crate) all_closed: Signal,
+    /// Set when the worker is done with requests: the sync task makes its last exchange.
+    pub(crate) last_sync: Signal,
+}
+
+/// A one-way flag tasks of one thread can wait on: set once, it wakes every waiter. For the few
+/// long-lived tasks of a worker's stop (each waiter is kept until the flag is set), not for
+/// requests.
+#[derive(Default)]
+pub(crate) struct Signal {
+    set: Cell<bool>,
+    waiters: RefCell<Vec<Waker>>,
+}
+
+impl Signal {
+    pub(crate) fn set(&self) {
+        self.set.set(true);
+        for waker in self.waiters.take() {
+            waker.wake();
+        }
+    }
+
+    /// Resolves once the flag is set.
+    pub(crate) fn wait(&self) -> SignalWait<'_> {
+        SignalWait(self)
+    }
+}
+
+pub(crate) struct SignalWait<'a>(&'a Signal);
+
+impl Future for SignalWait<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let signal = self.0;
+        if signal.set.get() {
+            return Poll::Ready(());
+        }
+        let mut waiters = signal.waiters.borrow_mut();
+        // A task that waits again (the accept loop, once per connection) is kept once.
+        if !waiters.iter().any(|w| w.will_wake(cx.waker())) {
+            waiters.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
 }
 
 impl Worker {
@@ -85,6 +151,37 @@ impl Worker {
             hub,
             log: LogSink::new(access_log, id),
             limiter: RefCell::new(limiter),
+            drain: Drain::default(),
+            stop: Stop::default(),
+            clients: RefCell::default(),
+        }
+    }
+
+    /// Start a stop: take nothing new (the accept loop ends), close the client connections that
+    /// wait for a request with nothing sent, and let requests in flight run for `grace`.
+    pub(crate) fn start_drain(&self, grace: Duration) {
+        self.stop.grace.set(grace);
+        self.drain.start();
+        self.stop.draining.set();
+        // Each one's task wakes to a closed socket and ends; one that has bytes waiting (a
+        // request on its way) is served, with `connection: close`.
+        self.clients.borrow().shut_down_quiet_marked();
+        if self.connections.get() == 0 {
+            self.stop.all_closed.set();
+        }
+    }
+
+    /// A client connection was opened.
+    pub(crate) fn connection_opened(&self) {
+        self.connections.set(self.connections.get() + 1);
+    }
+
+    /// A client connection closed: the last one of a drain says so.
+    pub(crate) fn connection_closed(&self) {
+        let open = self.connections.get().saturating_sub(1);
+        self.connections.set(open);
+        if open == 0 && self.drain.draining() {
+            self.stop.all_closed.set();
         }
     }
 
@@ -123,6 +220,7 @@ impl Worker {
             rng: &self.rng,
             observations: &self.observations,
             log: &self.log,
+            drain: &self.drain,
         }
     }
 }

@@ -72,6 +72,107 @@ pub(crate) fn peer_gone(fd: RawFd) -> bool {
     false
 }
 
+/// Are bytes waiting to be read? Peeks without consuming; never blocks. `false` also when the
+/// peer closed or the socket failed.
+pub(crate) fn has_bytes(fd: RawFd) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: a one-byte peek into a local; MSG_DONTWAIT never blocks.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n > 0
+}
+
+/// Shut a socket down both ways: the peer sees the close at once, and every read or poll on it
+/// (one in flight in the kernel included) ends. The descriptor stays open for its owner to
+/// close.
+pub(crate) fn shutdown(fd: RawFd) {
+    // SAFETY: shutdown takes a descriptor and touches no memory; on a descriptor that is not a
+    // connected socket it fails harmlessly.
+    unsafe {
+        libc::shutdown(fd, libc::SHUT_RDWR);
+    }
+}
+
+/// Sockets one thread holds open, each with a mark (what it means is the holder's: "waiting
+/// for a request", say), so they can be shut down together. Adding one returns its slot, which
+/// marks and removes it; slots are reused. One thread's: the holder keeps it in a `RefCell`.
+#[derive(Debug, Default)]
+pub(crate) struct SocketSet {
+    /// `(fd, marked)`; a free slot has fd -1.
+    slots: Vec<(RawFd, bool)>,
+    free: Vec<usize>,
+}
+
+impl SocketSet {
+    /// Add `fd` (with `marked`); returns its slot.
+    pub(crate) fn insert(&mut self, fd: RawFd, marked: bool) -> usize {
+        match self.free.pop() {
+            Some(slot) => {
+                if let Some(entry) = self.slots.get_mut(slot) {
+                    *entry = (fd, marked);
+                }
+                slot
+            }
+            None => {
+                self.slots.push((fd, marked));
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    /// Forget the socket in `slot` (before it is closed: its number may be reused).
+    pub(crate) fn remove(&mut self, slot: usize) {
+        if let Some(entry) = self.slots.get_mut(slot) {
+            if entry.0 >= 0 {
+                *entry = (-1, false);
+                self.free.push(slot);
+            }
+        }
+    }
+
+    pub(crate) fn mark(&mut self, slot: usize, marked: bool) {
+        if let Some(entry) = self.slots.get_mut(slot) {
+            entry.1 = marked;
+        }
+    }
+
+    /// How many sockets are in the set.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    /// Shut down (see [`shutdown`]) every socket in the set; returns how many.
+    pub(crate) fn shut_down_all(&self) -> usize {
+        let mut n = 0;
+        for &(fd, _) in &self.slots {
+            if fd >= 0 {
+                shutdown(fd);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Shut down the marked sockets that have no bytes waiting to be read; returns how many.
+    pub(crate) fn shut_down_quiet_marked(&self) -> usize {
+        let mut n = 0;
+        for &(fd, marked) in &self.slots {
+            if fd >= 0 && marked && !has_bytes(fd) {
+                shutdown(fd);
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
 /// Half-close: no more sends on `fd` (the peer reads end-of-stream after what was sent).
 /// Errors (the peer already gone) are of no interest to a closing connection.
 pub(crate) fn shutdown_write(fd: RawFd) {
@@ -109,4 +210,50 @@ pub(crate) fn duplicate(fd: RawFd) -> io::Result<std::os::fd::OwnedFd> {
     }
     // SAFETY: `new` is a freshly created descriptor that nothing else owns.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(new) })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::io::{Read as _, Write as _};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn a_socket_set_reuses_slots_and_shuts_down_what_it_is_asked_to() {
+        let (idle, idle_peer) = UnixStream::pair().unwrap();
+        let (busy, _busy_peer) = UnixStream::pair().unwrap();
+        let (waiting, mut waiting_peer) = UnixStream::pair().unwrap();
+        let mut set = SocketSet::default();
+        let a = set.insert(idle.as_raw_fd(), true);
+        let b = set.insert(busy.as_raw_fd(), true);
+        let c = set.insert(waiting.as_raw_fd(), true);
+        assert_eq!((a, b, c, set.len()), (0, 1, 2, 3));
+        set.mark(b, false);
+        // Bytes wait on `waiting`: marked, but not quiet.
+        waiting_peer.write_all(b"GET").unwrap();
+        assert!(has_bytes(waiting.as_raw_fd()));
+        assert!(!has_bytes(idle.as_raw_fd()));
+
+        assert_eq!(set.shut_down_quiet_marked(), 1);
+        // The idle one's peer sees the close; the others stay open.
+        let mut buf = [0u8; 4];
+        assert_eq!((&idle_peer).read(&mut buf).unwrap(), 0);
+        assert!(peer_gone(idle.as_raw_fd()));
+        assert!(!peer_gone(busy.as_raw_fd()));
+        assert!(!peer_gone(waiting.as_raw_fd()));
+
+        // A removed slot is reused, and removing twice frees it once.
+        set.remove(a);
+        set.remove(a);
+        assert_eq!(set.len(), 2);
+        assert_eq!(set.insert(idle.as_raw_fd(), false), a);
+        assert_eq!(set.insert(idle.as_raw_fd(), false), 3);
+        set.remove(3);
+
+        assert_eq!(set.shut_down_all(), 3);
+        assert!(peer_gone(busy.as_raw_fd()));
+        assert_eq!(waiting_peer.read(&mut buf).unwrap(), 0);
+    }
 }

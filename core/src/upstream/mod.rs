@@ -6,6 +6,8 @@
 //! 502 when refused or when the TLS handshake fails, 503 when the backend's connection cap on
 //! this worker is reached); [`Pools::checkin`] keeps a connection whose last response ended
 //! cleanly, up to `max_idle_per_backend`. Pools are `!Send`, one per worker: no locks.
+//! [`Pools::shut_down_all`] ends every connection the worker holds, idle or busy, for a stop
+//! whose grace ran out.
 
 use std::cell::{Cell, RefCell};
 use std::io;
@@ -66,6 +68,8 @@ pub(crate) struct UpstreamConn {
     pub(crate) reused: bool,
     idle_since: Instant,
     fd: RawFd,
+    /// Its slot in the worker's [`OpenConns`].
+    slot: usize,
 }
 
 impl UpstreamConn {
@@ -84,6 +88,31 @@ impl UpstreamConn {
 impl Drop for UpstreamConn {
     fn drop(&mut self) {
         self.pool.open.set(self.pool.open.get().saturating_sub(1));
+        // Before the descriptor closes (the fields drop after this), so no closed number stays
+        // in the set.
+        self.pool.conns.remove(self.slot);
+    }
+}
+
+/// Every upstream connection open on one worker, whichever snapshot's pools it belongs to: what
+/// [`Pools::shut_down_all`] ends. Counted per connection (connect and close), never per request.
+#[derive(Default)]
+struct OpenConns {
+    sockets: RefCell<crate::sys::sock::SocketSet>,
+    /// Shut down already: a connection opened since is shut down as it arrives.
+    shut: Cell<bool>,
+}
+
+impl OpenConns {
+    fn add(&self, fd: RawFd) -> usize {
+        if self.shut.get() {
+            crate::sys::sock::shutdown(fd);
+        }
+        self.sockets.borrow_mut().insert(fd, false)
+    }
+
+    fn remove(&self, slot: usize) {
+        self.sockets.borrow_mut().remove(slot);
     }
 }
 
@@ -117,6 +146,8 @@ struct BackendPool {
     /// How many [`Pools`] (one per live snapshot) include it. At 0 no request can check a
     /// connection out of it again: its idle connections are closed and none are kept.
     views: Cell<usize>,
+    /// The worker's open connections, this pool's among them.
+    conns: Rc<OpenConns>,
 }
 
 /// Per-worker pools for one snapshot's backends, indexed by its backend ids. The pools
@@ -125,22 +156,32 @@ struct BackendPool {
 pub(crate) struct Pools {
     backends: Vec<Rc<BackendPool>>,
     limits: UpstreamLimits,
+    /// The worker's open connections: shared by every snapshot's pools.
+    conns: Rc<OpenConns>,
 }
 
 impl Pools {
     /// Empty pools for `snapshot`'s backends.
     pub(crate) fn new(snapshot: &Snapshot) -> Pools {
-        Pools::build(snapshot, &[])
+        Pools::build(snapshot, &[], Rc::default())
     }
 
     /// Pools for `snapshot` that keep the pool (and the connections) of every backend it
     /// shares with these. The pools of backends it drops live on while requests of the old
     /// snapshot use them, and close their connections when the old snapshot's pools go.
     pub(crate) fn carry_over(&self, snapshot: &Snapshot) -> Pools {
-        Pools::build(snapshot, &self.backends)
+        Pools::build(snapshot, &self.backends, Rc::clone(&self.conns))
     }
 
-    fn build(snapshot: &Snapshot, previous: &[Rc<BackendPool>]) -> Pools {
+    /// Shut down every upstream connection of the worker, idle or busy, in any snapshot's pools,
+    /// and any opened from now on: a read waiting on one ends at once, as if the upstream had
+    /// closed it. For a stop whose grace ran out. Returns how many were open.
+    pub(crate) fn shut_down_all(&self) -> usize {
+        self.conns.shut.set(true);
+        self.conns.sockets.borrow().shut_down_all()
+    }
+
+    fn build(snapshot: &Snapshot, previous: &[Rc<BackendPool>], conns: Rc<OpenConns>) -> Pools {
         let mut backends: Vec<&Backend> = snapshot
             .clusters
             .iter()
@@ -158,6 +199,7 @@ impl Pools {
                         idle: RefCell::new(Vec::new()),
                         open: Cell::new(0),
                         views: Cell::new(0),
+                        conns: Rc::clone(&conns),
                     }),
                 };
                 pool.views.set(pool.views.get() + 1);
@@ -167,6 +209,7 @@ impl Pools {
         Pools {
             backends,
             limits: snapshot.upstream,
+            conns,
         }
     }
 
@@ -290,6 +333,7 @@ pub(crate) async fn connect(
                 reused: false,
                 idle_since: Instant::now(),
                 fd,
+                slot: pool.conns.add(fd),
             })
         }
         Ok(Err((fault, e))) => Err(ConnectError::Failed {
