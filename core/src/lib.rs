@@ -67,6 +67,7 @@ mod runtime {
     pub(crate) mod conn;
     pub(crate) mod control;
     pub(crate) mod server;
+    pub(crate) mod takeover;
     pub(crate) mod worker;
 }
 

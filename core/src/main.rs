@@ -8,6 +8,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const USAGE: &str = "\
 usage:
   sluice --config FILE          run the gateway (SIGHUP reloads FILE; SIGTERM drains, stops)
+  sluice --config FILE --takeover PATH
+                                upgrade in place: take the listening sockets over from the
+                                process serving at PATH (its server.takeover_socket), which
+                                then drains
   sluice check --config FILE    validate a config file and exit (non-zero on errors)
   sluice logs FILE... [--follow] print access-log files as JSON lines (--follow: keep
                                 reading the last file as it grows, across rotation)
@@ -32,8 +36,15 @@ fn main() -> ExitCode {
         }
         _ => (false, &args[..]),
     };
-    let path = match rest {
-        [flag, path] if flag == "--config" || flag == "-c" => path,
+    let is_config = |f: &String| f == "--config" || f == "-c";
+    let (path, takeover) = match rest {
+        [flag, path] if is_config(flag) => (path, None),
+        // Only for running: take the listening sockets over from the process serving there.
+        [flag, path, t, socket] | [t, socket, flag, path]
+            if !check && is_config(flag) && t == "--takeover" =>
+        {
+            (path, Some(std::path::PathBuf::from(socket)))
+        }
         _ => {
             eprintln!("{USAGE}");
             return ExitCode::from(2);
@@ -66,7 +77,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     // Reloads (SIGHUP, POST /admin/reload) read this same file again.
-    match sluice::run(snapshot, std::path::PathBuf::from(path)) {
+    match sluice::run(snapshot, std::path::PathBuf::from(path), takeover) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sluice: {e}");

@@ -1235,9 +1235,30 @@ impl Sluice {
     }
 
     pub fn try_start_within(config: &Config, within: Duration) -> Result<Sluice, StartFailure> {
+        Self::try_start_args(config, &[], within)
+    }
+
+    /// Start sluice with `config` and `args` after `--config FILE` (e.g. `--takeover PATH`);
+    /// panics (with its stderr) if it does not come up.
+    pub fn start_args(config: &Config, args: &[&str]) -> Sluice {
+        match Self::try_start_args(config, args, STARTUP_TIMEOUT) {
+            Ok(s) => s,
+            Err(f) => panic!(
+                "sluice {args:?} did not start (exit code {:?}):\n--- stderr ---\n{}",
+                f.code, f.stderr
+            ),
+        }
+    }
+
+    pub fn try_start_args(
+        config: &Config,
+        args: &[&str],
+        within: Duration,
+    ) -> Result<Sluice, StartFailure> {
         let dir = TempDir::new("sluice");
         let config_path = dir.write("sluice.toml", config.to_toml());
         let mut cmd = sluice_command(config, &config_path);
+        cmd.args(args);
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -2207,6 +2228,11 @@ impl Conn {
     pub fn open(addr: SocketAddr) -> Conn {
         let stream = TcpStream::connect_timeout(&addr, IO_TIMEOUT)
             .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+        Self::from_stream(stream)
+    }
+
+    /// A connection over a socket the caller connected (to handle a connect error itself).
+    pub fn from_stream(stream: TcpStream) -> Conn {
         stream.set_nodelay(true).expect("nodelay");
         let mut c = Conn {
             stream,

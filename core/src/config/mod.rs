@@ -182,6 +182,8 @@ struct RawServer {
     max_requests_per_worker: usize,
     max_body_memory_per_worker: usize,
     shutdown_grace_ms: u64,
+    /// Where this process offers its listening sockets to a successor (`--takeover PATH`).
+    takeover_socket: Option<PathBuf>,
 }
 
 impl Default for RawServer {
@@ -194,6 +196,7 @@ impl Default for RawServer {
             max_requests_per_worker: 8192,
             max_body_memory_per_worker: 256 * 1024 * 1024,
             shutdown_grace_ms: 30_000,
+            takeover_socket: None,
         }
     }
 }
@@ -403,6 +406,8 @@ pub(crate) struct ServerConfig {
     pub(crate) max_requests_per_worker: usize,
     /// Request-body bytes one worker holds at once; past it, new bodies get a fast 503.
     pub(crate) max_body_memory_per_worker: usize,
+    /// The Unix socket path a successor takes the listening sockets over from.
+    pub(crate) takeover_socket: Option<PathBuf>,
     /// How long a stop (SIGTERM, SIGINT) lets requests and streams in flight run before it
     /// ends them.
     pub(crate) shutdown_grace: Duration,
@@ -948,9 +953,13 @@ impl Snapshot {
         if self.server.pin_workers != server.pin_workers {
             kept.push("server.pin_workers");
         }
+        if self.server.takeover_socket != server.takeover_socket {
+            kept.push("server.takeover_socket");
+        }
         self.server.listen = server.listen;
         self.server.workers = server.workers;
         self.server.pin_workers = server.pin_workers;
+        self.server.takeover_socket = server.takeover_socket.clone();
         if self.admin_listen != running.admin_listen {
             kept.push("admin.listen");
         }
@@ -1058,6 +1067,7 @@ fn resolve_server(
         max_requests_per_worker: raw.max_requests_per_worker,
         max_body_memory_per_worker: raw.max_body_memory_per_worker,
         shutdown_grace: Duration::from_millis(raw.shutdown_grace_ms),
+        takeover_socket: raw.takeover_socket.clone(),
     })
 }
 

@@ -22,7 +22,12 @@ pub(crate) enum Command {
     /// Stop: accept nothing more, close idle connections, let requests in flight run for up to
     /// `grace` and then end them; then a last limiter exchange, the access log flushed and
     /// closed, and the worker's thread ends (it reports how it went to the control thread).
-    Drain { grace: std::time::Duration },
+    Drain {
+        grace: std::time::Duration,
+        /// The listening sockets were handed to a successor: close this process's descriptors
+        /// of them, but leave them listening.
+        keep_listening: bool,
+    },
 }
 
 /// A new configuration for one worker, with what the control thread prepared for it off the

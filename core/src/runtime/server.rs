@@ -29,6 +29,7 @@ use std::sync::Arc;
 use socket2::{Domain, Protocol, Socket, Type};
 
 use crate::config::Snapshot;
+use crate::runtime::takeover;
 use crate::runtime::worker::Worker;
 use crate::telemetry::accesslog::{AccessLog, AccessLogConfig};
 use crate::telemetry::admin::spawn_admin;
@@ -74,6 +75,9 @@ pub(crate) enum ControlEvent {
     Reload(Option<mpsc::Sender<crate::telemetry::admin::ReloadReply>>),
     /// A worker finished draining; its thread is ending.
     Stopped(StopReport),
+    /// A successor took the listening sockets over and serves on them: drain, leaving them
+    /// listening.
+    HandedOver,
 }
 
 /// How one worker's drain went.
@@ -97,8 +101,13 @@ const AFTER_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 const STOP_MARGIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Run the gateway on `snapshot`, read from `config_path` (read again on reload), until it is
-/// stopped.
-pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()> {
+/// stopped. With `takeover_from`, the listening sockets are the process's serving on that
+/// socket path (which then drains: see [`crate::runtime::takeover`]) instead of new ones.
+pub fn run(
+    snapshot: Snapshot,
+    config_path: std::path::PathBuf,
+    takeover_from: Option<std::path::PathBuf>,
+) -> io::Result<()> {
     // First, before any thread starts: every thread inherits the mask, so only the signal
     // thread ever takes these signals.
     let signals = block_control_signals()?;
@@ -119,10 +128,30 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
             }
         }
     }
-    let addr = claim_port(snapshot.server.listen)?;
-    let tls_addr = match &snapshot.tls {
-        Some(tls) => Some(claim_port(tls.listen)?),
-        None => None,
+    // The previous process's listening sockets, in a takeover; else this process binds its own.
+    let (inherited, successor_link) = match &takeover_from {
+        Some(path) => {
+            let (inherited, link) = takeover::request(path)?;
+            (Some(inherited), Some(link))
+        }
+        None => (None, None),
+    };
+    let inherited_addr = |list: Option<&Vec<StdListener>>| {
+        list.and_then(|l| l.first())
+            .map(StdListener::local_addr)
+            .transpose()
+    };
+    let addr = match inherited_addr(inherited.as_ref().map(|i| &i.plain))? {
+        Some(addr) => addr,
+        None => claim_port(snapshot.server.listen)?,
+    };
+    let tls_addr = match (
+        &snapshot.tls,
+        inherited_addr(inherited.as_ref().map(|i| &i.tls))?,
+    ) {
+        (Some(_), Some(inherited)) => Some(inherited),
+        (Some(tls), None) => Some(claim_port(tls.listen)?),
+        (None, _) => None,
     };
     let hub = MetricsHub::for_snapshot(&snapshot);
     let ready = Arc::new(AtomicBool::new(false));
@@ -146,21 +175,19 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
         None => None,
     };
     let workers = snapshot.server.workers;
-    let mut listeners = Vec::with_capacity(workers);
-    for _ in 0..workers {
-        let tls = match tls_addr {
-            Some(a) => Some(reuseport_listener(a)?),
-            None => None,
-        };
-        listeners.push((reuseport_listener(addr)?, tls));
-    }
+    let listeners = worker_listeners(workers, addr, tls_addr, inherited)?;
+    // Duplicates of every listening socket, for a successor to take over.
+    let handover = match &snapshot.server.takeover_socket {
+        Some(path) => Some((path.clone(), duplicates(&listeners)?)),
+        None => None,
+    };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     // The in-process ledger the workers share when limits are not kept in Redis.
     let ledger = crate::limits::ledger::InProcessLedger::new();
     let (ready_tx, ready_rx) = mpsc::channel::<io::Result<Driver>>();
     let mut handles = Vec::with_capacity(workers);
     let mut controls = Vec::with_capacity(workers);
-    for (id, (listener, tls_listener)) in listeners.into_iter().enumerate() {
+    for (id, (listeners, tls_listeners)) in listeners.into_iter().enumerate() {
         let (control_tx, control) = crate::runtime::control::channel()?;
         controls.push(control_tx);
         let ready = ready_tx.clone();
@@ -188,8 +215,8 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
                     WorkerSetup {
                         id,
                         pin,
-                        listener,
-                        tls_listener,
+                        listeners,
+                        tls_listeners,
                         snapshot: own,
                         hub,
                         access_log,
@@ -226,6 +253,22 @@ pub fn run(snapshot: Snapshot, config_path: std::path::PathBuf) -> io::Result<()
         eprintln!(
             "sluice: admin listening on {admin} (/metrics, /healthz, /readyz, /admin/reload)"
         );
+    }
+    // Serving on the inherited sockets: the previous process may drain now.
+    if let Some(link) = successor_link {
+        match takeover::ready(&link) {
+            Ok(()) => {
+                eprintln!("sluice: took over the listening sockets; the previous process drains")
+            }
+            Err(e) => eprintln!("sluice: takeover: {e}"),
+        }
+    }
+    if let Some((path, sockets)) = handover {
+        let events = events_tx.clone();
+        let drain = Box::new(move || {
+            let _ = events.send(ControlEvent::HandedOver);
+        });
+        takeover::serve(path, sockets, drain)?;
     }
     drop(events_tx);
     let control = Control {
@@ -324,7 +367,8 @@ impl Control {
                     );
                     std::process::exit(1);
                 }
-                ControlEvent::Stop => self.stop(),
+                ControlEvent::Stop => self.stop(false),
+                ControlEvent::HandedOver => self.stop(true),
                 ControlEvent::Stopped(report) => {
                     if let Some(stopping) = &mut self.stopping {
                         stopping.waiting = stopping.waiting.saturating_sub(1);
@@ -356,13 +400,19 @@ impl Control {
 
     /// Begin a stop: not ready any more, and every worker drains for the configured grace
     /// (the running config's: a reload may have changed it).
-    fn stop(&mut self) {
+    fn stop(&mut self, handed_over: bool) {
+        if self.stopping.is_some() {
+            return;
+        }
         self.ready.store(false, Ordering::Release);
         let grace = self.snapshot.server.shutdown_grace;
         eprintln!("sluice: draining (grace {} ms)", grace.as_millis());
         let mut sent = 0;
         for worker in &self.workers {
-            let command = crate::runtime::control::Command::Drain { grace };
+            let command = crate::runtime::control::Command::Drain {
+                grace,
+                keep_listening: handed_over,
+            };
             if worker.send(command).is_ok() {
                 sent += 1;
             }
@@ -577,6 +627,59 @@ fn spawn_signal_thread(set: libc::sigset_t, events: mpsc::Sender<ControlEvent>) 
     Ok(())
 }
 
+/// Each worker's listening sockets, plain and TLS: the inherited ones shared out (a worker may
+/// get several when the previous process had more workers), and new ones bound with
+/// SO_REUSEPORT for every worker still without one.
+#[allow(clippy::type_complexity)] // (plain, tls) per worker
+fn worker_listeners(
+    workers: usize,
+    addr: SocketAddr,
+    tls_addr: Option<SocketAddr>,
+    inherited: Option<takeover::Inherited>,
+) -> io::Result<Vec<(Vec<StdListener>, Vec<StdListener>)>> {
+    let mut lists: Vec<(Vec<StdListener>, Vec<StdListener>)> =
+        (0..workers).map(|_| (Vec::new(), Vec::new())).collect();
+    if let Some(inherited) = inherited {
+        for (i, l) in inherited.plain.into_iter().enumerate() {
+            l.set_nonblocking(true)?;
+            lists[i % workers].0.push(l);
+        }
+        // Without a TLS listener in this config, inherited TLS sockets close here.
+        if tls_addr.is_some() {
+            for (i, l) in inherited.tls.into_iter().enumerate() {
+                l.set_nonblocking(true)?;
+                lists[i % workers].1.push(l);
+            }
+        }
+    }
+    for (plain, tls) in &mut lists {
+        if plain.is_empty() {
+            plain.push(reuseport_listener(addr)?);
+        }
+        if let (Some(tls_addr), true) = (tls_addr, tls.is_empty()) {
+            tls.push(reuseport_listener(tls_addr)?);
+        }
+    }
+    Ok(lists)
+}
+
+/// A second descriptor of every listening socket, to hand over.
+fn duplicates(lists: &[(Vec<StdListener>, Vec<StdListener>)]) -> io::Result<takeover::Inherited> {
+    let mut all = takeover::Inherited {
+        plain: Vec::new(),
+        tls: Vec::new(),
+    };
+    for (plain, tls) in lists {
+        for l in plain {
+            all.plain.push(l.try_clone()?);
+        }
+        for l in tls {
+            all.tls.push(l.try_clone()?);
+        }
+    }
+    Ok(all)
+}
+
 /// Refuse a port another socket already holds, then return the concrete address (port 0
 /// resolved). A plain bind without SO_REUSEPORT fails on any port already bound, with or
 /// without SO_REUSEPORT, by any process.
@@ -611,9 +714,10 @@ fn reuseport_bind(addr: SocketAddr) -> io::Result<StdListener> {
 struct WorkerSetup {
     id: usize,
     pin: Option<usize>,
-    listener: StdListener,
-    /// The TLS listener's socket for this worker, when there is one.
-    tls_listener: Option<StdListener>,
+    /// This worker's listening sockets (one, unless it inherited more in a takeover).
+    listeners: Vec<StdListener>,
+    /// Its TLS listening sockets, when there is a TLS listener.
+    tls_listeners: Vec<StdListener>,
     snapshot: Snapshot,
     hub: Arc<MetricsHub>,
     access_log: Option<AccessLog>,
@@ -629,8 +733,8 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
     let WorkerSetup {
         id,
         pin,
-        listener,
-        tls_listener,
+        listeners,
+        tls_listeners,
         snapshot,
         hub,
         access_log,
@@ -655,18 +759,9 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
     };
     let mut runtime = runtime;
     let report = runtime.block_on(async move {
-        let listeners = monoio::net::TcpListener::from_std(listener).and_then(|plain| {
-            let tls = tls_listener
-                .map(monoio::net::TcpListener::from_std)
-                .transpose()?;
-            Ok((plain, tls))
-        });
-        let (listener, tls_listener) = match listeners {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = ready.send(Err(e));
-                return None;
-            }
+        let Some(first) = listeners.first().and_then(|l| l.try_clone().ok()) else {
+            let _ = ready.send(Err(io::Error::other("a worker has no listening socket")));
+            return None;
         };
         let worker = Rc::new(Worker::new(id, snapshot, hub, access_log));
         monoio::spawn(publish_metrics(Rc::clone(&worker)));
@@ -704,11 +799,14 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         let commanded = Rc::clone(&worker);
         monoio::spawn(control.serve(move |command| obey(&commanded, command)));
         let _ = ready.send(Ok(driver));
-        if let Some(tls) = tls_listener {
+        for tls in tls_listeners {
             monoio::spawn(accept_loop(Rc::clone(&worker), tls, Listener::Tls));
         }
-        // Until a drain starts; the listener stops listening as it returns (the TLS one too).
-        accept_loop(Rc::clone(&worker), listener, Listener::Plain).await;
+        for more in listeners.into_iter().skip(1) {
+            monoio::spawn(accept_loop(Rc::clone(&worker), more, Listener::Plain));
+        }
+        // Until a drain starts (the others end with it).
+        accept_loop(Rc::clone(&worker), first, Listener::Plain).await;
         let sync_timeout = limits.sync.timeout;
         Some(finish_drain(worker, sync.map(|task| (task, sync_timeout))).await)
     });
@@ -797,7 +895,11 @@ fn obey(worker: &Rc<Worker>, command: crate::runtime::control::Command) {
             worker.swap_snapshot(Rc::new(snapshot));
             let _ = done.send(worker.id);
         }
-        Command::Drain { grace } => {
+        Command::Drain {
+            grace,
+            keep_listening,
+        } => {
+            worker.stop.listeners_handed_over.set(keep_listening);
             worker.start_drain(grace);
         }
     }
@@ -810,53 +912,86 @@ enum Listener {
     Tls,
 }
 
-/// Accept connections until a drain starts; the listener stops listening when it returns
-/// (connections still in its queue are reset, and new ones are refused once every worker's has
-/// stopped).
-async fn accept_loop(worker: Rc<Worker>, listener: monoio::net::TcpListener, kind: Listener) {
+/// Accept connections until a drain starts. It waits for the listening socket to be readable
+/// and then takes what is queued with non-blocking `accept` calls — never with an accept operation
+/// in flight in the kernel, which a drain would have to cancel: a connection that operation had
+/// just taken would be lost. (That is what lets a successor share these very sockets: see
+/// `runtime::takeover`.) When the drain starts, the socket stops listening (shut down, so the
+/// port's SO_REUSEPORT group drops it at once) — unless the sockets were handed to a successor,
+/// which goes on listening on them.
+async fn accept_loop(worker: Rc<Worker>, listener: StdListener, kind: Listener) {
+    use std::os::fd::AsRawFd;
+    let fd = listener.as_raw_fd();
+    let watch = match listener
+        .try_clone()
+        .and_then(monoio::net::TcpListener::from_std)
+    {
+        Ok(watch) => watch,
+        Err(e) => {
+            eprintln!("sluice: worker {}: cannot watch a listener: {e}", worker.id);
+            return;
+        }
+    };
     loop {
-        // The current snapshot's cap: it reloads.
-        let max = worker.snapshot().server.max_connections_per_worker;
-        let accepted = monoio::select! {
-            accepted = listener.accept() => Some(accepted),
+        let readable = monoio::select! {
+            readable = watch.readable(false) => Some(readable),
             () = worker.stop.draining.wait() => None,
         };
-        // One accepted as the drain began is closed unanswered, like those still queued.
-        let Some(accepted) = accepted.filter(|_| !worker.drain.draining()) else {
-            // Now, not when the runtime gets round to closing the listener: on io_uring the
-            // close is queued to the ring, and the accept still pending there keeps the socket
-            // listening until both are processed (a worker that ends at once, having no
-            // requests, may never submit them). Shutting a listening socket down takes it out
-            // of the port's SO_REUSEPORT group at once, in the kernel.
-            use std::os::fd::AsRawFd;
-            crate::sys::sock::shutdown(listener.as_raw_fd());
+        if readable.is_none() {
+            if !worker.stop.listeners_handed_over.get() {
+                crate::sys::sock::shutdown(fd);
+            }
             return;
-        };
-        let (stream, peer) = match accepted {
-            Ok(s) => s,
-            Err(_) => {
-                // EMFILE and friends: back off briefly instead of spinning.
-                monoio::time::sleep(std::time::Duration::from_millis(10)).await;
-                continue;
-            }
-        };
-        if worker.connections.get() >= max {
-            monoio::spawn(crate::runtime::conn::refuse_overloaded(
-                Rc::clone(&worker),
-                stream,
-            ));
-            continue;
         }
-        worker.connection_opened();
-        let w = Rc::clone(&worker);
-        monoio::spawn(async move {
-            match kind {
-                Listener::Plain => crate::runtime::conn::serve(Rc::clone(&w), stream, peer).await,
-                Listener::Tls => crate::runtime::conn::serve_tls(Rc::clone(&w), stream, peer).await,
-            }
-            w.connection_closed();
-        });
+        // Everything queued now; `WouldBlock` once it is empty (or another process sharing the
+        // socket took the connection first).
+        loop {
+            let (stream, peer) = match listener.accept() {
+                Ok(accepted) => accepted,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    // EMFILE and friends: back off briefly instead of spinning.
+                    monoio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    break;
+                }
+            };
+            let stream = match stream
+                .set_nonblocking(true)
+                .and_then(|()| monoio::net::TcpStream::from_std(stream))
+            {
+                Ok(stream) => stream,
+                Err(_) => continue,
+            };
+            spawn_connection(&worker, stream, peer, kind);
+        }
     }
+}
+
+/// Serve one accepted connection on its own task, or refuse it past the worker's cap.
+fn spawn_connection(
+    worker: &Rc<Worker>,
+    stream: monoio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    kind: Listener,
+) {
+    // The current snapshot's cap: it reloads.
+    let max = worker.snapshot().server.max_connections_per_worker;
+    if worker.connections.get() >= max {
+        monoio::spawn(crate::runtime::conn::refuse_overloaded(
+            Rc::clone(worker),
+            stream,
+        ));
+        return;
+    }
+    worker.connection_opened();
+    let w = Rc::clone(worker);
+    monoio::spawn(async move {
+        match kind {
+            Listener::Plain => crate::runtime::conn::serve(Rc::clone(&w), stream, peer).await,
+            Listener::Tls => crate::runtime::conn::serve_tls(Rc::clone(&w), stream, peer).await,
+        }
+        w.connection_closed();
+    });
 }
 
 /// How often a worker copies its metrics shard to the hub a scrape reads.

@@ -79,6 +79,9 @@ pub(crate) struct Stop {
     pub(crate) grace: Cell<Duration>,
     /// Set when the drain starts: the accept loop ends.
     pub(crate) draining: Signal,
+    /// The listening sockets went to a successor (a takeover): the accept loops end without
+    /// shutting them down.
+    pub(crate) listeners_handed_over: Cell<bool>,
     /// Set when no client connection is left during a drain.
     pub(crate) all_closed: Signal,
     /// Set when the worker is done with requests: the sync task makes its last exchange.
