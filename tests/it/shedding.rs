@@ -145,36 +145,36 @@ fn a_body_that_trickles_past_its_total_deadline_gets_408() {
 #[test]
 fn bodies_past_the_workers_memory_cap_are_shed_and_the_room_comes_back() {
     let mock = Mock::start(&[]);
-    let gw = Sluice::start(&Config::one_cluster(&mock).admin().set(
-        "server",
-        "max_body_memory_per_worker",
-        "65536",
-    ));
+    let capped = |cap: u64| {
+        Config::one_cluster(&mock)
+            .admin()
+            .http("max_body_bytes", 100_000)
+            .set("server", "max_body_memory_per_worker", &cap.to_string())
+    };
+    // A cap below the largest body allowed could never hold it: a config error.
+    let out = Sluice::check(&capped(65_536));
+    let text = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("server.max_body_memory_per_worker"), "{text}");
+
+    let gw = Sluice::start(&capped(131_072));
     let padded = |size: usize| {
         let base = chat_body("gpt-4o");
         let pad = size - base.len();
         // Whitespace before the closing brace keeps it valid JSON.
         format!("{}{}}}", &base[..base.len() - 1], " ".repeat(pad))
     };
-    // Larger than the whole cap: shed at once, closed.
-    let big = padded(100_000);
-    let mut c = gw.conn();
-    c.send(&head("none", big.len(), ""));
-    let r = c.read_response_to("POST");
-    assert_eq!(r.status, 503, "{}", r.dump());
-    assert_eq!(r.header("retry-after"), Some("1"));
-    c.assert_closed(Duration::from_secs(5));
-
-    // One body of 40 KB held (half sent), a second of 40 KB does not fit beside it.
-    let first = padded(40_000);
+    // One body of 70 KB held (half sent), a second of 70 KB does not fit beside it.
+    let first = padded(70_000);
     let mut holder = gw.conn();
     holder.send(&head("none", first.len(), ""));
-    holder.send(&first.as_bytes()[..20_000]);
-    let second = padded(40_000);
+    holder.send(&first.as_bytes()[..35_000]);
+    let second = padded(70_000);
     let shed = wait_until(Duration::from_secs(5), || {
         let mut c = gw.conn();
         c.send(&head("none", second.len(), ""));
-        c.read_response_to("POST").status == 503
+        let r = c.read_response_to("POST");
+        r.status == 503 && r.header("retry-after") == Some("1")
     });
     assert!(
         shed,
@@ -183,7 +183,7 @@ fn bodies_past_the_workers_memory_cap_are_shed_and_the_room_comes_back() {
     // Health and metrics keep answering.
     assert_eq!(gw.admin_get("/healthz").status, 200);
     // The first completes; its room comes back.
-    holder.send(&first.as_bytes()[20_000..]);
+    holder.send(&first.as_bytes()[35_000..]);
     assert_eq!(holder.read_response_to("POST").status, 200);
     let r = gw.post("/v1/chat/completions", &second);
     assert_eq!(r.status, 200, "{}", r.dump());

@@ -195,3 +195,86 @@ fn bad_certificate_files_are_config_errors() {
         assert!(text.contains(expect), "{expect}: {text}");
     }
 }
+
+#[test]
+fn a_tls_client_too_slow_with_its_head_gets_408_and_the_server_carries_on() {
+    let dir = TempDir::new("tls");
+    let (cert, key, der) = cert_for(&dir, "a.example", "a");
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .timeout("header_read_ms", 300)
+            .raw(&tls_config(&[(&cert, &key)])),
+    );
+    // Half a head over TLS, then silence: the session's read is cut by the head timeout.
+    let mut store = rustls::RootCertStore::empty();
+    store.add(CertificateDer::from(der.clone())).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    let name = ServerName::try_from("a.example".to_string()).unwrap();
+    let conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+    let sock = TcpStream::connect(gw.tls_addr()).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut tls = rustls::StreamOwned::new(conn, sock);
+    tls.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n")
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = tls.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out);
+    assert_eq!(status_of(&text), 408, "{text}");
+    // The process is fine and serves the next TLS client.
+    let chat = Req::post("/v1/chat/completions", &chat_body("gpt-4o"));
+    let (raw, _) = over_tls(gw.tls_addr(), "a.example", &[&der], &chat);
+    assert_eq!(status_of(&raw), 200, "{raw}");
+}
+
+#[test]
+fn a_tls_client_that_leaves_cancels_its_upstream_request() {
+    let dir = TempDir::new("tls");
+    let (cert, key, der) = cert_for(&dir, "a.example", "a");
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).raw(&tls_config(&[(&cert, &key)])));
+    let mut store = rustls::RootCertStore::empty();
+    store.add(CertificateDer::from(der)).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    let name = ServerName::try_from("a.example".to_string()).unwrap();
+    let conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+    let sock = TcpStream::connect(gw.tls_addr()).unwrap();
+    let mut tls = rustls::StreamOwned::new(conn, sock);
+    // A stream whose events come 5 s apart: only the client watch can see it leave sooner.
+    let req = Req::post("/v1/chat/completions", &chat_stream_body("gpt-4o"))
+        .header("x-mock-inter-token-ms", "5000")
+        .header("x-mock-tokens", "4");
+    tls.write_all(&req.build()).unwrap();
+    let mut first = [0u8; 64];
+    let _ = tls.read(&mut first).unwrap();
+    assert!(wait_until(Duration::from_secs(5), || mock
+        .stat("active_requests")
+        == 1));
+    // The client leaves the way TLS clients do: close_notify, then FIN.
+    tls.conn.send_close_notify();
+    tls.flush().unwrap();
+    let _ = tls.sock.shutdown(std::net::Shutdown::Both);
+    drop(tls);
+    let started = Instant::now();
+    assert!(
+        wait_until(Duration::from_secs(10), || mock.stat("active_requests")
+            == 0),
+        "the upstream request outlived its client"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "seen only after {:?}: at the next event's write, not by the watch",
+        started.elapsed()
+    );
+}

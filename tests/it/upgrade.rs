@@ -46,11 +46,25 @@ fn a_takeover_under_load_refuses_no_connection_and_cuts_no_stream() {
     let mock = Mock::start(&["--inter-token-ms", "100", "--tokens", "20"]);
     let dir = TempDir::new("upgrade");
     let socket = dir.path().join("takeover.sock");
-    let config = Config::one_cluster(&mock).workers(2).set(
-        "server",
-        "takeover_socket",
-        &toml_str(socket.to_str().unwrap()),
-    );
+    // An admin listener on a fixed port, as in production: the successor binds it while the
+    // old process still holds it.
+    let admin_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = Config::one_cluster(&mock)
+        .workers(2)
+        .set(
+            "server",
+            "takeover_socket",
+            &toml_str(socket.to_str().unwrap()),
+        )
+        .set(
+            "admin",
+            "listen",
+            &toml_str(&format!("127.0.0.1:{admin_port}")),
+        );
     let mut old = Sluice::start(&config);
     let addr = old.addr;
 
@@ -121,8 +135,12 @@ fn a_takeover_under_load_refuses_no_connection_and_cuts_no_stream() {
             "stream {i}"
         );
     }
-    // And the successor can be taken over in turn (its own socket is up).
-    assert!(socket.exists());
+    // And the successor can be taken over in turn (its own socket is up, this user's only).
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "takeover socket mode {mode:o}");
+    assert_eq!(new.admin_addr().port(), admin_port);
+    assert_eq!(new.admin_get("/readyz").status, 200);
     assert_eq!(new.chat(&chat_body("gpt-4o")).status, 200);
 }
 

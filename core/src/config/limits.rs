@@ -267,6 +267,76 @@ pub(crate) struct LimitsConfig {
     /// The default reservation rule (quota plans, and policies without their own).
     pub(crate) reserve: Reserve,
     pub(crate) settle_tokenizer: SettleTokenizer,
+    /// Stable ids of this config's names, for the limiter's budgets (see [`StableIds`]).
+    pub(crate) ids: StableIds,
+}
+
+/// Stable ids for the names budgets are keyed by — policies, keys, entities, plans — with this
+/// config's positions mapped to them. The ids come from one interner for the whole process, so
+/// every config (a request keeps the one it started on, across reloads) maps a name to the same
+/// id: a budget stays its name's, whatever a reload adds, removes or reorders.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StableIds {
+    pub(crate) policies: Vec<u32>,
+    pub(crate) keys: Vec<u32>,
+    pub(crate) entities: Vec<u32>,
+    /// Per key, per plan.
+    pub(crate) plans: Vec<Vec<u32>>,
+}
+
+/// An id no name gets.
+pub(crate) const NO_ID: u32 = u32::MAX;
+
+impl StableIds {
+    fn of(keys: &[ApiKey], entities: &[String], policies: &[Policy]) -> StableIds {
+        // Config loading runs off the workers (startup, the control thread on reload), so this
+        // lock is never on a request path; names only accumulate as reloads add them.
+        #[allow(
+            clippy::disallowed_types,
+            reason = "config loading only, never a worker"
+        )]
+        static INTERNED: std::sync::OnceLock<std::sync::Mutex<HashMap<String, u32>>> =
+            std::sync::OnceLock::new();
+        let interned = INTERNED.get_or_init(Default::default);
+        let mut interned = interned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut id = |kind: char, name: &str| {
+            let next = interned.len() as u32;
+            *interned.entry(format!("{kind}\0{name}")).or_insert(next)
+        };
+        StableIds {
+            policies: policies.iter().map(|p| id('p', &p.id)).collect(),
+            keys: keys.iter().map(|k| id('k', &k.id)).collect(),
+            entities: entities.iter().map(|e| id('e', e)).collect(),
+            plans: keys
+                .iter()
+                .map(|k| {
+                    k.plans
+                        .iter()
+                        .map(|p| id('q', &format!("{}\0{}", k.id, p.id)))
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    pub(crate) fn policy(&self, index: usize) -> u32 {
+        self.policies.get(index).copied().unwrap_or(NO_ID)
+    }
+    pub(crate) fn key(&self, index: KeyIdx) -> u32 {
+        self.keys.get(index).copied().unwrap_or(NO_ID)
+    }
+    pub(crate) fn entity(&self, index: usize) -> u32 {
+        self.entities.get(index).copied().unwrap_or(NO_ID)
+    }
+    pub(crate) fn plan(&self, key: KeyIdx, index: usize) -> u32 {
+        self.plans
+            .get(key)
+            .and_then(|p| p.get(index))
+            .copied()
+            .unwrap_or(NO_ID)
+    }
 }
 
 impl LimitsConfig {
@@ -765,6 +835,7 @@ pub(crate) fn resolve(
         .filter(|(_, p)| p.is_global())
         .map(|(i, _)| i)
         .collect();
+    let ids = StableIds::of(&keys, &entities, &policies);
     LimitsConfig {
         keys,
         by_digest,
@@ -774,6 +845,7 @@ pub(crate) fn resolve(
         sync: SyncSettings { redis, ..sync },
         reserve,
         settle_tokenizer,
+        ids,
     }
 }
 

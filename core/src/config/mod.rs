@@ -878,6 +878,18 @@ fn validate(
     let workers = worker_count(&server);
     let server = resolve_server(&server, workers, &mut err);
     let http = resolve_http(&http, &mut err);
+    if let Some(s) = &server {
+        if s.max_body_memory_per_worker < http.max_body_bytes {
+            err(
+                "server.max_body_memory_per_worker".into(),
+                format!(
+                    "must be at least http.max_body_bytes ({}): a body that size could never be \
+                     held, and would be answered 503 forever",
+                    http.max_body_bytes
+                ),
+            );
+        }
+    }
     let timeouts = resolve_timeouts(&timeouts, &mut err);
     let upstream = resolve_upstream(&upstream, &mut err);
     let clusters = resolve_clusters(&clusters, env, &mut err, warnings);

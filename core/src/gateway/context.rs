@@ -40,7 +40,22 @@ enum ClientIo {
     Tls {
         stream: Box<monoio_rustls::ServerTlsStream<TcpStream>>,
         watch: TcpStream,
+        /// A read / a write of the session is under way, or was and never finished: its future
+        /// was dropped (a timeout). That operation's buffer is then not where the session
+        /// expects it, and using it again would panic inside it: a cut read makes every later
+        /// read fail, a cut write every later operation (reads may write alerts), and the
+        /// connection closes.
+        reading: bool,
+        writing: bool,
     },
+}
+
+/// The answer to any operation on a TLS session that an earlier one left unusable.
+fn tls_unusable() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::BrokenPipe,
+        "the TLS session was left unusable by a cancelled operation",
+    )
 }
 
 impl ClientSocket {
@@ -60,6 +75,8 @@ impl ClientSocket {
             io: ClientIo::Tls {
                 stream: Box::new(stream),
                 watch,
+                reading: false,
+                writing: false,
             },
         }
     }
@@ -73,7 +90,17 @@ impl ClientSocket {
     pub(crate) async fn read<B: IoBufMut>(&mut self, buf: B) -> monoio::BufResult<usize, B> {
         match &mut self.io {
             ClientIo::Plain(stream) => stream.read(buf).await,
-            ClientIo::Tls { stream, .. } => stream.read(buf).await,
+            ClientIo::Tls { reading: true, .. } | ClientIo::Tls { writing: true, .. } => {
+                (Err(tls_unusable()), buf)
+            }
+            ClientIo::Tls {
+                stream, reading, ..
+            } => {
+                *reading = true;
+                let result = stream.read(buf).await;
+                *reading = false;
+                result
+            }
         }
     }
 
@@ -95,10 +122,21 @@ impl ClientSocket {
     ) -> (io::Result<()>, Vec<u8>) {
         let written = match &mut self.io {
             ClientIo::Plain(s) => stream::write_all(s, buf, direct, limit).await,
+            ClientIo::Tls { writing: true, .. } => return (Err(tls_unusable()), buf),
             // Encrypted by the session on its way out: no direct send past it.
-            ClientIo::Tls { stream, .. } => monoio::time::timeout(limit, stream.write_all(buf))
-                .await
-                .map(|(res, buf)| (res.map(|_| ()), buf)),
+            ClientIo::Tls {
+                stream, writing, ..
+            } => {
+                *writing = true;
+                let written = monoio::time::timeout(limit, stream.write_all(buf))
+                    .await
+                    .map(|(res, buf)| (res.map(|_| ()), buf));
+                // A write cut by the timeout leaves `writing` set: the session is done.
+                if written.is_ok() {
+                    *writing = false;
+                }
+                written
+            }
         };
         match written {
             Ok(written) => written,
@@ -136,7 +174,14 @@ impl ClientSocket {
 
     /// Has the client closed (or reset) its side? Peeks without consuming; never blocks.
     pub(crate) fn peer_gone(&self) -> bool {
-        sock::peer_gone(self.fd())
+        match &self.io {
+            ClientIo::Plain(_) => sock::peer_gone(self.fd()),
+            // A TLS client that leaves sends close_notify, then FIN: bytes are waiting (the
+            // alert), so only the FIN says it is gone. (A plain client may pipeline requests
+            // and then half-close while it waits for the answers: bytes waiting mean it is
+            // still there.)
+            ClientIo::Tls { .. } => sock::peer_hung_up(self.fd()),
+        }
     }
 
     /// Has the client sent bytes not read yet? Peeks without consuming; never blocks.

@@ -43,6 +43,10 @@ mod strip;
 
 use strip::UsageStrip;
 
+/// How often a TLS client whose watch woke on bytes of its session (an alert, say) is checked
+/// for a hang-up, while the relay waits on the upstream.
+const TLS_HANGUP_CHECK: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// How the client asked for the response.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ClientSide {
@@ -415,7 +419,22 @@ impl Relay<'_, '_> {
         let mut watch = pin!(client.readable());
         let read_result = loop {
             if !*watching {
-                break (&mut read).await;
+                if !client.is_tls() {
+                    break (&mut read).await;
+                }
+                // TLS: the bytes that woke the watch are the session's (a close_notify alert,
+                // its FIN maybe a moment behind), so readiness can't be waited on again; look
+                // for the hang-up now and then instead.
+                monoio::select! {
+                    biased;
+                    r = &mut read => break r,
+                    () = monoio::time::sleep(TLS_HANGUP_CHECK) => {
+                        if client.peer_gone() {
+                            return Err(Cut::Client);
+                        }
+                        continue;
+                    }
+                }
             }
             monoio::select! {
                 biased;
@@ -424,7 +443,8 @@ impl Relay<'_, '_> {
                     if client.peer_gone() {
                         return Err(Cut::Client);
                     }
-                    // The client sent its next request early: stop watching for this one.
+                    // The client sent its next request early (or, on TLS, an alert): stop
+                    // waiting for readiness for this one.
                     *watching = false;
                 }
             }

@@ -29,7 +29,7 @@ use crate::sys::time::unix_ms;
 use super::sync::{BudgetState, BudgetSync};
 use crate::config::limits::{
     civil_year_month, days_from_civil, ApiKey, DownPolicy, KeyIdx, LimitDimension, LimitsConfig,
-    Per, Period, Plan, Policy, RateLimit,
+    Per, Period, Plan, Policy, RateLimit, StableIds,
 };
 
 const KIND_REQUESTS: u8 = 0;
@@ -83,6 +83,19 @@ pub(crate) struct BudgetId {
     owner: u32,
     subject: u32,
     window: u64,
+    /// What the window number counts in: the policy's `per` and window length, or the plan's
+    /// period.
+    shape: u64,
+}
+
+/// A policy's `per` as a number, for [`BudgetId::shape`].
+fn per_code(per: Per) -> u64 {
+    match per {
+        Per::Global => 0,
+        Per::Key => 1,
+        Per::Entity => 2,
+        Per::Model => 3,
+    }
 }
 
 #[derive(Debug)]
@@ -279,85 +292,11 @@ pub(crate) struct LimiterShard {
     exchanging: bool,
     /// When the last exchange was prepared (unix ms), to scale use to a whole interval.
     last_prepare_ms: u64,
-    /// Budgets are keyed by stable ids of the names they count for, not by config positions,
-    /// so a reload that adds, removes or reorders policies, keys or plans keeps every other
-    /// budget — its lease, its spend and the reservations of requests in flight.
-    ids: StableIds,
-}
-
-/// Stable ids for the names budgets are keyed by, and the current config's positions mapped to
-/// them (a vector index per lookup on the request path).
-#[derive(Default)]
-struct StableIds {
-    /// Every name met so far (policies, keys, entities, plans): a handful per config entry,
-    /// growing only with names that reloads add.
-    interned: HashMap<String, u32>,
-    policies: Vec<u32>,
-    keys: Vec<u32>,
-    entities: Vec<u32>,
-    /// Per key, per plan.
-    plans: Vec<Vec<u32>>,
-}
-
-impl StableIds {
-    fn intern(&mut self, kind: char, name: &str) -> u32 {
-        let name = format!("{kind}\0{name}");
-        let next = self.interned.len() as u32;
-        *self.interned.entry(name).or_insert(next)
-    }
-
-    /// Map `cfg`'s positions to stable ids, naming new ones as they come.
-    fn assign(&mut self, cfg: &LimitsConfig) {
-        let policies: Vec<u32> = cfg
-            .policies
-            .iter()
-            .map(|p| self.intern('p', &p.id))
-            .collect();
-        let keys: Vec<u32> = cfg.keys.iter().map(|k| self.intern('k', &k.id)).collect();
-        let entities: Vec<u32> = cfg.entities.iter().map(|e| self.intern('e', e)).collect();
-        let plans: Vec<Vec<u32>> = cfg
-            .keys
-            .iter()
-            .map(|k| {
-                k.plans
-                    .iter()
-                    .map(|p| self.intern('q', &format!("{}\0{}", k.id, p.id)))
-                    .collect()
-            })
-            .collect();
-        *self = StableIds {
-            interned: std::mem::take(&mut self.interned),
-            policies,
-            keys,
-            entities,
-            plans,
-        };
-    }
-
-    fn policy(&self, index: usize) -> u32 {
-        self.policies.get(index).copied().unwrap_or(NO_SUBJECT)
-    }
-    fn key(&self, index: KeyIdx) -> u32 {
-        self.keys.get(index).copied().unwrap_or(NO_SUBJECT)
-    }
-    fn entity(&self, index: usize) -> u32 {
-        self.entities.get(index).copied().unwrap_or(NO_SUBJECT)
-    }
-    fn plan(&self, key: KeyIdx, index: usize) -> u32 {
-        self.plans
-            .get(key)
-            .and_then(|p| p.get(index))
-            .copied()
-            .unwrap_or(NO_SUBJECT)
-    }
 }
 
 impl LimiterShard {
     pub(crate) fn new(cfg: &LimitsConfig, node: String) -> LimiterShard {
-        let mut ids = StableIds::default();
-        ids.assign(cfg);
         LimiterShard {
-            ids,
             node,
             prefix: cfg.sync.prefix().to_string(),
             budgets: IdMap::default(),
@@ -385,21 +324,16 @@ impl LimiterShard {
     /// ledger; nothing admits against them again. (Ledger key prefix, sync backend and
     /// interval are not reloadable: the reload reports them.)
     pub(crate) fn reconfigure(&mut self, cfg: &LimitsConfig, now_ms: u64) {
-        self.ids.assign(cfg);
         self.lease_ttl = cfg.sync.lease_ttl;
         self.down_share = u64::from(cfg.sync.nodes.max(1)) * u64::from(cfg.sync.workers.max(1));
         self.down_allow = cfg.sync.on_down == DownPolicy::Allow;
-        let policies: HashMap<u32, &Policy> = self
-            .ids
-            .policies
-            .iter()
-            .copied()
-            .zip(&cfg.policies)
-            .collect();
+        let ids = &cfg.ids;
+        let policies: HashMap<u32, &Policy> =
+            ids.policies.iter().copied().zip(&cfg.policies).collect();
         let mut plans: HashMap<(u32, u32), &Plan> = HashMap::new();
         for (k, key) in cfg.keys.iter().enumerate() {
             for (i, plan) in key.plans.iter().enumerate() {
-                plans.insert((self.ids.key(k), self.ids.plan(k, i)), plan);
+                plans.insert((ids.key(k), ids.plan(k, i)), plan);
             }
         }
         for (id, budget) in &mut self.budgets {
@@ -583,11 +517,11 @@ impl LimiterShard {
     fn subject(&mut self, per: Per, a: Admission<'_>) -> u32 {
         match per {
             Per::Global => 0,
-            Per::Key => a.ask.key.map_or(NO_SUBJECT, |k| self.ids.key(k)),
+            Per::Key => a.ask.key.map_or(NO_SUBJECT, |k| a.cfg.ids.key(k)),
             Per::Entity => a
                 .key
                 .and_then(|k| k.entity)
-                .map_or(NO_SUBJECT, |e| self.ids.entity(e)),
+                .map_or(NO_SUBJECT, |e| a.cfg.ids.entity(e)),
             Per::Model => self.model_subject(a.ask.model),
         }
     }
@@ -606,9 +540,12 @@ impl LimiterShard {
         let window = a.now_ms.checked_div(window_ms).unwrap_or(0);
         let id = BudgetId {
             kind: limit.kind,
-            owner: self.ids.policy(p),
+            owner: a.cfg.ids.policy(p),
             subject,
             window,
+            // A reload that changes whose budgets they are, or the window's length, makes them
+            // other budgets (their subjects and window numbers mean other things).
+            shape: (per_code(policy.per) << 56) | window_ms,
         };
         if !self.budgets.contains_key(&id) {
             let kind_name = ["r", "t", "c"][limit.kind as usize];
@@ -668,7 +605,8 @@ impl LimiterShard {
             let Some(tokens) = plan.tokens else {
                 return Ok(ChosenPlan { entry: None });
             };
-            let (id, end_s) = self.plan_budget(key, key_idx, index, plan, tokens, now_s);
+            let (id, end_s) =
+                self.plan_budget(&a.cfg.ids, key, key_idx, index, plan, tokens, now_s);
             if plan.period != Period::Once {
                 let reset = end_s.saturating_sub(now_s);
                 soonest_reset = Some(soonest_reset.map_or(reset, |r| r.min(reset)));
@@ -707,8 +645,10 @@ impl LimiterShard {
 
     /// The budget of a key's quota plan (`index` into its plans) in the period containing
     /// `now_s`, created when first met; and when that period ends (unix seconds).
+    #[allow(clippy::too_many_arguments)] // the plan, where it sits, and the moment
     fn plan_budget(
         &mut self,
+        ids: &StableIds,
         key: &ApiKey,
         key_idx: KeyIdx,
         index: usize,
@@ -719,9 +659,14 @@ impl LimiterShard {
         let (period, start_s, end_s) = period_of(plan, now_s);
         let id = BudgetId {
             kind: KIND_PLAN,
-            owner: self.ids.key(key_idx),
-            subject: self.ids.plan(key_idx, index),
+            owner: ids.key(key_idx),
+            subject: ids.plan(key_idx, index),
             window: period,
+            shape: match plan.period {
+                Period::Once => 0,
+                Period::Days(n) => u64::from(n),
+                Period::Monthly => u64::MAX,
+            },
         };
         if !self.budgets.contains_key(&id) {
             let mut name = format!("{{{}:q:{}:{}}}", self.prefix, key.id, plan.id);
@@ -1301,8 +1246,10 @@ mod tests {
             false
         };
         assert!(admit(&mut shards, &old, 0));
-        assert!(admit(&mut shards, &old, 0));
         shards[0].reconfigure(&new, unix_ms());
+        // A request that started on the old config (its generation is kept to its end) is
+        // still alice's, by the old config's positions, though key 0 is bob's now.
+        assert!(admit(&mut shards, &old, 0));
         // Alice (now key 1) once more: counted under `b` and under `a`, each its own budget.
         assert!(admit(&mut shards, &new, 1));
         let mut batch = Vec::new();

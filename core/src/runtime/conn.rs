@@ -86,6 +86,10 @@ pub(crate) async fn serve_tls(worker: Rc<Worker>, stream: TcpStream, peer: std::
                 "This port speaks TLS: send the request over HTTPS (or to the plain listener).",
             );
             let _ = write_error(&worker, &mut client, &snapshot.timeouts, &e, false, false).await;
+            // The request is unread: a plain close could reset the connection and the answer
+            // with it.
+            let mut rbuf = Vec::new();
+            linger_close(&mut client, &mut rbuf, snapshot.timeouts.body_read).await;
             return;
         }
         None => return,
@@ -119,8 +123,12 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
     let mut first_request = true;
     loop {
         if state.rbuf.is_empty() {
-            // A drain takes no new request, unless the client already sent one.
-            if worker.drain.draining() && !client.has_bytes() {
+            // A drain takes no new request on a kept-alive connection, unless the client
+            // already sent one. A connection that has not sent its first request yet is given
+            // a moment (below): a client sends right after connecting, and its request may be
+            // on its way — closing would fail it (in a takeover, it was accepted just before
+            // the hand-over).
+            if worker.drain.draining() && !client.has_bytes() && !first_request {
                 return;
             }
             // Between requests no generation is held: this wait belongs to the connection, not
@@ -134,7 +142,13 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
                 timeouts.keepalive_idle
             };
             state.rbuf = Vec::new();
-            slot.waiting(true);
+            // Only kept-alive connections are marked: a drain shuts those at once.
+            slot.waiting(!first_request);
+            let idle_limit = if first_request && worker.drain.draining() {
+                idle_limit.min(FIRST_REQUEST_IN_DRAIN)
+            } else {
+                idle_limit
+            };
             let waited = if client.is_tls() {
                 // The session may already hold the next request, decrypted, where readiness
                 // cannot show it: read (a TLS connection keeps a small buffer while idle).
@@ -142,6 +156,16 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
                     read_more(&mut client, &mut state.rbuf, idle_limit).await,
                     ReadOutcome::Data(_)
                 )
+            } else if first_request {
+                // A drain starting meanwhile cuts the wait to FIRST_REQUEST_IN_DRAIN.
+                let wait = monoio::time::timeout(idle_limit, client.readable());
+                monoio::select! {
+                    waited = wait => matches!(waited, Ok(Ok(()))),
+                    () = worker.stop.draining.wait() => {
+                        let wait = monoio::time::timeout(FIRST_REQUEST_IN_DRAIN, client.readable());
+                        matches!(wait.await, Ok(Ok(())))
+                    }
+                }
             } else {
                 matches!(
                     monoio::time::timeout(idle_limit, client.readable()).await,
@@ -168,6 +192,9 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
     }
 }
 
+/// How long a drain lets a connection that has not sent its first request yet wait for it.
+const FIRST_REQUEST_IN_DRAIN: Duration = Duration::from_secs(1);
+
 /// A connection's place in its worker's client set, for its life; marked while the connection
 /// waits for a request.
 struct ClientSlot<'w> {
@@ -176,9 +203,10 @@ struct ClientSlot<'w> {
 }
 
 impl<'w> ClientSlot<'w> {
-    /// Add `fd`, marked: a new connection waits for its first request.
+    /// Add `fd`, unmarked: a new connection's first request may be on its way (see
+    /// `serve_client`).
     fn new(clients: &'w std::cell::RefCell<crate::sys::sock::SocketSet>, fd: RawFd) -> Self {
-        let slot = clients.borrow_mut().insert(fd, true);
+        let slot = clients.borrow_mut().insert(fd, false);
         ClientSlot { clients, slot }
     }
 
@@ -200,7 +228,6 @@ async fn serve_request(
     client: &mut ClientSocket,
     state: &mut ConnState,
 ) -> bool {
-    let _active = worker.load.enter();
     // The generation (config snapshot and what is built from it) this request runs on to its
     // end, whatever the worker swaps in meanwhile: taken once, here, and the source of every
     // limit the request uses (reads, its `PerCore`, the responses written here).
@@ -223,6 +250,9 @@ async fn serve_request(
             return false;
         }
     }
+    // Counted from its whole head on: a head still trickling in takes no request slot (the
+    // header timeout bounds it), so slow heads can't make the request cap shed real requests.
+    let _active = worker.load.enter();
     let Some(consumed) = read_body_and_dispatch(
         worker,
         &generation,

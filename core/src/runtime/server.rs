@@ -170,6 +170,8 @@ pub fn run(
                     reload,
                     token_digest: snapshot.admin_token_digest,
                 }),
+                // In a takeover the previous process still holds the port while it drains.
+                takeover_from.is_some(),
             )?)
         }
         None => None,
@@ -254,21 +256,22 @@ pub fn run(
             "sluice: admin listening on {admin} (/metrics, /healthz, /readyz, /admin/reload)"
         );
     }
-    // Serving on the inherited sockets: the previous process may drain now.
-    if let Some(link) = successor_link {
-        match takeover::ready(&link) {
-            Ok(()) => {
-                eprintln!("sluice: took over the listening sockets; the previous process drains")
-            }
-            Err(e) => eprintln!("sluice: takeover: {e}"),
-        }
-    }
+    // Offer the sockets to a successor in turn — before telling the previous process to drain,
+    // so that nothing after that can fail and leave nobody serving.
+    let handover_state = Arc::new(takeover::Handover::default());
     if let Some((path, sockets)) = handover {
         let events = events_tx.clone();
         let drain = Box::new(move || {
             let _ = events.send(ControlEvent::HandedOver);
         });
-        takeover::serve(path, sockets, drain)?;
+        takeover::serve(path, sockets, Arc::clone(&handover_state), drain)?;
+    }
+    // Serving on the inherited sockets: the previous process may drain now. If it cannot be
+    // told, it goes on serving on the same sockets, and this process ends (its workers'
+    // connections with it) rather than serve beside it unannounced.
+    if let Some(link) = successor_link {
+        takeover::ready(&link)?;
+        eprintln!("sluice: took over the listening sockets; the previous process drains");
     }
     drop(events_tx);
     let control = Control {
@@ -278,6 +281,7 @@ pub fn run(
         ready,
         hub,
         stopping: None,
+        handover: handover_state,
     };
     // Every worker reported: their threads are ending; join them. Otherwise the process ends
     // with them still running.
@@ -298,6 +302,8 @@ struct Control {
     hub: Arc<MetricsHub>,
     /// Set once a stop began.
     stopping: Option<Stopping>,
+    /// Whether the listening sockets are (being) handed to a successor.
+    handover: Arc<takeover::Handover>,
 }
 
 /// A stop in progress: the workers' reports so far.
@@ -404,6 +410,8 @@ impl Control {
         if self.stopping.is_some() {
             return;
         }
+        // A hand-over under way (or done) keeps the sockets listening: they are the successor's.
+        let handed_over = self.handover.stop_begins() || handed_over;
         self.ready.store(false, Ordering::Release);
         let grace = self.snapshot.server.shutdown_grace;
         eprintln!("sluice: draining (grace {} ms)", grace.as_millis());
@@ -949,11 +957,18 @@ async fn accept_loop(worker: Rc<Worker>, listener: StdListener, kind: Listener) 
             let (stream, peer) = match listener.accept() {
                 Ok(accepted) => accepted,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    // EMFILE and friends: back off briefly instead of spinning.
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                    ) =>
+                {
+                    // Out of descriptors or memory: back off briefly instead of spinning.
                     monoio::time::sleep(std::time::Duration::from_millis(10)).await;
                     break;
                 }
+                // A connection that died in the queue (ECONNABORTED) and the like: the next.
+                Err(_) => continue,
             };
             let stream = match stream
                 .set_nonblocking(true)

@@ -19,12 +19,71 @@
 use std::io::{self, BufRead, BufReader, Write};
 use std::net::TcpListener as StdListener;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-/// The most listening sockets one exchange carries (workers × 2, with room).
-const MAX_FDS: usize = 512;
+/// Whether the process at the other end of `conn` runs as this process's user.
+fn same_user(conn: &UnixStream) -> bool {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt(SO_PEERCRED) writes at most `len` bytes into the local `cred`.
+    let rc = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: geteuid has no preconditions.
+    rc == 0 && cred.uid == unsafe { libc::geteuid() }
+}
+
+/// The most listening sockets one exchange carries: the kernel's limit of descriptors per
+/// message (`SCM_MAX_FD`), i.e. up to 126 workers with a TLS listener.
+const MAX_FDS: usize = 253;
+
+/// Where a process stands with handing its sockets over, shared by the takeover thread and the
+/// control thread so that a stop and a hand-over that race never both act: a stop that began
+/// first refuses the hand-over; a hand-over that began first makes the stop leave the sockets
+/// listening (they are the successor's too).
+#[derive(Debug, Default)]
+pub(crate) struct Handover {
+    stopping: AtomicBool,
+    handing: AtomicBool,
+}
+
+impl Handover {
+    /// A stop begins: whether the sockets are (being) handed over, so must stay listening.
+    pub(crate) fn stop_begins(&self) -> bool {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.handing.load(Ordering::SeqCst)
+    }
+
+    /// A hand-over may begin: `false` when a stop already began.
+    fn hand_over_begins(&self) -> bool {
+        self.handing.store(true, Ordering::SeqCst);
+        if self.stopping.load(Ordering::SeqCst) {
+            self.handing.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// The hand-over failed before the successor said it serves: the sockets are ours alone.
+    fn hand_over_failed(&self) {
+        self.handing.store(false, Ordering::SeqCst);
+    }
+}
 /// How long either side waits for the other's next line.
 const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -95,6 +154,7 @@ pub(crate) fn ready(stream: &UnixStream) -> io::Result<()> {
 pub(crate) fn serve(
     path: PathBuf,
     listeners: Inherited,
+    state: Arc<Handover>,
     drain: Box<dyn Fn() + Send>,
 ) -> io::Result<()> {
     // A socket file left by a previous process (or the one this process took over from).
@@ -102,11 +162,25 @@ pub(crate) fn serve(
     let listener = UnixListener::bind(&path).map_err(|e| {
         io::Error::new(e.kind(), format!("takeover socket {}: {e}", path.display()))
     })?;
+    // Whoever connects gets the listening sockets: this user only.
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
     std::thread::Builder::new()
         .name("sluice-takeover".into())
         .spawn(move || {
             for conn in listener.incoming() {
-                let Ok(conn) = conn else { continue };
+                let Ok(conn) = conn else {
+                    // Out of descriptors and the like: back off instead of spinning.
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                };
+                if !same_user(&conn) {
+                    eprintln!("sluice: takeover refused: the peer runs as another user");
+                    continue;
+                }
+                if !state.hand_over_begins() {
+                    let _ = (&conn).write_all(b"STOPPING\n");
+                    continue;
+                }
                 match hand_over(&conn, &listeners) {
                     Ok(()) => {
                         eprintln!("sluice: takeover: the successor serves; draining");
@@ -114,7 +188,10 @@ pub(crate) fn serve(
                         let _ = (&conn).write_all(b"DRAINING\n");
                         return;
                     }
-                    Err(e) => eprintln!("sluice: takeover attempt failed: {e}"),
+                    Err(e) => {
+                        state.hand_over_failed();
+                        eprintln!("sluice: takeover attempt failed: {e}");
+                    }
                 }
             }
         })?;
@@ -165,7 +242,8 @@ fn send_line_with_fds(stream: &UnixStream, line: &[u8], fds: &[RawFd]) -> io::Re
     let payload = std::mem::size_of_val(fds);
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
-    let mut control = vec![0u8; space];
+    // u64s: aligned for the cmsghdr laid over it.
+    let mut control = vec![0u64; space.div_ceil(8)];
     let mut iov = libc::iovec {
         iov_base: line.as_ptr() as *mut libc::c_void,
         iov_len: line.len(),
@@ -200,7 +278,8 @@ fn recv_line_with_fds(stream: &UnixStream) -> io::Result<(String, Vec<OwnedFd>)>
     let payload = MAX_FDS * std::mem::size_of::<RawFd>();
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
-    let mut control = vec![0u8; space];
+    // u64s: aligned for the cmsghdr laid over it.
+    let mut control = vec![0u64; space.div_ceil(8)];
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),

@@ -212,6 +212,19 @@ pub(crate) fn duplicate(fd: RawFd) -> io::Result<std::os::fd::OwnedFd> {
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(new) })
 }
 
+/// Has the peer closed its sending side (FIN), whether or not bytes it sent before are still
+/// waiting to be read? Polls without blocking or consuming.
+pub(crate) fn peer_hung_up(fd: RawFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: poll on one local pollfd with a zero timeout never blocks.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

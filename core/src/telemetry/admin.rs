@@ -64,15 +64,27 @@ pub(crate) struct AdminControl {
 
 /// Bind `addr` (port 0 picks a free port) and serve the admin endpoints on a background thread
 /// for the life of the process. Returns the bound address; a bind failure is returned, never
-/// logged and ignored.
+/// logged and ignored. The socket is bound with SO_REUSEPORT so that a successor taking this
+/// process over can bind the same port while this one drains; with `shared` false (no
+/// takeover) a port another socket holds is refused first, as the main listener's is.
 pub(crate) fn spawn_admin(
     addr: SocketAddr,
     hub: Arc<MetricsHub>,
     ready: Arc<AtomicBool>,
     control: Option<AdminControl>,
+    shared: bool,
 ) -> io::Result<SocketAddr> {
-    let listener = TcpListener::bind(addr)
-        .map_err(|e| io::Error::new(e.kind(), format!("cannot bind admin listener {addr}: {e}")))?;
+    let cannot =
+        |e: io::Error| io::Error::new(e.kind(), format!("cannot bind admin listener {addr}: {e}"));
+    let addr = if shared {
+        addr
+    } else {
+        // A plain bind fails on any port already bound, SO_REUSEPORT or not.
+        TcpListener::bind(addr)
+            .and_then(|probe| probe.local_addr())
+            .map_err(cannot)?
+    };
+    let listener = reuseport_bind(addr).map_err(cannot)?;
     let local = listener.local_addr()?;
     let shared = Arc::new(Shared {
         hub,
@@ -83,6 +95,16 @@ pub(crate) fn spawn_admin(
         .name("sluice-admin".into())
         .spawn(move || accept_loop(listener, shared))?;
     Ok(local)
+}
+
+fn reuseport_bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(128)?;
+    Ok(socket.into())
 }
 
 /// What every admin connection reads.
@@ -477,6 +499,7 @@ mod tests {
             Arc::clone(&hub),
             Arc::clone(&ready),
             None,
+            false,
         )
         .unwrap();
         (addr, hub, ready)
@@ -591,7 +614,7 @@ mod tests {
     #[test]
     fn bind_failure_is_returned() {
         let (addr, hub, ready) = start();
-        let again = spawn_admin(addr, hub, ready, None);
+        let again = spawn_admin(addr, hub, ready, None, false);
         let Err(e) = again else {
             panic!("a second bind of {addr} should fail");
         };
