@@ -105,6 +105,12 @@ pub mod meter {
     pub use crate::openai::meter::SseMeter;
 }
 
+/// The fuzz targets' bodies (`fuzz/`): compiled in with the `fuzz` feature, and in tests, which
+/// replay the committed corpora through them.
+#[cfg(any(test, feature = "fuzz"))]
+#[doc(hidden)]
+pub mod fuzzing;
+
 /// The benchmark fixture (`core/benches/fixture/mod.rs`): the hot path's pieces one by one, and
 /// the pipeline's decisions whole on a real worker's per-core state, without sockets. Compiled in
 /// only with the `bench` feature, which the criterion benchmarks and the callgrind driver

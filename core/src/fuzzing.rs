@@ -1,0 +1,172 @@
+//! The fuzz targets' bodies: each takes arbitrary bytes, runs one parser the way the gateway
+//! does on untrusted input, and checks what must hold whatever the input (no panic, bounded
+//! output, consistent answers). `fuzz/` (cargo-fuzz, nightly) drives them through libFuzzer with
+//! the `fuzz` feature; the test suite replays every committed corpus file through them on
+//! stable (the tests below), so a crash once found stays fixed.
+
+use std::time::Instant;
+
+use crate::http::chunked::ChunkedDecoder;
+use crate::http::request::{parse_request_head, HeadScan, HeadStatus, RequestHead};
+use crate::http::response::{parse_response_head, ResponseHead};
+use crate::http::HttpLimits;
+use crate::openai::inspect::{Inspection, Inspector};
+use crate::openai::meter::SseMeter;
+
+/// A fuzz target: its name (its files under `fuzz/fuzz_targets/` and `fuzz/corpus/`) and body.
+pub type Target = (&'static str, fn(&[u8]));
+
+/// The fuzz targets.
+pub const TARGETS: [Target; 6] = [
+    ("request_head", request_head),
+    ("chunked", chunked),
+    ("response_head", response_head),
+    ("sse", sse),
+    ("json_inspect", json_inspect),
+    ("config", config),
+];
+
+const LIMITS: HttpLimits = HttpLimits {
+    max_request_line_bytes: 8192,
+    max_header_bytes: 32 * 1024,
+    max_headers: 100,
+    max_body_bytes: 8 * 1024 * 1024,
+};
+
+/// A request head, whole and fed a byte at a time: the same answer either way, and a complete
+/// head's ranges within the buffer.
+pub fn request_head(data: &[u8]) {
+    let mut head = RequestHead::default();
+    let whole = parse_request_head(data, &mut HeadScan::default(), &LIMITS, &mut head);
+    if let Ok(HeadStatus::Complete) = whole {
+        assert!(head.head_len <= data.len());
+        let _ = head.path(data);
+        let _ = head.target(data);
+    }
+    // Incrementally, as bytes trickle in (the scan state carries over between calls).
+    let mut scan = HeadScan::default();
+    let mut trickled = RequestHead::default();
+    let mut last = None;
+    for end in 1..=data.len().min(4096) {
+        let r = parse_request_head(&data[..end], &mut scan, &LIMITS, &mut trickled);
+        let stop = !matches!(r, Ok(HeadStatus::Partial));
+        last = Some(r);
+        if stop {
+            break;
+        }
+    }
+    if data.len() <= 4096 {
+        if let (Some(Ok(HeadStatus::Complete)), Ok(HeadStatus::Complete)) = (&last, &whole) {
+            assert_eq!(
+                trickled.head_len, head.head_len,
+                "trickled and whole differ"
+            );
+        }
+    }
+}
+
+/// A chunked body, split where the first byte says: decoded bytes never outnumber the input,
+/// and the split does not change the result.
+pub fn chunked(data: &[u8]) {
+    let Some((&split, body)) = data.split_first() else {
+        return;
+    };
+    let step = usize::from(split).max(1);
+    let decode = |step: usize| {
+        let mut decoder = ChunkedDecoder::default();
+        let mut out = Vec::new();
+        let mut used_total = 0;
+        for piece in body.chunks(step) {
+            match decoder.decode(piece, |d| out.extend_from_slice(d)) {
+                Ok(used) => {
+                    used_total += used;
+                    if decoder.is_done() {
+                        break;
+                    }
+                }
+                Err(_) => return None,
+            }
+        }
+        assert!(out.len() <= body.len());
+        Some((out, used_total, decoder.is_done()))
+    };
+    let split_result = decode(step);
+    let whole = decode(body.len().max(1));
+    if let (Some(a), Some(b)) = (&split_result, &whole) {
+        if a.2 && b.2 {
+            assert_eq!(a.0, b.0, "the split changed the decoded body");
+        }
+    }
+}
+
+/// An upstream response head: a complete head's length within the buffer.
+pub fn response_head(data: &[u8]) {
+    for head_only in [false, true] {
+        let mut head = ResponseHead::default();
+        if let Ok(true) = parse_response_head(data, head_only, &mut head) {
+            assert!(head.head_len <= data.len());
+        }
+    }
+}
+
+/// A response event stream fed in pieces to the splitter and the meter: no panic, and no
+/// unbounded growth (the meter's held partial event stays within its cap).
+pub fn sse(data: &[u8]) {
+    let mut meter = SseMeter::new();
+    let now = Instant::now();
+    for piece in data.chunks(97) {
+        meter.feed(piece, now);
+    }
+    let _ = meter.summary();
+}
+
+/// A request body through the inspector the gateway runs on every proxied request.
+pub fn json_inspect(data: &[u8]) {
+    let mut inspector = Inspector::default();
+    let mut out = Inspection::default();
+    if inspector.inspect(data, &mut out).is_ok() {
+        assert!(out.model.len() <= data.len());
+    }
+    // The inspector is reused across requests: a second run on the same bytes agrees.
+    let mut again = Inspection::default();
+    let first = inspector.inspect(data, &mut again).is_ok();
+    let mut third = Inspection::default();
+    assert_eq!(first, inspector.inspect(data, &mut third).is_ok());
+}
+
+/// A config file: loading never panics, whatever it says (environment variables unset).
+pub fn config(data: &[u8]) {
+    if let Ok(text) = std::str::from_utf8(data) {
+        let _ = crate::config::load_with_warnings(text, &|_| None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    /// Every committed corpus file (seeds and whatever the fuzzer kept, crashes found included)
+    /// goes through its target again: a crash once fixed stays fixed.
+    #[test]
+    fn every_corpus_file_replays_clean() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus");
+        let mut replayed = 0;
+        for (name, target) in TARGETS {
+            let dir = root.join(name);
+            let files =
+                std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+            let mut n = 0;
+            for f in files {
+                let path = f.unwrap().path();
+                let data = std::fs::read(&path).unwrap();
+                let outcome = std::panic::catch_unwind(|| target(&data));
+                assert!(outcome.is_ok(), "{name}: {} panics", path.display());
+                n += 1;
+            }
+            assert!(n > 0, "{name} has no corpus");
+            replayed += n;
+        }
+        assert!(replayed >= TARGETS.len());
+    }
+}
