@@ -247,3 +247,24 @@ fn a_reload_can_turn_the_access_log_on() {
     let records = wait_records(logs.path(), 1, Duration::from_secs(10));
     assert_eq!(records.len(), 1, "the request after the reload is logged");
 }
+
+#[test]
+fn a_reload_can_add_limits_to_a_gateway_started_without_any() {
+    wait_out_window_edge(3600, 30);
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&base(&mock));
+    assert_eq!(gw.chat(&chat_body("gpt-4o")).status, 200);
+    let limited = base(&mock).raw(&key_toml("alice", ALICE)).raw(
+        "[[policies]]\nid = \"two\"\nper = \"key\"\nmax_requests = 2\nrequests_window_secs = 3600\n",
+    );
+    gw.rewrite_config(&limited);
+    assert_eq!(gw.admin_reload(Some(TOKEN)).status, 200);
+    // The limiter's leases come from the sync task, which runs from the start for this.
+    for i in 1..=2 {
+        let r = chat_as(&gw, ALICE, "gpt-4o");
+        assert_eq!(r.status, 200, "request {i}: {}", r.dump());
+    }
+    let r = chat_as(&gw, ALICE, "gpt-4o");
+    assert_eq!(r.status, 429, "{}", r.dump());
+    assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+}

@@ -30,11 +30,6 @@ use std::time::Instant;
 use shard::LimiterShard;
 use sync::{BudgetState, BudgetSync, SyncBackend};
 
-/// Limits need a sync task only when something is limited.
-pub(crate) fn any_limits(cfg: &crate::config::limits::LimitsConfig) -> bool {
-    !cfg.policies.is_empty() || cfg.keys.iter().any(|k| !k.plans.is_empty())
-}
-
 /// A name for this worker in the ledger, unique per process start: `host:pid:nonce:worker`.
 pub(crate) fn node_name(worker: usize) -> String {
     let mut host = [0u8; 64];

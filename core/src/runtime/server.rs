@@ -776,9 +776,9 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         // Always: a reload may turn the access log on.
         monoio::spawn(flush_access_log(Rc::clone(&worker)));
         let limits = Arc::clone(&worker.snapshot().limits);
-        let mut sync = None;
-        if crate::limits::any_limits(&limits) {
-            sync = Some(match limits.sync.redis.clone() {
+        // Always, limits or not: a reload may add them (with nothing to exchange it only ticks).
+        let sync = {
+            Some(match limits.sync.redis.clone() {
                 Some(settings) => match settings.cluster_seeds.clone() {
                     Some(seeds) => {
                         use crate::limits::redis_cluster::{
@@ -802,8 +802,8 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
                     }
                 },
                 None => monoio::spawn(sync_task(Rc::clone(&worker), ledger)),
-            });
-        }
+            })
+        };
         let commanded = Rc::clone(&worker);
         monoio::spawn(control.serve(move |command| obey(&commanded, command)));
         let _ = ready.send(Ok(driver));
