@@ -46,9 +46,11 @@ fn tls_config(certs: &[(&PathBuf, &PathBuf)]) -> String {
     )
 }
 
-/// One request over TLS to `addr`, asking for `sni`, trusting `roots`; returns the raw response
-/// (read to the end: the request says `Connection: close`) and the certificate the server sent.
-fn over_tls(addr: SocketAddr, sni: &str, roots: &[&[u8]], req: &Req) -> (String, Vec<u8>) {
+type TlsClient = rustls::StreamOwned<rustls::ClientConnection, TcpStream>;
+
+/// A TLS client connection to `addr` asking for `sni`, trusting `roots` (the handshake runs on
+/// the first write).
+fn tls_client(addr: SocketAddr, sni: &str, roots: &[&[u8]]) -> TlsClient {
     let mut store = rustls::RootCertStore::empty();
     for r in roots {
         store.add(CertificateDer::from(r.to_vec())).unwrap();
@@ -64,7 +66,13 @@ fn over_tls(addr: SocketAddr, sni: &str, roots: &[&[u8]], req: &Req) -> (String,
     let sock = TcpStream::connect(addr).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut tls = rustls::StreamOwned::new(conn, sock);
+    rustls::StreamOwned::new(conn, sock)
+}
+
+/// One request over TLS to `addr`, asking for `sni`, trusting `roots`; returns the raw response
+/// (read to the end: the request says `Connection: close`) and the certificate the server sent.
+fn over_tls(addr: SocketAddr, sni: &str, roots: &[&[u8]], req: &Req) -> (String, Vec<u8>) {
+    let mut tls = tls_client(addr, sni, roots);
     let req = req.clone().header("Connection", "close");
     tls.write_all(&req.build())
         .expect("TLS handshake and write");
@@ -207,20 +215,7 @@ fn a_tls_client_too_slow_with_its_head_gets_408_and_the_server_carries_on() {
             .raw(&tls_config(&[(&cert, &key)])),
     );
     // Half a head over TLS, then silence: the session's read is cut by the head timeout.
-    let mut store = rustls::RootCertStore::empty();
-    store.add(CertificateDer::from(der.clone())).unwrap();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(store)
-        .with_no_client_auth();
-    let name = ServerName::try_from("a.example".to_string()).unwrap();
-    let conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
-    let sock = TcpStream::connect(gw.tls_addr()).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let mut tls = rustls::StreamOwned::new(conn, sock);
+    let mut tls = tls_client(gw.tls_addr(), "a.example", &[&der]);
     tls.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n")
         .unwrap();
     let mut out = Vec::new();
@@ -239,18 +234,7 @@ fn a_tls_client_that_leaves_cancels_its_upstream_request() {
     let (cert, key, der) = cert_for(&dir, "a.example", "a");
     let mock = Mock::start(&[]);
     let gw = Sluice::start(&Config::one_cluster(&mock).raw(&tls_config(&[(&cert, &key)])));
-    let mut store = rustls::RootCertStore::empty();
-    store.add(CertificateDer::from(der)).unwrap();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(store)
-        .with_no_client_auth();
-    let name = ServerName::try_from("a.example".to_string()).unwrap();
-    let conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
-    let sock = TcpStream::connect(gw.tls_addr()).unwrap();
-    let mut tls = rustls::StreamOwned::new(conn, sock);
+    let mut tls = tls_client(gw.tls_addr(), "a.example", &[&der]);
     // A stream whose events come 5 s apart: only the client watch can see it leave sooner.
     let req = Req::post("/v1/chat/completions", &chat_stream_body("gpt-4o"))
         .header("x-mock-inter-token-ms", "5000")

@@ -50,8 +50,9 @@ pub(crate) fn recv_now(fd: RawFd, buf: &mut Vec<u8>) -> Option<usize> {
     Some(n)
 }
 
-/// Has the peer closed (or reset) its side? Peeks without consuming.
-pub(crate) fn peer_gone(fd: RawFd) -> bool {
+/// Peek at the first waiting byte without consuming it or blocking: `recv`'s answer (1: a byte
+/// is there, 0: the peer closed, -1: nothing or an error, in `errno`) and the byte.
+fn peek_one(fd: RawFd) -> (isize, u8) {
     let mut byte = 0u8;
     // SAFETY: a one-byte peek into a local; MSG_DONTWAIT never blocks.
     let n = unsafe {
@@ -62,30 +63,25 @@ pub(crate) fn peer_gone(fd: RawFd) -> bool {
             libc::MSG_PEEK | libc::MSG_DONTWAIT,
         )
     };
-    if n == 0 {
-        return true;
+    (n, byte)
+}
+
+/// Has the peer closed (or reset) its side? Peeks without consuming.
+pub(crate) fn peer_gone(fd: RawFd) -> bool {
+    match peek_one(fd).0 {
+        0 => true,
+        n if n < 0 => {
+            let err = io::Error::last_os_error();
+            err.kind() != io::ErrorKind::WouldBlock && err.kind() != io::ErrorKind::Interrupted
+        }
+        _ => false,
     }
-    if n < 0 {
-        let err = io::Error::last_os_error();
-        return err.kind() != io::ErrorKind::WouldBlock && err.kind() != io::ErrorKind::Interrupted;
-    }
-    false
 }
 
 /// Are bytes waiting to be read? Peeks without consuming; never blocks. `false` also when the
 /// peer closed or the socket failed.
 pub(crate) fn has_bytes(fd: RawFd) -> bool {
-    let mut byte = 0u8;
-    // SAFETY: a one-byte peek into a local; MSG_DONTWAIT never blocks.
-    let n = unsafe {
-        libc::recv(
-            fd,
-            (&mut byte as *mut u8).cast(),
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    n > 0
+    peek_one(fd).0 > 0
 }
 
 /// Shut a socket down both ways: the peer sees the close at once, and every read or poll on it
@@ -185,16 +181,7 @@ pub(crate) fn shutdown_write(fd: RawFd) {
 /// The first byte waiting on the socket, without consuming it (`None`: nothing there yet, the
 /// peer closed, or an error).
 pub(crate) fn peek_byte(fd: RawFd) -> Option<u8> {
-    let mut byte = 0u8;
-    // SAFETY: a one-byte peek into a local; MSG_DONTWAIT never blocks.
-    let n = unsafe {
-        libc::recv(
-            fd,
-            (&mut byte as *mut u8).cast(),
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
+    let (n, byte) = peek_one(fd);
     (n == 1).then_some(byte)
 }
 
