@@ -23,6 +23,9 @@ import hashlib, json, os, re, shutil, signal, socket, subprocess, sys, threading
 BIN = os.environ.get("BIN", "target/release")
 DURATION = int(os.environ.get("DURATION", "1800"))
 RATE = int(os.environ.get("RATE", "400"))
+# Seconds between reloads (0: none), and whether Redis is restarted half-way.
+RELOAD_EVERY = int(os.environ.get("RELOAD_EVERY", "30"))
+REDIS_RESTART = os.environ.get("REDIS_RESTART", "1") == "1"
 OUT = os.environ.get("OUT", "/tmp/sluice-soak")
 os.makedirs(OUT, exist_ok=True)
 KEYS = ["sk-soak-key-a-0001", "sk-soak-key-b-0002", "sk-soak-key-c-0003"]
@@ -189,7 +192,7 @@ def main():
     ]
     stop = threading.Event(); aborts = [0, 0]
     th = threading.Thread(target=aborter, args=(listen, stop, aborts)); th.start()
-    samples = []; reloads = 0; start_t = time.time(); redis_restarted = False; next_reload = start_t + 30
+    samples = []; reloads = 0; start_t = time.time(); redis_restarted = False; next_reload = start_t + (RELOAD_EVERY or DURATION * 2)
     warm = None
     while time.time() - start_t < DURATION:
         time.sleep(5)
@@ -198,8 +201,8 @@ def main():
         if time.time() >= next_reload:
             price = 2.5 if reloads % 2 else 3.0
             open(conf, "w").write(config(mock_port, redis_port, listen, admin, logdir, price))
-            gw.send_signal(signal.SIGHUP); reloads += 1; next_reload += 30; s["event"] = "reload"
-        if not redis_restarted and time.time() - start_t > DURATION / 2:
+            gw.send_signal(signal.SIGHUP); reloads += 1; next_reload += RELOAD_EVERY; s["event"] = "reload"
+        if REDIS_RESTART and not redis_restarted and time.time() - start_t > DURATION / 2:
             redis.kill(); redis.wait(); time.sleep(2)
             redis = redis_start(redis_port, redis_dir); wait_port(redis_port)
             redis_restarted = True; s["event"] = "redis restart"
