@@ -26,8 +26,6 @@ use std::sync::mpsc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use socket2::{Domain, Protocol, Socket, Type};
-
 use crate::config::Snapshot;
 use crate::runtime::takeover;
 use crate::runtime::worker::Worker;
@@ -708,14 +706,11 @@ fn reuseport_listener(addr: SocketAddr) -> io::Result<StdListener> {
 }
 
 fn reuseport_bind(addr: SocketAddr) -> io::Result<StdListener> {
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    socket.set_nodelay(true)?;
-    socket.bind(&addr.into())?;
-    socket.listen(4096)?;
-    socket.set_nonblocking(true)?;
-    Ok(socket.into())
+    let listener = crate::sys::sock::reuseport_listener(addr, 4096)?;
+    // Accepted sockets inherit TCP_NODELAY from the listener.
+    socket2::SockRef::from(&listener).set_nodelay(true)?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
 }
 
 /// What one worker thread starts from.

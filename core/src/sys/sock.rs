@@ -212,6 +212,22 @@ pub(crate) fn peer_hung_up(fd: RawFd) -> bool {
     n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
+/// A listening socket on `addr` with SO_REUSEPORT (and SO_REUSEADDR), blocking: several
+/// sockets — a process's workers, or a process and the successor taking it over — share the
+/// port, the kernel spreading connections among them.
+pub(crate) fn reuseport_listener(
+    addr: std::net::SocketAddr,
+    backlog: i32,
+) -> io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(backlog)?;
+    Ok(socket.into())
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

@@ -84,7 +84,7 @@ pub(crate) fn spawn_admin(
             .and_then(|probe| probe.local_addr())
             .map_err(cannot)?
     };
-    let listener = reuseport_bind(addr).map_err(cannot)?;
+    let listener = crate::sys::sock::reuseport_listener(addr, 128).map_err(cannot)?;
     let local = listener.local_addr()?;
     let shared = Arc::new(Shared {
         hub,
@@ -95,16 +95,6 @@ pub(crate) fn spawn_admin(
         .name("sluice-admin".into())
         .spawn(move || accept_loop(listener, shared))?;
     Ok(local)
-}
-
-fn reuseport_bind(addr: SocketAddr) -> io::Result<TcpListener> {
-    use socket2::{Domain, Socket, Type};
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    socket.bind(&addr.into())?;
-    socket.listen(128)?;
-    Ok(socket.into())
 }
 
 /// What every admin connection reads.
