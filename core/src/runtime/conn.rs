@@ -85,11 +85,9 @@ pub(crate) async fn serve_tls(worker: Rc<Worker>, stream: TcpStream, peer: std::
             let e = GatewayError::bad_http(
                 "This port speaks TLS: send the request over HTTPS (or to the plain listener).",
             );
-            let _ = write_error(&worker, &mut client, &snapshot.timeouts, &e, false, false).await;
-            // The request is unread: a plain close could reset the connection and the answer
-            // with it.
+            // The request is unread.
             let mut rbuf = Vec::new();
-            linger_close(&mut client, &mut rbuf, snapshot.timeouts.body_read).await;
+            answer_unread(&worker, &mut client, &snapshot.timeouts, &e, &mut rbuf).await;
             return;
         }
         None => return,
@@ -334,8 +332,7 @@ async fn read_body_and_dispatch(
     let authenticated = match authenticated {
         Ok(authenticated) => authenticated,
         Err(e) => {
-            let _ = write_error(worker, client, &snapshot.timeouts, &e, false, false).await;
-            linger_close(client, rbuf, snapshot.timeouts.body_read).await;
+            answer_unread(worker, client, &snapshot.timeouts, &e, rbuf).await;
             return None;
         }
     };
@@ -670,6 +667,19 @@ async fn read_more(client: &mut ClientSocket, rbuf: &mut Vec<u8>, limit: Duratio
     let grow = rbuf.capacity().max(MIN_READ_BUF);
     // On a timeout the buffer goes with the cancelled read; the connection is closing anyway.
     stream::read_spare(rbuf, 1024, grow, limit, |b| client.read(b)).await
+}
+
+/// Answer `error` to a request whose rest (a body, or the whole request) stays unread, and
+/// close the connection with a lingering close (`rbuf` is scratch for what is drained).
+async fn answer_unread(
+    worker: &Worker,
+    client: &mut ClientSocket,
+    timeouts: &Timeouts,
+    error: &GatewayError,
+    rbuf: &mut Vec<u8>,
+) {
+    let _ = write_error(worker, client, timeouts, error, false, false).await;
+    linger_close(client, rbuf, timeouts.body_read).await;
 }
 
 /// Close after an answer while the client may still be sending (a body Sluice did not read):
