@@ -54,6 +54,7 @@ mod gateway {
     pub(crate) mod auth;
     pub(crate) mod context;
     pub(crate) mod error;
+    pub(crate) mod fallback;
     pub(crate) mod forward;
     pub(crate) mod models;
     pub(crate) mod observe;

@@ -79,6 +79,11 @@ fn records() -> Vec<AccessRecord> {
             fallback_attempts: (i % 3) as u32,
             sticky_id_hash: u64::MAX - i * 0x1234_5678_9abc,
             worker_id: 9,
+            fallback_reason: if i % 3 == 0 {
+                String::new()
+            } else {
+                "status_429".into()
+            },
         });
     }
     v
@@ -126,6 +131,7 @@ fn expected_json(r: &AccessRecord) -> Value {
         "fallback_attempts": r.fallback_attempts,
         "sticky_id_hash": r.sticky_id_hash,
         "worker_id": r.worker_id,
+        "fallback_reason": r.fallback_reason,
     })
 }
 

@@ -18,6 +18,7 @@ pub(crate) mod limits;
 mod redis_url;
 #[cfg(test)]
 mod reference;
+pub(crate) mod routing;
 pub(crate) mod tls;
 
 pub(crate) use crate::http::HttpLimits;
@@ -91,6 +92,7 @@ struct RawConfig {
     upstream: RawUpstream,
     clusters: BTreeMap<String, Option<RawCluster>>,
     routes: Vec<Option<RawRoute>>,
+    routing: routing::RawRouting,
     admin: Option<RawAdmin>,
     tls: Option<tls::RawTls>,
     access_log: Option<RawAccessLog>,
@@ -104,7 +106,7 @@ struct RawConfig {
 }
 
 /// The top-level sections, in the order the example config has them.
-const SECTIONS: [&str; 13] = [
+const SECTIONS: [&str; 14] = [
     "server",
     "tls",
     "http",
@@ -112,6 +114,7 @@ const SECTIONS: [&str; 13] = [
     "upstream",
     "clusters",
     "routes",
+    "routing",
     "admin",
     "access_log",
     "pricing",
@@ -321,11 +324,35 @@ fn default_credential_header() -> String {
 #[serde(deny_unknown_fields)]
 struct RawRoute {
     model: String,
-    cluster: String,
+    /// One cluster: the shorthand for `groups = [{ targets = [{ cluster = "…" }] }]`.
+    cluster: Option<String>,
+    /// Target groups in fallback order.
+    #[serde(default)]
+    groups: Vec<RawGroup>,
     /// For a glob route: the concrete names it serves, listed by `GET /v1/models` (a glob
     /// can't be enumerated).
     #[serde(default)]
     models: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(deny_unknown_fields)]
+struct RawGroup {
+    #[serde(default)]
+    targets: Vec<RawTarget>,
+}
+
+#[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(deny_unknown_fields)]
+struct RawTarget {
+    cluster: String,
+    /// The model name this target's upstream is sent (default: the cluster's `model_map`, or
+    /// the requested name).
+    model: Option<String>,
+    #[serde(default = "default_weight")]
+    weight: u32,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -344,6 +371,8 @@ pub struct Snapshot {
     pub(crate) clusters: Vec<Cluster>,
     /// Routes, ordered most specific first (see [`crate::gateway::route`]).
     pub(crate) routes: Vec<Route>,
+    /// Attempts, retry budget, breaker and cool-down (`[routing]`).
+    pub(crate) routing: routing::RoutingSettings,
     /// Every backend of every cluster, indexed by [`BackendId`] (pools are per backend).
     pub(crate) backend_count: usize,
     /// Where the admin listener (metrics, health) binds, if anywhere.
@@ -443,8 +472,6 @@ pub(crate) type BackendId = usize;
 pub(crate) struct Cluster {
     pub(crate) name: String,
     pub(crate) backends: Vec<Backend>,
-    /// Sum of backend weights (> 0).
-    pub(crate) total_weight: u64,
     pub(crate) model_map: BTreeMap<String, String>,
     pub(crate) credential: Option<Credential>,
     /// TLS client config for https backends (system roots + the cluster's CA file).
@@ -483,10 +510,27 @@ pub(crate) struct Backend {
 #[derive(Debug, Clone)]
 pub(crate) struct Route {
     pub(crate) pattern: ModelPattern,
-    pub(crate) cluster: ClusterId,
+    /// Target groups in fallback order (at least one, each with at least one target).
+    pub(crate) groups: Vec<TargetGroup>,
     /// Concrete names a glob route declares it serves (each matches the glob), for
     /// `GET /v1/models`; empty for exact routes.
     pub(crate) models: Vec<String>,
+}
+
+/// Targets one of which serves a request (picked by weight among the available ones); the
+/// group after it is the fallback when none of them can.
+#[derive(Debug, Clone)]
+pub(crate) struct TargetGroup {
+    pub(crate) targets: Vec<RouteTarget>,
+}
+
+/// A cluster, and the model name its upstream is sent.
+#[derive(Debug, Clone)]
+pub(crate) struct RouteTarget {
+    pub(crate) cluster: ClusterId,
+    /// Overrides the cluster's `model_map` for this route.
+    pub(crate) model: Option<String>,
+    pub(crate) weight: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -681,6 +725,7 @@ fn read_sections(
             "timeouts" => read(value, "timeouts", src, errors).map(|v| raw.timeouts = v),
             "upstream" => read(value, "upstream", src, errors).map(|v| raw.upstream = v),
             "limits" => read(value, "limits", src, errors).map(|v| raw.limits = v),
+            "routing" => read(value, "routing", src, errors).map(|v| raw.routing = v),
             "admin" => read(value, "admin", src, errors).map(|v| raw.admin = Some(v)),
             "tls" => read(value, "tls", src, errors).map(|v| raw.tls = Some(v)),
             "access_log" => {
@@ -864,6 +909,7 @@ fn validate(
         upstream,
         clusters,
         routes,
+        routing,
         admin,
         tls,
         access_log,
@@ -894,6 +940,7 @@ fn validate(
     let upstream = resolve_upstream(&upstream, &mut err);
     let clusters = resolve_clusters(&clusters, env, &mut err, warnings);
     let routes = resolve_routes(&routes, &clusters.by_name, &mut err);
+    let routing = routing::resolve_routing(&routing, &mut err);
     // A server.listen left out for an error is not the one the file meant.
     let server_listen = server
         .as_ref()
@@ -937,6 +984,7 @@ fn validate(
         upstream,
         clusters: clusters.clusters,
         routes,
+        routing,
         backend_count: clusters.backend_count,
         admin_listen,
         admin_token_digest,
@@ -1242,7 +1290,6 @@ fn resolve_cluster(
     };
     Cluster {
         name: name.to_string(),
-        total_weight: backends.iter().map(|b| u64::from(b.weight)).sum(),
         backends,
         model_map: rc.model_map.clone(),
         credential,
@@ -1407,19 +1454,85 @@ fn resolve_route(
             );
         }
     }
-    let cluster = match clusters.get(&rr.cluster) {
-        Some(&id) => id?,
-        None => {
+    let shorthand;
+    let raw_groups: &[RawGroup] = match (&rr.cluster, rr.groups.is_empty()) {
+        (Some(cluster), true) => {
+            shorthand = [RawGroup {
+                targets: vec![RawTarget {
+                    cluster: cluster.clone(),
+                    model: None,
+                    weight: 1,
+                }],
+            }];
+            &shorthand
+        }
+        (None, false) => &rr.groups,
+        (Some(_), false) => {
             err(
-                format!("{path}.cluster"),
-                format!("no cluster named `{}`", rr.cluster),
+                format!("{path}.groups"),
+                "a route has either `cluster` or `groups`, not both".into(),
+            );
+            return None;
+        }
+        (None, true) => {
+            err(
+                path.to_string(),
+                "a route needs `cluster` (one cluster) or `groups` (target groups in fallback \
+                 order)"
+                    .into(),
             );
             return None;
         }
     };
+    let mut groups = Vec::new();
+    let mut complete = true;
+    for (g, raw_group) in raw_groups.iter().enumerate() {
+        let group_path = format!("{path}.groups[{g}]");
+        if raw_group.targets.is_empty() {
+            err(
+                format!("{group_path}.targets"),
+                "at least one target is required".into(),
+            );
+        }
+        let mut targets = Vec::new();
+        for (t, rt) in raw_group.targets.iter().enumerate() {
+            // The shorthand's errors are the route's own key.
+            let target_path = if rr.cluster.is_some() {
+                path.to_string()
+            } else {
+                format!("{group_path}.targets[{t}]")
+            };
+            if rt.weight == 0 {
+                err(format!("{target_path}.weight"), "must be at least 1".into());
+            }
+            if rt.model.as_deref() == Some("") {
+                err(format!("{target_path}.model"), "must not be empty".into());
+            }
+            match clusters.get(&rt.cluster) {
+                Some(Some(id)) => targets.push(RouteTarget {
+                    cluster: *id,
+                    model: rt.model.clone(),
+                    weight: rt.weight.max(1),
+                }),
+                // Not readable: its error is reported.
+                Some(None) => complete = false,
+                None => {
+                    err(
+                        format!("{target_path}.cluster"),
+                        format!("no cluster named `{}`", rt.cluster),
+                    );
+                    complete = false;
+                }
+            }
+        }
+        groups.push(TargetGroup { targets });
+    }
+    if !complete {
+        return None;
+    }
     Some(Route {
         pattern,
-        cluster,
+        groups,
         models: rr.models.clone(),
     })
 }
@@ -2089,7 +2202,7 @@ colour = "red"
         assert_eq!(paths, expect.map(|(p, _, _)| p), "{shown:#?}");
         assert!(find(&errs, "routes[1]")
             .message
-            .contains("missing field `cluster`"));
+            .contains("a route needs `cluster`"));
         assert!(find(&errs, "bogus")
             .message
             .contains("unknown field `bogus`"));

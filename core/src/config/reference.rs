@@ -17,10 +17,11 @@ use super::limits::{
     RawKey, RawLimits, RawPlan, RawPolicy, RawRedis, RawReserve, Reserve, DEFAULT_REDIS_DB,
     DEFAULT_WINDOW_SECS,
 };
+use super::routing::RawRouting;
 use super::tls::{RawCertificate, RawTls};
 use super::{
-    RawAccessLog, RawAdmin, RawBackend, RawCluster, RawCredential, RawHttp, RawPrice, RawRoute,
-    RawServer, RawTimeouts, RawUpstream, SECTIONS,
+    RawAccessLog, RawAdmin, RawBackend, RawCluster, RawCredential, RawGroup, RawHttp, RawPrice,
+    RawRoute, RawServer, RawTarget, RawTimeouts, RawUpstream, SECTIONS,
 };
 
 /// One documented section and the struct that reads it.
@@ -70,7 +71,14 @@ fn sections() -> Vec<Section> {
             r#"{ env = "X" }"#,
             Some((CLUSTER, "credential")),
         ),
-        section::<RawRoute>("[[routes]]", r#"{ model = "m", cluster = "c" }"#, None),
+        section::<RawRoute>("[[routes]]", r#"{ model = "m" }"#, None),
+        section::<RawGroup>("routes[].groups[]", "{}", Some(("[[routes]]", "groups"))),
+        section::<RawTarget>(
+            "routes[].groups[].targets[]",
+            r#"{ cluster = "c" }"#,
+            Some(("routes[].groups[]", "targets")),
+        ),
+        section::<RawRouting>("[routing]", "{}", None),
         section::<RawAdmin>("[admin]", r#"{ listen = "127.0.0.1:9090" }"#, None),
         section::<RawTls>("[tls]", r#"{ listen = "0.0.0.0:8443" }"#, None),
         section::<RawCertificate>(
@@ -267,6 +275,7 @@ mod tests {
             include_str!("mod.rs"),
             include_str!("limits.rs"),
             include_str!("tls.rs"),
+            include_str!("routing.rs"),
         ];
         let raw_structs: BTreeSet<&str> = sources
             .iter()

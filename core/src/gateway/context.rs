@@ -400,6 +400,8 @@ pub(crate) struct Io<'w> {
 pub struct PerCore<'w> {
     pub(crate) snapshot: &'w Snapshot,
     pub(crate) pools: &'w Pools,
+    /// The backends' health, shared by the process's workers.
+    pub(crate) health: &'w crate::upstream::health::HealthTable,
     pub(crate) limiter: &'w RefCell<LimiterShard>,
     /// The worker's metrics shard, with the request's snapshot's label map.
     pub(crate) metrics: MetricsView<'w>,
@@ -435,6 +437,7 @@ pub(crate) mod testing {
     pub(crate) struct OwnedCore {
         pub(crate) snapshot: Snapshot,
         pools: Pools,
+        pub(crate) health: crate::upstream::health::HealthTable,
         pub(crate) limiter: RefCell<LimiterShard>,
         pub(crate) metrics: MetricsShard,
         labels: SnapshotLabels,
@@ -454,6 +457,7 @@ pub(crate) mod testing {
             OwnedCore {
                 labels: SnapshotLabels::new(hub.names(), &snapshot),
                 pools: Pools::new(&snapshot),
+                health: crate::upstream::health::HealthTable::build(&snapshot, None),
                 limiter: RefCell::new(LimiterShard::new(&snapshot.limits, "test-0".into())),
                 metrics: MetricsShard::new(&hub),
                 bufs: BufPool::new(1024, 4),
@@ -471,6 +475,7 @@ pub(crate) mod testing {
             PerCore {
                 snapshot: &self.snapshot,
                 pools: &self.pools,
+                health: &self.health,
                 limiter: &self.limiter,
                 metrics: MetricsView {
                     shard: &self.metrics,

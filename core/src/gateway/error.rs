@@ -75,6 +75,9 @@ pub(crate) enum ErrorKind {
     UpstreamProtocol,
     /// Sluice is stopping and the request's shutdown grace ran out.
     ShuttingDown,
+    /// Every backend of the route is out (breaker open, cooling down), or every attempt the
+    /// retry budget allowed failed.
+    UpstreamUnavailable,
 }
 
 /// What one [`ErrorKind`] is on the wire.
@@ -121,7 +124,7 @@ const fn spec(
 impl ErrorKind {
     /// Every kind, in declaration order.
     #[cfg(test)]
-    pub(crate) const ALL: [ErrorKind; 25] = {
+    pub(crate) const ALL: [ErrorKind; 26] = {
         use ErrorKind::*;
         [
             MalformedHttp,
@@ -149,6 +152,7 @@ impl ErrorKind {
             UpstreamIo,
             UpstreamProtocol,
             ShuttingDown,
+            UpstreamUnavailable,
         ]
     };
 
@@ -188,6 +192,7 @@ impl ErrorKind {
             UpstreamIo        => spec(502, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
             UpstreamProtocol  => spec(502, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
             ShuttingDown      => spec(503, SERVER,     Some("server_shutting_down"),Gateway,  CLOSE, NOWHERE),
+            UpstreamUnavailable => spec(503, SERVER,   Some("upstream_unavailable"),Gateway,  KEEP,  NOWHERE),
         };
         row
     }
@@ -217,13 +222,6 @@ impl ErrorKind {
 
     /// Another backend may succeed: the failure was this backend's (or this worker's way to
     /// it), not the request's or the caller's. Meaningful before the response started.
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "read by fallback across backends (issue #12); declared here, with the catalogue, and tested"
-        )
-    )]
     pub(crate) const fn retry_elsewhere(self) -> bool {
         self.spec().retry_elsewhere
     }
@@ -250,20 +248,6 @@ impl ErrorKind {
             UpstreamFault::Protocol => ErrorKind::UpstreamProtocol,
         }
     }
-}
-
-/// Whether another backend may succeed where an upstream answered with `status` (relayed, not
-/// Sluice's own): rate limited (429) or failing (5xx, 529 included) — yes; a refusal of the
-/// request itself (400, 401, 403, 404, 413, 422, …) — no.
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "read by fallback across backends (issue #12); declared here, with the catalogue, and tested"
-    )
-)]
-pub(crate) fn status_retry_elsewhere(status: u16) -> bool {
-    status == 429 || (500..600).contains(&status)
 }
 
 /// An error Sluice answers itself: its kind, and what this instance adds.
@@ -355,6 +339,20 @@ impl GatewayError {
             ),
         )
         .with_param(Some("model"))
+    }
+
+    /// No backend of the route for `model` can be tried before `retry_after_secs`.
+    pub(crate) fn upstream_unavailable(model: &str, retry_after_secs: u64) -> Self {
+        let mut e = Self::new(
+            ErrorKind::UpstreamUnavailable,
+            format!(
+                "Every upstream for the model `{}` is failing or rate limited; retry after {} s.",
+                truncate(model, 128),
+                retry_after_secs
+            ),
+        );
+        e.retry_after = Some(u32::try_from(retry_after_secs).unwrap_or(u32::MAX));
+        e
     }
 
     /// The upstream failed (`fault` says how, and so which kind).
@@ -603,6 +601,7 @@ mod tests {
                 UpstreamIo        => (502, "upstream_error",        None,                        true,  false),
                 UpstreamProtocol  => (502, "upstream_error",        None,                        true,  false),
                 ShuttingDown      => (503, "server_error",          Some("server_shutting_down"),false, true),
+                UpstreamUnavailable => (503, "server_error",        Some("upstream_unavailable"),false, false),
             };
             let actual = (
                 kind.status(),
@@ -620,19 +619,9 @@ mod tests {
             }
         }
         // `ALL` holds every kind once, in declaration order.
-        assert_eq!(ErrorKind::ALL.len(), ShuttingDown as usize + 1);
+        assert_eq!(ErrorKind::ALL.len(), UpstreamUnavailable as usize + 1);
         for (i, kind) in ErrorKind::ALL.iter().enumerate() {
             assert_eq!(*kind as usize, i);
-        }
-    }
-
-    #[test]
-    fn retry_elsewhere_after_an_upstream_status() {
-        for status in [429, 500, 502, 503, 504, 529] {
-            assert!(status_retry_elsewhere(status), "{status}");
-        }
-        for status in [200, 400, 401, 403, 404, 408, 413, 422] {
-            assert!(!status_retry_elsewhere(status), "{status}");
         }
     }
 

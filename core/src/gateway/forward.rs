@@ -186,6 +186,9 @@ pub(crate) struct UpstreamResponse<'w> {
     /// Counts the exchange in `sluice_upstream_in_flight` (from the request's write on) until
     /// dropped: keep it as long as `conn` serves this request.
     pub(crate) in_flight: InFlight<'w>,
+    /// When the last bytes in `buf` were read, if after the head (the fallback phase read on
+    /// to judge the response).
+    pub(crate) read_at: Option<Instant>,
 }
 
 /// Why an attempt failed, and whether it may be retried on a fresh connection.
@@ -342,6 +345,7 @@ async fn attempt<'w>(
                         head,
                         buf,
                         in_flight,
+                        read_at: None,
                     };
                     return (Ok(response), request);
                 }

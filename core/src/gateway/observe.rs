@@ -98,8 +98,11 @@ pub(crate) struct Observation {
     pub(crate) bytes_out: u64,
     /// How the relayed response ended (`None`: no response was relayed).
     pub(crate) end: Option<RelayEnd>,
-    /// The cluster and backend chosen, once routed.
+    /// The cluster and backend of the last attempt, once routed.
     pub(crate) routed: Option<(usize, usize)>,
+    /// Attempts that moved on to another backend, and why the last one did.
+    pub(crate) fallbacks: u32,
+    pub(crate) fallback_reason: &'static str,
     /// `x-ratelimit-*` header lines for the client's response, once admitted.
     pub(crate) rate_headers: String,
     metering: Metering,
@@ -119,6 +122,8 @@ impl Default for Observation {
             bytes_out: 0,
             end: None,
             routed: None,
+            fallbacks: 0,
+            fallback_reason: "",
             rate_headers: String::new(),
             metering: Metering::Off,
             meter: SseMeter::new(),
@@ -137,7 +142,9 @@ pub(crate) enum UsageSource {
 
 /// A finished request, summed up.
 #[derive(Debug, Clone)]
-pub(crate) struct Outcome {
+pub(crate) struct Outcome<'m> {
+    /// The model name the upstream was sent (the requested one when not mapped).
+    pub(crate) mapped_model: &'m str,
     pub(crate) usage: Usage,
     pub(crate) usage_source: UsageSource,
     pub(crate) cost: Option<f64>,
@@ -160,6 +167,8 @@ impl Observation {
         self.bytes_out = 0;
         self.end = None;
         self.routed = None;
+        self.fallbacks = 0;
+        self.fallback_reason = "";
         self.rate_headers.clear();
         self.metering = Metering::Off;
         self.meter.reset();
@@ -217,14 +226,14 @@ impl Observation {
     /// Sum the request up. `estimate` counts text when the upstream reported no usage: the
     /// prompt (`prompt_body`, the request body) and the generated text the meter kept.
     /// reported none.
-    pub(crate) fn outcome(
+    pub(crate) fn outcome<'m>(
         &mut self,
         snapshot: &Snapshot,
-        requested_model: &str,
-        mapped_model: Option<&str>,
+        requested_model: &'m str,
+        mapped_model: Option<&'m str>,
         prompt_body: &[u8],
         estimate: Estimator,
-    ) -> Outcome {
+    ) -> Outcome<'m> {
         let finished = self.finished_at.unwrap_or_else(Instant::now);
         if let Metering::Json { truncated: false } = self.metering {
             self.meter.on_json_body(&self.json);
@@ -289,6 +298,7 @@ impl Observation {
             _ => None,
         };
         Outcome {
+            mapped_model: mapped_model.unwrap_or(requested_model),
             usage,
             usage_source,
             cost,
@@ -407,7 +417,12 @@ pub(crate) fn emit(
     if let Some((_, backend_id)) = obs.routed {
         let backend = m.labels.backend(backend_id);
         if obs.forward.started_at.is_some() {
-            m.upstream_request(backend, Attempt::First);
+            let attempt = if obs.fallbacks > 0 {
+                Attempt::Fallback
+            } else {
+                Attempt::First
+            };
+            m.upstream_request(backend, attempt);
             for _ in 0..obs.forward.retries {
                 m.upstream_request(backend, Attempt::Retry);
             }
@@ -455,11 +470,7 @@ pub(crate) fn emit(
     if let Some((cluster_id, backend_id)) = obs.routed {
         if let Some(cluster) = snapshot.clusters.get(cluster_id) {
             set_str(&mut rec.cluster, &cluster.name);
-            let mapped = cluster
-                .model_map
-                .get(&inspection.model)
-                .map_or(inspection.model.as_str(), String::as_str);
-            set_str(&mut rec.mapped_model, mapped);
+            set_str(&mut rec.mapped_model, outcome.mapped_model);
             if let Some(b) = cluster.backends.iter().find(|b| b.id == backend_id) {
                 set_str(&mut rec.backend, &b.host_header);
             }
@@ -521,9 +532,42 @@ pub(crate) fn emit(
         None => obs.bytes_out,
     };
     set_str(&mut rec.error_class, error_class(obs, error));
-    rec.fallback_attempts = obs.forward.retries;
+    rec.fallback_attempts = obs.fallbacks + obs.forward.retries;
+    set_str(&mut rec.fallback_reason, obs.fallback_reason);
     rec.worker_id = sink.worker_id as u32;
     log.record(&rec);
+}
+
+/// Count an attempt that failed and was followed by another (the request's last attempt is
+/// counted by [`emit`]): `sluice_upstream_requests_total` and `sluice_upstream_errors_total`.
+pub(crate) fn failed_attempt(
+    metrics: MetricsView<'_>,
+    obs: &Observation,
+    backend_id: usize,
+    reason: crate::gateway::fallback::FallbackReason,
+) {
+    use crate::gateway::fallback::FallbackReason as R;
+    let backend = metrics.labels.backend(backend_id);
+    let attempt = if obs.fallbacks > 0 {
+        Attempt::Fallback
+    } else {
+        Attempt::First
+    };
+    if obs.forward.started_at.is_some() {
+        metrics.upstream_request(backend, attempt);
+        for _ in 0..obs.forward.retries {
+            metrics.upstream_request(backend, Attempt::Retry);
+        }
+    }
+    let kind = match reason {
+        R::Connect => UpstreamErrorKind::Connect,
+        R::Timeout => UpstreamErrorKind::Timeout,
+        R::Io | R::FirstEventError => UpstreamErrorKind::Io,
+        R::Status429 => UpstreamErrorKind::Status429,
+        R::Status5xx | R::Overloaded => UpstreamErrorKind::Status5xx,
+        R::PoolFull => UpstreamErrorKind::PoolExhausted,
+    };
+    metrics.upstream_error(backend, kind);
 }
 
 fn fault_kind(fault: UpstreamFault) -> UpstreamErrorKind {

@@ -13,10 +13,11 @@ use crate::gateway::auth::Principal;
 use crate::gateway::context::{ClientSocket, PerCore, Request};
 use crate::gateway::error::GatewayError;
 use crate::gateway::observe::{Estimator, Observation};
-use crate::gateway::relay::{ClientSide, Relayed};
-use crate::gateway::route::{Candidates, Target};
-use crate::gateway::{admit, auth, forward, observe, relay, route};
+use crate::gateway::relay::{ClientSide, RelayEnd, Relayed};
+use crate::gateway::route::Candidates;
+use crate::gateway::{admit, auth, fallback, forward, observe, relay, route};
 use crate::openai::inspect::Inspection;
+use crate::upstream::health::AttemptResult;
 
 /// Proof that a request's head was authenticated: only [`authenticate_head`] makes one, and
 /// [`proxy`] takes one, so no path can proxy a request nobody authenticated.
@@ -87,13 +88,14 @@ pub(crate) async fn proxy<'s>(
     // Inspect, authorize, route, admit: decided before anything goes upstream.
     let admitted = admit_request(core, request, inspection, &mut caller, &mut obs).await;
 
-    // Forward and relay, on the admission's reservation.
+    // Forward and relay, on the admission's reservation: to the candidates in turn while a
+    // failure leaves the client untouched and another backend may do better.
     let (mut result, mapped, admission) = match admitted {
         Ok((candidates, admission)) => {
             admission.rate_headers().write(&mut obs.rate_headers);
-            let target = candidates.primary();
-            let served = serve(core, client, request, inspection, &target, &mut obs).await;
-            (served, target.mapped_model, Some(admission))
+            let (served, mapped) =
+                serve(core, client, request, inspection, candidates, &mut obs).await;
+            (served, mapped, Some(admission))
         }
         Err(e) => (Err(e), None, None),
     };
@@ -162,8 +164,8 @@ pub(crate) async fn admit_request<'s>(
         .inspect_err(|e| caller.auth_failed(e))?;
 
     // Route: the targets to try in order — cluster, backend and the model name the upstream
-    // sees. Only the first is sent to today; the rest are what a fallback would walk.
-    let candidates = route::route(core.snapshot, &inspection.model, core.rng)?;
+    // sees — among the backends available now (a fast 503 when none is).
+    let candidates = route::route(core.snapshot, core.health, &inspection.model, core.rng)?;
     let primary = candidates.primary();
     obs.routed = Some((primary.cluster_id, primary.backend.id));
 
@@ -191,39 +193,109 @@ pub(crate) async fn admit_request<'s>(
     }
 }
 
-/// Forward the request to `target` and relay the response: how the relay ended, or the error
-/// to answer with when nothing reached the client.
-async fn serve(
-    core: PerCore<'_>,
+/// Forward the request to the candidates in turn and relay the first response that is not a
+/// failure another backend could do better than: how the relay ended, or the error to answer
+/// with when nothing reached the client; and the model name the last attempt's upstream saw.
+/// Each attempt's outcome goes into its backend's health; a retry is charged to the failed
+/// backend's retry budget and bounded by `routing.max_attempts`.
+async fn serve<'s>(
+    core: PerCore<'s>,
     client: &mut ClientSocket,
     request: &Request<'_>,
     inspection: &Inspection,
-    target: &Target<'_>,
+    mut candidates: Candidates<'s>,
     obs: &mut Observation,
-) -> Result<Relayed, GatewayError> {
-    // Forward: the rewritten request out (with stream usage asked for, so limits settle on
-    // reported usage), the response head back (one retry on a stale pooled connection).
-    let mut upstream_request = core.bufs.take();
-    let usage_requested = forward::build_request(
-        &mut upstream_request,
-        request,
-        inspection,
-        target,
-        core.snapshot.upstream.request_stream_usage,
-    );
-    let (response, timings) = forward::send(core.io(), target, upstream_request).await;
-    obs.forward = timings;
-    let response = response?;
+) -> (Result<Relayed, GatewayError>, Option<&'s str>) {
+    let settings = &core.snapshot.routing;
+    let model = inspection.model.as_str();
+    let mut target = candidates.primary();
+    let mut attempts = 1;
+    loop {
+        obs.routed = Some((target.cluster_id, target.backend.id));
+        // A half-open backend takes one probe at a time: one that lost the race is passed over.
+        if !target
+            .health
+            .is_none_or(|h| h.begin(crate::sys::time::mono_ms(), settings))
+        {
+            match candidates.next_fallback(model) {
+                Some(next) => {
+                    target = next;
+                    continue;
+                }
+                None => return (Err(GatewayError::upstream_unavailable(model, 1)), None),
+            }
+        }
 
-    // Relay: the body to the client as it arrives, metered on the side; a usage chunk the
-    // client did not ask for is metered but not relayed.
-    let side = ClientSide {
-        head_only: false,
-        minor_version: request.head.minor_version,
-        keep_alive: request.head.keep_alive,
-        strip_usage: usage_requested,
-    };
-    relay::relay(core.io(), client, response, side, obs).await
+        // Forward: the rewritten request out (with stream usage asked for, so limits settle on
+        // reported usage), the response head back (one retry on a stale pooled connection).
+        let mut upstream_request = core.bufs.take();
+        let usage_requested = forward::build_request(
+            &mut upstream_request,
+            request,
+            inspection,
+            &target,
+            core.snapshot.upstream.request_stream_usage,
+        );
+        let (mut sent, timings) = forward::send(core.io(), &target, upstream_request).await;
+        obs.forward = timings;
+
+        // Fallback: may another backend do better? Decided before a byte reaches the client.
+        let may_retry =
+            attempts < settings.max_attempts && candidates.clone().next_fallback(model).is_some();
+        let judgement = match &mut sent {
+            Err(e) => fallback::judge_error(e),
+            Ok(response) => {
+                let deadline =
+                    std::time::Instant::now() + core.snapshot.timeouts.upstream_first_byte;
+                fallback::judge_response(response, may_retry, deadline).await
+            }
+        };
+        let now = crate::sys::time::mono_ms();
+        if let (Some(health), Some(result)) = (target.health, judgement.health) {
+            health.record(result, now, settings);
+        }
+        if let Some(reason) = judgement.retry.filter(|_| may_retry) {
+            let within_budget = target.health.is_none_or(|h| h.allow_retry(now, settings));
+            if let Some(next) = candidates.next_fallback(model).filter(|_| within_budget) {
+                observe::failed_attempt(core.metrics, obs, target.backend.id, reason);
+                obs.fallbacks += 1;
+                obs.fallback_reason = reason.label();
+                if let Ok(response) = sent {
+                    // Not relayed: the connection's state is unknown, so it is not reused.
+                    response.conn.abort();
+                }
+                target = next;
+                attempts += 1;
+                continue;
+            }
+        }
+
+        // Relay: the body to the client as it arrives, metered on the side; a usage chunk the
+        // client did not ask for is metered but not relayed.
+        let response = match sent {
+            Ok(response) => response,
+            Err(e) => return (Err(e), target.mapped_model),
+        };
+        let side = ClientSide {
+            head_only: false,
+            minor_version: request.head.minor_version,
+            keep_alive: request.head.keep_alive,
+            strip_usage: usage_requested,
+        };
+        let relayed = relay::relay(core.io(), client, response, side, obs).await;
+        if let (Some(health), None) = (target.health, judgement.health) {
+            let result = match &relayed {
+                Ok(r) => match r.end {
+                    RelayEnd::UpstreamCut(_) => AttemptResult::Failed,
+                    RelayEnd::Complete => AttemptResult::Answered,
+                    RelayEnd::ClientLeft | RelayEnd::Shutdown => AttemptResult::Unknown,
+                },
+                Err(_) => AttemptResult::Failed,
+            };
+            health.record(result, crate::sys::time::mono_ms(), settings);
+        }
+        return (relayed, target.mapped_model);
+    }
 }
 
 #[cfg(test)]
@@ -342,7 +414,8 @@ mod tests {
         let (result, error_headers) = match decided {
             Ok((candidates, admission)) => {
                 let primary = candidates.primary();
-                let fallbacks = candidates.clone().count();
+                let mut walk = candidates.clone();
+                let fallbacks = std::iter::from_fn(|| walk.next_fallback("gpt-4o")).count();
                 admission.settle(per_core.limiter, 10);
                 let mapped = primary.mapped_model.map(str::to_string);
                 let chosen = Chosen {

@@ -124,6 +124,7 @@ pub(crate) async fn relay(
         head,
         buf: ubuf,
         in_flight: _in_flight, // the exchange counts as in flight until the relay returns
+        read_at,
     } = response;
     let mut plan = Plan::new(&head, side);
     if io.drain.draining() {
@@ -148,7 +149,9 @@ pub(crate) async fn relay(
     // The head, and the body bytes that came with it, in one write (an upstream fault in
     // those bytes is answered as a plain 502: nothing reached the client yet).
     relay.write_head(&head, side);
-    let head_read_at = relay.obs.forward.head_at.unwrap_or_else(Instant::now);
+    let head_read_at = read_at
+        .or(relay.obs.forward.head_at)
+        .unwrap_or_else(Instant::now);
     if let Err(e) = relay.feed_read(head.head_len.., head_read_at) {
         relay.close(false);
         return Err(e);

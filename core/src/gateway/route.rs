@@ -1,20 +1,25 @@
 //! Route: the ordered candidate targets for a request's model.
 //!
-//! Runs after inspection. Takes the config snapshot, the requested model and the worker's random
-//! state; returns [`Candidates`]: the targets to try, in order. The first is one backend of the
-//! route's cluster chosen by weight; the rest are the cluster's other backends, in config order —
-//! what a fallback walks (the pipeline sends to the first only, today). Each [`Target`] carries
-//! the model name the upstream will see (the cluster's `model_map` entry, when there is one).
-//! Routes are stored most specific first (exact names, then globs by literal length), so the
-//! first match is the most specific. Raises 404 `model_not_found` when no route matches.
+//! Runs after inspection. Takes the config snapshot, the backends' [`HealthTable`], the
+//! requested model and the worker's random state; returns [`Candidates`]: the targets to try,
+//! in order, of which the first (the primary) is already chosen. A route is a list of target
+//! groups in fallback order; within a group a target (a cluster) is picked by weight, then one
+//! of its backends by weight, among the backends available now (breaker closed or half-open
+//! without a probe out, not cooling down). What follows the primary, for fallback: the
+//! cluster's other backends, the group's other targets, then the next groups, each walked the
+//! same way; a backend that is out is skipped. Each [`Target`] carries the model name the
+//! upstream will see (the target's `model`, else the cluster's `model_map` entry). Routes are
+//! stored most specific first (exact names, then globs by literal length), so the first match
+//! is the most specific.
 //!
-//! [`choose_backend`] is the seam where health and load-aware choice plug in; today it is
-//! weighted random.
+//! Raises 404 `model_not_found` when no route matches, and 503 `upstream_unavailable` with
+//! `Retry-After` (when the first backend comes back) when every backend of the route is out.
 
 use std::cell::Cell;
 
-use crate::config::{Backend, Cluster, ClusterId, Snapshot};
+use crate::config::{Backend, Cluster, ClusterId, Route, Snapshot, TargetGroup};
 use crate::gateway::error::GatewayError;
+use crate::upstream::health::{Availability, BackendHealth, HealthTable};
 
 /// Where one attempt of a request goes.
 #[derive(Debug, Clone, Copy)]
@@ -24,17 +29,34 @@ pub(crate) struct Target<'s> {
     pub(crate) backend: &'s Backend,
     /// The model name to put in the forwarded body, when it differs from the requested one.
     pub(crate) mapped_model: Option<&'s str>,
+    /// The backend's shared health (`None`: untracked).
+    pub(crate) health: Option<&'s BackendHealth>,
 }
 
-/// A request's targets in the order to try them: [`Candidates::primary`] first, then what the
-/// iterator yields. Borrowed from the snapshot; allocates nothing.
+/// A request's targets in the order to try them: [`Candidates::primary`] first, then what
+/// [`Candidates::next_fallback`] yields. Borrowed from the snapshot; allocates nothing.
 #[derive(Debug, Clone)]
 pub(crate) struct Candidates<'s> {
+    snapshot: &'s Snapshot,
+    health: &'s HealthTable,
+    route: &'s Route,
+    rng: &'s Cell<u64>,
+    /// When availability is judged ([`mono_ms`](crate::sys::time::mono_ms)).
+    now: u64,
     primary: Target<'s>,
-    /// Index of the primary's backend in its cluster (skipped by the iteration).
-    primary_index: usize,
-    /// The next backend index the iteration looks at.
-    next: usize,
+    /// The group being walked, and where in it.
+    group: usize,
+    walk: Option<Walk>,
+}
+
+/// A walk through one group: the targets in rotation from the picked one, and in each target
+/// the cluster's backends in rotation from one picked by weight.
+#[derive(Debug, Clone, Copy)]
+struct Walk {
+    first_target: usize,
+    target_step: usize,
+    first_backend: usize,
+    backend_step: usize,
 }
 
 impl<'s> Candidates<'s> {
@@ -42,71 +64,235 @@ impl<'s> Candidates<'s> {
     pub(crate) fn primary(&self) -> Target<'s> {
         self.primary
     }
+
+    /// The next fallback after the primary (and the fallbacks already yielded), for a request
+    /// for `model`; `None` when every target was walked.
+    pub(crate) fn next_fallback(&mut self, model: &str) -> Option<Target<'s>> {
+        loop {
+            let group = self.route.groups.get(self.group)?;
+            let Some(walk) = self.walk.as_mut() else {
+                self.walk = start_walk(self.snapshot, self.health, group, self.rng, self.now);
+                if self.walk.is_none() {
+                    self.group += 1;
+                }
+                continue;
+            };
+            let Some((t, b)) = walk.advance(self.snapshot, self.health, group, self.rng, self.now)
+            else {
+                self.walk = None;
+                self.group += 1;
+                continue;
+            };
+            let target = self.target(group, t, b, model);
+            if target.backend.id == self.primary.backend.id {
+                continue;
+            }
+            if target.health.is_none_or(|h| available(h, self.now)) {
+                return Some(target);
+            }
+        }
+    }
+
+    fn target(&self, group: &'s TargetGroup, t: usize, b: usize, model: &str) -> Target<'s> {
+        make_target(self.snapshot, self.health, group, t, b, model)
+    }
 }
 
-/// The fallbacks after the primary, in order.
-impl<'s> Iterator for Candidates<'s> {
-    type Item = Target<'s>;
-
-    fn next(&mut self) -> Option<Target<'s>> {
-        let backends = &self.primary.cluster.backends;
-        if self.next == self.primary_index {
-            self.next += 1;
-        }
-        let backend = backends.get(self.next)?;
-        self.next += 1;
-        Some(Target {
-            backend,
-            ..self.primary
-        })
+fn make_target<'s>(
+    snapshot: &'s Snapshot,
+    health: &'s HealthTable,
+    group: &'s TargetGroup,
+    t: usize,
+    b: usize,
+    model: &str,
+) -> Target<'s> {
+    let route_target = &group.targets[t];
+    let cluster = &snapshot.clusters[route_target.cluster];
+    let backend = &cluster.backends[b];
+    let mapped_model = match &route_target.model {
+        Some(m) => Some(m.as_str()),
+        None => cluster.model_map.get(model).map(String::as_str),
     }
+    .filter(|m| *m != model);
+    Target {
+        cluster_id: route_target.cluster,
+        cluster,
+        backend,
+        mapped_model,
+        health: health.get(backend.id),
+    }
+}
+
+impl Walk {
+    /// The next (target, backend) position of the walk, whether available or not.
+    fn advance(
+        &mut self,
+        snapshot: &Snapshot,
+        health: &HealthTable,
+        group: &TargetGroup,
+        rng: &Cell<u64>,
+        now: u64,
+    ) -> Option<(usize, usize)> {
+        let targets = group.targets.len();
+        loop {
+            if self.target_step >= targets {
+                return None;
+            }
+            let t = (self.first_target + self.target_step) % targets;
+            let cluster = &snapshot.clusters[group.targets[t].cluster];
+            let backends = cluster.backends.len();
+            if self.backend_step < backends {
+                let b = (self.first_backend + self.backend_step) % backends;
+                self.backend_step += 1;
+                return Some((t, b));
+            }
+            self.target_step += 1;
+            self.backend_step = 0;
+            if self.target_step < targets {
+                let next = (self.first_target + self.target_step) % targets;
+                let cluster = &snapshot.clusters[group.targets[next].cluster];
+                self.first_backend = choose_backend(cluster, health, rng, now).unwrap_or(0);
+            }
+        }
+    }
+}
+
+fn available(health: &BackendHealth, now: u64) -> bool {
+    !matches!(health.availability(now), Availability::Out { .. })
+}
+
+fn backend_available(health: &HealthTable, backend: &Backend, now: u64) -> bool {
+    health.get(backend.id).is_none_or(|h| available(h, now))
+}
+
+/// Pick a group's target by weight, then one of its backends: the walk's start; `None` when
+/// none of the group's backends is available.
+fn start_walk(
+    snapshot: &Snapshot,
+    health: &HealthTable,
+    group: &TargetGroup,
+    rng: &Cell<u64>,
+    now: u64,
+) -> Option<Walk> {
+    let cluster_of = |t: &crate::config::RouteTarget| &snapshot.clusters[t.cluster];
+    let open = |t: &crate::config::RouteTarget| {
+        cluster_of(t)
+            .backends
+            .iter()
+            .any(|b| backend_available(health, b, now))
+    };
+    let first_target = weighted_pick(
+        group.targets.iter().map(|t| (u64::from(t.weight), open(t))),
+        rng,
+    )?;
+    let cluster = cluster_of(&group.targets[first_target]);
+    let first_backend = choose_backend(cluster, health, rng, now)?;
+    Some(Walk {
+        first_target,
+        target_step: 0,
+        first_backend,
+        backend_step: 0,
+    })
 }
 
 pub(crate) fn route<'s>(
     snapshot: &'s Snapshot,
+    health: &'s HealthTable,
     model: &str,
-    rng: &Cell<u64>,
+    rng: &'s Cell<u64>,
 ) -> Result<Candidates<'s>, GatewayError> {
     let route = snapshot
         .routes
         .iter()
         .find(|r| r.pattern.matches(model))
         .ok_or_else(|| GatewayError::model_not_found(model))?;
-    let cluster = &snapshot.clusters[route.cluster];
-    let primary_index = choose_backend(cluster, rng);
-    let mapped_model = cluster
-        .model_map
-        .get(model)
-        .map(String::as_str)
-        .filter(|m| *m != model);
-    Ok(Candidates {
-        primary: Target {
-            cluster_id: route.cluster,
-            cluster,
-            backend: &cluster.backends[primary_index],
-            mapped_model,
-        },
-        primary_index,
-        next: 0,
-    })
+    let now = crate::sys::time::mono_ms();
+    for (g, group) in route.groups.iter().enumerate() {
+        let Some(mut walk) = start_walk(snapshot, health, group, rng, now) else {
+            continue;
+        };
+        let primary = make_target(
+            snapshot,
+            health,
+            group,
+            walk.first_target,
+            walk.first_backend,
+            model,
+        );
+        // The walk goes on after the primary.
+        walk.backend_step = 1;
+        return Ok(Candidates {
+            snapshot,
+            health,
+            route,
+            rng,
+            now,
+            primary,
+            group: g,
+            walk: Some(walk),
+        });
+    }
+    Err(GatewayError::upstream_unavailable(
+        model,
+        retry_after_secs(snapshot, health, route, now),
+    ))
 }
 
-/// Weighted random choice among the cluster's backends: its index (config guarantees at least
-/// one backend, and a positive total weight).
-pub(crate) fn choose_backend(cluster: &Cluster, rng: &Cell<u64>) -> usize {
-    let backends = &cluster.backends;
-    if backends.len() == 1 || cluster.total_weight == 0 {
-        return 0;
+/// Seconds until the first of the route's backends is back (at least 1).
+fn retry_after_secs(snapshot: &Snapshot, health: &HealthTable, route: &Route, now: u64) -> u64 {
+    let soonest = route
+        .groups
+        .iter()
+        .flat_map(|g| g.targets.iter())
+        .flat_map(|t| snapshot.clusters[t.cluster].backends.iter())
+        .filter_map(|b| match health.get(b.id)?.availability(now) {
+            Availability::Out { until } => Some(until),
+            _ => None,
+        })
+        .min()
+        .unwrap_or(now);
+    soonest.saturating_sub(now).div_ceil(1000).max(1)
+}
+
+/// Weighted random choice among the cluster's available backends: its index; `None` when none
+/// is available.
+pub(crate) fn choose_backend(
+    cluster: &Cluster,
+    health: &HealthTable,
+    rng: &Cell<u64>,
+    now: u64,
+) -> Option<usize> {
+    weighted_pick(
+        cluster
+            .backends
+            .iter()
+            .map(|b| (u64::from(b.weight), backend_available(health, b, now))),
+        rng,
+    )
+}
+
+/// Weighted random choice among the eligible `(weight, eligible)` items: the index.
+fn weighted_pick(
+    items: impl Iterator<Item = (u64, bool)> + Clone,
+    rng: &Cell<u64>,
+) -> Option<usize> {
+    let total: u64 = items.clone().filter(|i| i.1).map(|i| i.0).sum();
+    if total == 0 {
+        return None;
     }
-    let mut pick = next_random(rng) % cluster.total_weight;
-    for (i, b) in backends.iter().enumerate() {
-        let w = u64::from(b.weight);
+    let mut pick = next_random(rng) % total;
+    let mut last = None;
+    for (i, (w, eligible)) in items.enumerate() {
+        if !eligible {
+            continue;
+        }
         if pick < w {
-            return i;
+            return Some(i);
         }
         pick -= w;
+        last = Some(i);
     }
-    backends.len() - 1
+    last
 }
 
 /// xorshift64*: fast, per-worker, good enough for load spreading (not for secrets).
@@ -144,47 +330,60 @@ mod tests {
         crate::config::load(text, &|_| None).unwrap()
     }
 
+    fn table(s: &Snapshot) -> HealthTable {
+        HealthTable::build(s, None)
+    }
+
     #[test]
     fn most_specific_wins_and_maps() {
         let s = snapshot();
+        let h = table(&s);
         let rng = Cell::new(1);
-        let primary = |model| route(&s, model, &rng).unwrap().primary();
+        let primary = |model| route(&s, &h, model, &rng).unwrap().primary();
         let t = primary("gpt-4o");
         assert_eq!(t.cluster.name, "a");
         assert_eq!(t.mapped_model, Some("real-4o"));
         assert_eq!(primary("gpt-4o-mini").cluster.name, "a");
         assert_eq!(primary("gpt-3.5").cluster.name, "b");
         assert_eq!(primary("gpt-3.5").mapped_model, None);
-        let e = route(&s, "claude", &rng).unwrap_err();
+        let e = route(&s, &h, "claude", &rng).err().unwrap();
         assert_eq!((e.status(), e.code()), (404, Some("model_not_found")));
     }
 
     #[test]
     fn weights_are_respected() {
         let s = snapshot();
+        let h = table(&s);
         let rng = Cell::new(0x9e37_79b9_7f4a_7c15);
         let mut first = 0;
         for _ in 0..10_000 {
-            if choose_backend(&s.clusters[0], &rng) == 0 {
+            if choose_backend(&s.clusters[0], &h, &rng, 1) == Some(0) {
                 first += 1;
             }
         }
         assert!((7_000..8_000).contains(&first), "{first}");
     }
 
+    fn walk(c: &mut Candidates<'_>, model: &str) -> Vec<usize> {
+        std::iter::from_fn(|| c.next_fallback(model))
+            .map(|t| t.backend.id)
+            .collect()
+    }
+
     #[test]
     fn candidates_are_the_pick_then_the_clusters_other_backends_in_order() {
         let s = snapshot();
+        let h = table(&s);
         let ids = |c: &Cluster| c.backends.iter().map(|b| b.id).collect::<Vec<_>>();
         let a = ids(&s.clusters[0]);
         let mut seen_primaries = std::collections::BTreeSet::new();
         for seed in 1..64u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut candidates = route(&s, "gpt-4o", &rng).unwrap();
+            let mut candidates = route(&s, &h, "gpt-4o", &rng).unwrap();
             let primary = candidates.primary();
             seen_primaries.insert(primary.backend.id);
-            let rest: Vec<_> = candidates.clone().map(|t| t.backend.id).collect();
-            // Every backend exactly once, the primary first, the others in config order.
+            let rest = walk(&mut candidates.clone(), "gpt-4o");
+            // Every backend exactly once, the primary first, then the others in rotation.
             let expected: Vec<_> = a
                 .iter()
                 .copied()
@@ -192,13 +391,128 @@ mod tests {
                 .collect();
             assert_eq!(rest, expected, "seed {seed}");
             // Fallbacks keep the route's cluster and mapped model.
-            assert!(candidates
-                .all(|t| t.cluster_id == primary.cluster_id && t.mapped_model == Some("real-4o")));
+            let t = candidates.next_fallback("gpt-4o").unwrap();
+            assert!(t.cluster_id == primary.cluster_id && t.mapped_model == Some("real-4o"));
         }
         // Both backends get to be primary (the weighted pick, not always the first).
         assert_eq!(seen_primaries.len(), 2);
         // A one-backend cluster has no fallback.
         let rng = Cell::new(7);
-        assert_eq!(route(&s, "gpt-3.5", &rng).unwrap().count(), 0);
+        assert!(route(&s, &h, "gpt-3.5", &rng)
+            .unwrap()
+            .next_fallback("gpt-3.5")
+            .is_none());
+    }
+
+    fn grouped() -> Snapshot {
+        let text = r#"
+            [clusters.openai]
+            backends = [{ base_url = "http://127.0.0.1:1/v1" }, { base_url = "http://127.0.0.1:2/v1" }]
+            [clusters.azure]
+            backends = [{ base_url = "http://127.0.0.1:3/v1" }]
+            [clusters.local]
+            backends = [{ base_url = "http://127.0.0.1:4/v1" }]
+            model_map = { "gpt-4o" = "from-the-map" }
+            [[routes]]
+            model = "gpt-4o"
+            [[routes.groups]]
+            targets = [{ cluster = "openai", weight = 1 }, { cluster = "azure", model = "gpt-4o-eu", weight = 1 }]
+            [[routes.groups]]
+            targets = [{ cluster = "local", model = "llama-3.1-70b" }]
+        "#;
+        crate::config::load(text, &|_| None).unwrap()
+    }
+
+    /// The backend ids of a cluster, by name.
+    fn backends_of(s: &Snapshot, name: &str) -> Vec<usize> {
+        let c = s.clusters.iter().find(|c| c.name == name).unwrap();
+        c.backends.iter().map(|b| b.id).collect()
+    }
+
+    #[test]
+    fn groups_fall_back_in_order_with_each_targets_model() {
+        let s = grouped();
+        let h = table(&s);
+        let (openai, azure, local) = (
+            backends_of(&s, "openai"),
+            backends_of(&s, "azure"),
+            backends_of(&s, "local"),
+        );
+        let mut primaries = std::collections::BTreeSet::new();
+        for seed in 1..64u64 {
+            let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut c = route(&s, &h, "gpt-4o", &rng).unwrap();
+            let p = c.primary();
+            primaries.insert(p.backend.id);
+            let mut all = vec![p.backend.id];
+            all.extend(walk(&mut c.clone(), "gpt-4o"));
+            // Every backend once; a cluster's backends together; the self-hosted group last.
+            let mut sorted = all.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, vec![0, 1, 2, 3], "seed {seed}");
+            assert_eq!(all[3], local[0], "seed {seed}: {all:?}");
+            let at = |id| all.iter().position(|&b| b == id).unwrap();
+            assert_eq!(
+                at(openai[0]).abs_diff(at(openai[1])),
+                1,
+                "seed {seed}: {all:?}"
+            );
+            // The models: azure's own, the first group's requested name, the local target's.
+            while let Some(t) = c.next_fallback("gpt-4o") {
+                let expected = match t.cluster.name.as_str() {
+                    "azure" => Some("gpt-4o-eu"),
+                    "local" => Some("llama-3.1-70b"),
+                    _ => None,
+                };
+                assert_eq!(t.mapped_model, expected);
+            }
+        }
+        let mut first_group = openai.clone();
+        first_group.extend(&azure);
+        assert_eq!(primaries, first_group.into_iter().collect());
+    }
+
+    #[test]
+    fn backends_that_are_out_are_skipped_and_all_out_is_a_503_with_retry_after() {
+        use crate::upstream::health::AttemptResult;
+        let s = grouped();
+        let h = table(&s);
+        let (openai, azure, local) = (
+            backends_of(&s, "openai"),
+            backends_of(&s, "azure"),
+            backends_of(&s, "local"),
+        );
+        let settings = s.routing;
+        let now = crate::sys::time::mono_ms();
+        // Both openai backends cool down for 2 s: azure is the primary, local the fallback.
+        for &id in &openai {
+            h.get(id).unwrap().record(
+                AttemptResult::Cool {
+                    ms: Some(2_000),
+                    failed: false,
+                },
+                now,
+                &settings,
+            );
+        }
+        for seed in 1..16u64 {
+            let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut c = route(&s, &h, "gpt-4o", &rng).unwrap();
+            assert_eq!(c.primary().backend.id, azure[0]);
+            assert_eq!(walk(&mut c, "gpt-4o"), local);
+        }
+        // The rest open their breakers: nothing is left.
+        for id in [azure[0], local[0]] {
+            for _ in 0..settings.breaker.failures {
+                h.get(id)
+                    .unwrap()
+                    .record(AttemptResult::Failed, now, &settings);
+            }
+        }
+        let rng = Cell::new(3);
+        let e = route(&s, &h, "gpt-4o", &rng).err().unwrap();
+        assert_eq!((e.status(), e.code()), (503, Some("upstream_unavailable")));
+        // The soonest back is the cooled pair (2 s).
+        assert_eq!(e.retry_after, Some(2));
     }
 }

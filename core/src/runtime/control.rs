@@ -34,6 +34,8 @@ pub(crate) enum Command {
 /// worker (files are opened there, not on the worker's thread).
 pub(crate) struct SwapTo {
     pub(crate) snapshot: Snapshot,
+    /// The backends' health for the snapshot, one table for every worker.
+    pub(crate) health: std::sync::Arc<crate::upstream::health::HealthTable>,
     /// `Some`: the access-log settings changed, and this is the worker's new writer (`None`:
     /// logging is now off). The old writer is flushed and closed by the worker.
     pub(crate) access_log: Option<Option<AccessLog>>,

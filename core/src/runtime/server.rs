@@ -175,6 +175,8 @@ pub fn run(
         None => None,
     };
     let workers = snapshot.server.workers;
+    // One health table for every worker: what one learns of a backend, all act on.
+    let health = Arc::new(crate::upstream::health::HealthTable::build(&snapshot, None));
     let listeners = worker_listeners(workers, addr, tls_addr, inherited)?;
     // Duplicates of every listening socket, for a successor to take over.
     let handover = match &snapshot.server.takeover_socket {
@@ -207,6 +209,7 @@ pub fn run(
             None => None,
         };
         let ledger = ledger.clone();
+        let shared_health = Arc::clone(&health);
         let events = events_tx.clone();
         let handle = std::thread::Builder::new()
             .name(format!("sluice-worker-{id}"))
@@ -218,6 +221,7 @@ pub fn run(
                         listeners,
                         tls_listeners,
                         snapshot: own,
+                        health: shared_health,
                         hub,
                         access_log,
                         ledger,
@@ -275,6 +279,7 @@ pub fn run(
     let control = Control {
         config_path,
         snapshot,
+        health,
         workers: controls,
         ready,
         hub,
@@ -293,8 +298,9 @@ pub fn run(
 /// The control thread's state: what it needs to reload and to stop.
 struct Control {
     config_path: std::path::PathBuf,
-    /// The snapshot the workers were last given.
+    /// The snapshot the workers were last given, and its health table.
     snapshot: Snapshot,
+    health: Arc<crate::upstream::health::HealthTable>,
     workers: Vec<crate::runtime::control::ControlSender>,
     ready: Arc<AtomicBool>,
     hub: Arc<MetricsHub>,
@@ -534,12 +540,17 @@ impl Control {
         } else {
             None
         };
+        let health = Arc::new(crate::upstream::health::HealthTable::build(
+            &snapshot,
+            Some(&self.health),
+        ));
         let (done_tx, done_rx) = mpsc::channel();
         let mut sent = 0;
         let mut logs = access_logs.map(Vec::into_iter);
         for worker in &self.workers {
             let to = crate::runtime::control::SwapTo {
                 snapshot: snapshot.clone(),
+                health: Arc::clone(&health),
                 access_log: logs.as_mut().map(|l| l.next().flatten()),
                 done: done_tx.clone(),
             };
@@ -560,6 +571,7 @@ impl Control {
             }
         }
         self.snapshot = snapshot;
+        self.health = health;
         if swapped < self.workers.len() {
             eprintln!(
                 "sluice: reload: {swapped} of {} workers confirmed the new config in time",
@@ -722,6 +734,7 @@ struct WorkerSetup {
     /// Its TLS listening sockets, when there is a TLS listener.
     tls_listeners: Vec<StdListener>,
     snapshot: Snapshot,
+    health: Arc<crate::upstream::health::HealthTable>,
     hub: Arc<MetricsHub>,
     access_log: Option<AccessLog>,
     /// The process's shared in-process ledger (used unless limits live in Redis).
@@ -739,6 +752,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         listeners,
         tls_listeners,
         snapshot,
+        health,
         hub,
         access_log,
         ledger,
@@ -766,7 +780,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
             let _ = ready.send(Err(io::Error::other("a worker has no listening socket")));
             return None;
         };
-        let worker = Rc::new(Worker::new(id, snapshot, hub, access_log));
+        let worker = Rc::new(Worker::with_health(id, snapshot, health, hub, access_log));
         monoio::spawn(publish_metrics(Rc::clone(&worker)));
         // Always: a reload may turn the access log on.
         monoio::spawn(flush_access_log(Rc::clone(&worker)));
@@ -881,6 +895,7 @@ fn obey(worker: &Rc<Worker>, command: crate::runtime::control::Command) {
         Command::Swap(to) => {
             let crate::runtime::control::SwapTo {
                 snapshot,
+                health,
                 access_log,
                 done,
             } = *to;
@@ -895,7 +910,7 @@ fn obey(worker: &Rc<Worker>, command: crate::runtime::control::Command) {
                     old.close();
                 }
             }
-            worker.swap_snapshot(Rc::new(snapshot));
+            worker.swap_generation(Rc::new(snapshot), health);
             let _ = done.send(worker.id);
         }
         Command::Drain {

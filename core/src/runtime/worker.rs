@@ -6,6 +6,7 @@ use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ use crate::telemetry::accesslog::AccessLog;
 use crate::telemetry::metrics::{
     LabelNames, MetricsHub, MetricsShard, MetricsView, SnapshotLabels,
 };
+use crate::upstream::health::HealthTable;
 use crate::upstream::Pools;
 
 /// What a worker serves new requests on: a config snapshot and what is built from it. A request
@@ -31,11 +33,19 @@ pub struct Generation {
     pub(crate) models_body: Vec<u8>,
     /// The snapshot's positions mapped to the metrics hub's label slots.
     pub(crate) labels: SnapshotLabels,
+    /// The backends' health, shared with the process's other workers.
+    pub(crate) health: Arc<HealthTable>,
 }
 
 impl Generation {
-    fn new(snapshot: Rc<Snapshot>, pools: Pools, names: &LabelNames) -> Generation {
+    fn new(
+        snapshot: Rc<Snapshot>,
+        pools: Pools,
+        names: &LabelNames,
+        health: Arc<HealthTable>,
+    ) -> Generation {
         Generation {
+            health,
             models_body: crate::gateway::models::list_body(&snapshot),
             labels: SnapshotLabels::new(names, &snapshot),
             snapshot,
@@ -188,9 +198,22 @@ impl Drop for SignalWait<'_> {
 }
 
 impl Worker {
+    /// A worker with its own health table (the runtime's workers share one: see
+    /// [`with_health`](Self::with_health)).
     pub fn new(
         id: usize,
         snapshot: Rc<Snapshot>,
+        hub: std::sync::Arc<MetricsHub>,
+        access_log: Option<AccessLog>,
+    ) -> Worker {
+        let health = Arc::new(HealthTable::build(&snapshot, None));
+        Worker::with_health(id, snapshot, health, hub, access_log)
+    }
+
+    pub(crate) fn with_health(
+        id: usize,
+        snapshot: Rc<Snapshot>,
+        health: Arc<HealthTable>,
         hub: std::sync::Arc<MetricsHub>,
         access_log: Option<AccessLog>,
     ) -> Worker {
@@ -200,7 +223,12 @@ impl Worker {
         let seed = (std::process::id() as u64) << 32 | (id as u64 + 1);
         Worker {
             id,
-            current: RefCell::new(Rc::new(Generation::new(snapshot, pools, hub.names()))),
+            current: RefCell::new(Rc::new(Generation::new(
+                snapshot,
+                pools,
+                hub.names(),
+                health,
+            ))),
             inspector: RefCell::new(Inspector::default()),
             rng: Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
             bufs: BufPool::new(16 * 1024, 256),
@@ -260,8 +288,16 @@ impl Worker {
     /// shard is kept as it is: its budgets are keyed by the policies' and keys' positions, so a
     /// snapshot that reorders or changes policies needs them re-keyed first (left to reload).
     pub fn swap_snapshot(&self, snapshot: Rc<Snapshot>) {
+        let health = HealthTable::build(&snapshot, Some(&self.current.borrow().health));
+        self.swap_generation(snapshot, Arc::new(health));
+    }
+
+    /// [`swap_snapshot`](Self::swap_snapshot), with the health table the control thread built
+    /// for every worker.
+    pub(crate) fn swap_generation(&self, snapshot: Rc<Snapshot>, health: Arc<HealthTable>) {
         let pools = self.current.borrow().pools.carry_over(&snapshot);
-        *self.current.borrow_mut() = Rc::new(Generation::new(snapshot, pools, self.hub.names()));
+        let generation = Generation::new(snapshot, pools, self.hub.names(), health);
+        *self.current.borrow_mut() = Rc::new(generation);
     }
 
     /// What one request borrows of this worker, on `generation` (the one it started on).
@@ -269,6 +305,7 @@ impl Worker {
         PerCore {
             snapshot: &generation.snapshot,
             pools: &generation.pools,
+            health: &generation.health,
             limiter: &self.limiter,
             metrics: MetricsView {
                 shard: &self.metrics,

@@ -29,3 +29,12 @@ pub(crate) fn unix_us() -> u64 {
 pub(crate) fn subsec_nanos() -> u32 {
     since_epoch().subsec_nanos()
 }
+
+/// Milliseconds on a monotonic clock shared by every thread of the process (since its first
+/// read), never 0: for deadlines several workers compare, such as a backend's breaker or
+/// cool-down, where 0 means "none".
+pub(crate) fn mono_ms() -> u64 {
+    static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let base = BASE.get_or_init(std::time::Instant::now);
+    base.elapsed().as_millis() as u64 + 1
+}

@@ -674,6 +674,7 @@ struct JsonRecord<'a> {
     fallback_attempts: u32,
     sticky_id_hash: u64,
     worker_id: u32,
+    fallback_reason: &'a str,
 }
 
 /// An enum as its proto name, or its number when this build does not know it.
@@ -724,6 +725,7 @@ pub(crate) fn write_json_line<W: Write>(rec: &AccessRecord, out: &mut W) -> io::
         fallback_attempts,
         sticky_id_hash,
         worker_id,
+        fallback_reason,
     } = rec;
     let view = JsonRecord {
         time_unix_us: *time_unix_us,
@@ -763,6 +765,7 @@ pub(crate) fn write_json_line<W: Write>(rec: &AccessRecord, out: &mut W) -> io::
         fallback_attempts: *fallback_attempts,
         sticky_id_hash: *sticky_id_hash,
         worker_id: *worker_id,
+        fallback_reason,
     };
     serde_json::to_writer(&mut *out, &view).map_err(io::Error::from)?;
     out.write_all(b"\n")
@@ -1085,6 +1088,7 @@ mod tests {
             fallback_attempts: 1,
             sticky_id_hash: u64::MAX - i,
             worker_id: 3,
+            fallback_reason: String::new(),
         }
     }
 
@@ -1160,9 +1164,13 @@ mod tests {
             line.contains(&format!(r#""sticky_id_hash":{}"#, u64::MAX)),
             "{line}"
         );
-        assert!(line.trim_end().ends_with(r#""worker_id":3}"#), "{line}");
+        assert!(
+            line.trim_end()
+                .ends_with(r#""worker_id":3,"fallback_reason":""}"#),
+            "{line}"
+        );
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(v.as_object().unwrap().len(), 34);
+        assert_eq!(v.as_object().unwrap().len(), 35);
         assert_eq!(v["tags"], serde_json::json!(["a\"b"]));
         assert_eq!(v["cost"].as_f64(), Some(0.00725));
         // Defaults are written too, and an enum number this build does not know stays a number.
@@ -1173,7 +1181,7 @@ mod tests {
         };
         write_json_line(&unknown, &mut out).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v.as_object().unwrap().len(), 34);
+        assert_eq!(v.as_object().unwrap().len(), 35);
         assert_eq!(v["usage_source"], 9);
         assert_eq!(v["path"], "");
         assert_eq!(v["tags"], serde_json::json!([]));

@@ -1,0 +1,138 @@
+//! `[routing]`: how a request moves on when a backend fails — how many attempts, the retry
+//! budget that keeps an outage from turning into a retry storm, the circuit breaker and the
+//! cool-down after a 429 / 529. Read here, validated once; used by the route phase (which
+//! backends are available) and the pipeline (whether to try the next one).
+
+use serde::Deserialize;
+
+#[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawRouting {
+    max_attempts: u32,
+    retry_budget_ratio: f64,
+    retry_budget_min: u32,
+    retry_budget_window_ms: u64,
+    breaker_failures: u32,
+    breaker_open_ms: u64,
+    breaker_max_open_ms: u64,
+    breaker_successes: u32,
+    cooldown_ms: u64,
+    max_cooldown_ms: u64,
+}
+
+impl Default for RawRouting {
+    fn default() -> Self {
+        RawRouting {
+            max_attempts: 3,
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 10,
+            retry_budget_window_ms: 10_000,
+            breaker_failures: 5,
+            breaker_open_ms: 5_000,
+            breaker_max_open_ms: 60_000,
+            breaker_successes: 2,
+            cooldown_ms: 5_000,
+            max_cooldown_ms: 300_000,
+        }
+    }
+}
+
+/// The validated `[routing]` section.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct RoutingSettings {
+    /// Attempts one request may make, the first included (1: no fallback).
+    pub(crate) max_attempts: u32,
+    /// Retries a backend's failures may cause, per window: at most this share of the requests
+    /// it was sent in the window, or `retry_budget_min`, whichever is larger.
+    pub(crate) retry_budget_ratio: f64,
+    pub(crate) retry_budget_min: u32,
+    pub(crate) retry_budget_window_ms: u64,
+    pub(crate) breaker: BreakerSettings,
+    /// How long a 429 / 529 (or a 503 with `Retry-After`) takes a backend out when the answer
+    /// has no `Retry-After`.
+    pub(crate) cooldown_ms: u64,
+    /// The longest cool-down a `Retry-After` may ask for.
+    pub(crate) max_cooldown_ms: u64,
+}
+
+/// When a backend's circuit breaker opens and closes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BreakerSettings {
+    /// Consecutive failures that open it.
+    pub(crate) failures: u32,
+    /// How long it stays open the first time; doubled each time the probe fails, up to
+    /// `max_open_ms`.
+    pub(crate) open_ms: u64,
+    pub(crate) max_open_ms: u64,
+    /// Successful probes (one at a time, half-open) that close it.
+    pub(crate) successes: u32,
+}
+
+impl Default for RoutingSettings {
+    fn default() -> Self {
+        let mut errors = Vec::new();
+        resolve_routing(&RawRouting::default(), &mut |p, m| errors.push((p, m)))
+    }
+}
+
+pub(super) fn resolve_routing(
+    raw: &RawRouting,
+    err: &mut dyn FnMut(String, String),
+) -> RoutingSettings {
+    if raw.max_attempts == 0 || raw.max_attempts > 10 {
+        err(
+            "routing.max_attempts".into(),
+            "must be from 1 (no fallback) to 10".into(),
+        );
+    }
+    if !(0.0..=1.0).contains(&raw.retry_budget_ratio) {
+        err(
+            "routing.retry_budget_ratio".into(),
+            "must be from 0 to 1 (a share of the requests)".into(),
+        );
+    }
+    for (key, v) in [
+        ("routing.retry_budget_window_ms", raw.retry_budget_window_ms),
+        ("routing.breaker_open_ms", raw.breaker_open_ms),
+        ("routing.cooldown_ms", raw.cooldown_ms),
+    ] {
+        if v == 0 {
+            err(key.into(), "must be at least 1 ms".into());
+        }
+    }
+    if raw.breaker_max_open_ms < raw.breaker_open_ms {
+        err(
+            "routing.breaker_max_open_ms".into(),
+            "must be at least routing.breaker_open_ms".into(),
+        );
+    }
+    if raw.max_cooldown_ms < raw.cooldown_ms {
+        err(
+            "routing.max_cooldown_ms".into(),
+            "must be at least routing.cooldown_ms".into(),
+        );
+    }
+    for (key, v) in [
+        ("routing.breaker_failures", raw.breaker_failures),
+        ("routing.breaker_successes", raw.breaker_successes),
+    ] {
+        if v == 0 {
+            err(key.into(), "must be at least 1".into());
+        }
+    }
+    RoutingSettings {
+        max_attempts: raw.max_attempts.clamp(1, 10),
+        retry_budget_ratio: raw.retry_budget_ratio.clamp(0.0, 1.0),
+        retry_budget_min: raw.retry_budget_min,
+        retry_budget_window_ms: raw.retry_budget_window_ms.max(1),
+        breaker: BreakerSettings {
+            failures: raw.breaker_failures.max(1),
+            open_ms: raw.breaker_open_ms.max(1),
+            max_open_ms: raw.breaker_max_open_ms.max(raw.breaker_open_ms).max(1),
+            successes: raw.breaker_successes.max(1),
+        },
+        cooldown_ms: raw.cooldown_ms.max(1),
+        max_cooldown_ms: raw.max_cooldown_ms.max(raw.cooldown_ms).max(1),
+    }
+}

@@ -1,0 +1,360 @@
+//! Fallback: whether a failed attempt lets the request move on to the next candidate, and what
+//! the attempt says of its backend's health.
+//!
+//! Runs in the pipeline after each attempt's forward phase, before anything reached the client.
+//! [`judge_error`] takes the forward phase's error; [`judge_response`] takes the upstream's
+//! response head (reading a little more of the body when the head alone can't tell: a 429's
+//! body, to tell a spend limit from a rate limit, and an event stream's first event, which may be
+//! an error). Each returns a [`Judgement`]: retry elsewhere (with the reason, for the access log
+//! and metrics) or not, and the [`AttemptResult`] for the backend's health.
+//!
+//! Moves on: connect errors, timeouts, resets and broken framing; 429 (not
+//! `insufficient_quota`), 500, 502, 503, 504, 529; a stream whose first event is an error. Never
+//! on another status: a 400, 401, 403, 404, 413 or 422 is the request's or the credential's
+//! fault, and another backend would answer the same. Raises nothing itself: a response it reads
+//! more of and cannot finish reading is judged an upstream failure.
+
+use std::time::Instant;
+
+use crate::gateway::error::{ErrorKind, GatewayError};
+use crate::gateway::forward::UpstreamResponse;
+use crate::sys::stream::{self, ReadOutcome};
+use crate::upstream::health::AttemptResult;
+
+/// Why a request moved on from a backend: the access log's `fallback_reason`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FallbackReason {
+    Connect,
+    Timeout,
+    /// Reset, closed early, broken framing or TLS.
+    Io,
+    Status429,
+    Status5xx,
+    /// 529: the provider is overloaded.
+    Overloaded,
+    /// A 200 event stream whose first event was an error.
+    FirstEventError,
+    /// This worker's connection cap to the backend was reached.
+    PoolFull,
+}
+
+impl FallbackReason {
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            FallbackReason::Connect => "connect",
+            FallbackReason::Timeout => "timeout",
+            FallbackReason::Io => "io",
+            FallbackReason::Status429 => "status_429",
+            FallbackReason::Status5xx => "status_5xx",
+            FallbackReason::Overloaded => "status_529",
+            FallbackReason::FirstEventError => "first_event_error",
+            FallbackReason::PoolFull => "pool_full",
+        }
+    }
+}
+
+/// What one attempt came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Judgement {
+    /// `Some`: another backend may succeed (nothing reached the client yet).
+    pub(crate) retry: Option<FallbackReason>,
+    /// For the backend's health; `None`: known only once the response is relayed.
+    pub(crate) health: Option<AttemptResult>,
+}
+
+/// The forward phase failed with `error` (nothing came back, or nothing usable).
+pub(crate) fn judge_error(error: &GatewayError) -> Judgement {
+    // The catalogue says which kinds another backend may do better on.
+    let reason = error.kind.retry_elsewhere().then_some(match error.kind {
+        ErrorKind::UpstreamConnect => FallbackReason::Connect,
+        ErrorKind::UpstreamTimeout => FallbackReason::Timeout,
+        ErrorKind::UpstreamPoolFull => FallbackReason::PoolFull,
+        _ => FallbackReason::Io,
+    });
+    let health = match error.kind {
+        // The cap is this worker's, not the backend's fault.
+        ErrorKind::UpstreamPoolFull => AttemptResult::Unknown,
+        kind if kind.upstream_fault().is_some() => AttemptResult::Failed,
+        // Shutting down: nothing learned.
+        _ => AttemptResult::Unknown,
+    };
+    Judgement {
+        retry: reason,
+        health: Some(health),
+    }
+}
+
+/// The most of a body read to judge it: an error body is small, and a stream's first event
+/// comes early (a stream whose first event is not in this much is relayed as it is).
+const MAX_JUDGED: usize = 64 * 1024;
+
+/// Judge a response whose head is in. `may_retry`: a fallback is possible, so reading more of
+/// the body to decide is worth it; without it only the head is looked at. Reads go into
+/// `response.buf` (the relay sends them on) until `deadline`.
+pub(crate) async fn judge_response(
+    response: &mut UpstreamResponse<'_>,
+    may_retry: bool,
+    deadline: Instant,
+) -> Judgement {
+    let head = &response.head;
+    let status = head.status;
+    let retry_after_ms = retry_after_ms(response);
+    let (reason, health) = match status_verdict(status, retry_after_ms) {
+        Some(verdict) => verdict,
+        None if status == 200 && head.event_stream && may_retry => {
+            return match first_event(response, deadline).await {
+                FirstEvent::Data { error: false } | FirstEvent::Unknown => Judgement {
+                    retry: None,
+                    health: None,
+                },
+                FirstEvent::Data { error: true } => Judgement {
+                    retry: Some(FallbackReason::FirstEventError),
+                    health: Some(AttemptResult::Failed),
+                },
+                FirstEvent::Failed(reason) => Judgement {
+                    retry: Some(reason),
+                    health: Some(AttemptResult::Failed),
+                },
+            };
+        }
+        None => {
+            return Judgement {
+                retry: None,
+                health: None,
+            }
+        }
+    };
+    if status == 429 && may_retry && spend_limit(response, deadline).await {
+        // The account's money ran out: every backend on the same account says the same, and
+        // the client must be told, not kept waiting.
+        return Judgement {
+            retry: None,
+            health: Some(AttemptResult::Answered),
+        };
+    }
+    Judgement {
+        retry: Some(reason),
+        health: Some(health),
+    }
+}
+
+/// The statuses another backend may do better on, with what each says of the backend: a 429
+/// or 529 cools it down (it is busy, not dead), a 503 with `Retry-After` too and counts as a
+/// failure, 500 / 502 / 503 / 504 are failures. Any other status is the answer.
+fn status_verdict(
+    status: u16,
+    retry_after_ms: Option<u64>,
+) -> Option<(FallbackReason, AttemptResult)> {
+    let cool = |failed| AttemptResult::Cool {
+        ms: retry_after_ms,
+        failed,
+    };
+    Some(match status {
+        429 => (FallbackReason::Status429, cool(false)),
+        529 => (FallbackReason::Overloaded, cool(false)),
+        503 if retry_after_ms.is_some() => (FallbackReason::Status5xx, cool(true)),
+        500 | 502 | 503 | 504 => (FallbackReason::Status5xx, AttemptResult::Failed),
+        _ => return None,
+    })
+}
+
+/// `retry-after-ms` (Azure, OpenAI), else `retry-after` in seconds; `None` when absent or an
+/// HTTP date (then the configured cool-down applies).
+fn retry_after_ms(response: &UpstreamResponse<'_>) -> Option<u64> {
+    let buf = &response.buf;
+    let value = |name: &[u8]| {
+        response
+            .head
+            .headers
+            .iter()
+            .find(|h| h.name(buf).eq_ignore_ascii_case(name))
+            .and_then(|h| std::str::from_utf8(h.value(buf)).ok())
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+    };
+    value(b"retry-after-ms")
+        .map(|ms| ms as u64)
+        .or_else(|| value(b"retry-after").map(|s| (s * 1000.0) as u64))
+}
+
+/// Whether a 429's body says a spend or billing limit was reached (`insufficient_quota`),
+/// reading the rest of a small body if it is not in yet.
+async fn spend_limit(response: &mut UpstreamResponse<'_>, deadline: Instant) -> bool {
+    let wanted = match response.head.framing() {
+        crate::http::BodyFraming::Length(n) => (n as usize).min(MAX_JUDGED),
+        _ => MAX_JUDGED,
+    };
+    loop {
+        let body = &response.buf[response.head.head_len..];
+        if memchr::memmem::find(body, b"insufficient_quota").is_some() {
+            return true;
+        }
+        if body.len() >= wanted || !read_more(response, deadline).await {
+            return false;
+        }
+    }
+}
+
+enum FirstEvent {
+    Data {
+        error: bool,
+    },
+    /// Not found within [`MAX_JUDGED`] bytes, or the body ended cleanly first.
+    Unknown,
+    /// The upstream failed or stalled before its first event.
+    Failed(FallbackReason),
+}
+
+/// Read until the stream's first `data:` line is in, and tell whether it is an error.
+async fn first_event(response: &mut UpstreamResponse<'_>, deadline: Instant) -> FirstEvent {
+    loop {
+        if let Some(error) = first_data_is_error(&response.buf[response.head.head_len..]) {
+            return FirstEvent::Data { error };
+        }
+        if response.buf.len() - response.head.head_len >= MAX_JUDGED {
+            return FirstEvent::Unknown;
+        }
+        let before = Instant::now();
+        if !read_more(response, deadline).await {
+            return FirstEvent::Failed(if Instant::now() >= deadline && before < deadline {
+                FallbackReason::Timeout
+            } else {
+                FallbackReason::Io
+            });
+        }
+    }
+}
+
+/// One more read into `response.buf` before `deadline`; `false` when it failed, timed out or
+/// the upstream closed.
+async fn read_more(response: &mut UpstreamResponse<'_>, deadline: Instant) -> bool {
+    let limit = deadline.saturating_duration_since(Instant::now());
+    let conn = &mut response.conn;
+    let outcome = stream::read_spare(&mut response.buf, 4096, 16 * 1024, limit, |b| {
+        conn.io.read(b)
+    })
+    .await;
+    response.read_at = Some(Instant::now());
+    matches!(outcome, ReadOutcome::Data(_))
+}
+
+/// Whether the first `data:` line of a raw event-stream body (chunk-size lines of a chunked
+/// body skipped, like comments) is an error: `None` until enough of it is in to tell. A chat
+/// stream's opening role-only delta is not its first event here: providers send it before an
+/// error as well as before content, and the client has been told nothing by it.
+pub(crate) fn first_data_is_error(body: &[u8]) -> Option<bool> {
+    let mut rest = body;
+    loop {
+        let (line, next) = match memchr::memchr(b'\n', rest) {
+            Some(i) => (&rest[..i], Some(&rest[i + 1..])),
+            None => (rest, None),
+        };
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(payload) = line.strip_prefix(b"data:") {
+            let payload = payload.trim_ascii_start();
+            if next.is_none() {
+                // Not whole yet: enough to see the first key, unless it may be the preamble.
+                if payload.len() < 24 || !is_error_payload(payload) {
+                    return None;
+                }
+                return Some(true);
+            }
+            if !is_role_preamble(payload) {
+                return Some(is_error_payload(payload));
+            }
+        }
+        rest = next?;
+    }
+}
+
+/// A chat chunk whose only delta is the assistant role (OpenAI, vLLM and SGLang open with one).
+fn is_role_preamble(payload: &[u8]) -> bool {
+    let find = |needle: &[u8]| memchr::memmem::find(payload, needle).is_some();
+    (find(b"\"delta\":{\"role\":\"assistant\"}")
+        || find(b"\"delta\":{\"role\":\"assistant\",\"content\":\"\"}"))
+        && !find(b"\"finish_reason\":\"")
+}
+
+/// `{"error": …}` (OpenAI, mock-llm) or `{"object": "error", …}` (vLLM).
+fn is_error_payload(payload: &[u8]) -> bool {
+    let Some(inner) = payload.strip_prefix(b"{") else {
+        return false;
+    };
+    let inner = inner.trim_ascii_start();
+    if inner.starts_with(b"\"error\"") {
+        return true;
+    }
+    let prefix = &payload[..payload.len().min(64)];
+    memchr::memmem::find(prefix, b"\"object\":\"error\"").is_some()
+        || memchr::memmem::find(prefix, b"\"object\": \"error\"").is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_first_data_line_decides() {
+        let error = b"data: {\"error\":{\"message\":\"boom\",\"type\":\"server_error\"}}\n\n";
+        assert_eq!(first_data_is_error(error), Some(true));
+        let content = b"data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\"}\n\n";
+        assert_eq!(first_data_is_error(content), Some(false));
+        // Comments (mock-llm's echo may quote `data: {"error"` from the prompt) are skipped.
+        let comment = b": echo {\"body\":\"data: {\\\"error\\\"\"}\n\ndata: {\"id\":\"x\",\"object\":\"y\"}\n\n";
+        assert_eq!(first_data_is_error(comment), Some(false));
+        // Chunked framing: the size lines are skipped like any line that is not `data:`.
+        let chunked = b"3a\r\ndata: {\"error\":{\"message\":\"overloaded\"}}\n\n\r\n";
+        assert_eq!(first_data_is_error(chunked), Some(true));
+        // A role-only opening delta is passed over; what follows decides.
+        let role = b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"},\"finish_reason\":null}]}\n\n";
+        let then_error = [&role[..], &error[..]].concat();
+        assert_eq!(first_data_is_error(&then_error), Some(true));
+        let then_content = [&role[..], &content[..]].concat();
+        assert_eq!(first_data_is_error(&then_content), Some(false));
+        assert_eq!(first_data_is_error(role), None);
+        // vLLM's shape.
+        let vllm = b"data: {\"object\":\"error\",\"message\":\"x\"}\n\n";
+        assert_eq!(first_data_is_error(vllm), Some(true));
+        // Not enough yet.
+        assert_eq!(first_data_is_error(b": echo"), None);
+        assert_eq!(first_data_is_error(b"data: {\"err"), None);
+        assert_eq!(first_data_is_error(b""), None);
+        // `[DONE]` first: not an error.
+        assert_eq!(first_data_is_error(b"data: [DONE]\n\n"), Some(false));
+    }
+
+    #[test]
+    fn statuses_that_move_on_and_statuses_that_do_not() {
+        for status in [429, 500, 502, 503, 504, 529] {
+            assert!(status_verdict(status, None).is_some(), "{status}");
+        }
+        for status in [200, 400, 401, 403, 404, 408, 413, 422, 501] {
+            assert!(status_verdict(status, None).is_none(), "{status}");
+        }
+        let cool = |ms, failed| AttemptResult::Cool { ms, failed };
+        assert_eq!(
+            status_verdict(429, Some(2_000)).unwrap().1,
+            cool(Some(2_000), false)
+        );
+        assert_eq!(status_verdict(529, None).unwrap().1, cool(None, false));
+        assert_eq!(
+            status_verdict(503, Some(1_000)).unwrap().1,
+            cool(Some(1_000), true)
+        );
+        assert_eq!(status_verdict(503, None).unwrap().1, AttemptResult::Failed);
+    }
+
+    #[test]
+    fn errors_that_move_on_and_errors_that_do_not() {
+        use crate::gateway::error::UpstreamFault;
+        let connect = GatewayError::bad_gateway(UpstreamFault::Connect, "refused");
+        assert_eq!(judge_error(&connect).retry, Some(FallbackReason::Connect));
+        assert_eq!(judge_error(&connect).health, Some(AttemptResult::Failed));
+        let timeout = GatewayError::gateway_timeout("slow");
+        assert_eq!(judge_error(&timeout).retry, Some(FallbackReason::Timeout));
+        let stopping = GatewayError::shutting_down();
+        assert_eq!(judge_error(&stopping).retry, None);
+        assert_eq!(judge_error(&stopping).health, Some(AttemptResult::Unknown));
+    }
+}

@@ -1,0 +1,399 @@
+//! Passive health of each backend, shared by every worker of the process: a circuit breaker,
+//! a cool-down after a 429 / 529, and the retry budget.
+//!
+//! Read by the route phase (is a backend available now?) and written by the pipeline after each
+//! attempt ([`BackendHealth::record`]). One [`HealthTable`] is built per config snapshot by the
+//! runtime, keeping the state of every backend the previous snapshot had (same cluster name,
+//! same URL), so a reload neither forgets an outage nor resets a breaker. Everything is atomics
+//! with relaxed ordering: workers never lock, and a decision made on a value a moment old is
+//! fine (at worst one more request reaches a backend that just failed).
+//!
+//! The breaker: `breaker.failures` consecutive failures open it for `breaker.open_ms`; once
+//! that passes it is half-open — one request at a time is let through as a probe; a failed
+//! probe opens it again for twice as long (up to `breaker.max_open_ms`), and
+//! `breaker.successes` successful probes close it. A 429, 529, or 503 with `Retry-After` cools
+//! the backend down for the time asked (or `cooldown_ms`): it is not called dead, its
+//! consecutive-failure count is untouched, it is only left out of routing until then.
+//! A 401 / 403, a 400 and friends are answers: the backend is up (they count as success).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use crate::config::routing::{BreakerSettings, RoutingSettings};
+use crate::config::{BackendId, Snapshot};
+
+/// What one attempt tells of its backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AttemptResult {
+    /// The backend answered (whatever the status, short of the ones below).
+    Answered,
+    /// Connect error, timeout, reset, broken framing, a 5xx, a stream cut or an error event.
+    Failed,
+    /// A 429, 529 or a 503 with `Retry-After`: out for `ms` (capped by `max_cooldown_ms`);
+    /// `None`: `cooldown_ms`. A 503 also counts as a failure.
+    Cool { ms: Option<u64>, failed: bool },
+    /// Nothing learned (the client left first, the gateway is stopping): a probe is released.
+    Unknown,
+}
+
+/// Whether a backend may be sent a request now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Availability {
+    Available,
+    /// Half-open and no probe is out: available to the one request that takes the probe.
+    Probe,
+    /// Open or cooling down until this [`mono_ms`](crate::sys::time::mono_ms) time.
+    Out {
+        until: u64,
+    },
+}
+
+/// One backend's state. See the module doc.
+#[derive(Debug, Default)]
+pub(crate) struct BackendHealth {
+    consecutive_failures: AtomicU32,
+    /// Times the breaker opened since it last closed (the back-off's exponent).
+    trips: AtomicU32,
+    /// Open until this time; 0: closed. Past it (and non-zero): half-open.
+    open_until: AtomicU64,
+    /// Half-open: a probe is out.
+    probe_out: AtomicBool,
+    /// Half-open: successful probes so far.
+    probe_successes: AtomicU32,
+    /// Cooling down until this time (0: not).
+    cool_until: AtomicU64,
+    /// The retry budget's window: its start, and the requests and retries in it.
+    window_start: AtomicU64,
+    window_requests: AtomicU32,
+    window_retries: AtomicU32,
+}
+
+impl BackendHealth {
+    pub(crate) fn availability(&self, now: u64) -> Availability {
+        let cool = self.cool_until.load(Relaxed);
+        let open = self.open_until.load(Relaxed);
+        if open > now || cool > now {
+            return Availability::Out {
+                until: open.max(cool),
+            };
+        }
+        if open != 0 {
+            return if self.probe_out.load(Relaxed) {
+                // Another request is probing: out for now (its answer decides).
+                Availability::Out { until: now + 1 }
+            } else {
+                Availability::Probe
+            };
+        }
+        Availability::Available
+    }
+
+    /// Claim the attempt about to be sent: the probe, when half-open (`false`: another request
+    /// took it first, try elsewhere). Counts the request in the retry budget's window.
+    pub(crate) fn begin(&self, now: u64, settings: &RoutingSettings) -> bool {
+        match self.availability(now) {
+            Availability::Available => {}
+            Availability::Probe => {
+                if self.probe_out.swap(true, Relaxed) {
+                    return false;
+                }
+            }
+            Availability::Out { .. } => return false,
+        }
+        self.roll_window(now, settings);
+        self.window_requests.fetch_add(1, Relaxed);
+        true
+    }
+
+    /// What the attempt [`begin`](Self::begin) claimed turned out to be.
+    pub(crate) fn record(&self, result: AttemptResult, now: u64, settings: &RoutingSettings) {
+        let half_open = self.open_until.load(Relaxed) != 0;
+        match result {
+            AttemptResult::Answered => {
+                self.consecutive_failures.store(0, Relaxed);
+                if half_open {
+                    let successes = self.probe_successes.fetch_add(1, Relaxed) + 1;
+                    if successes >= settings.breaker.successes {
+                        self.close();
+                    }
+                    self.probe_out.store(false, Relaxed);
+                }
+            }
+            AttemptResult::Failed => self.failed(now, &settings.breaker),
+            AttemptResult::Cool { ms, failed } => {
+                let ms = ms
+                    .unwrap_or(settings.cooldown_ms)
+                    .min(settings.max_cooldown_ms);
+                self.cool_until.fetch_max(now + ms, Relaxed);
+                if failed {
+                    self.failed(now, &settings.breaker);
+                } else if half_open {
+                    // Alive but busy: the probe ends without a verdict.
+                    self.probe_out.store(false, Relaxed);
+                }
+            }
+            AttemptResult::Unknown => {
+                if half_open {
+                    self.probe_out.store(false, Relaxed);
+                }
+            }
+        }
+    }
+
+    fn failed(&self, now: u64, breaker: &BreakerSettings) {
+        let failures = self.consecutive_failures.fetch_add(1, Relaxed) + 1;
+        let half_open = self.open_until.load(Relaxed) != 0;
+        if half_open || failures >= breaker.failures {
+            let trips = self.trips.fetch_add(1, Relaxed).min(20);
+            let open_ms = breaker
+                .open_ms
+                .saturating_mul(1u64 << trips)
+                .min(breaker.max_open_ms);
+            self.open_until.store(now + open_ms, Relaxed);
+            self.probe_successes.store(0, Relaxed);
+            self.probe_out.store(false, Relaxed);
+        }
+    }
+
+    fn close(&self) {
+        self.open_until.store(0, Relaxed);
+        self.trips.store(0, Relaxed);
+        self.probe_successes.store(0, Relaxed);
+        self.consecutive_failures.store(0, Relaxed);
+    }
+
+    /// May a failure of this backend be retried elsewhere? Charges the retry when it may: at
+    /// most `retry_budget_ratio` of the window's requests, or `retry_budget_min`.
+    pub(crate) fn allow_retry(&self, now: u64, settings: &RoutingSettings) -> bool {
+        self.roll_window(now, settings);
+        let requests = f64::from(self.window_requests.load(Relaxed));
+        let allowed =
+            ((requests * settings.retry_budget_ratio) as u32).max(settings.retry_budget_min);
+        let used = self.window_retries.fetch_add(1, Relaxed);
+        if used < allowed {
+            return true;
+        }
+        self.window_retries.fetch_sub(1, Relaxed);
+        false
+    }
+
+    fn roll_window(&self, now: u64, settings: &RoutingSettings) {
+        let start = self.window_start.load(Relaxed);
+        if now.saturating_sub(start) >= settings.retry_budget_window_ms
+            && self
+                .window_start
+                .compare_exchange(start, now, Relaxed, Relaxed)
+                .is_ok()
+        {
+            self.window_requests.store(0, Relaxed);
+            self.window_retries.store(0, Relaxed);
+        }
+    }
+
+    /// 0 closed, 1 open, 2 half-open, 3 cooling down.
+    #[cfg(test)]
+    fn state_code(&self, now: u64) -> u8 {
+        let open = self.open_until.load(Relaxed);
+        if open > now {
+            1
+        } else if open != 0 {
+            2
+        } else if self.cool_until.load(Relaxed) > now {
+            3
+        } else {
+            0
+        }
+    }
+}
+
+/// Every backend's health for one snapshot, indexed by [`BackendId`]; shared by the workers.
+#[derive(Debug, Default)]
+pub(crate) struct HealthTable {
+    backends: Vec<Arc<BackendHealth>>,
+    /// Each backend's identity across snapshots: cluster name and URL.
+    keys: Vec<String>,
+}
+
+impl HealthTable {
+    /// The table for `snapshot`, keeping `previous`'s state for every backend both have.
+    pub(crate) fn build(snapshot: &Snapshot, previous: Option<&HealthTable>) -> HealthTable {
+        let kept: HashMap<&str, &Arc<BackendHealth>> = previous
+            .map(|p| {
+                p.keys
+                    .iter()
+                    .map(String::as_str)
+                    .zip(p.backends.iter())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut table = HealthTable {
+            backends: Vec::with_capacity(snapshot.backend_count),
+            keys: Vec::with_capacity(snapshot.backend_count),
+        };
+        for cluster in &snapshot.clusters {
+            for backend in &cluster.backends {
+                let key = format!(
+                    "{}|{}://{}{}",
+                    cluster.name,
+                    if backend.tls { "https" } else { "http" },
+                    backend.host_header,
+                    backend.base_path
+                );
+                let health = kept
+                    .get(key.as_str())
+                    .map(|h| Arc::clone(h))
+                    .unwrap_or_default();
+                debug_assert_eq!(table.backends.len(), backend.id);
+                table.backends.push(health);
+                table.keys.push(key);
+            }
+        }
+        table
+    }
+
+    pub(crate) fn get(&self, id: BackendId) -> Option<&BackendHealth> {
+        self.backends.get(id).map(|h| &**h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> RoutingSettings {
+        RoutingSettings {
+            breaker: BreakerSettings {
+                failures: 3,
+                open_ms: 1_000,
+                max_open_ms: 3_000,
+                successes: 2,
+            },
+            retry_budget_ratio: 0.25,
+            retry_budget_min: 1,
+            retry_budget_window_ms: 10_000,
+            ..RoutingSettings::default()
+        }
+    }
+
+    #[test]
+    fn breaker_opens_probes_one_at_a_time_backs_off_and_closes() {
+        let s = settings();
+        let h = BackendHealth::default();
+        let t = 100;
+        // Two failures, then an answer: the count starts over.
+        for _ in 0..2 {
+            assert!(h.begin(t, &s));
+            h.record(AttemptResult::Failed, t, &s);
+        }
+        h.record(AttemptResult::Answered, t, &s);
+        for _ in 0..2 {
+            h.record(AttemptResult::Failed, t, &s);
+        }
+        assert_eq!(h.availability(t), Availability::Available);
+        h.record(AttemptResult::Failed, t, &s);
+        assert_eq!(h.availability(t), Availability::Out { until: t + 1_000 });
+        assert!(!h.begin(t + 999, &s));
+
+        // Half-open: one probe; the next request is kept out while it runs.
+        assert_eq!(h.availability(t + 1_000), Availability::Probe);
+        assert!(h.begin(t + 1_000, &s));
+        assert!(matches!(
+            h.availability(t + 1_000),
+            Availability::Out { .. }
+        ));
+        assert!(!h.begin(t + 1_000, &s));
+        // The probe fails: open twice as long.
+        h.record(AttemptResult::Failed, t + 1_000, &s);
+        assert_eq!(
+            h.availability(t + 1_001),
+            Availability::Out { until: t + 3_000 }
+        );
+        // Then capped at max_open_ms.
+        assert!(h.begin(t + 3_000, &s));
+        h.record(AttemptResult::Failed, t + 3_000, &s);
+        assert_eq!(
+            h.availability(t + 3_000),
+            Availability::Out { until: t + 6_000 }
+        );
+
+        // Two successful probes close it.
+        assert!(h.begin(t + 6_000, &s));
+        h.record(AttemptResult::Answered, t + 6_000, &s);
+        assert_eq!(h.state_code(t + 6_000), 2, "one success: still half-open");
+        assert!(h.begin(t + 6_000, &s));
+        h.record(AttemptResult::Answered, t + 6_000, &s);
+        assert_eq!(h.availability(t + 6_000), Availability::Available);
+        assert_eq!(h.state_code(t + 6_000), 0);
+        // Closed again: the back-off starts over at open_ms.
+        for _ in 0..3 {
+            h.record(AttemptResult::Failed, t + 7_000, &s);
+        }
+        assert_eq!(
+            h.availability(t + 7_000),
+            Availability::Out { until: t + 8_000 }
+        );
+    }
+
+    #[test]
+    fn a_cool_down_takes_the_backend_out_without_calling_it_dead() {
+        let s = settings();
+        let h = BackendHealth::default();
+        h.record(
+            AttemptResult::Cool {
+                ms: Some(2_000),
+                failed: false,
+            },
+            10,
+            &s,
+        );
+        assert_eq!(h.availability(10), Availability::Out { until: 2_010 });
+        assert_eq!(h.state_code(10), 3);
+        assert_eq!(h.availability(2_010), Availability::Available);
+        assert_eq!(h.consecutive_failures.load(Relaxed), 0);
+        // No Retry-After: cooldown_ms; an absurd one: capped.
+        h.record(
+            AttemptResult::Cool {
+                ms: None,
+                failed: false,
+            },
+            3_000,
+            &s,
+        );
+        assert_eq!(
+            h.availability(3_000),
+            Availability::Out {
+                until: 3_000 + s.cooldown_ms
+            }
+        );
+        h.record(
+            AttemptResult::Cool {
+                ms: Some(u64::MAX / 4),
+                failed: false,
+            },
+            3_000,
+            &s,
+        );
+        assert_eq!(
+            h.availability(3_000),
+            Availability::Out {
+                until: 3_000 + s.max_cooldown_ms
+            }
+        );
+    }
+
+    #[test]
+    fn retries_stay_within_the_budget() {
+        let s = settings();
+        let h = BackendHealth::default();
+        for _ in 0..20 {
+            assert!(h.begin(5, &s));
+        }
+        // 25% of 20 requests.
+        let allowed = (0..20).filter(|_| h.allow_retry(5, &s)).count();
+        assert_eq!(allowed, 5);
+        // A new window starts over (with retry_budget_min as the floor).
+        assert!(h.allow_retry(10_005, &s));
+        assert!(!h.allow_retry(10_005, &s));
+    }
+}

@@ -1,0 +1,251 @@
+//! Resilient routing (issue #12): target groups in fallback order, fallback before the first
+//! byte, the retry budget, the circuit breaker and the cool-down after a 429 — black-box, with
+//! several mock-llm backends playing providers that fail.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use sluice_tests::*;
+
+/// Cluster `a` (the mock `a`), cluster `b` (the mock `b`), and `gpt-4o` routed to `a` first,
+/// then `b`; the access log in `log`, flushed every 20 ms.
+fn two_groups(a: &str, b: &str, log: &TempDir) -> Config {
+    Config::new()
+        .cluster(Cluster::new("a", &[a]))
+        .cluster(Cluster::new("b", &[b]))
+        .access_log(log.path())
+        .access_log_opt("flush_interval_ms", 20)
+        .raw(
+            "[[routes]]\nmodel = \"gpt-4o\"\n\
+             groups = [{ targets = [{ cluster = \"a\" }] }, { targets = [{ cluster = \"b\", model = \"b-model\" }] }]\n",
+        )
+}
+
+fn chat_with(gw: &Sluice, headers: &[(&str, &str)]) -> Response {
+    let mut req = Req::post("/v1/chat/completions", &chat_body("gpt-4o"));
+    for (k, v) in headers {
+        req = req.header(k, v);
+    }
+    gw.request(&req)
+}
+
+/// The access-log records, in the order the requests were answered (one worker).
+fn records(log: &TempDir, n: usize) -> Vec<serde_json::Value> {
+    let mut r = wait_records(log.path(), n, Duration::from_secs(10));
+    r.sort_by_key(|r| r["time_unix_us"].as_u64());
+    r
+}
+
+#[test]
+fn a_429_moves_on_to_the_next_group_and_cools_the_primary_for_its_retry_after() {
+    let a = Mock::start(&["--fault", "status=429"]);
+    let b = Mock::start(&[]);
+    let log = TempDir::new("fallback-429");
+    let gw = Sluice::start(&two_groups(&a.base_url(), &b.base_url(), &log).admin());
+
+    // The primary answers 429 (Retry-After: 2): the client sees the fallback's 200, and the
+    // fallback was sent its own model name.
+    let r = chat_with(&gw, &[("x-mock-retry-after", "2")]);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.header("x-mock-model"), Some("b-model"));
+    assert_eq!((a.stat("requests"), b.stat("requests")), (1, 1));
+
+    // Cooling down: the next requests go straight to the fallback.
+    let cooled_from = Instant::now();
+    for _ in 0..3 {
+        let r = chat_with(&gw, &[("x-mock-retry-after", "2")]);
+        assert_eq!(r.status, 200, "{}", r.dump());
+    }
+    if cooled_from.elapsed() < Duration::from_millis(1_500) {
+        assert_eq!(a.stat("requests"), 1, "the primary is cooling down");
+    }
+    assert_eq!(b.stat("requests"), 4);
+
+    let recs = records(&log, 4);
+    assert_eq!(recs[0]["fallback_attempts"], 1, "{}", recs[0]);
+    assert_eq!(recs[0]["fallback_reason"], "status_429");
+    assert_eq!(recs[0]["cluster"], "b");
+    assert_eq!(recs[0]["mapped_model"], "b-model");
+    assert_eq!(recs[0]["status"], 200);
+    for rec in &recs[1..] {
+        assert_eq!(rec["fallback_attempts"], 0, "{rec}");
+        assert_eq!(rec["fallback_reason"], "");
+        assert_eq!(rec["cluster"], "b");
+    }
+    let m = gw.wait_metrics(Duration::from_secs(5), |m| {
+        m.sum("sluice_upstream_requests_total", &[]) >= 4.0
+    });
+    assert_eq!(
+        m.sum("sluice_upstream_requests_total", &[("attempt", "fallback")]),
+        1.0
+    );
+    assert_eq!(
+        m.sum("sluice_upstream_errors_total", &[("kind", "status_429")]),
+        1.0
+    );
+
+    // Once the Retry-After has passed the primary is tried again.
+    assert!(
+        wait_until(Duration::from_secs(6), || {
+            chat_with(&gw, &[("x-mock-retry-after", "2")]);
+            a.stat("requests") >= 2
+        }),
+        "the primary was never tried again after its Retry-After"
+    );
+}
+
+#[test]
+fn a_refusal_of_the_request_itself_is_never_retried() {
+    let a = Mock::start(&[]);
+    let b = Mock::start(&[]);
+    let log = TempDir::new("fallback-4xx");
+    let gw = Sluice::start(&two_groups(&a.base_url(), &b.base_url(), &log));
+    for (i, status) in ["400", "401", "403", "404", "413", "422"]
+        .iter()
+        .enumerate()
+    {
+        let r = chat_with(&gw, &[("x-mock-status", status)]);
+        assert_eq!(r.status.to_string(), *status, "{}", r.dump());
+        assert_eq!(a.stat("requests"), i as u64 + 1);
+        assert_eq!(b.stat("requests"), 0, "a {status} went to the fallback");
+    }
+}
+
+#[test]
+fn a_stream_whose_first_event_is_an_error_moves_on() {
+    let a = Mock::start(&["--fault", "error-event"]);
+    let b = Mock::start(&["--tokens", "3"]);
+    let log = TempDir::new("fallback-event");
+    let gw = Sluice::start(&two_groups(&a.base_url(), &b.base_url(), &log));
+    let r = gw.chat(&chat_stream_body("gpt-4o"));
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let events = r.sse_events();
+    assert!(events.iter().all(|e| !e.is_error()), "{}", r.dump());
+    assert!(events.last().is_some_and(|e| e.is_done()), "{}", r.dump());
+    let text: String = events.iter().filter_map(|e| e.content()).collect();
+    assert_eq!(text, "tok0 tok1 tok2");
+    assert_eq!((a.stat("requests"), b.stat("requests")), (1, 1));
+    let recs = records(&log, 1);
+    assert_eq!(
+        recs[0]["fallback_reason"], "first_event_error",
+        "{}",
+        recs[0]
+    );
+    assert_eq!(recs[0]["completion_tokens"], 3);
+}
+
+#[test]
+fn a_dead_primary_costs_no_client_error_then_its_breaker_opens_probes_and_closes() {
+    let a = Mock::start(&[]);
+    let a_port = a.port();
+    let b = Mock::start(&[]);
+    let log = TempDir::new("fallback-breaker");
+    let config = two_groups(&a.base_url(), &b.base_url(), &log)
+        .set("routing", "breaker_failures", "3")
+        .set("routing", "breaker_open_ms", "400")
+        .set("routing", "breaker_successes", "2");
+    let gw = Sluice::start(&config);
+    assert_eq!(chat_with(&gw, &[]).status, 200);
+    assert_eq!(a.stat("requests"), 1);
+
+    // The primary dies: every request still succeeds, on the fallback.
+    drop(a);
+    for i in 0..8 {
+        let r = chat_with(&gw, &[]);
+        assert_eq!(r.status, 200, "request {i}: {}", r.dump());
+    }
+    let recs = records(&log, 9);
+    let reasons: Vec<&str> = recs[1..]
+        .iter()
+        .map(|r| r["fallback_reason"].as_str().unwrap())
+        .collect();
+    // Three connect failures open the breaker; then the dead backend is not tried at all.
+    // (Within 400 ms the breaker may already let one probe through; it fails too.)
+    assert_eq!(&reasons[..3], ["connect"; 3], "{reasons:?}");
+    assert!(
+        reasons[3..].iter().filter(|r| !r.is_empty()).count() <= 1,
+        "{reasons:?}"
+    );
+
+    // It comes back: after the open time one request at a time probes it, two successes
+    // close the breaker, and it is the primary again.
+    let a = Mock::start(&["--listen", &format!("127.0.0.1:{a_port}")]);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            assert_eq!(chat_with(&gw, &[]).status, 200);
+            a.stat("requests") >= 2
+        }),
+        "the revived primary got no probe"
+    );
+    let before = (a.stat("requests"), b.stat("requests"));
+    for _ in 0..5 {
+        assert_eq!(chat_with(&gw, &[]).status, 200);
+    }
+    assert_eq!(
+        a.stat("requests"),
+        before.0 + 5,
+        "the breaker did not close"
+    );
+    assert_eq!(b.stat("requests"), before.1);
+}
+
+#[test]
+fn a_full_outage_stays_within_the_retry_budget_then_gets_fast_503s() {
+    let a = Mock::start(&["--fault", "status=500"]);
+    let b = Mock::start(&["--fault", "status=500"]);
+    let log = TempDir::new("fallback-outage");
+    // The breaker out of the way: the retry budget alone bounds the retries.
+    let config = two_groups(&a.base_url(), &b.base_url(), &log)
+        .set("routing", "breaker_failures", "1000")
+        .set("routing", "retry_budget_ratio", "0.0")
+        .set("routing", "retry_budget_min", "3")
+        .set("routing", "retry_budget_window_ms", "600000");
+    let gw = Sluice::start(&config);
+    for _ in 0..20 {
+        let r = chat_with(&gw, &[]);
+        // The last attempt's answer is relayed as it is.
+        assert_eq!(r.status, 500, "{}", r.dump());
+    }
+    assert_eq!(a.stat("requests"), 20);
+    assert_eq!(b.stat("requests"), 3, "retries beyond the budget");
+    drop(gw);
+
+    // With the breaker: once both backends are out, a fast 503 with Retry-After, and the
+    // backends see nothing more.
+    let config = two_groups(&a.base_url(), &b.base_url(), &log)
+        .set("routing", "breaker_failures", "2")
+        .set("routing", "breaker_open_ms", "30000");
+    let gw = Sluice::start(&config);
+    for _ in 0..2 {
+        chat_with(&gw, &[]);
+    }
+    let seen = (a.stat("requests"), b.stat("requests"));
+    for _ in 0..10 {
+        let r = chat_with(&gw, &[]);
+        let e = assert_openai_error(&r, 503);
+        assert_eq!(e["code"], "upstream_unavailable", "{}", r.dump());
+        let retry_after: u64 = r.header("retry-after").unwrap().parse().unwrap();
+        assert!((1..=30).contains(&retry_after), "{retry_after}");
+    }
+    assert_eq!((a.stat("requests"), b.stat("requests")), seen);
+}
+
+#[test]
+fn one_cluster_routes_move_on_to_the_clusters_other_backend() {
+    // The plain `cluster = "…"` form: the cluster's backends are each other's fallback.
+    let a = Mock::start(&["--fault", "status=503"]);
+    let b = Mock::start(&[]);
+    let mut cluster = Cluster::new("main", &[&a.base_url(), &b.base_url()]);
+    // The failing one is nearly always picked first.
+    cluster.backends[0].1 = 1000;
+    let gw = Sluice::start(&Config::new().cluster(cluster).route("gpt-4o", "main").set(
+        "routing",
+        "breaker_failures",
+        "1000",
+    ));
+    for _ in 0..10 {
+        let r = gw.chat(&chat_body("gpt-4o"));
+        assert_eq!(r.status, 200, "{}", r.dump());
+    }
+    assert_eq!(b.stat("requests"), 10);
+}
