@@ -67,6 +67,7 @@ mod runtime {
     //! Worker threads, per-core state and the connection loop.
     pub(crate) mod conn;
     pub(crate) mod control;
+    pub(crate) mod scrape;
     pub(crate) mod server;
     pub(crate) mod takeover;
     pub(crate) mod worker;

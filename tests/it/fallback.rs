@@ -159,9 +159,14 @@ fn a_dead_primary_costs_no_client_error_then_its_breaker_opens_probes_and_closes
         .iter()
         .map(|r| r["fallback_reason"].as_str().unwrap())
         .collect();
-    // Three connect failures open the breaker; then the dead backend is not tried at all.
-    // (Within 400 ms the breaker may already let one probe through; it fails too.)
-    assert_eq!(&reasons[..3], ["connect"; 3], "{reasons:?}");
+    // Three failures open the breaker (the first may be on the pooled keep-alive connection,
+    // whose close the gateway had not seen yet: `io`, not `connect`); then the dead backend is
+    // not tried at all. (Within 400 ms the breaker may already let one probe through; it fails
+    // too.)
+    assert!(
+        reasons[..3].iter().all(|r| *r == "connect" || *r == "io"),
+        "{reasons:?}"
+    );
     assert!(
         reasons[3..].iter().filter(|r| !r.is_empty()).count() <= 1,
         "{reasons:?}"

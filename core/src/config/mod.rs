@@ -283,6 +283,9 @@ struct RawCluster {
     model_map: BTreeMap<String, String>,
     credential: Option<RawCredential>,
     ca_file: Option<PathBuf>,
+    /// Scrape each backend's `/metrics` (vLLM, SGLang) for its queue.
+    #[serde(default)]
+    queue_metrics: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -341,6 +344,8 @@ struct RawRoute {
 struct RawGroup {
     #[serde(default)]
     targets: Vec<RawTarget>,
+    #[serde(default)]
+    strategy: routing::Strategy,
 }
 
 #[derive(Debug, Deserialize)]
@@ -353,6 +358,12 @@ struct RawTarget {
     model: Option<String>,
     #[serde(default = "default_weight")]
     weight: u32,
+    /// The model's context window in tokens: a request whose prompt estimate plus requested
+    /// output does not fit skips this target.
+    context_window: Option<u64>,
+    /// Requests this process sends the target's backends at once before each counts as fully
+    /// loaded (for the load-aware strategies).
+    max_in_flight: Option<u32>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -476,6 +487,8 @@ pub(crate) struct Cluster {
     pub(crate) credential: Option<Credential>,
     /// TLS client config for https backends (system roots + the cluster's CA file).
     pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
+    /// Each backend's `/metrics` is scraped for its queue (`[clusters.x] queue_metrics`).
+    pub(crate) queue_metrics: bool,
 }
 
 /// An upstream credential header, ready to write: `name: value\r\n`. Never logged.
@@ -517,11 +530,12 @@ pub(crate) struct Route {
     pub(crate) models: Vec<String>,
 }
 
-/// Targets one of which serves a request (picked by weight among the available ones); the
-/// group after it is the fallback when none of them can.
+/// Targets one of which serves a request (picked by the group's strategy among the available
+/// ones); the group after it is the fallback when none of them can.
 #[derive(Debug, Clone)]
 pub(crate) struct TargetGroup {
     pub(crate) targets: Vec<RouteTarget>,
+    pub(crate) strategy: routing::Strategy,
 }
 
 /// A cluster, and the model name its upstream is sent.
@@ -531,6 +545,8 @@ pub(crate) struct RouteTarget {
     /// Overrides the cluster's `model_map` for this route.
     pub(crate) model: Option<String>,
     pub(crate) weight: u32,
+    pub(crate) context_window: Option<u64>,
+    pub(crate) max_in_flight: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1294,6 +1310,7 @@ fn resolve_cluster(
         model_map: rc.model_map.clone(),
         credential,
         tls,
+        queue_metrics: rc.queue_metrics,
     }
 }
 
@@ -1462,7 +1479,10 @@ fn resolve_route(
                     cluster: cluster.clone(),
                     model: None,
                     weight: 1,
+                    context_window: None,
+                    max_in_flight: None,
                 }],
+                strategy: routing::Strategy::default(),
             }];
             &shorthand
         }
@@ -1508,11 +1528,25 @@ fn resolve_route(
             if rt.model.as_deref() == Some("") {
                 err(format!("{target_path}.model"), "must not be empty".into());
             }
+            if rt.context_window == Some(0) {
+                err(
+                    format!("{target_path}.context_window"),
+                    "must be at least 1".into(),
+                );
+            }
+            if rt.max_in_flight == Some(0) {
+                err(
+                    format!("{target_path}.max_in_flight"),
+                    "must be at least 1".into(),
+                );
+            }
             match clusters.get(&rt.cluster) {
                 Some(Some(id)) => targets.push(RouteTarget {
                     cluster: *id,
                     model: rt.model.clone(),
                     weight: rt.weight.max(1),
+                    context_window: rt.context_window,
+                    max_in_flight: rt.max_in_flight,
                 }),
                 // Not readable: its error is reported.
                 Some(None) => complete = false,
@@ -1525,7 +1559,10 @@ fn resolve_route(
                 }
             }
         }
-        groups.push(TargetGroup { targets });
+        groups.push(TargetGroup {
+            targets,
+            strategy: raw_group.strategy,
+        });
     }
     if !complete {
         return None;

@@ -19,6 +19,8 @@ pub(super) struct RawRouting {
     breaker_successes: u32,
     cooldown_ms: u64,
     max_cooldown_ms: u64,
+    scrape_interval_ms: u64,
+    queue_stale_ms: u64,
 }
 
 impl Default for RawRouting {
@@ -34,6 +36,8 @@ impl Default for RawRouting {
             breaker_successes: 2,
             cooldown_ms: 5_000,
             max_cooldown_ms: 300_000,
+            scrape_interval_ms: 1_000,
+            queue_stale_ms: 5_000,
         }
     }
 }
@@ -54,6 +58,35 @@ pub(crate) struct RoutingSettings {
     pub(crate) cooldown_ms: u64,
     /// The longest cool-down a `Retry-After` may ask for.
     pub(crate) max_cooldown_ms: u64,
+    /// How often backends with `queue_metrics` are scraped, and how old a scrape may be before
+    /// it is ignored.
+    pub(crate) scrape_interval_ms: u64,
+    pub(crate) queue_stale_ms: u64,
+}
+
+/// How a target group picks among its available backends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Strategy {
+    /// By weight, at random.
+    #[default]
+    Weighted,
+    /// Of two picked by weight, the one with fewer requests in flight from this process.
+    LeastInFlight,
+    /// Of two picked by weight, the lower peak-EWMA response-head latency × (in flight + 1).
+    PeakEwma,
+    /// The lowest time-to-first-token EWMA (untried backends first).
+    LowestTtft,
+    /// The cheapest target by the price table, unless it is loaded ≥ 90%.
+    CostFirst,
+    /// The lowest effective latency: EWMA latency / (1 − load).
+    LatencyFirst,
+    /// The largest context window.
+    QualityFirst,
+    /// Of two picked by weight, the shorter queue (the backend's scraped metrics, else this
+    /// process's requests in flight).
+    QueueAware,
 }
 
 /// When a backend's circuit breaker opens and closes.
@@ -96,6 +129,8 @@ pub(super) fn resolve_routing(
         ("routing.retry_budget_window_ms", raw.retry_budget_window_ms),
         ("routing.breaker_open_ms", raw.breaker_open_ms),
         ("routing.cooldown_ms", raw.cooldown_ms),
+        ("routing.scrape_interval_ms", raw.scrape_interval_ms),
+        ("routing.queue_stale_ms", raw.queue_stale_ms),
     ] {
         if v == 0 {
             err(key.into(), "must be at least 1 ms".into());
@@ -134,5 +169,7 @@ pub(super) fn resolve_routing(
         },
         cooldown_ms: raw.cooldown_ms.max(1),
         max_cooldown_ms: raw.max_cooldown_ms.max(raw.cooldown_ms).max(1),
+        scrape_interval_ms: raw.scrape_interval_ms.max(1),
+        queue_stale_ms: raw.queue_stale_ms.max(1),
     }
 }

@@ -111,6 +111,13 @@ pub(crate) async fn proxy<'s>(
         estimator,
     );
 
+    // The backend's time to first token, for the strategies that weigh it.
+    if let (Some((_, backend)), Some(ttft)) = (obs.routed, outcome.ttft) {
+        if let Some(health) = core.health.get(backend) {
+            health.load.observe_ttft(ttft.as_micros() as f64);
+        }
+    }
+
     // Settle: what the request used goes into every budget it reserved from — success,
     // upstream error (released), client or upstream abort (billed). Settling consumes the
     // admission: exactly once.
@@ -165,7 +172,17 @@ pub(crate) async fn admit_request<'s>(
 
     // Route: the targets to try in order — cluster, backend and the model name the upstream
     // sees — among the backends available now (a fast 503 when none is).
-    let candidates = route::route(core.snapshot, core.health, &inspection.model, core.rng)?;
+    // For a target's context window: the admission's own prompt estimate plus the cap.
+    let needed_tokens = || {
+        crate::openai::tokens::estimate_tokens(request.body) + inspection.max_tokens.unwrap_or(0)
+    };
+    let candidates = route::route(
+        core.snapshot,
+        core.health,
+        &inspection.model,
+        &needed_tokens,
+        core.rng,
+    )?;
     let primary = candidates.primary();
     obs.routed = Some((primary.cluster_id, primary.backend.id));
 
@@ -213,18 +230,20 @@ async fn serve<'s>(
     loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
         // A half-open backend takes one probe at a time: one that lost the race is passed over.
-        if !target
-            .health
-            .is_none_or(|h| h.begin(crate::sys::time::mono_ms(), settings))
-        {
-            match candidates.next_fallback(model) {
-                Some(next) => {
-                    target = next;
-                    continue;
-                }
-                None => return (Err(GatewayError::upstream_unavailable(model, 1)), None),
-            }
-        }
+        // The guard counts the attempt in the backend's in-flight number until it ends.
+        let _in_flight = match target.health {
+            Some(h) => match h.begin(crate::sys::time::mono_ms(), settings) {
+                Some(guard) => Some(guard),
+                None => match candidates.next_fallback(model) {
+                    Some(next) => {
+                        target = next;
+                        continue;
+                    }
+                    None => return (Err(GatewayError::upstream_unavailable(model, 1)), None),
+                },
+            },
+            None => None,
+        };
 
         // Forward: the rewritten request out (with stream usage asked for, so limits settle on
         // reported usage), the response head back (one retry on a stale pooled connection).
@@ -238,6 +257,12 @@ async fn serve<'s>(
         );
         let (mut sent, timings) = forward::send(core.io(), &target, upstream_request).await;
         obs.forward = timings;
+        if let (Some(health), Some(started), Some(head)) =
+            (target.health, timings.started_at, timings.head_at)
+        {
+            let us = head.saturating_duration_since(started).as_micros() as f64;
+            health.load.observe_latency(us, crate::sys::time::mono_ms());
+        }
 
         // Fallback: may another backend do better? Decided before a byte reaches the client.
         let may_retry =

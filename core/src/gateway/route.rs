@@ -3,9 +3,11 @@
 //! Runs after inspection. Takes the config snapshot, the backends' [`HealthTable`], the
 //! requested model and the worker's random state; returns [`Candidates`]: the targets to try,
 //! in order, of which the first (the primary) is already chosen. A route is a list of target
-//! groups in fallback order; within a group a target (a cluster) is picked by weight, then one
-//! of its backends by weight, among the backends available now (breaker closed or half-open
-//! without a probe out, not cooling down). What follows the primary, for fallback: the
+//! groups in fallback order; within a group the group's [`Strategy`] picks a (target, backend)
+//! pair among the backends available now (breaker closed or half-open without a probe out, not
+//! cooling down) that pass the capability filter (the target's context window holds the prompt
+//! estimate plus the requested output; the backend is loaded under 95% — dropped when no
+//! backend is). What follows the primary, for fallback: the
 //! cluster's other backends, the group's other targets, then the next groups, each walked the
 //! same way; a backend that is out is skipped. Each [`Target`] carries the model name the
 //! upstream will see (the target's `model`, else the cluster's `model_map` entry). Routes are
@@ -17,9 +19,10 @@
 
 use std::cell::Cell;
 
-use crate::config::{Backend, Cluster, ClusterId, Route, Snapshot, TargetGroup};
+use crate::config::routing::Strategy;
+use crate::config::{Backend, Cluster, ClusterId, Route, RouteTarget, Snapshot, TargetGroup};
 use crate::gateway::error::GatewayError;
-use crate::upstream::health::{Availability, BackendHealth, HealthTable};
+use crate::upstream::health::{Availability, BackendHealth, HealthTable, LoadSignals};
 
 /// Where one attempt of a request goes.
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +46,8 @@ pub(crate) struct Candidates<'s> {
     rng: &'s Cell<u64>,
     /// When availability is judged ([`mono_ms`](crate::sys::time::mono_ms)).
     now: u64,
+    /// What the request needs of a target's context window (0: nothing known).
+    needed_tokens: u64,
     primary: Target<'s>,
     /// The group being walked, and where in it.
     group: usize,
@@ -71,7 +76,15 @@ impl<'s> Candidates<'s> {
         loop {
             let group = self.route.groups.get(self.group)?;
             let Some(walk) = self.walk.as_mut() else {
-                self.walk = start_walk(self.snapshot, self.health, group, self.rng, self.now);
+                let picker = Picker {
+                    snapshot: self.snapshot,
+                    health: self.health,
+                    rng: self.rng,
+                    now: self.now,
+                    needed_tokens: self.needed_tokens,
+                    model,
+                };
+                self.walk = picker.start_walk(group);
                 if self.walk.is_none() {
                     self.group += 1;
                 }
@@ -87,7 +100,10 @@ impl<'s> Candidates<'s> {
             if target.backend.id == self.primary.backend.id {
                 continue;
             }
-            if target.health.is_none_or(|h| available(h, self.now)) {
+            let fits = group.targets[t]
+                .context_window
+                .is_none_or(|w| w >= self.needed_tokens);
+            if fits && target.health.is_none_or(|h| available(h, self.now)) {
                 return Some(target);
             }
         }
@@ -165,40 +181,207 @@ fn backend_available(health: &HealthTable, backend: &Backend, now: u64) -> bool 
     health.get(backend.id).is_none_or(|h| available(h, now))
 }
 
-/// Pick a group's target by weight, then one of its backends: the walk's start; `None` when
-/// none of the group's backends is available.
-fn start_walk(
-    snapshot: &Snapshot,
-    health: &HealthTable,
-    group: &TargetGroup,
-    rng: &Cell<u64>,
+/// What a group's strategy needs to pick: the backends' health and load, the time, the
+/// request's size (for the capability filter) and its model (for the price table).
+struct Picker<'s, 'm> {
+    snapshot: &'s Snapshot,
+    health: &'s HealthTable,
+    rng: &'s Cell<u64>,
     now: u64,
-) -> Option<Walk> {
-    let cluster_of = |t: &crate::config::RouteTarget| &snapshot.clusters[t.cluster];
-    let open = |t: &crate::config::RouteTarget| {
-        cluster_of(t)
-            .backends
+    needed_tokens: u64,
+    model: &'m str,
+}
+
+/// One (target, backend) pair a strategy may pick, with what it is judged on.
+#[derive(Clone, Copy)]
+struct Choice<'s> {
+    t: usize,
+    b: usize,
+    weight: u64,
+    target: &'s RouteTarget,
+    health: Option<&'s BackendHealth>,
+}
+
+impl<'s> Picker<'s, '_> {
+    /// Pick a group's (target, backend) pair by its strategy: the walk's start; `None` when no
+    /// backend of the group can take the request.
+    fn start_walk(&self, group: &'s TargetGroup) -> Option<Walk> {
+        let stale = self.snapshot.routing.queue_stale_ms;
+        // The capability filter: fits, and under 95% loaded — unless none is.
+        let fits = |o: &Choice<'_>| {
+            o.target
+                .context_window
+                .is_none_or(|w| w >= self.needed_tokens)
+        };
+        let roomy = |o: &Choice<'_>| self.load(o, stale) < 0.95;
+        let picked = self
+            .pick(group, &|o| fits(o) && roomy(o))
+            .or_else(|| self.pick(group, &fits))?;
+        let (t, b) = picked;
+        Some(Walk {
+            first_target: t,
+            target_step: 0,
+            first_backend: b,
+            backend_step: 0,
+        })
+    }
+
+    fn load(&self, o: &Choice<'_>, stale: u64) -> f64 {
+        o.health.map_or(0.0, |h| {
+            h.load.load(self.now, stale, o.target.max_in_flight)
+        })
+    }
+
+    /// The group's available pairs that pass `keep`, in config order.
+    fn options<'a>(
+        &'a self,
+        group: &'s TargetGroup,
+        keep: &'a dyn Fn(&Choice<'s>) -> bool,
+    ) -> impl Iterator<Item = Choice<'s>> + Clone + 'a {
+        group
+            .targets
             .iter()
-            .any(|b| backend_available(health, b, now))
-    };
-    let first_target = weighted_pick(
-        group.targets.iter().map(|t| (u64::from(t.weight), open(t))),
-        rng,
-    )?;
-    let cluster = cluster_of(&group.targets[first_target]);
-    let first_backend = choose_backend(cluster, health, rng, now)?;
-    Some(Walk {
-        first_target,
-        target_step: 0,
-        first_backend,
-        backend_step: 0,
-    })
+            .enumerate()
+            .flat_map(move |(t, target)| {
+                let cluster = &self.snapshot.clusters[target.cluster];
+                cluster
+                    .backends
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(b, backend)| {
+                        let health = self.health.get(backend.id);
+                        if !health.is_none_or(|h| available(h, self.now)) {
+                            return None;
+                        }
+                        let o = Choice {
+                            t,
+                            b,
+                            weight: u64::from(target.weight) * u64::from(backend.weight),
+                            target,
+                            health,
+                        };
+                        keep(&o).then_some(o)
+                    })
+            })
+    }
+
+    fn pick(
+        &self,
+        group: &'s TargetGroup,
+        keep: &dyn Fn(&Choice<'s>) -> bool,
+    ) -> Option<(usize, usize)> {
+        let options = self.options(group, keep);
+        let stale = self.snapshot.routing.queue_stale_ms;
+        fn signals<'h>(o: &Choice<'h>) -> Option<&'h LoadSignals> {
+            o.health.map(|h| &h.load)
+        }
+        let chosen = match group.strategy {
+            Strategy::Weighted => self.weighted(options),
+            Strategy::LeastInFlight => self.two_choices(options, |o| {
+                signals(o).map_or(0.0, |l| f64::from(l.in_flight()))
+            }),
+            Strategy::PeakEwma => self.two_choices(options, |o| {
+                signals(o).map_or(0.0, |l| {
+                    l.latency_us().unwrap_or(0.0) * f64::from(l.in_flight() + 1)
+                })
+            }),
+            Strategy::QueueAware => self.two_choices(options, |o| {
+                signals(o).map_or(0.0, |l| l.queue_depth(self.now, stale) as f64)
+            }),
+            Strategy::LowestTtft => self.lowest(options, |o| {
+                signals(o).and_then(|l| l.ttft_us()).unwrap_or(0.0)
+            }),
+            Strategy::LatencyFirst => self.lowest(options, |o| {
+                let latency = signals(o).and_then(|l| l.latency_us()).unwrap_or(0.0);
+                latency / (1.0 - self.load(o, stale).min(0.99))
+            }),
+            Strategy::QualityFirst => {
+                self.lowest(options, |o| -(o.target.context_window.unwrap_or(0) as f64))
+            }
+            Strategy::CostFirst => {
+                // The cheapest unless loaded ≥ 90%: then the next cheapest.
+                let price = |o: &Choice<'_>| self.price(o.target);
+                let unloaded = |o: &Choice<'_>| self.load(o, stale) < 0.9;
+                let cheap = self.lowest(options.clone().filter(unloaded), price);
+                cheap.or_else(|| self.lowest(options, price))
+            }
+        }?;
+        Some((chosen.t, chosen.b))
+    }
+
+    /// Weighted random choice.
+    fn weighted(&self, options: impl Iterator<Item = Choice<'s>> + Clone) -> Option<Choice<'s>> {
+        let total: u64 = options.clone().map(|o| o.weight).sum();
+        if total == 0 {
+            return None;
+        }
+        let mut pick = next_random(self.rng) % total;
+        let mut last = None;
+        for o in options {
+            if pick < o.weight {
+                return Some(o);
+            }
+            pick -= o.weight;
+            last = Some(o);
+        }
+        last
+    }
+
+    /// Power of two choices: two weighted picks (distinct when there are two), the lower
+    /// `score` wins.
+    fn two_choices(
+        &self,
+        options: impl Iterator<Item = Choice<'s>> + Clone,
+        score: impl Fn(&Choice<'s>) -> f64,
+    ) -> Option<Choice<'s>> {
+        let first = self.weighted(options.clone())?;
+        let others = options.filter(|o| (o.t, o.b) != (first.t, first.b));
+        let Some(second) = self.weighted(others) else {
+            return Some(first);
+        };
+        Some(if score(&second) < score(&first) {
+            second
+        } else {
+            first
+        })
+    }
+
+    /// The lowest `score`; ties broken by weight, at random.
+    fn lowest(
+        &self,
+        options: impl Iterator<Item = Choice<'s>> + Clone,
+        score: impl Fn(&Choice<'s>) -> f64,
+    ) -> Option<Choice<'s>> {
+        let best = options
+            .clone()
+            .map(|o| score(&o))
+            .fold(f64::INFINITY, f64::min);
+        self.weighted(options.filter(|o| score(o) <= best))
+    }
+
+    /// Input plus output price per million tokens of the model the target's upstream is sent;
+    /// unpriced: last.
+    fn price(&self, target: &RouteTarget) -> f64 {
+        let cluster = &self.snapshot.clusters[target.cluster];
+        let name = match &target.model {
+            Some(m) => m.as_str(),
+            None => cluster
+                .model_map
+                .get(self.model)
+                .map_or(self.model, String::as_str),
+        };
+        self.snapshot
+            .prices
+            .get(name)
+            .map_or(f64::MAX, |p| p.input + p.output)
+    }
 }
 
 pub(crate) fn route<'s>(
     snapshot: &'s Snapshot,
     health: &'s HealthTable,
     model: &str,
+    needed_tokens: &dyn Fn() -> u64,
     rng: &'s Cell<u64>,
 ) -> Result<Candidates<'s>, GatewayError> {
     let route = snapshot
@@ -207,8 +390,23 @@ pub(crate) fn route<'s>(
         .find(|r| r.pattern.matches(model))
         .ok_or_else(|| GatewayError::model_not_found(model))?;
     let now = crate::sys::time::mono_ms();
+    // Estimated only for a route with a context window to fit in.
+    let sized = route
+        .groups
+        .iter()
+        .flat_map(|g| &g.targets)
+        .any(|t| t.context_window.is_some());
+    let needed_tokens = if sized { needed_tokens() } else { 0 };
+    let picker = Picker {
+        snapshot,
+        health,
+        rng,
+        now,
+        needed_tokens,
+        model,
+    };
     for (g, group) in route.groups.iter().enumerate() {
-        let Some(mut walk) = start_walk(snapshot, health, group, rng, now) else {
+        let Some(mut walk) = picker.start_walk(group) else {
             continue;
         };
         let primary = make_target(
@@ -227,6 +425,7 @@ pub(crate) fn route<'s>(
             route,
             rng,
             now,
+            needed_tokens,
             primary,
             group: g,
             walk: Some(walk),
@@ -262,34 +461,26 @@ pub(crate) fn choose_backend(
     rng: &Cell<u64>,
     now: u64,
 ) -> Option<usize> {
-    weighted_pick(
-        cluster
-            .backends
-            .iter()
-            .map(|b| (u64::from(b.weight), backend_available(health, b, now))),
-        rng,
-    )
-}
-
-/// Weighted random choice among the eligible `(weight, eligible)` items: the index.
-fn weighted_pick(
-    items: impl Iterator<Item = (u64, bool)> + Clone,
-    rng: &Cell<u64>,
-) -> Option<usize> {
-    let total: u64 = items.clone().filter(|i| i.1).map(|i| i.0).sum();
+    let eligible = |b: &&Backend| backend_available(health, b, now);
+    let total: u64 = cluster
+        .backends
+        .iter()
+        .filter(eligible)
+        .map(|b| u64::from(b.weight))
+        .sum();
     if total == 0 {
         return None;
     }
     let mut pick = next_random(rng) % total;
     let mut last = None;
-    for (i, (w, eligible)) in items.enumerate() {
-        if !eligible {
+    for (i, b) in cluster.backends.iter().enumerate() {
+        if !eligible(&b) {
             continue;
         }
-        if pick < w {
+        if pick < u64::from(b.weight) {
             return Some(i);
         }
-        pick -= w;
+        pick -= u64::from(b.weight);
         last = Some(i);
     }
     last
@@ -339,14 +530,14 @@ mod tests {
         let s = snapshot();
         let h = table(&s);
         let rng = Cell::new(1);
-        let primary = |model| route(&s, &h, model, &rng).unwrap().primary();
+        let primary = |model| route(&s, &h, model, &|| 0, &rng).unwrap().primary();
         let t = primary("gpt-4o");
         assert_eq!(t.cluster.name, "a");
         assert_eq!(t.mapped_model, Some("real-4o"));
         assert_eq!(primary("gpt-4o-mini").cluster.name, "a");
         assert_eq!(primary("gpt-3.5").cluster.name, "b");
         assert_eq!(primary("gpt-3.5").mapped_model, None);
-        let e = route(&s, &h, "claude", &rng).err().unwrap();
+        let e = route(&s, &h, "claude", &|| 0, &rng).err().unwrap();
         assert_eq!((e.status(), e.code()), (404, Some("model_not_found")));
     }
 
@@ -379,7 +570,7 @@ mod tests {
         let mut seen_primaries = std::collections::BTreeSet::new();
         for seed in 1..64u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut candidates = route(&s, &h, "gpt-4o", &rng).unwrap();
+            let mut candidates = route(&s, &h, "gpt-4o", &|| 0, &rng).unwrap();
             let primary = candidates.primary();
             seen_primaries.insert(primary.backend.id);
             let rest = walk(&mut candidates.clone(), "gpt-4o");
@@ -398,7 +589,7 @@ mod tests {
         assert_eq!(seen_primaries.len(), 2);
         // A one-backend cluster has no fallback.
         let rng = Cell::new(7);
-        assert!(route(&s, &h, "gpt-3.5", &rng)
+        assert!(route(&s, &h, "gpt-3.5", &|| 0, &rng)
             .unwrap()
             .next_fallback("gpt-3.5")
             .is_none());
@@ -441,7 +632,7 @@ mod tests {
         let mut primaries = std::collections::BTreeSet::new();
         for seed in 1..64u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut c = route(&s, &h, "gpt-4o", &rng).unwrap();
+            let mut c = route(&s, &h, "gpt-4o", &|| 0, &rng).unwrap();
             let p = c.primary();
             primaries.insert(p.backend.id);
             let mut all = vec![p.backend.id];
@@ -497,7 +688,7 @@ mod tests {
         }
         for seed in 1..16u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut c = route(&s, &h, "gpt-4o", &rng).unwrap();
+            let mut c = route(&s, &h, "gpt-4o", &|| 0, &rng).unwrap();
             assert_eq!(c.primary().backend.id, azure[0]);
             assert_eq!(walk(&mut c, "gpt-4o"), local);
         }
@@ -510,7 +701,7 @@ mod tests {
             }
         }
         let rng = Cell::new(3);
-        let e = route(&s, &h, "gpt-4o", &rng).err().unwrap();
+        let e = route(&s, &h, "gpt-4o", &|| 0, &rng).err().unwrap();
         assert_eq!((e.status(), e.code()), (503, Some("upstream_unavailable")));
         // The soonest back is the cooled pair (2 s).
         assert_eq!(e.retry_after, Some(2));

@@ -177,6 +177,7 @@ pub fn run(
     let workers = snapshot.server.workers;
     // One health table for every worker: what one learns of a backend, all act on.
     let health = Arc::new(crate::upstream::health::HealthTable::build(&snapshot, None));
+    let scraper = crate::runtime::scrape::Scraper::start(&snapshot, &health)?;
     let listeners = worker_listeners(workers, addr, tls_addr, inherited)?;
     // Duplicates of every listening socket, for a successor to take over.
     let handover = match &snapshot.server.takeover_socket {
@@ -280,6 +281,7 @@ pub fn run(
         config_path,
         snapshot,
         health,
+        scraper,
         workers: controls,
         ready,
         hub,
@@ -301,6 +303,8 @@ struct Control {
     /// The snapshot the workers were last given, and its health table.
     snapshot: Snapshot,
     health: Arc<crate::upstream::health::HealthTable>,
+    /// Reads the queue of backends whose cluster asks for it (`queue_metrics`).
+    scraper: crate::runtime::scrape::Scraper,
     workers: Vec<crate::runtime::control::ControlSender>,
     ready: Arc<AtomicBool>,
     hub: Arc<MetricsHub>,
@@ -570,6 +574,7 @@ impl Control {
                 Err(_) => break,
             }
         }
+        self.scraper.replan(&snapshot, &health);
         self.snapshot = snapshot;
         self.health = health;
         if swapped < self.workers.len() {

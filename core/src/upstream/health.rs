@@ -67,6 +67,133 @@ pub(crate) struct BackendHealth {
     window_start: AtomicU64,
     window_requests: AtomicU32,
     window_retries: AtomicU32,
+    /// Live load, for the load-aware strategies.
+    pub(crate) load: LoadSignals,
+}
+
+/// What the load-aware strategies read of a backend: requests this process has in flight to
+/// it, moving averages of its latency and time to first token, and the queue its own metrics
+/// endpoint reports (scraped; aged out when stale).
+#[derive(Debug, Default)]
+pub(crate) struct LoadSignals {
+    in_flight: AtomicU32,
+    /// Peak-EWMA of the response-head latency, µs (f64 bits); 0 bits: no sample yet.
+    latency_us: AtomicU64,
+    latency_at: AtomicU64,
+    /// EWMA of streams' time to first token, µs (f64 bits).
+    ttft_us: AtomicU64,
+    /// From the backend's metrics endpoint: requests waiting and running, KV-cache use
+    /// (per mille), and when they were read ([`mono_ms`](crate::sys::time::mono_ms); 0: never).
+    waiting: AtomicU32,
+    running: AtomicU32,
+    kv_permille: AtomicU32,
+    scraped_at: AtomicU64,
+}
+
+/// The decay time of the peak-EWMA latency (Finagle's default).
+const LATENCY_DECAY_MS: f64 = 10_000.0;
+/// The weight of a new time-to-first-token sample.
+const TTFT_ALPHA: f64 = 0.3;
+
+impl LoadSignals {
+    pub(crate) fn in_flight(&self) -> u32 {
+        self.in_flight.load(Relaxed)
+    }
+
+    /// Peak-EWMA latency in µs (`None`: no sample yet): a slower sample is taken at once, a
+    /// faster one pulls the average down over [`LATENCY_DECAY_MS`].
+    pub(crate) fn latency_us(&self) -> Option<f64> {
+        let bits = self.latency_us.load(Relaxed);
+        (bits != 0).then(|| f64::from_bits(bits))
+    }
+
+    pub(crate) fn ttft_us(&self) -> Option<f64> {
+        let bits = self.ttft_us.load(Relaxed);
+        (bits != 0).then(|| f64::from_bits(bits))
+    }
+
+    /// A response head arrived `us` after the request went out.
+    pub(crate) fn observe_latency(&self, us: f64, now: u64) {
+        let us = us.max(1.0);
+        let next = match self.latency_us() {
+            None => us,
+            Some(old) if us > old => us,
+            Some(old) => {
+                let elapsed = now.saturating_sub(self.latency_at.load(Relaxed)) as f64;
+                let w = (-elapsed / LATENCY_DECAY_MS).exp();
+                old * w + us * (1.0 - w)
+            }
+        };
+        self.latency_us.store(next.to_bits(), Relaxed);
+        self.latency_at.store(now, Relaxed);
+    }
+
+    pub(crate) fn observe_ttft(&self, us: f64) {
+        let us = us.max(1.0);
+        let next = match self.ttft_us() {
+            None => us,
+            Some(old) => old * (1.0 - TTFT_ALPHA) + us * TTFT_ALPHA,
+        };
+        self.ttft_us.store(next.to_bits(), Relaxed);
+    }
+
+    /// What the backend's metrics endpoint said just now.
+    pub(crate) fn scraped(&self, waiting: u32, running: u32, kv_usage: f64, now: u64) {
+        self.waiting.store(waiting, Relaxed);
+        self.running.store(running, Relaxed);
+        self.kv_permille
+            .store((kv_usage.clamp(0.0, 1.0) * 1000.0) as u32, Relaxed);
+        self.scraped_at.store(now, Relaxed);
+    }
+
+    /// `(waiting, running, kv_usage)` when scraped within `stale_ms`.
+    pub(crate) fn queue(&self, now: u64, stale_ms: u64) -> Option<(u32, u32, f64)> {
+        let at = self.scraped_at.load(Relaxed);
+        (at != 0 && now.saturating_sub(at) <= stale_ms).then(|| {
+            (
+                self.waiting.load(Relaxed),
+                self.running.load(Relaxed),
+                f64::from(self.kv_permille.load(Relaxed)) / 1000.0,
+            )
+        })
+    }
+
+    /// How full the backend is, 0 to 1: its fresh KV-cache use, 1 when it queues requests,
+    /// and this process's requests in flight over `max_in_flight` (when configured).
+    pub(crate) fn load(&self, now: u64, stale_ms: u64, max_in_flight: Option<u32>) -> f64 {
+        let mut load = 0.0_f64;
+        if let Some(cap) = max_in_flight.filter(|c| *c > 0) {
+            load = f64::from(self.in_flight()) / f64::from(cap);
+        }
+        if let Some((waiting, _, kv)) = self.queue(now, stale_ms) {
+            load = load.max(kv);
+            if waiting > 0 {
+                load = 1.0;
+            }
+        }
+        load.min(1.0)
+    }
+
+    /// Requests ahead of a new one: the fresh queue and running counts, else this process's
+    /// own in flight.
+    pub(crate) fn queue_depth(&self, now: u64, stale_ms: u64) -> u64 {
+        match self.queue(now, stale_ms) {
+            Some((waiting, running, _)) => {
+                u64::from(waiting) * 4 + u64::from(running).max(u64::from(self.in_flight()))
+            }
+            None => u64::from(self.in_flight()),
+        }
+    }
+}
+
+/// Counts one attempt in its backend's in-flight number until dropped.
+#[derive(Debug)]
+pub(crate) struct InFlightGuard<'h>(&'h BackendHealth);
+
+impl Drop for InFlightGuard<'_> {
+    fn drop(&mut self) {
+        self.0.load.in_flight.fetch_sub(1, Relaxed);
+    }
 }
 
 impl BackendHealth {
@@ -89,21 +216,23 @@ impl BackendHealth {
         Availability::Available
     }
 
-    /// Claim the attempt about to be sent: the probe, when half-open (`false`: another request
-    /// took it first, try elsewhere). Counts the request in the retry budget's window.
-    pub(crate) fn begin(&self, now: u64, settings: &RoutingSettings) -> bool {
+    /// Claim the attempt about to be sent: the probe, when half-open (`None`: another request
+    /// took it first, try elsewhere). Counts the request in the retry budget's window, and in
+    /// flight while the guard lives.
+    pub(crate) fn begin(&self, now: u64, settings: &RoutingSettings) -> Option<InFlightGuard<'_>> {
         match self.availability(now) {
             Availability::Available => {}
             Availability::Probe => {
                 if self.probe_out.swap(true, Relaxed) {
-                    return false;
+                    return None;
                 }
             }
-            Availability::Out { .. } => return false,
+            Availability::Out { .. } => return None,
         }
         self.roll_window(now, settings);
         self.window_requests.fetch_add(1, Relaxed);
-        true
+        self.load.in_flight.fetch_add(1, Relaxed);
+        Some(InFlightGuard(self))
     }
 
     /// What the attempt [`begin`](Self::begin) claimed turned out to be.
@@ -255,6 +384,11 @@ impl HealthTable {
     pub(crate) fn get(&self, id: BackendId) -> Option<&BackendHealth> {
         self.backends.get(id).map(|h| &**h)
     }
+
+    /// The backend's health, to keep beyond the table (the queue scraper's).
+    pub(crate) fn shared(&self, id: BackendId) -> Option<Arc<BackendHealth>> {
+        self.backends.get(id).map(Arc::clone)
+    }
 }
 
 #[cfg(test)]
@@ -283,7 +417,7 @@ mod tests {
         let t = 100;
         // Two failures, then an answer: the count starts over.
         for _ in 0..2 {
-            assert!(h.begin(t, &s));
+            assert!(h.begin(t, &s).is_some());
             h.record(AttemptResult::Failed, t, &s);
         }
         h.record(AttemptResult::Answered, t, &s);
@@ -293,16 +427,16 @@ mod tests {
         assert_eq!(h.availability(t), Availability::Available);
         h.record(AttemptResult::Failed, t, &s);
         assert_eq!(h.availability(t), Availability::Out { until: t + 1_000 });
-        assert!(!h.begin(t + 999, &s));
+        assert!(h.begin(t + 999, &s).is_none());
 
         // Half-open: one probe; the next request is kept out while it runs.
         assert_eq!(h.availability(t + 1_000), Availability::Probe);
-        assert!(h.begin(t + 1_000, &s));
+        assert!(h.begin(t + 1_000, &s).is_some());
         assert!(matches!(
             h.availability(t + 1_000),
             Availability::Out { .. }
         ));
-        assert!(!h.begin(t + 1_000, &s));
+        assert!(h.begin(t + 1_000, &s).is_none());
         // The probe fails: open twice as long.
         h.record(AttemptResult::Failed, t + 1_000, &s);
         assert_eq!(
@@ -310,7 +444,7 @@ mod tests {
             Availability::Out { until: t + 3_000 }
         );
         // Then capped at max_open_ms.
-        assert!(h.begin(t + 3_000, &s));
+        assert!(h.begin(t + 3_000, &s).is_some());
         h.record(AttemptResult::Failed, t + 3_000, &s);
         assert_eq!(
             h.availability(t + 3_000),
@@ -318,10 +452,10 @@ mod tests {
         );
 
         // Two successful probes close it.
-        assert!(h.begin(t + 6_000, &s));
+        assert!(h.begin(t + 6_000, &s).is_some());
         h.record(AttemptResult::Answered, t + 6_000, &s);
         assert_eq!(h.state_code(t + 6_000), 2, "one success: still half-open");
-        assert!(h.begin(t + 6_000, &s));
+        assert!(h.begin(t + 6_000, &s).is_some());
         h.record(AttemptResult::Answered, t + 6_000, &s);
         assert_eq!(h.availability(t + 6_000), Availability::Available);
         assert_eq!(h.state_code(t + 6_000), 0);
@@ -383,11 +517,47 @@ mod tests {
     }
 
     #[test]
+    fn load_signals_average_age_out_and_count_in_flight() {
+        let h = BackendHealth::default();
+        let s = settings();
+        let l = &h.load;
+        assert_eq!((l.latency_us(), l.ttft_us()), (None, None));
+        l.observe_latency(1_000.0, 0);
+        // A slower sample is taken at once; a faster one pulls it down with time.
+        l.observe_latency(5_000.0, 0);
+        assert_eq!(l.latency_us(), Some(5_000.0));
+        l.observe_latency(1_000.0, 10_000);
+        let after = l.latency_us().unwrap();
+        assert!((2_400.0..2_500.0).contains(&after), "{after}");
+        l.observe_ttft(100.0);
+        l.observe_ttft(200.0);
+        assert_eq!(l.ttft_us(), Some(130.0));
+
+        // In flight while the guards live; load over max_in_flight.
+        let a = h.begin(1, &s).unwrap();
+        let b = h.begin(1, &s).unwrap();
+        assert_eq!(l.in_flight(), 2);
+        assert_eq!(l.load(1, 5_000, Some(4)), 0.5);
+        drop((a, b));
+        assert_eq!(l.in_flight(), 0);
+
+        // A fresh scrape: its KV use, and 1 once it queues; stale after stale_ms.
+        l.scraped(0, 3, 0.4, 100);
+        assert_eq!(l.load(100, 5_000, None), 0.4);
+        assert_eq!(l.queue_depth(100, 5_000), 3);
+        l.scraped(7, 3, 0.4, 200);
+        assert_eq!(l.load(200, 5_000, None), 1.0);
+        assert_eq!(l.queue_depth(200, 5_000), 31);
+        assert_eq!(l.load(5_201, 5_000, None), 0.0);
+        assert_eq!(l.queue_depth(5_201, 5_000), 0);
+    }
+
+    #[test]
     fn retries_stay_within_the_budget() {
         let s = settings();
         let h = BackendHealth::default();
         for _ in 0..20 {
-            assert!(h.begin(5, &s));
+            assert!(h.begin(5, &s).is_some());
         }
         // 25% of 20 requests.
         let allowed = (0..20).filter(|_| h.allow_retry(5, &s)).count();
