@@ -8,8 +8,12 @@
 mod body;
 #[path = "mock_llm/conn.rs"]
 mod conn;
+#[path = "mock_llm/control.rs"]
+mod control;
 #[path = "mock_llm/http.rs"]
 mod http;
+#[path = "mock_llm/queue.rs"]
+mod queue;
 
 use std::cell::Cell;
 use std::io::{Read as _, Write as _};
@@ -34,8 +38,14 @@ OPTIONS:
     --ttft-ms N              delay before the first streamed content event [default: 0]
     --inter-token-ms N       delay between streamed content events [default: 0]
     --tokens N               output tokens per answer [default: 16]
-    --fault SPEC             misbehave on every request: drop-mid-stream, malformed-chunk,
-                             error-event, close-delimited, chunk-ext, close-after, status=N
+    --fault SPEC             misbehave on every request (see FAULTS); POST /_mock/fault changes
+                             it at run time
+    --retry-after S          Retry-After value on 429, 503 and 529 answers; `none` omits the
+                             header [default: 1]
+    --error-code CODE        error.code of injected error bodies (as x-mock-error-code)
+                             [default: by status]
+    --max-running N          answer at most N requests at once; the others wait in a FIFO
+                             queue (vllm:num_requests_waiting) [default: 0, unlimited]
     --idle-close-ms N        silently close a connection that sends no request bytes for N ms
                              after its last response (or after it was accepted), like a
                              server's keep-alive timeout [default: never]
@@ -47,46 +57,132 @@ OPTIONS:
 
 On start it prints `mock-llm listening on IP:PORT` to stdout.
 
+FAULTS (SPEC):
+    status=N                 answer status N with an OpenAI-shaped error (429, 503 and 529
+                             carry Retry-After; 529 is an overload error)
+    quota                    429 insufficient_quota (a spend limit, not a rate limit)
+    drop-before-response     read the request, then close without sending a byte
+    stall                    never send the response head; hold the connection until the
+                             client closes it
+    die-after=N              stream N content events, then close (no terminating chunk)
+    drop-mid-stream          stream half the content events, then close
+    error-event[=N]          stream N content events (default 0), then an SSE error event
+    malformed-chunk          after the first content event, an invalid chunk size, then close
+    chunk-ext                chunk extensions and a trailer on streams
+    close-delimited          no Content-Length or chunked framing; close to end the body
+    close-after              answer with Connection: close, then close
+    none                     no fault (x-mock-fault: none overrides the process fault)
+
 ENDPOINTS:
     POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings
-    GET  /v1/models, /_mock/stats
-    POST /_mock/reset_peak
+    GET  /v1/models
+    GET  /metrics            vllm:num_requests_running, vllm:num_requests_waiting,
+                             vllm:kv_cache_usage_perc, sglang:num_running_reqs,
+                             sglang:num_queue_reqs, sglang:token_usage
+    GET  /_mock/stats        counters (JSON)
+    POST /_mock/reset_peak   max_active_requests starts over
+    GET  /_mock/fault        the process fault: {\"fault\": SPEC or null}
+    POST /_mock/fault        set it: {\"fault\": \"SPEC\"}, or {\"fault\": null} to clear
+    GET  /_mock/queue        real and reported queue counts
+    POST /_mock/queue        report {\"waiting\": W, \"running\": R, \"kv_cache_usage\": F}
+                             (each optional) in /metrics instead of the real counts; null
+                             goes back to the real counts
+    /metrics and /_mock/* ignore faults and request controls and are not queued.
 
 REQUEST HEADERS:
-    x-mock-status: N, x-mock-retry-after: S, x-mock-ttft-ms: N, x-mock-inter-token-ms: N,
-    x-mock-tokens: N, x-mock-delay-ms: N, x-mock-fault: SPEC (as --fault)
+    x-mock-fault: SPEC (replaces --fault), x-mock-status: N, x-mock-error-code: CODE,
+    x-mock-retry-after: S, x-mock-ttft-ms: N, x-mock-inter-token-ms: N, x-mock-tokens: N,
+    x-mock-delay-ms: N
 ";
 
-/// A misbehaviour, per request (`x-mock-fault`) or per instance (`--fault`).
+/// A misbehaviour, per request (`x-mock-fault`) or per process (`--fault`, `POST /_mock/fault`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Fault {
     DropMidStream,
     MalformedChunk,
-    ErrorEvent,
+    /// An SSE error event after this many content events (0: before any).
+    ErrorEvent(u64),
     CloseDelimited,
     ChunkExt,
     CloseAfter,
     Status(u16),
+    /// 429 with OpenAI's `insufficient_quota` body: a spend limit, which retrying won't cure.
+    Quota,
+    /// Read the request, then close without a byte of answer.
+    DropBeforeResponse,
+    /// Never answer; hold the connection until the client leaves.
+    Stall,
+    /// Stream this many content events, then drop the connection.
+    DieAfter(u64),
 }
 
 impl Fault {
     pub fn parse(s: &str) -> Option<Fault> {
         let s = s.trim();
+        let num = |prefix: &str| -> Option<u64> { s.strip_prefix(prefix)?.trim().parse().ok() };
         Some(match s {
             "drop-mid-stream" => Fault::DropMidStream,
             "malformed-chunk" => Fault::MalformedChunk,
-            "error-event" => Fault::ErrorEvent,
+            "error-event" => Fault::ErrorEvent(0),
             "close-delimited" => Fault::CloseDelimited,
             "chunk-ext" => Fault::ChunkExt,
             "close-after" => Fault::CloseAfter,
+            "quota" => Fault::Quota,
+            "drop-before-response" => Fault::DropBeforeResponse,
+            "stall" => Fault::Stall,
+            _ if s.starts_with("die-after=") => Fault::DieAfter(num("die-after=")?),
+            _ if s.starts_with("error-event=") => Fault::ErrorEvent(num("error-event=")?),
             _ => {
-                let n: u16 = s.strip_prefix("status=")?.trim().parse().ok()?;
+                let n = num("status=")?;
                 if !(200..=599).contains(&n) {
                     return None;
                 }
-                Fault::Status(n)
+                Fault::Status(n as u16)
             }
         })
+    }
+
+    /// A fault, or `none` (Ok(None)): what `--fault`, `x-mock-fault` and `POST /_mock/fault`
+    /// accept. `none` lets one request opt out of the process fault.
+    pub fn parse_spec(s: &str) -> Result<Option<Fault>, String> {
+        if s.trim() == "none" {
+            return Ok(None);
+        }
+        Fault::parse(s)
+            .map(Some)
+            .ok_or_else(|| format!("unknown fault {s:?}"))
+    }
+
+    /// Only change streamed answers (a non-streaming request is answered normally).
+    pub fn streams_only(self) -> bool {
+        matches!(
+            self,
+            Fault::DropMidStream
+                | Fault::MalformedChunk
+                | Fault::ErrorEvent(_)
+                | Fault::ChunkExt
+                | Fault::DieAfter(_)
+        )
+    }
+}
+
+/// The SPEC that parses back to the same fault (`GET /_mock/fault` answers with it).
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fault::DropMidStream => f.write_str("drop-mid-stream"),
+            Fault::MalformedChunk => f.write_str("malformed-chunk"),
+            Fault::ErrorEvent(0) => f.write_str("error-event"),
+            Fault::ErrorEvent(n) => write!(f, "error-event={n}"),
+            Fault::CloseDelimited => f.write_str("close-delimited"),
+            Fault::ChunkExt => f.write_str("chunk-ext"),
+            Fault::CloseAfter => f.write_str("close-after"),
+            Fault::Status(n) => write!(f, "status={n}"),
+            Fault::Quota => f.write_str("quota"),
+            Fault::DropBeforeResponse => f.write_str("drop-before-response"),
+            Fault::Stall => f.write_str("stall"),
+            Fault::DieAfter(n) => write!(f, "die-after={n}"),
+        }
     }
 }
 
@@ -96,7 +192,14 @@ pub struct Config {
     pub ttft_ms: u64,
     pub inter_token_ms: u64,
     pub tokens: u64,
+    /// The process fault at start (`POST /_mock/fault` changes [`State::fault`]).
     pub fault: Option<Fault>,
+    /// `Retry-After` of 429 / 503 / 529 answers; None: no header.
+    pub retry_after: Option<String>,
+    /// `error.code` of injected error bodies; None: the status's usual code.
+    pub error_code: Option<String>,
+    /// `--max-running`: requests answered at once; None: unlimited.
+    pub max_running: Option<u64>,
     /// Keep-alive timeout: close a connection idle this long between requests.
     pub idle_close: Option<Duration>,
 }
@@ -123,10 +226,22 @@ pub struct Stats {
     pub include_usage_requests: Cell<u64>,
     /// Usage-only chunks (`choices: []`) sent at the end of chat / completions streams.
     pub usage_chunks: Cell<u64>,
+    /// Answers that were an injected error status (`status=N`, `quota`, `x-mock-status`).
+    pub errors_injected: Cell<u64>,
+    /// Connections closed by `drop-before-response`.
+    pub dropped_before_response: Cell<u64>,
+    /// Requests `stall` held (counted when the stall begins).
+    pub stalled: Cell<u64>,
+    /// Streams cut on purpose before their end (`drop-mid-stream`, `die-after`,
+    /// `malformed-chunk`).
+    pub streams_cut: Cell<u64>,
+    /// Streams that carried an injected SSE error event (`error-event`).
+    pub error_events: Cell<u64>,
 }
 
 impl Stats {
-    pub fn write_json(&self, out: &mut Vec<u8>) {
+    /// `queue`: the real counts of `--max-running`'s slots.
+    pub fn write_json(&self, out: &mut Vec<u8>, queue: queue::Counts) {
         let active = self
             .streams_started
             .get()
@@ -138,7 +253,9 @@ impl Stats {
              \"active_streams\":{},\"idle_closed\":{},\"active_requests\":{},\
              \"max_active_requests\":{},\"usage_prompt_tokens\":{},\
              \"usage_completion_tokens\":{},\"include_usage_requests\":{},\
-             \"usage_chunks\":{}}}",
+             \"usage_chunks\":{},\"errors_injected\":{},\"dropped_before_response\":{},\
+             \"stalled\":{},\"streams_cut\":{},\"error_events\":{},\
+             \"requests_running\":{},\"requests_waiting\":{},\"requests_queued\":{}}}",
             self.connections_accepted.get(),
             self.connections_open.get(),
             self.requests.get(),
@@ -152,7 +269,15 @@ impl Stats {
             self.usage_prompt_tokens.get(),
             self.usage_completion_tokens.get(),
             self.include_usage_requests.get(),
-            self.usage_chunks.get()
+            self.usage_chunks.get(),
+            self.errors_injected.get(),
+            self.dropped_before_response.get(),
+            self.stalled.get(),
+            self.streams_cut.get(),
+            self.error_events.get(),
+            queue.running,
+            queue.waiting,
+            queue.queued
         );
     }
 
@@ -178,6 +303,11 @@ impl Stats {
         c.set(c.get().saturating_add(completion));
     }
 
+    /// One more of a per-fault counter.
+    pub fn bump(counter: &Cell<u64>) {
+        counter.set(counter.get().saturating_add(1));
+    }
+
     /// `POST /_mock/reset_peak`: the peak starts over from the requests in flight now.
     pub fn reset_peak(&self) {
         self.max_active_requests.set(self.active_requests.get());
@@ -188,6 +318,10 @@ impl Stats {
 pub struct State {
     pub cfg: Config,
     pub stats: Stats,
+    /// The process fault: `--fault`, then whatever `POST /_mock/fault` set.
+    pub fault: Cell<Option<Fault>>,
+    /// `--max-running`'s slots, and the counts `/metrics` reports.
+    pub slots: queue::Slots,
     /// Request sequence number, for ids.
     pub seq: Cell<u64>,
 }
@@ -209,6 +343,9 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
             inter_token_ms: 0,
             tokens: 16,
             fault: None,
+            retry_after: Some("1".to_owned()),
+            error_code: None,
+            max_running: None,
             idle_close: None,
         },
         tls: None,
@@ -243,9 +380,24 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
                 let ms = num(value()?)?;
                 a.cfg.idle_close = (ms > 0).then(|| Duration::from_millis(ms));
             }
-            "--fault" => {
+            "--fault" => a.cfg.fault = Fault::parse_spec(&value()?)?,
+            "--retry-after" => {
                 let v = value()?;
-                a.cfg.fault = Some(Fault::parse(&v).ok_or_else(|| format!("unknown fault {v:?}"))?);
+                let v = v.trim();
+                // Sent verbatim in a header: no control characters (CR/LF would split it).
+                if v.is_empty() || v.bytes().any(|b| b < 0x20 || b == 0x7f) {
+                    return Err(format!("{flag}: not a header value: {v:?}"));
+                }
+                a.cfg.retry_after = (v != "none").then(|| v.to_owned());
+            }
+            "--error-code" => {
+                let v = value()?;
+                a.cfg.error_code = Some(v.trim().to_owned()).filter(|v| !v.is_empty());
+            }
+            "--max-running" => {
+                // 0: unlimited (the default), as for --idle-close-ms.
+                let n = num(value()?)?;
+                a.cfg.max_running = (n > 0).then_some(n);
             }
             "--tls-cert" => cert = Some(PathBuf::from(value()?)),
             "--tls-key" => key = Some(PathBuf::from(value()?)),
@@ -371,6 +523,8 @@ fn main() {
         .as_ref()
         .map(|(cert, key)| load_tls(cert, key).unwrap_or_else(|e| fail(&e)));
     let st = Rc::new(State {
+        fault: Cell::new(args.cfg.fault),
+        slots: queue::Slots::new(args.cfg.max_running),
         cfg: args.cfg,
         stats: Stats::default(),
         seq: Cell::new(0),
@@ -403,8 +557,38 @@ mod tests {
     fn faults() {
         assert_eq!(Fault::parse("status=503"), Some(Fault::Status(503)));
         assert_eq!(Fault::parse("chunk-ext"), Some(Fault::ChunkExt));
-        assert_eq!(Fault::parse("status=abc"), None);
-        assert_eq!(Fault::parse("nope"), None);
+        assert_eq!(Fault::parse(" die-after=3 "), Some(Fault::DieAfter(3)));
+        assert_eq!(Fault::parse("error-event"), Some(Fault::ErrorEvent(0)));
+        assert_eq!(Fault::parse("error-event=2"), Some(Fault::ErrorEvent(2)));
+        for bad in [
+            "status=abc",
+            "status=600",
+            "nope",
+            "die-after=",
+            "die-after=-1",
+            "stall=1",
+        ] {
+            assert_eq!(Fault::parse(bad), None, "{bad}");
+        }
+        assert_eq!(Fault::parse_spec("none"), Ok(None));
+        assert!(Fault::parse_spec("nope").is_err());
+        // What GET /_mock/fault shows parses back to the same fault.
+        for f in [
+            Fault::DropMidStream,
+            Fault::MalformedChunk,
+            Fault::ErrorEvent(0),
+            Fault::ErrorEvent(4),
+            Fault::CloseDelimited,
+            Fault::ChunkExt,
+            Fault::CloseAfter,
+            Fault::Status(529),
+            Fault::Quota,
+            Fault::DropBeforeResponse,
+            Fault::Stall,
+            Fault::DieAfter(0),
+        ] {
+            assert_eq!(Fault::parse(&f.to_string()), Some(f), "{f}");
+        }
     }
 
     #[test]
@@ -427,7 +611,12 @@ mod tests {
         s.reported_usage(3, 4);
         s.reported_usage(1, 0);
         let mut out = Vec::new();
-        s.write_json(&mut out);
+        let queue = queue::Counts {
+            running: 2,
+            waiting: 1,
+            queued: 5,
+        };
+        s.write_json(&mut out, queue);
         let v: serde_json::Value = match serde_json::from_slice(&out) {
             Ok(v) => v,
             Err(e) => panic!("{e}: {}", String::from_utf8_lossy(&out)),
@@ -436,6 +625,9 @@ mod tests {
         assert_eq!(v["usage_completion_tokens"], 4);
         assert_eq!(v["max_active_requests"], 1);
         assert_eq!(v["active_requests"], 0);
+        assert_eq!(v["requests_waiting"], 1);
+        assert_eq!(v["requests_queued"], 5);
+        assert_eq!(v["dropped_before_response"], 0);
     }
 
     #[test]
@@ -456,6 +648,33 @@ mod tests {
         };
         assert_eq!(a.cfg.idle_close, None);
         assert!(args(&["--idle-close-ms=x"]).is_err());
+        let Ok(Some(a)) = args(&[]) else {
+            panic!("not parsed")
+        };
+        assert_eq!(a.cfg.retry_after.as_deref(), Some("1"));
+        assert_eq!((a.cfg.max_running, a.cfg.error_code), (None, None));
+        let Ok(Some(a)) = args(&[
+            "--retry-after=none",
+            "--max-running",
+            "2",
+            "--error-code",
+            "c",
+            "--fault",
+            "none",
+        ]) else {
+            panic!("not parsed")
+        };
+        assert_eq!(a.cfg.retry_after, None);
+        assert_eq!(a.cfg.max_running, Some(2));
+        assert_eq!(a.cfg.error_code.as_deref(), Some("c"));
+        assert_eq!(a.cfg.fault, None);
+        let Ok(Some(a)) = args(&["--retry-after", "30", "--max-running=0"]) else {
+            panic!("not parsed")
+        };
+        assert_eq!(a.cfg.retry_after.as_deref(), Some("30"));
+        assert_eq!(a.cfg.max_running, None);
+        assert!(args(&["--retry-after", ""]).is_err());
+        assert!(args(&["--fault", "stall=2"]).is_err());
         assert!(matches!(args(&["--help"]), Ok(None)));
         assert!(args(&["--tls-cert", "x"]).is_err());
         assert!(args(&["--bogus"]).is_err());

@@ -288,6 +288,52 @@ impl Mock {
         r.json()
     }
 
+    /// A request to one of the mock's own endpoints, on a fresh connection (plain-HTTP mocks
+    /// only). They answer whatever the fault and however full the queue.
+    pub fn control(&self, req: Req) -> Response {
+        assert!(!self.tls, "control requests need a plain-HTTP mock");
+        let mut c = Conn::open(self.addr);
+        c.send(&req.header("Connection", "close").build());
+        c.read_response()
+    }
+
+    /// `GET /_mock/fault`: `{"fault": SPEC or null}`, the fault every request gets.
+    pub fn fault(&self) -> Value {
+        let r = self.control(Req::get("/_mock/fault"));
+        assert_eq!(r.status, 200, "mock fault: {}", r.text());
+        r.json()
+    }
+
+    /// `POST /_mock/fault`: make every request misbehave as `spec` says (None: behave again),
+    /// without restarting the mock. Returns the new state.
+    pub fn set_fault(&self, spec: Option<&str>) -> Value {
+        let body = json!({ "fault": spec }).to_string();
+        let r = self.control(Req::post("/_mock/fault", &body));
+        assert_eq!(r.status, 200, "mock set fault {spec:?}: {}", r.text());
+        r.json()
+    }
+
+    /// `GET /_mock/queue`: the real running / waiting counts and what `/metrics` reports.
+    pub fn queue(&self) -> Value {
+        let r = self.control(Req::get("/_mock/queue"));
+        assert_eq!(r.status, 200, "mock queue: {}", r.text());
+        r.json()
+    }
+
+    /// `POST /_mock/queue`: report `{"waiting": W, "running": R, "kv_cache_usage": F}` (each
+    /// optional) at `/metrics` instead of the real counts; `Value::Null` goes back to them.
+    pub fn set_queue(&self, reported: Value) -> Value {
+        let r = self.control(Req::post("/_mock/queue", &reported.to_string()));
+        assert_eq!(r.status, 200, "mock set queue {reported}: {}", r.text());
+        r.json()
+    }
+
+    /// `GET /metrics` (the queue, in vLLM's and SGLang's names), parsed.
+    pub fn metrics(&self) -> Metrics {
+        assert!(!self.tls, "metrics() needs a plain-HTTP mock");
+        scrape(self.addr)
+    }
+
     /// One counter from `/_mock/stats`.
     pub fn stat(&self, key: &str) -> u64 {
         let s = self.stats();

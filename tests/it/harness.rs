@@ -449,3 +449,565 @@ fn mock_counts_requests_in_flight_and_the_usage_it_reported() {
     assert_eq!(s["usage_completion_tokens"], 12, "{s}");
     assert_eq!(s["max_active_requests"], 1, "{s}");
 }
+
+/// A request to `path` with `body` and `headers`, on a fresh connection to `mock`.
+fn ask(mock: &Mock, path: &str, body: &str, headers: &[(&str, &str)]) -> Response {
+    let mut req = Req::post(path, body);
+    for (k, v) in headers {
+        req = req.header(k, v);
+    }
+    let mut c = Conn::open(mock.addr);
+    c.send(&req.build());
+    c.read_response()
+}
+
+/// The events of a stream that carry data (not the `: echo` comment).
+fn data_events(r: &Response) -> Vec<SseEvent> {
+    r.sse_events()
+        .into_iter()
+        .filter(|e| !e.data.is_empty())
+        .collect()
+}
+
+fn is_finish(e: &SseEvent) -> bool {
+    e.json()
+        .is_some_and(|v| v["choices"][0]["finish_reason"] == "stop")
+}
+
+#[test]
+fn mock_drop_before_response_reads_the_request_then_closes_without_a_byte() {
+    let mock = Mock::start(&[]);
+    for body in [chat_body("m"), chat_stream_body("m")] {
+        let mut c = Conn::open(mock.addr);
+        c.send(
+            &Req::post("/v1/chat/completions", &body)
+                .header("x-mock-fault", "drop-before-response")
+                .build(),
+        );
+        let got = c.read_head();
+        assert!(
+            matches!(got, Err(ReadError::Closed | ReadError::Reset)),
+            "expected a close without a byte, got {got:?}"
+        );
+    }
+    // After x-mock-delay-ms, not before.
+    let start = std::time::Instant::now();
+    let mut c = Conn::open(mock.addr);
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_body("m"))
+            .header("x-mock-fault", "drop-before-response")
+            .header("x-mock-delay-ms", "300")
+            .build(),
+    );
+    let got = c.read_head();
+    assert!(
+        matches!(got, Err(ReadError::Closed | ReadError::Reset)),
+        "{got:?}"
+    );
+    assert!(start.elapsed() >= Duration::from_millis(290));
+    let s = mock.stats();
+    assert_eq!(s["dropped_before_response"], 3, "{s}");
+    assert_eq!(s["requests"], 3, "{s}");
+    // No head was sent, so no stream began.
+    assert_eq!(s["streams_started"], 0, "{s}");
+    assert_eq!(s["active_requests"], 0, "{s}");
+}
+
+#[test]
+fn mock_stall_never_answers_and_holds_the_connection_until_the_client_leaves() {
+    let mock = Mock::start(&[]);
+    let mut c = Conn::open(mock.addr);
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_stream_body("m"))
+            .header("x-mock-fault", "stall")
+            .build(),
+    );
+    assert_eq!(c.wait_close(Duration::from_millis(500)), CloseState::Open);
+    // A request pipelined behind it is not answered either.
+    c.send(&Req::post("/v1/chat/completions", &chat_body("m")).build());
+    assert_eq!(c.wait_close(Duration::from_millis(300)), CloseState::Open);
+    let s = mock.stats();
+    assert_eq!(s["stalled"], 1, "{s}");
+    assert_eq!(s["active_requests"], 1, "{s}");
+    assert_eq!(s["requests"], 1, "{s}");
+    assert_eq!(s["streams_started"], 0, "{s}");
+    // The client gives up: the mock lets go of the request and the connection.
+    drop(c);
+    assert!(wait_until(Duration::from_secs(2), || {
+        let s = mock.stats();
+        // The stats request's own connection is the one left open.
+        s["active_requests"] == 0 && s["connections_open"] == 1
+    }));
+}
+
+#[test]
+fn mock_error_statuses_carry_retry_after_and_tell_a_quota_429_from_a_rate_limit() {
+    let mock = Mock::start(&[]);
+    let chat =
+        |headers: &[(&str, &str)]| ask(&mock, "/v1/chat/completions", &chat_body("m"), headers);
+    // A rate limit, worded as OpenAI words it.
+    let r = chat(&[("x-mock-status", "429")]);
+    let e = assert_openai_error(&r, 429);
+    assert_eq!(e["code"], "rate_limit_exceeded", "{}", r.dump());
+    assert_eq!(e["type"], "requests", "{}", r.dump());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    // A spend limit: the same status, told apart by the body alone.
+    for headers in [
+        &[("x-mock-fault", "quota")][..],
+        &[
+            ("x-mock-status", "429"),
+            ("x-mock-error-code", "insufficient_quota"),
+        ],
+    ] {
+        let r = chat(headers);
+        let e = assert_openai_error(&r, 429);
+        assert_eq!(e["code"], "insufficient_quota", "{}", r.dump());
+        assert_eq!(e["type"], "insufficient_quota", "{}", r.dump());
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("You exceeded your current quota"),
+            "{}",
+            r.dump()
+        );
+    }
+    // 503 and 529 carry Retry-After too; a 529 is an overload error.
+    let r = chat(&[("x-mock-status", "503"), ("x-mock-retry-after", "7")]);
+    assert_openai_error(&r, 503);
+    assert_eq!(r.header("retry-after"), Some("7"));
+    let r = chat(&[("x-mock-fault", "status=529")]);
+    let e = assert_openai_error(&r, 529);
+    assert_eq!(e["type"], "overloaded_error", "{}", r.dump());
+    assert_eq!(r.json()["type"], "error", "{}", r.dump());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    // `none` leaves the header out.
+    let r = chat(&[("x-mock-status", "503"), ("x-mock-retry-after", "none")]);
+    assert_openai_error(&r, 503);
+    assert!(r.header("retry-after").is_none(), "{}", r.dump());
+    // Other statuses have none; x-mock-error-code sets any error's code.
+    let r = chat(&[
+        ("x-mock-status", "500"),
+        ("x-mock-error-code", "engine_dead"),
+    ]);
+    assert_eq!(assert_openai_error(&r, 500)["code"], "engine_dead");
+    assert!(r.header("retry-after").is_none(), "{}", r.dump());
+    // A streaming request gets the error as a JSON answer, not a stream.
+    let r = ask(
+        &mock,
+        "/v1/chat/completions",
+        &chat_stream_body("m"),
+        &[("x-mock-fault", "quota")],
+    );
+    assert_eq!(assert_openai_error(&r, 429)["code"], "insufficient_quota");
+    let s = mock.stats();
+    assert_eq!(s["errors_injected"], 8, "{s}");
+    assert_eq!(s["streams_started"], 0, "{s}");
+
+    // The same per process.
+    let quota = Mock::start(&["--fault", "quota", "--retry-after", "30"]);
+    let r = ask(&quota, "/v1/chat/completions", &chat_body("m"), &[]);
+    assert_eq!(assert_openai_error(&r, 429)["code"], "insufficient_quota");
+    assert_eq!(r.header("retry-after"), Some("30"));
+    let busy = Mock::start(&[
+        "--fault",
+        "status=503",
+        "--retry-after",
+        "none",
+        "--error-code",
+        "busy",
+    ]);
+    let r = ask(&busy, "/v1/embeddings", "{}", &[]);
+    assert_eq!(assert_openai_error(&r, 503)["code"], "busy");
+    assert!(r.header("retry-after").is_none(), "{}", r.dump());
+}
+
+#[test]
+fn mock_die_after_cuts_a_stream_after_n_content_events() {
+    let mock = Mock::start(&["--tokens", "6"]);
+    // More than --tokens: all the content, then the cut, before the finish.
+    for (n, content) in [(0, 0), (2, 2), (9, 6)] {
+        let spec = format!("die-after={n}");
+        let r = ask(
+            &mock,
+            "/v1/chat/completions",
+            &chat_stream_body("m"),
+            &[("x-mock-fault", &spec)],
+        );
+        assert_eq!(r.status, 200, "{}", r.dump());
+        assert_eq!(r.framing, Framing::Chunked);
+        assert!(
+            matches!(r.end, BodyEnd::Truncated | BodyEnd::Reset),
+            "{spec}: {:?}",
+            r.end
+        );
+        let ev = data_events(&r);
+        let got = ev.iter().filter(|e| e.content().is_some()).count();
+        assert_eq!(got, content, "{spec}: {}", r.dump());
+        assert!(
+            !ev.iter().any(|e| e.is_done() || is_finish(e)),
+            "{spec}: {}",
+            r.dump()
+        );
+    }
+    // A non-streaming request is answered as usual.
+    let r = ask(
+        &mock,
+        "/v1/chat/completions",
+        &chat_body("m"),
+        &[("x-mock-fault", "die-after=1")],
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.end, BodyEnd::Complete);
+    let s = mock.stats();
+    assert_eq!(s["streams_cut"], 3, "{s}");
+    // Cut on purpose: completed, not aborted by the client.
+    assert_eq!(s["streams_completed"], 3, "{s}");
+
+    // Per process, on the Responses API too.
+    let mock = Mock::start(&["--tokens", "4", "--fault", "die-after=1"]);
+    let body = json!({"model": "m", "stream": true, "input": "hi"}).to_string();
+    let r = ask(&mock, "/v1/responses", &body, &[]);
+    assert!(
+        matches!(r.end, BodyEnd::Truncated | BodyEnd::Reset),
+        "{:?}",
+        r.end
+    );
+    let ev = data_events(&r);
+    assert_eq!(ev.iter().filter(|e| e.content().is_some()).count(), 1);
+    assert!(!ev
+        .iter()
+        .any(|e| e.event.as_deref() == Some("response.completed")));
+}
+
+#[test]
+fn mock_error_event_is_the_first_data_event_or_follows_n_content_events() {
+    let mock = Mock::start(&["--tokens", "4"]);
+    // Chat and completions: the first data event is the error, then [DONE].
+    let completions = json!({"model": "m", "stream": true, "prompt": "hi"}).to_string();
+    for (path, body) in [
+        ("/v1/chat/completions", chat_stream_body("m")),
+        ("/v1/completions", completions),
+    ] {
+        let r = ask(&mock, path, &body, &[("x-mock-fault", "error-event")]);
+        assert_eq!(r.status, 200, "{}", r.dump());
+        assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+        let ev = data_events(&r);
+        assert_eq!(ev.len(), 2, "{path}: {}", r.dump());
+        assert!(ev[0].is_error(), "{path}: {}", r.dump());
+        assert_eq!(ev[0].json().unwrap()["error"]["code"], "mock_error_event");
+        assert!(ev[1].is_done());
+    }
+    // After N content events, with the code asked for.
+    let r = ask(
+        &mock,
+        "/v1/chat/completions",
+        &chat_stream_body("m"),
+        &[
+            ("x-mock-fault", "error-event=2"),
+            ("x-mock-error-code", "engine_overloaded"),
+        ],
+    );
+    assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+    let ev = data_events(&r);
+    let error_at = ev.iter().position(SseEvent::is_error).expect("error event");
+    let content_before = ev[..error_at]
+        .iter()
+        .filter(|e| e.content().is_some())
+        .count();
+    assert_eq!(content_before, 2, "{}", r.dump());
+    assert_eq!(
+        ev[error_at].json().unwrap()["error"]["code"],
+        "engine_overloaded"
+    );
+    assert!(ev.last().unwrap().is_done());
+    assert!(!ev.iter().any(is_finish), "{}", r.dump());
+    // The Responses API's own error event, and no [DONE] (its streams have none).
+    let body = json!({"model": "m", "stream": true, "input": "hi"}).to_string();
+    for (spec, content) in [("error-event", 0), ("error-event=1", 1)] {
+        let r = ask(&mock, "/v1/responses", &body, &[("x-mock-fault", spec)]);
+        assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+        let ev = data_events(&r);
+        let last = ev.last().unwrap();
+        assert_eq!(last.event.as_deref(), Some("error"), "{}", r.dump());
+        let v = last.json().unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["code"], "server_error");
+        let got = ev.iter().filter(|e| e.content().is_some()).count();
+        assert_eq!(got, content, "{spec}: {}", r.dump());
+        assert!(!ev.iter().any(SseEvent::is_done), "{}", r.dump());
+    }
+    assert_eq!(mock.stat("error_events"), 5);
+}
+
+#[test]
+fn mock_process_fault_switches_at_run_time_and_spares_the_mock_endpoints() {
+    let mock = Mock::start(&["--fault", "status=503"]);
+    let chat =
+        |headers: &[(&str, &str)]| ask(&mock, "/v1/chat/completions", &chat_body("m"), headers);
+    assert_eq!(mock.fault(), json!({"fault": "status=503"}));
+    assert_eq!(chat(&[]).status, 503);
+    // One request can opt out of the process fault.
+    assert_eq!(chat(&[("x-mock-fault", "none")]).status, 200);
+    // The backend recovers...
+    assert_eq!(mock.set_fault(None), json!({"fault": null}));
+    assert_eq!(chat(&[]).status, 200);
+    // ...and fails again, another way.
+    assert_eq!(
+        mock.set_fault(Some("drop-before-response")),
+        json!({"fault": "drop-before-response"})
+    );
+    let mut c = Conn::open(mock.addr);
+    c.send(&Req::post("/v1/chat/completions", &chat_body("m")).build());
+    let got = c.read_head();
+    assert!(
+        matches!(got, Err(ReadError::Closed | ReadError::Reset)),
+        "{got:?}"
+    );
+    // A request still stalled keeps stalling after the fault is cleared; new ones are answered.
+    mock.set_fault(Some("stall"));
+    let mut stalled = Conn::open(mock.addr);
+    stalled.send(&Req::post("/v1/chat/completions", &chat_body("m")).build());
+    assert!(wait_until(Duration::from_secs(2), || mock.stat("stalled") == 1));
+    mock.set_fault(None);
+    assert_eq!(chat(&[]).status, 200);
+    assert_eq!(
+        stalled.wait_close(Duration::from_millis(200)),
+        CloseState::Open
+    );
+
+    // The mock's own endpoints answer whatever the fault, keep-alive included.
+    let mut probe = mock.stats_probe();
+    for spec in [
+        "stall",
+        "drop-before-response",
+        "status=500",
+        "close-delimited",
+        "close-after",
+        "die-after=0",
+    ] {
+        assert_eq!(mock.set_fault(Some(spec))["fault"], spec);
+        assert_eq!(mock.fault()["fault"], spec);
+        probe.stats();
+        mock.metrics();
+        mock.queue();
+    }
+    // A SPEC it doesn't know is refused and changes nothing.
+    for bad in [r#"{"fault":"sometimes"}"#, r#"{"falt":null}"#, "not json"] {
+        let r = mock.control(Req::post("/_mock/fault", bad));
+        assert_openai_error(&r, 400);
+    }
+    assert_eq!(mock.fault()["fault"], "die-after=0");
+    // An unknown mock endpoint is a 404, not a fault.
+    assert_openai_error(&mock.control(Req::get("/_mock/nope")), 404);
+    let s = mock.stats();
+    // Only the provider requests count.
+    assert_eq!(s["requests"], 6, "{s}");
+    assert_eq!(s["dropped_before_response"], 1, "{s}");
+    assert_eq!(s["errors_injected"], 1, "{s}");
+}
+
+#[test]
+fn mock_max_running_queues_requests_first_come_first_served_and_metrics_count_them() {
+    let mock = Mock::start(&["--max-running", "1"]);
+    let send = |delay: &str| {
+        let mut c = Conn::open(mock.addr);
+        c.send(
+            &Req::post("/v1/chat/completions", &chat_body("m"))
+                .header("x-mock-delay-ms", delay)
+                .build(),
+        );
+        c
+    };
+    let start = std::time::Instant::now();
+    let mut a = send("400");
+    assert!(wait_until(Duration::from_secs(2), || mock.queue()
+        ["running"]
+        == 1));
+    let mut b = send("300");
+    assert!(wait_until(Duration::from_secs(2), || mock.queue()
+        ["waiting"]
+        == 1));
+    let mut c = send("0");
+    assert!(wait_until(Duration::from_secs(2), || mock.queue()
+        ["waiting"]
+        == 2));
+    let m = mock.metrics();
+    let model = [("model_name", "mock-model")];
+    assert_eq!(m.get("vllm:num_requests_running", &model), Some(1.0));
+    assert_eq!(m.get("vllm:num_requests_waiting", &model), Some(2.0));
+    assert_eq!(m.get("vllm:kv_cache_usage_perc", &model), Some(1.0));
+    assert_eq!(m.get("sglang:num_running_reqs", &model), Some(1.0));
+    assert_eq!(m.get("sglang:num_queue_reqs", &model), Some(2.0));
+    let s = mock.stats();
+    assert_eq!(s["active_requests"], 3, "{s}");
+    assert_eq!(
+        (&s["requests_running"], &s["requests_waiting"]),
+        (&json!(1), &json!(2)),
+        "{s}"
+    );
+    // First come, first served: c, which needs no time itself, waits for a and then b.
+    let rc = c.read_response();
+    assert_eq!(rc.status, 200, "{}", rc.dump());
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(650),
+        "c answered after {waited:?}"
+    );
+    assert_eq!(a.read_response().status, 200);
+    assert_eq!(b.read_response().status, 200);
+    let q = mock.queue();
+    assert_eq!(
+        (&q["running"], &q["waiting"], &q["queued"]),
+        (&json!(0), &json!(0), &json!(2)),
+        "{q}"
+    );
+    assert_eq!(mock.stat("max_active_requests"), 3);
+
+    // A client that gives up while queued leaves the queue.
+    let mut a = send("500");
+    assert!(wait_until(Duration::from_secs(2), || mock.queue()
+        ["running"]
+        == 1));
+    let d = send("0");
+    assert!(wait_until(Duration::from_secs(2), || mock.queue()
+        ["waiting"]
+        == 1));
+    drop(d);
+    assert!(wait_until(Duration::from_secs(2), || mock.queue()
+        ["waiting"]
+        == 0));
+    assert_eq!(a.read_response().status, 200);
+    assert!(wait_until(Duration::from_secs(2), || mock
+        .stat("active_requests")
+        == 0));
+}
+
+#[test]
+fn mock_metrics_report_the_real_queue_or_the_one_a_test_sets() {
+    let mock = Mock::start(&[]);
+    let model = [("model_name", "mock-model")];
+    let m = mock.metrics();
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+    ] {
+        assert_eq!(m.type_of(name), Some("gauge"), "{name}:\n{}", m.text);
+        assert_eq!(m.get(name, &model), Some(0.0), "{name}:\n{}", m.text);
+    }
+    // vLLM labels its engine core too.
+    assert_eq!(
+        m.get("vllm:num_requests_waiting", &[("engine", "0")]),
+        Some(0.0)
+    );
+    // Real counts: a request being answered is running (unlimited: none wait, no usage).
+    let mut c = Conn::open(mock.addr);
+    c.send(
+        &Req::post("/v1/chat/completions", &chat_stream_body("m"))
+            .header("x-mock-delay-ms", "400")
+            .build(),
+    );
+    assert!(wait_until(Duration::from_secs(2), || mock
+        .metrics()
+        .get("vllm:num_requests_running", &model)
+        == Some(1.0)));
+    assert_eq!(
+        mock.metrics().get("vllm:kv_cache_usage_perc", &model),
+        Some(0.0)
+    );
+    assert_eq!(c.read_response().status, 200);
+
+    // Values a test sets.
+    let q = mock.set_queue(json!({"waiting": 5, "running": 3}));
+    assert_eq!(
+        q["reported"],
+        json!({"running": 3, "waiting": 5, "kv_cache_usage": 0.0}),
+        "{q}"
+    );
+    let m = mock.metrics();
+    assert_eq!(m.get("vllm:num_requests_running", &model), Some(3.0));
+    assert_eq!(m.get("vllm:num_requests_waiting", &model), Some(5.0));
+    assert_eq!(m.get("sglang:num_queue_reqs", &model), Some(5.0));
+    // Each value separately: the others go back to the real ones.
+    mock.set_queue(json!({"kv_cache_usage": 0.75}));
+    let m = mock.metrics();
+    assert_eq!(m.get("vllm:kv_cache_usage_perc", &model), Some(0.75));
+    assert_eq!(m.get("sglang:token_usage", &model), Some(0.75));
+    assert_eq!(m.get("vllm:num_requests_waiting", &model), Some(0.0));
+    for bad in [
+        r#"{"waiting": -1}"#,
+        r#"{"waits": 1}"#,
+        r#"{"kv_cache_usage": 2}"#,
+    ] {
+        assert_openai_error(&mock.control(Req::post("/_mock/queue", bad)), 400);
+    }
+    mock.set_queue(Value::Null);
+    let m = mock.metrics();
+    assert_eq!(m.get("vllm:kv_cache_usage_perc", &model), Some(0.0));
+    // /metrics is the mock's own: not counted as a provider request.
+    assert_eq!(mock.stat("requests"), 1);
+}
+
+#[test]
+fn mock_help_and_contract_name_every_fault_flag_and_endpoint() {
+    let out = std::process::Command::new(bin("mock-llm"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    let contract = std::fs::read_to_string(workspace_root().join("bench/MOCK_LLM.md")).unwrap();
+    for name in [
+        "drop-before-response",
+        "stall",
+        "die-after=N",
+        "error-event",
+        "quota",
+        "status=N",
+        "drop-mid-stream",
+        "malformed-chunk",
+        "chunk-ext",
+        "close-delimited",
+        "close-after",
+        "--retry-after",
+        "--error-code",
+        "--max-running",
+        "--fault",
+        "x-mock-error-code",
+        "x-mock-retry-after",
+        "x-mock-fault",
+        "/_mock/fault",
+        "/_mock/queue",
+        "/_mock/stats",
+        "/metrics",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "sglang:num_queue_reqs",
+    ] {
+        assert!(help.contains(name), "--help does not mention {name}");
+        assert!(
+            contract.contains(name),
+            "MOCK_LLM.md does not mention {name}"
+        );
+    }
+    for counter in [
+        "errors_injected",
+        "dropped_before_response",
+        "stalled",
+        "streams_cut",
+        "error_events",
+        "requests_running",
+        "requests_waiting",
+        "requests_queued",
+    ] {
+        assert!(
+            contract.contains(counter),
+            "MOCK_LLM.md does not mention {counter}"
+        );
+    }
+}

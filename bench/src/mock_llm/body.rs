@@ -154,27 +154,77 @@ fn error_kind(status: u16) -> (&'static str, &'static str) {
         403 => ("permission_error", "permission_denied"),
         404 => ("invalid_request_error", "not_found"),
         408 | 504 => ("timeout_error", "timeout"),
-        429 => ("rate_limit_error", "rate_limit_exceeded"),
+        // What OpenAI sends for a rate limit: `type` names the limit hit (`requests` or
+        // `tokens`), `code` says it is a rate limit.
+        429 => ("requests", "rate_limit_exceeded"),
         431 => ("invalid_request_error", "headers_too_large"),
         503 => ("server_error", "overloaded"),
+        529 => ("overloaded_error", "overloaded"),
         _ if status >= 500 => ("server_error", "server_error"),
         _ => ("invalid_request_error", "mock_error"),
     }
 }
 
+/// The `code` (and `type`) of OpenAI's spend-limit 429, which retrying will not cure.
+pub const QUOTA_CODE: &str = "insufficient_quota";
+/// OpenAI's message for it, word for word (clients and gateways match on it).
+const QUOTA_MESSAGE: &str = "You exceeded your current quota, please check your plan and \
+     billing details. For more information on this error, read the docs: \
+     https://platform.openai.com/docs/guides/error-codes/api-errors.";
+
+fn error_object(out: &mut Vec<u8>, message: &str, kind: &str, code: &str) {
+    out.extend_from_slice(b"{\"message\":");
+    super::http::json_str(out, message);
+    out.extend_from_slice(b",\"type\":");
+    super::http::json_str(out, kind);
+    out.extend_from_slice(b",\"param\":null,\"code\":");
+    super::http::json_str(out, code);
+    out.push(b'}');
+}
+
 /// An OpenAI-shaped error body; `message` is JSON-escaped here. The echo is added when given.
 pub fn error(out: &mut Vec<u8>, status: u16, message: &str, echo: Option<&[u8]>) {
     let (kind, code) = error_kind(status);
-    out.extend_from_slice(b"{\"error\":{\"message\":");
-    super::http::json_str(out, message);
-    let _ = write!(
-        out,
-        ",\"type\":\"{kind}\",\"param\":null,\"code\":\"{code}\"}}"
-    );
+    out.extend_from_slice(b"{\"error\":");
+    error_object(out, message, kind, code);
     match echo {
         Some(e) => echo_tail(out, e),
         None => out.push(b'}'),
     }
+}
+
+/// The body of an injected error status (`x-mock-status`, `status=N`, `quota`), shaped as the
+/// providers send theirs, so a gateway can tell the kinds apart by the body alone:
+/// - `code` = `insufficient_quota`: OpenAI's spend-limit error (`type` too, and its message);
+/// - 429: OpenAI's rate limit, `type` `requests`, `code` `rate_limit_exceeded`;
+/// - 529: Anthropic's overload error (`{"type":"error","error":{"type":"overloaded_error",…}}`),
+///   which also has the OpenAI fields (`param`, `code`), so either kind of client parses it;
+/// - others: `type` and `code` by status.
+///
+/// `code` replaces the status's usual `error.code` (`x-mock-error-code`, `--error-code`).
+pub fn injected_error(out: &mut Vec<u8>, status: u16, code: Option<&str>) {
+    let (kind, usual) = error_kind(status);
+    let code = code.unwrap_or(usual);
+    if code == QUOTA_CODE {
+        out.extend_from_slice(b"{\"error\":");
+        error_object(out, QUOTA_MESSAGE, QUOTA_CODE, QUOTA_CODE);
+        out.push(b'}');
+        return;
+    }
+    let message = match status {
+        429 => "Rate limit reached for mock-model in organization org-mock on requests per min \
+                (RPM): Limit 60, Used 60, Requested 1. (mock error status 429)"
+            .to_owned(),
+        529 => "Overloaded (mock error status 529)".to_owned(),
+        _ => format!("mock error status {status}"),
+    };
+    if status == 529 {
+        out.extend_from_slice(b"{\"type\":\"error\",\"error\":");
+    } else {
+        out.extend_from_slice(b"{\"error\":");
+    }
+    error_object(out, &message, kind, code);
+    out.push(b'}');
 }
 
 // ---- SSE events (each is one complete `…\n\n` event) ----
@@ -190,10 +240,26 @@ pub fn ev_done(out: &mut Vec<u8>) {
     out.extend_from_slice(b"data: [DONE]\n\n");
 }
 
-pub fn ev_error(out: &mut Vec<u8>) {
-    out.extend_from_slice(
-        b"data: {\"error\":{\"message\":\"mock error event\",\"type\":\"server_error\",\
-          \"param\":null,\"code\":\"mock_error_event\"}}\n\n",
+/// The error event of a chat / completions stream, as OpenAI sends one mid-stream:
+/// `data: {"error":{…}}`.
+pub fn ev_error(out: &mut Vec<u8>, code: Option<&str>) {
+    out.extend_from_slice(b"data: {\"error\":");
+    error_object(
+        out,
+        "mock error event",
+        "server_error",
+        code.unwrap_or("mock_error_event"),
+    );
+    out.extend_from_slice(b"}\n\n");
+}
+
+/// The Responses API's error event: `event: error`, with the error's fields at the top level.
+pub fn ev_response_error(out: &mut Vec<u8>, code: Option<&str>, sequence_number: u64) {
+    out.extend_from_slice(b"event: error\ndata: {\"type\":\"error\",\"code\":");
+    super::http::json_str(out, code.unwrap_or("server_error"));
+    let _ = write!(
+        out,
+        ",\"message\":\"mock error event\",\"param\":null,\"sequence_number\":{sequence_number}}}\n\n"
     );
 }
 
@@ -342,11 +408,37 @@ mod tests {
         models(&mut out, echo);
         parse(&out);
         out.clear();
-        error(&mut out, 429, "x\"y", Some(echo));
-        assert_eq!(parse(&out)["error"]["type"], "rate_limit_error");
+        error(&mut out, 400, "x\"y", Some(echo));
+        assert_eq!(parse(&out)["error"]["message"], "x\"y");
         out.clear();
         error(&mut out, 404, "nope", None);
         parse(&out);
+    }
+
+    #[test]
+    fn injected_errors_tell_their_kind() {
+        let mut out = Vec::new();
+        let mut body = |status, code| {
+            out.clear();
+            injected_error(&mut out, status, code);
+            parse(&out)
+        };
+        let rate = body(429, None);
+        assert_eq!(rate["error"]["code"], "rate_limit_exceeded");
+        assert_eq!(rate["error"]["type"], "requests");
+        let quota = body(429, Some(QUOTA_CODE));
+        assert_eq!(quota["error"]["type"], QUOTA_CODE);
+        assert_eq!(quota["error"]["code"], QUOTA_CODE);
+        assert!(quota["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("You exceeded your current quota")));
+        let overloaded = body(529, None);
+        assert_eq!(overloaded["type"], "error");
+        assert_eq!(overloaded["error"]["type"], "overloaded_error");
+        assert_eq!(overloaded["error"]["param"], serde_json::Value::Null);
+        let custom = body(503, Some("x\"y"));
+        assert_eq!(custom["error"]["code"], "x\"y");
+        assert_eq!(custom["error"]["type"], "server_error");
     }
 
     #[test]
@@ -378,7 +470,11 @@ mod tests {
         ev_response_delta(&mut out, &g(), 2);
         assert_eq!(data_of(&out)["delta"], " tok2");
         out.clear();
-        ev_error(&mut out);
-        data_of(&out);
+        ev_error(&mut out, None);
+        assert_eq!(data_of(&out)["error"]["code"], "mock_error_event");
+        out.clear();
+        ev_response_error(&mut out, Some("c"), 2);
+        assert!(out.starts_with(b"event: error\n"));
+        assert_eq!(data_of(&out)["code"], "c");
     }
 }

@@ -14,8 +14,9 @@ use monoio::time::Instant;
 use monoio::BufResult;
 
 use super::body::{self, Gen};
+use super::control::{self, Endpoint};
 use super::http::{self, Chunked, Head, HeadParse};
-use super::{Fault, State};
+use super::{Fault, State, Stats};
 
 /// Sleeps at least this long race a readiness check on the socket, so a client that goes away
 /// while the mock waits is noticed at once. Shorter sleeps rely on the next writes failing
@@ -90,15 +91,15 @@ enum Route {
     Responses,
     Embeddings,
     Models,
-    Stats,
-    ResetPeak,
+    /// `/_mock/*` and `/metrics`: the mock's own endpoints, which ignore faults and controls,
+    /// are not counted and never queue.
+    Control(Endpoint),
     NotFound,
 }
 
 impl Route {
-    /// `/_mock/*`: control endpoints, which ignore faults and controls and are not counted.
     fn is_control(self) -> bool {
-        matches!(self, Route::Stats | Route::ResetPeak)
+        matches!(self, Route::Control(_))
     }
 }
 
@@ -150,7 +151,14 @@ struct Plan {
     delay_ms: u64,
     fault: Option<Fault>,
     status: Option<u16>,
-    retry_after: Vec<u8>,
+    /// `error.code` of an injected error (and of an `error-event`); None: by status.
+    error_code: Option<String>,
+    /// `Retry-After` of a 429 / 503 / 529; None: no header.
+    retry_after: Option<Vec<u8>>,
+    /// A control endpoint's answer (computed when the request is read, since it needs the
+    /// request body): status, content type; the body is in `control_body`.
+    control: Option<control::Answer>,
+    control_body: Vec<u8>,
     close: bool,
     http10: bool,
     /// `METHOD path` for the 404 message.
@@ -209,6 +217,7 @@ fn reason(status: u16) -> &'static str {
         502 => "Bad Gateway",
         503 => "Service Unavailable",
         504 => "Gateway Timeout",
+        529 => "Overloaded",
         _ => "Mock Status",
     }
 }
@@ -316,27 +325,56 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             monoio::time::sleep_until(deadline).await;
             return Ok(());
         }
-        let readable = {
-            // SAFETY: no operation on `self.io` is in flight here (it is only used after this
-            // block ends), so this shared view does not overlap a mutable one; see `SharedTcp`.
-            let tcp: &TcpStream = unsafe { &*self.raw.get() };
-            monoio::select! {
-                _ = monoio::time::sleep_until(deadline) => false,
-                _ = tcp.readable(false) => true,
+        self.or_gone(monoio::time::sleep_until(deadline)).await
+    }
+
+    /// Runs `fut` to its end, or errors as soon as the peer closes the connection. Pipelined
+    /// bytes that arrive meanwhile are kept for the next request, and watching stops (the
+    /// socket stays readable from then on).
+    async fn or_gone<F: Future>(&mut self, fut: F) -> Result<F::Output, Gone> {
+        let mut fut = std::pin::pin!(fut);
+        if !self.peer_data {
+            {
+                // SAFETY: no operation on `self.io` is in flight here (it is only used after
+                // this block ends), so this shared view does not overlap a mutable one; see
+                // `SharedTcp`.
+                let tcp: &TcpStream = unsafe { &*self.raw.get() };
+                monoio::select! {
+                    out = &mut fut => return Ok(out),
+                    _ = tcp.readable(false) => {}
+                }
             }
-        };
-        if !readable {
-            return Ok(());
-        }
-        match self.read_more().await {
-            Ok(0) | Err(_) => Err(Gone),
-            Ok(_) => {
-                // Pipelined bytes: keep them for the next request, stop watching.
-                self.peer_data = true;
-                monoio::time::sleep_until(deadline).await;
-                Ok(())
+            match self.read_more().await {
+                Ok(0) | Err(_) => return Err(Gone),
+                Ok(_) => self.peer_data = true,
             }
         }
+        Ok(fut.await)
+    }
+
+    /// `stall`: no answer at all; the connection stays open until the client closes it.
+    async fn stall(&mut self) -> Next {
+        Stats::bump(&self.st.stats.stalled);
+        loop {
+            match self.read_more().await {
+                Ok(0) | Err(_) => return Next::Drop,
+                // Pipelined requests go unanswered too; their bytes are dropped so that a
+                // client that keeps sending cannot grow the buffer.
+                Ok(_) => self.rbuf.clear(),
+            }
+        }
+    }
+
+    /// `drop-before-response`: after `x-mock-delay-ms`, close without a byte of answer.
+    async fn drop_before_response(&mut self, p: &Plan) -> Next {
+        if p.delay_ms > 0 {
+            let deadline = Instant::now() + Duration::from_millis(p.delay_ms);
+            if self.pause_until(deadline).await.is_err() {
+                return Next::Drop;
+            }
+        }
+        Stats::bump(&self.st.stats.dropped_before_response);
+        Next::Drop
     }
 
     /// Answers an unparseable request and closes.
@@ -437,11 +475,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         if counted {
             self.st.stats.request_began();
         }
-        let next = if plan.stream && plan.status.is_none() {
-            self.stream(&plan).await
-        } else {
-            self.plain(&plan).await
-        };
+        let next = self.answer(&plan).await;
         if counted {
             self.st.stats.request_ended();
         }
@@ -449,6 +483,30 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             self.body = Vec::new();
         }
         next
+    }
+
+    /// Answers a read request: waits for a `--max-running` slot (the mock's own endpoints
+    /// don't), then answers as the plan says.
+    async fn answer(&mut self, plan: &Plan) -> Next {
+        let _slot = if plan.route.is_control() {
+            None
+        } else {
+            let mut slot = self.st.slots.acquire();
+            match slot.now() {
+                Some(permit) => Some(permit),
+                // Queued: a client that goes away meanwhile leaves the queue.
+                None => match self.or_gone(slot).await {
+                    Ok(permit) => Some(permit),
+                    Err(Gone) => return Next::Drop,
+                },
+            }
+        };
+        match plan.fault {
+            Some(Fault::Stall) => self.stall().await,
+            Some(Fault::DropBeforeResponse) => self.drop_before_response(plan).await,
+            _ if plan.stream && plan.status.is_none() => self.stream(plan).await,
+            _ => self.plain(plan).await,
+        }
     }
 
     /// Builds the echo object into `self.echo` and the response plan.
@@ -471,9 +529,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             (b"POST", b"/v1/responses") => Route::Responses,
             (b"POST", b"/v1/embeddings") => Route::Embeddings,
             (b"GET", b"/v1/models") => Route::Models,
-            (b"GET", b"/_mock/stats") => Route::Stats,
-            (b"POST", b"/_mock/reset_peak") => Route::ResetPeak,
-            _ => Route::NotFound,
+            _ => match Endpoint::route(method, path) {
+                Some(ep) => Route::Control(ep),
+                None => Route::NotFound,
+            },
         };
         let cfg = &st.cfg;
         let mut plan = Plan {
@@ -489,16 +548,20 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             ttft_ms: cfg.ttft_ms,
             itl_ms: cfg.inter_token_ms,
             delay_ms: 0,
-            fault: cfg.fault,
+            fault: st.fault.get(),
             status: None,
-            retry_after: Vec::new(),
+            error_code: cfg.error_code.clone(),
+            retry_after: cfg.retry_after.as_ref().map(|v| v.as_bytes().to_vec()),
+            control: None,
+            control_body: Vec::new(),
             close: head.wants_close,
             http10: head.minor == 0,
             what: String::new(),
         };
-        if route.is_control() {
+        if let Route::Control(ep) = route {
             // The control endpoints ignore faults and controls.
             plan.fault = None;
+            plan.control = Some(control::answer(ep, body, st, &mut plan.control_body));
             return plan;
         }
         st.stats.requests.set(st.stats.requests.get() + 1);
@@ -553,8 +616,17 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                     .filter(|s| (200..=599).contains(s))
                     .map(|s| s as u16);
             } else if ctl.eq_ignore_ascii_case(b"retry-after") {
-                plan.retry_after.clear();
-                header_safe(&mut plan.retry_after, value.trim_ascii());
+                let v = value.trim_ascii();
+                if v.eq_ignore_ascii_case(b"none") {
+                    plan.retry_after = None;
+                } else if !v.is_empty() {
+                    let mut out = Vec::with_capacity(v.len());
+                    header_safe(&mut out, v);
+                    plan.retry_after = Some(out);
+                }
+            } else if ctl.eq_ignore_ascii_case(b"error-code") {
+                let v = String::from_utf8_lossy(value.trim_ascii());
+                plan.error_code = (!v.is_empty()).then(|| v.into_owned());
             } else if ctl.eq_ignore_ascii_case(b"ttft-ms") {
                 plan.ttft_ms = parse_num(value).unwrap_or(plan.ttft_ms);
             } else if ctl.eq_ignore_ascii_case(b"inter-token-ms") {
@@ -564,8 +636,12 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             } else if ctl.eq_ignore_ascii_case(b"delay-ms") {
                 plan.delay_ms = parse_num(value).unwrap_or(0);
             } else if ctl.eq_ignore_ascii_case(b"fault") {
-                if let Some(f) = std::str::from_utf8(value).ok().and_then(Fault::parse) {
-                    plan.fault = Some(f);
+                // An unknown SPEC leaves the process fault in place.
+                if let Some(f) = std::str::from_utf8(value)
+                    .ok()
+                    .and_then(|v| Fault::parse_spec(v).ok())
+                {
+                    plan.fault = f;
                 }
             }
         }
@@ -578,13 +654,15 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         }
         echo.push(b'}');
 
-        if plan.status.is_none() {
-            if let Some(Fault::Status(s)) = plan.fault {
-                plan.status = Some(s);
+        match plan.fault {
+            Some(Fault::Status(s)) => {
+                plan.status = plan.status.or(Some(s));
             }
-        }
-        if plan.retry_after.is_empty() {
-            plan.retry_after.push(b'1');
+            Some(Fault::Quota) => {
+                plan.status = plan.status.or(Some(429));
+                plan.error_code = Some(body::QUOTA_CODE.to_owned());
+            }
+            _ => {}
         }
         let m = model.as_deref().unwrap_or("");
         header_safe(&mut plan.model_header, m.as_bytes());
@@ -636,9 +714,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             w.extend_from_slice(&p.model_header);
             w.extend_from_slice(b"\r\n");
         }
-        if status == 429 || status == 503 {
+        if let (429 | 503 | 529, Some(after)) = (status, &p.retry_after) {
             w.extend_from_slice(b"retry-after: ");
-            w.extend_from_slice(&p.retry_after);
+            w.extend_from_slice(after);
             w.extend_from_slice(b"\r\n");
         }
         if close {
@@ -669,19 +747,21 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             (None, Route::Embeddings) => Some((p.prompt_tokens, 0)),
             _ => None,
         };
+        let mut ctype = "application/json";
         let status = match (p.status, p.route) {
-            (_, Route::Stats) => {
-                self.st.stats.write_json(&mut body);
-                200
-            }
-            (_, Route::ResetPeak) => {
-                self.st.stats.reset_peak();
-                self.st.stats.write_json(&mut body);
-                200
+            (_, Route::Control(_)) => {
+                let Some(answer) = &p.control else {
+                    // plan() answers every control request.
+                    return Next::Drop;
+                };
+                body.extend_from_slice(&p.control_body);
+                ctype = answer.ctype;
+                answer.status
             }
             (Some(s), _) => {
                 // Like a real provider, an injected error echoes nothing (no request headers).
-                body::error(&mut body, s, &format!("mock error status {s}"), None);
+                body::injected_error(&mut body, s, p.error_code.as_deref());
+                Stats::bump(&self.st.stats.errors_injected);
                 s
             }
             (None, Route::NotFound) => {
@@ -723,7 +803,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         } else {
             Len::Content(body.len())
         };
-        self.head(p, status, "application/json", len, close);
+        self.head(p, status, ctype, len, close);
         if !no_body {
             self.wbuf.extend_from_slice(&body);
         }
@@ -785,35 +865,42 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         body::ev_echo(&mut self.ev, &self.echo);
         frame_into(&mut self.wbuf, &self.ev, framing);
         self.flush_wbuf().await?;
+        // Cut the stream (drop the connection) before content event N, or put an error event
+        // in its place.
+        let cut_at = match fault {
+            Some(Fault::DropMidStream) => Some(p.tokens.div_ceil(2)),
+            Some(Fault::DieAfter(n)) => Some(n),
+            _ => None,
+        };
+        let error_at = match fault {
+            Some(Fault::ErrorEvent(n)) => Some(n),
+            _ => None,
+        };
         let prelude = match p.route {
             Route::Chat => Some(body::ev_chat_role as fn(&mut Vec<u8>, &Gen)),
             Route::Responses => Some(body::ev_response_created as fn(&mut Vec<u8>, &Gen)),
             _ => None,
         };
-        if let Some(f) = prelude {
+        // An error before any content is the first data event: no role delta or
+        // `response.created` before it, as when a provider fails a request at once.
+        if let (Some(f), false) = (prelude, error_at == Some(0)) {
             self.ev.clear();
             f(&mut self.ev, &g);
             self.send_ev(framing, b"").await?;
         }
-        if fault == Some(Fault::ErrorEvent) {
-            self.ev.clear();
-            body::ev_error(&mut self.ev);
-            self.send_ev(framing, b"").await?;
-            self.ev.clear();
-            body::ev_done(&mut self.ev);
-            self.send_ev(framing, terminator(framing)).await?;
-            return Ok(if close { Next::Close } else { Next::KeepAlive });
-        }
 
         // Content events.
-        let half = p.tokens.div_ceil(2);
         let t0 = Instant::now();
         for i in 0..p.tokens {
-            if fault == Some(Fault::DropMidStream) && i == half {
+            if cut_at == Some(i) {
+                Stats::bump(&self.st.stats.streams_cut);
                 return Ok(Next::Drop);
             }
             let at = p.ttft_ms.saturating_add(i.saturating_mul(p.itl_ms));
             self.pause_until(t0 + Duration::from_millis(at)).await?;
+            if error_at == Some(i) {
+                return self.error_event(p, framing, i, close).await;
+            }
             self.ev.clear();
             match p.route {
                 Route::Chat => body::ev_chat_content(&mut self.ev, &g, i),
@@ -825,15 +912,20 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 break;
             }
         }
-        match fault {
-            Some(Fault::DropMidStream) => return Ok(Next::Drop),
-            Some(Fault::MalformedChunk) => {
-                self.wbuf.clear();
-                self.wbuf.extend_from_slice(b"zz\r\ngarbage\r\n");
-                self.flush_wbuf().await?;
-                return Ok(Next::Drop);
-            }
-            _ => {}
+        // A cut or an error event set past the last content event comes before the finish.
+        if cut_at.is_some() {
+            Stats::bump(&self.st.stats.streams_cut);
+            return Ok(Next::Drop);
+        }
+        if error_at.is_some() {
+            return self.error_event(p, framing, p.tokens, close).await;
+        }
+        if fault == Some(Fault::MalformedChunk) {
+            self.wbuf.clear();
+            self.wbuf.extend_from_slice(b"zz\r\ngarbage\r\n");
+            self.flush_wbuf().await?;
+            Stats::bump(&self.st.stats.streams_cut);
+            return Ok(Next::Drop);
         }
 
         // Finish, usage, [DONE] (the Responses API ends with response.completed instead).
@@ -862,6 +954,35 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 stats.reported_usage(p.prompt_tokens, p.tokens);
                 stats.usage_chunks.set(stats.usage_chunks.get() + 1);
             }
+            self.ev.clear();
+            body::ev_done(&mut self.ev);
+            self.send_ev(framing, terminator(framing)).await?;
+        }
+        Ok(if close { Next::Close } else { Next::KeepAlive })
+    }
+
+    /// Ends a stream, after `sent` content events, with the error event of its API: a
+    /// `data: {"error":…}` event and `[DONE]` (chat, completions), or an `event: error` (the
+    /// Responses API, whose streams have no `[DONE]`); then the stream's normal end.
+    async fn error_event(
+        &mut self,
+        p: &Plan,
+        framing: Framing,
+        sent: u64,
+        close: bool,
+    ) -> Result<Next, Gone> {
+        Stats::bump(&self.st.stats.error_events);
+        let code = p.error_code.as_deref();
+        self.ev.clear();
+        if p.route == Route::Responses {
+            // `response.created` was event 0 and the deltas 1..=sent (none when sent is 0:
+            // then the error is the first event).
+            let seq = if sent == 0 { 0 } else { sent + 1 };
+            body::ev_response_error(&mut self.ev, code, seq);
+            self.send_ev(framing, terminator(framing)).await?;
+        } else {
+            body::ev_error(&mut self.ev, code);
+            self.send_ev(framing, b"").await?;
             self.ev.clear();
             body::ev_done(&mut self.ev);
             self.send_ev(framing, terminator(framing)).await?;
