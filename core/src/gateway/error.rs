@@ -78,6 +78,9 @@ pub(crate) enum ErrorKind {
     /// Every backend of the route is out (breaker open, cooling down), or every attempt the
     /// retry budget allowed failed.
     UpstreamUnavailable,
+    /// No target of the route has a context window that holds the prompt and the output asked
+    /// for.
+    ContextLengthExceeded,
 }
 
 /// What one [`ErrorKind`] is on the wire.
@@ -124,7 +127,7 @@ const fn spec(
 impl ErrorKind {
     /// Every kind, in declaration order.
     #[cfg(test)]
-    pub(crate) const ALL: [ErrorKind; 26] = {
+    pub(crate) const ALL: [ErrorKind; 27] = {
         use ErrorKind::*;
         [
             MalformedHttp,
@@ -153,6 +156,7 @@ impl ErrorKind {
             UpstreamProtocol,
             ShuttingDown,
             UpstreamUnavailable,
+            ContextLengthExceeded,
         ]
     };
 
@@ -193,6 +197,7 @@ impl ErrorKind {
             UpstreamProtocol  => spec(502, UPSTREAM,   None,                        Upstream, KEEP,  ELSEWHERE),
             ShuttingDown      => spec(503, SERVER,     Some("server_shutting_down"),Gateway,  CLOSE, NOWHERE),
             UpstreamUnavailable => spec(503, SERVER,   Some("upstream_unavailable"),Gateway,  KEEP,  NOWHERE),
+            ContextLengthExceeded => spec(400, INVALID, Some("context_length_exceeded"), Client, KEEP, NOWHERE),
         };
         row
     }
@@ -353,6 +358,19 @@ impl GatewayError {
         );
         e.retry_after = Some(u32::try_from(retry_after_secs).unwrap_or(u32::MAX));
         e
+    }
+
+    /// The request needs `needed` tokens of context; the largest window routed to holds
+    /// `largest`.
+    pub(crate) fn context_length_exceeded(needed: u64, largest: u64) -> Self {
+        Self::new(
+            ErrorKind::ContextLengthExceeded,
+            format!(
+                "This request needs about {needed} tokens (prompt and max_tokens); the largest \
+                 context window this model is routed to holds {largest}."
+            ),
+        )
+        .with_param(Some("messages"))
     }
 
     /// The upstream failed (`fault` says how, and so which kind).
@@ -602,6 +620,7 @@ mod tests {
                 UpstreamProtocol  => (502, "upstream_error",        None,                        true,  false),
                 ShuttingDown      => (503, "server_error",          Some("server_shutting_down"),false, true),
                 UpstreamUnavailable => (503, "server_error",        Some("upstream_unavailable"),false, false),
+                ContextLengthExceeded => (400, "invalid_request_error", Some("context_length_exceeded"), false, false),
             };
             let actual = (
                 kind.status(),
@@ -619,7 +638,7 @@ mod tests {
             }
         }
         // `ALL` holds every kind once, in declaration order.
-        assert_eq!(ErrorKind::ALL.len(), UpstreamUnavailable as usize + 1);
+        assert_eq!(ErrorKind::ALL.len(), ContextLengthExceeded as usize + 1);
         for (i, kind) in ErrorKind::ALL.iter().enumerate() {
             assert_eq!(*kind as usize, i);
         }

@@ -124,7 +124,8 @@ pub(crate) async fn judge_response(
             }
         }
     };
-    if status == 429 && may_retry && spend_limit(response, deadline).await {
+    // Read whether or not a fallback is possible: a spend limit must not cool the backend.
+    if status == 429 && spend_limit(response, deadline).await {
         // The account's money ran out: every backend on the same account says the same, and
         // the client must be told, not kept waiting.
         return Judgement {

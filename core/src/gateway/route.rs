@@ -14,7 +14,8 @@
 //! stored most specific first (exact names, then globs by literal length), so the first match
 //! is the most specific.
 //!
-//! Raises 404 `model_not_found` when no route matches, and 503 `upstream_unavailable` with
+//! Raises 404 `model_not_found` when no route matches, 400 `context_length_exceeded` when no
+//! target's context window holds the request, and 503 `upstream_unavailable` with
 //! `Retry-After` (when the first backend comes back) when every backend of the route is out.
 
 use std::cell::Cell;
@@ -430,6 +431,21 @@ pub(crate) fn route<'s>(
             group: g,
             walk: Some(walk),
         });
+    }
+    // Nothing could take it: because no window is large enough (the client's to fix), or
+    // because every backend is out.
+    let largest = route
+        .groups
+        .iter()
+        .flat_map(|g| &g.targets)
+        .map(|t| t.context_window.unwrap_or(u64::MAX))
+        .max()
+        .unwrap_or(u64::MAX);
+    if largest < needed_tokens {
+        return Err(GatewayError::context_length_exceeded(
+            needed_tokens,
+            largest,
+        ));
     }
     Err(GatewayError::upstream_unavailable(
         model,
