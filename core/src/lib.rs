@@ -61,6 +61,7 @@ mod gateway {
     pub(crate) mod pipeline;
     pub(crate) mod relay;
     pub(crate) mod route;
+    pub(crate) mod sticky;
 }
 
 mod runtime {

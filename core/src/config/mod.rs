@@ -19,6 +19,7 @@ mod redis_url;
 #[cfg(test)]
 mod reference;
 pub(crate) mod routing;
+pub(crate) mod sticky;
 pub(crate) mod tls;
 
 pub(crate) use crate::http::HttpLimits;
@@ -93,6 +94,7 @@ struct RawConfig {
     clusters: BTreeMap<String, Option<RawCluster>>,
     routes: Vec<Option<RawRoute>>,
     routing: routing::RawRouting,
+    sticky: sticky::RawSticky,
     admin: Option<RawAdmin>,
     tls: Option<tls::RawTls>,
     access_log: Option<RawAccessLog>,
@@ -106,7 +108,7 @@ struct RawConfig {
 }
 
 /// The top-level sections, in the order the example config has them.
-const SECTIONS: [&str; 14] = [
+const SECTIONS: [&str; 15] = [
     "server",
     "tls",
     "http",
@@ -115,6 +117,7 @@ const SECTIONS: [&str; 14] = [
     "clusters",
     "routes",
     "routing",
+    "sticky",
     "admin",
     "access_log",
     "pricing",
@@ -332,6 +335,8 @@ struct RawRoute {
     /// Target groups in fallback order.
     #[serde(default)]
     groups: Vec<RawGroup>,
+    /// Keep a session on one backend.
+    sticky: Option<sticky::RawStickyRule>,
     /// For a glob route: the concrete names it serves, listed by `GET /v1/models` (a glob
     /// can't be enumerated).
     #[serde(default)]
@@ -384,6 +389,8 @@ pub struct Snapshot {
     pub(crate) routes: Vec<Route>,
     /// Attempts, retry budget, breaker and cool-down (`[routing]`).
     pub(crate) routing: routing::RoutingSettings,
+    /// The keys affinity cookies are sealed with (`[sticky]`).
+    pub(crate) sticky_keys: sticky::StickyKeys,
     /// Every backend of every cluster, indexed by [`BackendId`] (pools are per backend).
     pub(crate) backend_count: usize,
     /// Where the admin listener (metrics, health) binds, if anywhere.
@@ -525,6 +532,8 @@ pub(crate) struct Route {
     pub(crate) pattern: ModelPattern,
     /// Target groups in fallback order (at least one, each with at least one target).
     pub(crate) groups: Vec<TargetGroup>,
+    /// Keep a session on one backend (`sticky`).
+    pub(crate) sticky: Option<sticky::StickyRule>,
     /// Concrete names a glob route declares it serves (each matches the glob), for
     /// `GET /v1/models`; empty for exact routes.
     pub(crate) models: Vec<String>,
@@ -576,6 +585,13 @@ impl ModelPattern {
                 .collect(),
             starts_open: s.starts_with('*'),
             ends_open: s.ends_with('*'),
+        }
+    }
+
+    /// The pattern as written.
+    pub(crate) fn source(&self) -> &str {
+        match self {
+            ModelPattern::Exact(s) | ModelPattern::Glob { source: s, .. } => s,
         }
     }
 
@@ -742,6 +758,7 @@ fn read_sections(
             "upstream" => read(value, "upstream", src, errors).map(|v| raw.upstream = v),
             "limits" => read(value, "limits", src, errors).map(|v| raw.limits = v),
             "routing" => read(value, "routing", src, errors).map(|v| raw.routing = v),
+            "sticky" => read(value, "sticky", src, errors).map(|v| raw.sticky = v),
             "admin" => read(value, "admin", src, errors).map(|v| raw.admin = Some(v)),
             "tls" => read(value, "tls", src, errors).map(|v| raw.tls = Some(v)),
             "access_log" => {
@@ -926,6 +943,7 @@ fn validate(
         clusters,
         routes,
         routing,
+        sticky,
         admin,
         tls,
         access_log,
@@ -957,6 +975,21 @@ fn validate(
     let clusters = resolve_clusters(&clusters, env, &mut err, warnings);
     let routes = resolve_routes(&routes, &clusters.by_name, &mut err);
     let routing = routing::resolve_routing(&routing, &mut err);
+    let sticky_keys = sticky::resolve_keys(&sticky, env, &mut err);
+    if sticky_keys.keys.is_empty() {
+        if let Some(i) = routes
+            .iter()
+            .position(|r| r.sticky.as_ref().is_some_and(|s| s.cookie.is_some()))
+        {
+            err(
+                "sticky.keys".into(),
+                format!(
+                    "a route (`{}`) sets an affinity cookie: at least one key is needed to seal it",
+                    routes[i].pattern.source()
+                ),
+            );
+        }
+    }
     // A server.listen left out for an error is not the one the file meant.
     let server_listen = server
         .as_ref()
@@ -1001,6 +1034,7 @@ fn validate(
         clusters: clusters.clusters,
         routes,
         routing,
+        sticky_keys,
         backend_count: clusters.backend_count,
         admin_listen,
         admin_token_digest,
@@ -1567,9 +1601,14 @@ fn resolve_route(
     if !complete {
         return None;
     }
+    let sticky = rr
+        .sticky
+        .as_ref()
+        .map(|raw| sticky::resolve_rule(raw, path, err));
     Some(Route {
         pattern,
         groups,
+        sticky,
         models: rr.models.clone(),
     })
 }

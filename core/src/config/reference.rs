@@ -18,6 +18,7 @@ use super::limits::{
     DEFAULT_WINDOW_SECS,
 };
 use super::routing::RawRouting;
+use super::sticky::{RawSticky, RawStickyKey, RawStickyRule};
 use super::tls::{RawCertificate, RawTls};
 use super::{
     RawAccessLog, RawAdmin, RawBackend, RawCluster, RawCredential, RawGroup, RawHttp, RawPrice,
@@ -78,7 +79,14 @@ fn sections() -> Vec<Section> {
             r#"{ cluster = "c" }"#,
             Some(("routes[].groups[]", "targets")),
         ),
+        section::<RawStickyRule>("routes[].sticky", "{}", Some(("[[routes]]", "sticky"))),
         section::<RawRouting>("[routing]", "{}", None),
+        section::<RawSticky>("[sticky]", "{}", None),
+        section::<RawStickyKey>(
+            "sticky.keys[]",
+            r#"{ id = 1, env = "K" }"#,
+            Some(("[sticky]", "keys")),
+        ),
         section::<RawAdmin>("[admin]", r#"{ listen = "127.0.0.1:9090" }"#, None),
         section::<RawTls>("[tls]", r#"{ listen = "0.0.0.0:8443" }"#, None),
         section::<RawCertificate>(
@@ -276,6 +284,7 @@ mod tests {
             include_str!("limits.rs"),
             include_str!("tls.rs"),
             include_str!("routing.rs"),
+            include_str!("sticky.rs"),
         ];
         let raw_structs: BTreeSet<&str> = sources
             .iter()

@@ -103,7 +103,10 @@ pub(crate) struct Observation {
     /// Attempts that moved on to another backend, and why the last one did.
     pub(crate) fallbacks: u32,
     pub(crate) fallback_reason: &'static str,
-    /// `x-ratelimit-*` header lines for the client's response, once admitted.
+    /// The session id's hash, on a sticky route (0: none).
+    pub(crate) sticky_id_hash: u64,
+    /// Header lines Sluice adds to the client's response: the `x-ratelimit-*` set once
+    /// admitted, and a sticky route's affinity cookie.
     pub(crate) rate_headers: String,
     metering: Metering,
     meter: SseMeter,
@@ -124,6 +127,7 @@ impl Default for Observation {
             routed: None,
             fallbacks: 0,
             fallback_reason: "",
+            sticky_id_hash: 0,
             rate_headers: String::new(),
             metering: Metering::Off,
             meter: SseMeter::new(),
@@ -169,6 +173,7 @@ impl Observation {
         self.routed = None;
         self.fallbacks = 0;
         self.fallback_reason = "";
+        self.sticky_id_hash = 0;
         self.rate_headers.clear();
         self.metering = Metering::Off;
         self.meter.reset();
@@ -534,6 +539,7 @@ pub(crate) fn emit(
     set_str(&mut rec.error_class, error_class(obs, error));
     rec.fallback_attempts = obs.fallbacks + obs.forward.retries;
     set_str(&mut rec.fallback_reason, obs.fallback_reason);
+    rec.sticky_id_hash = obs.sticky_id_hash;
     rec.worker_id = sink.worker_id as u32;
     log.record(&rec);
 }

@@ -15,7 +15,7 @@ use crate::gateway::error::GatewayError;
 use crate::gateway::observe::{Estimator, Observation};
 use crate::gateway::relay::{ClientSide, RelayEnd, Relayed};
 use crate::gateway::route::Candidates;
-use crate::gateway::{admit, auth, fallback, forward, observe, relay, route};
+use crate::gateway::{admit, auth, fallback, forward, observe, relay, route, sticky};
 use crate::openai::inspect::Inspection;
 use crate::upstream::health::AttemptResult;
 
@@ -176,11 +176,21 @@ pub(crate) async fn admit_request<'s>(
     let needed_tokens = || {
         crate::openai::tokens::estimate_tokens(request.body) + inspection.max_tokens.unwrap_or(0)
     };
+    // For a sticky route: the session id and the affinity cookie, from the head.
+    let session_of = |rule: &crate::config::sticky::StickyRule| {
+        sticky::session(
+            rule,
+            &core.snapshot.sticky_keys,
+            request,
+            crate::sys::time::unix_secs(),
+        )
+    };
     let candidates = route::route(
         core.snapshot,
         core.health,
         &inspection.model,
         &needed_tokens,
+        &session_of,
         core.rng,
     )?;
     let primary = candidates.primary();
@@ -301,6 +311,11 @@ async fn serve<'s>(
             Ok(response) => response,
             Err(e) => return (Err(e), target.mapped_model),
         };
+        // Sticky: the session stays with the backend that answered (a fallback re-pins it),
+        // and an affinity cookie names it.
+        if let Some((rule, session)) = candidates.sticky {
+            keep_session(core, rule, session, &target, obs);
+        }
         let side = ClientSide {
             head_only: false,
             minor_version: request.head.minor_version,
@@ -320,6 +335,39 @@ async fn serve<'s>(
             health.record(result, crate::sys::time::mono_ms(), settings);
         }
         return (relayed, target.mapped_model);
+    }
+}
+
+/// A sticky session's pin and affinity cookie follow the backend that answered: re-pinned when
+/// a fallback served it, and a `Set-Cookie` (in the response's extra header lines) unless the
+/// request's cookie already names it.
+fn keep_session(
+    core: PerCore<'_>,
+    rule: &crate::config::sticky::StickyRule,
+    session: sticky::Session,
+    target: &crate::gateway::route::Target<'_>,
+    obs: &mut Observation,
+) {
+    let identity = core.health.identity(target.backend.id);
+    let now = crate::sys::time::unix_secs();
+    obs.sticky_id_hash = session.id.unwrap_or(0);
+    if let (Some(id), Some(pins)) = (session.id, core.health.pins()) {
+        if pins.get(id, now) != Some(identity) {
+            pins.pin(id, identity, now + rule.ttl_secs, now);
+        }
+    }
+    if let Some(name) = &rule.cookie {
+        if session.cookie_backend != Some(identity) {
+            if let Some(line) = sticky::seal(
+                &core.snapshot.sticky_keys,
+                name,
+                identity,
+                rule.ttl_secs,
+                now,
+            ) {
+                obs.rate_headers.push_str(&line);
+            }
+        }
     }
 }
 

@@ -21,8 +21,10 @@
 use std::cell::Cell;
 
 use crate::config::routing::Strategy;
+use crate::config::sticky::StickyRule;
 use crate::config::{Backend, Cluster, ClusterId, Route, RouteTarget, Snapshot, TargetGroup};
 use crate::gateway::error::GatewayError;
+use crate::gateway::sticky::Session;
 use crate::upstream::health::{Availability, BackendHealth, HealthTable, LoadSignals};
 
 /// Where one attempt of a request goes.
@@ -50,6 +52,8 @@ pub(crate) struct Candidates<'s> {
     /// What the request needs of a target's context window (0: nothing known).
     needed_tokens: u64,
     primary: Target<'s>,
+    /// The route's sticky rule and what the request said of its session.
+    pub(crate) sticky: Option<(&'s StickyRule, Session)>,
     /// The group being walked, and where in it.
     group: usize,
     walk: Option<Walk>,
@@ -227,6 +231,34 @@ impl<'s> Picker<'s, '_> {
         })
     }
 
+    /// Where `route` has the backend `identity` names, if it is available, fits the request
+    /// and is under 95% loaded: the group and a walk starting at it.
+    fn find_pinned(&self, route: &'s Route, identity: u64) -> Option<(usize, Walk)> {
+        let stale = self.snapshot.routing.queue_stale_ms;
+        route.groups.iter().enumerate().find_map(|(g, group)| {
+            let found = self
+                .options(group, &|o| {
+                    o.target
+                        .context_window
+                        .is_none_or(|w| w >= self.needed_tokens)
+                        && self.load(o, stale) < 0.95
+                })
+                .find(|o| {
+                    let cluster = &self.snapshot.clusters[o.target.cluster];
+                    self.health.identity(cluster.backends[o.b].id) == identity
+                })?;
+            Some((
+                g,
+                Walk {
+                    first_target: found.t,
+                    target_step: 0,
+                    first_backend: found.b,
+                    backend_step: 0,
+                },
+            ))
+        })
+    }
+
     fn load(&self, o: &Choice<'_>, stale: u64) -> f64 {
         o.health.map_or(0.0, |h| {
             h.load.load(self.now, stale, o.target.max_in_flight)
@@ -383,6 +415,7 @@ pub(crate) fn route<'s>(
     health: &'s HealthTable,
     model: &str,
     needed_tokens: &dyn Fn() -> u64,
+    session_of: &dyn Fn(&StickyRule) -> Session,
     rng: &'s Cell<u64>,
 ) -> Result<Candidates<'s>, GatewayError> {
     let route = snapshot
@@ -406,10 +439,25 @@ pub(crate) fn route<'s>(
         needed_tokens,
         model,
     };
-    for (g, group) in route.groups.iter().enumerate() {
-        let Some(mut walk) = picker.start_walk(group) else {
-            continue;
-        };
+    // A session's pinned backend first, while it is available, fits and is under the load cap.
+    let sticky = route.sticky.as_ref().map(|rule| (rule, session_of(rule)));
+    let now_s = crate::sys::time::unix_secs();
+    let pinned = sticky.and_then(|(_, session)| {
+        session.cookie_backend.or_else(|| {
+            let id = session.id?;
+            health.pins()?.get(id, now_s)
+        })
+    });
+    let pinned_walk = pinned.and_then(|identity| picker.find_pinned(route, identity));
+    let started = pinned_walk.or_else(|| {
+        route
+            .groups
+            .iter()
+            .enumerate()
+            .find_map(|(g, group)| Some((g, picker.start_walk(group)?)))
+    });
+    if let Some((g, mut walk)) = started {
+        let group = &route.groups[g];
         let primary = make_target(
             snapshot,
             health,
@@ -420,6 +468,13 @@ pub(crate) fn route<'s>(
         );
         // The walk goes on after the primary.
         walk.backend_step = 1;
+        // A session not (or no longer) pinned here is pinned to the pick.
+        if let (Some((rule, session)), None) = (sticky, pinned_walk) {
+            if let (Some(id), Some(pins)) = (session.id, health.pins()) {
+                let identity = health.identity(primary.backend.id);
+                pins.pin(id, identity, now_s + rule.ttl_secs, now_s);
+            }
+        }
         return Ok(Candidates {
             snapshot,
             health,
@@ -428,6 +483,7 @@ pub(crate) fn route<'s>(
             now,
             needed_tokens,
             primary,
+            sticky,
             group: g,
             walk: Some(walk),
         });
@@ -546,14 +602,20 @@ mod tests {
         let s = snapshot();
         let h = table(&s);
         let rng = Cell::new(1);
-        let primary = |model| route(&s, &h, model, &|| 0, &rng).unwrap().primary();
+        let primary = |model| {
+            route(&s, &h, model, &|| 0, &|_| Session::default(), &rng)
+                .unwrap()
+                .primary()
+        };
         let t = primary("gpt-4o");
         assert_eq!(t.cluster.name, "a");
         assert_eq!(t.mapped_model, Some("real-4o"));
         assert_eq!(primary("gpt-4o-mini").cluster.name, "a");
         assert_eq!(primary("gpt-3.5").cluster.name, "b");
         assert_eq!(primary("gpt-3.5").mapped_model, None);
-        let e = route(&s, &h, "claude", &|| 0, &rng).err().unwrap();
+        let e = route(&s, &h, "claude", &|| 0, &|_| Session::default(), &rng)
+            .err()
+            .unwrap();
         assert_eq!((e.status(), e.code()), (404, Some("model_not_found")));
     }
 
@@ -586,7 +648,8 @@ mod tests {
         let mut seen_primaries = std::collections::BTreeSet::new();
         for seed in 1..64u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut candidates = route(&s, &h, "gpt-4o", &|| 0, &rng).unwrap();
+            let mut candidates =
+                route(&s, &h, "gpt-4o", &|| 0, &|_| Session::default(), &rng).unwrap();
             let primary = candidates.primary();
             seen_primaries.insert(primary.backend.id);
             let rest = walk(&mut candidates.clone(), "gpt-4o");
@@ -605,10 +668,12 @@ mod tests {
         assert_eq!(seen_primaries.len(), 2);
         // A one-backend cluster has no fallback.
         let rng = Cell::new(7);
-        assert!(route(&s, &h, "gpt-3.5", &|| 0, &rng)
-            .unwrap()
-            .next_fallback("gpt-3.5")
-            .is_none());
+        assert!(
+            route(&s, &h, "gpt-3.5", &|| 0, &|_| Session::default(), &rng)
+                .unwrap()
+                .next_fallback("gpt-3.5")
+                .is_none()
+        );
     }
 
     fn grouped() -> Snapshot {
@@ -648,7 +713,7 @@ mod tests {
         let mut primaries = std::collections::BTreeSet::new();
         for seed in 1..64u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut c = route(&s, &h, "gpt-4o", &|| 0, &rng).unwrap();
+            let mut c = route(&s, &h, "gpt-4o", &|| 0, &|_| Session::default(), &rng).unwrap();
             let p = c.primary();
             primaries.insert(p.backend.id);
             let mut all = vec![p.backend.id];
@@ -704,7 +769,7 @@ mod tests {
         }
         for seed in 1..16u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut c = route(&s, &h, "gpt-4o", &|| 0, &rng).unwrap();
+            let mut c = route(&s, &h, "gpt-4o", &|| 0, &|_| Session::default(), &rng).unwrap();
             assert_eq!(c.primary().backend.id, azure[0]);
             assert_eq!(walk(&mut c, "gpt-4o"), local);
         }
@@ -717,7 +782,9 @@ mod tests {
             }
         }
         let rng = Cell::new(3);
-        let e = route(&s, &h, "gpt-4o", &|| 0, &rng).err().unwrap();
+        let e = route(&s, &h, "gpt-4o", &|| 0, &|_| Session::default(), &rng)
+            .err()
+            .unwrap();
         assert_eq!((e.status(), e.code()), (503, Some("upstream_unavailable")));
         // The soonest back is the cooled pair (2 s).
         assert_eq!(e.retry_after, Some(2));

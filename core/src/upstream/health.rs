@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use crate::config::routing::{BreakerSettings, RoutingSettings};
 use crate::config::{BackendId, Snapshot};
+use crate::upstream::affinity::PinTable;
 
 /// What one attempt tells of its backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -337,11 +338,15 @@ impl BackendHealth {
 }
 
 /// Every backend's health for one snapshot, indexed by [`BackendId`]; shared by the workers.
+/// Also the node's session pins, which name backends by identity and so outlive the snapshot.
 #[derive(Debug, Default)]
 pub(crate) struct HealthTable {
     backends: Vec<Arc<BackendHealth>>,
-    /// Each backend's identity across snapshots: cluster name and URL.
+    /// Each backend's identity across snapshots: cluster name and URL, and its hash.
     keys: Vec<String>,
+    identities: Vec<u64>,
+    /// Session pins, allocated once a snapshot has a sticky route.
+    pins: Option<Arc<PinTable>>,
 }
 
 impl HealthTable {
@@ -356,9 +361,15 @@ impl HealthTable {
                     .collect()
             })
             .unwrap_or_default();
+        let sticky = snapshot.routes.iter().any(|r| r.sticky.is_some());
+        let pins = previous
+            .and_then(|p| p.pins.clone())
+            .or_else(|| sticky.then(|| Arc::new(PinTable::default())));
         let mut table = HealthTable {
             backends: Vec::with_capacity(snapshot.backend_count),
             keys: Vec::with_capacity(snapshot.backend_count),
+            identities: Vec::with_capacity(snapshot.backend_count),
+            pins,
         };
         for cluster in &snapshot.clusters {
             for backend in &cluster.backends {
@@ -375,6 +386,7 @@ impl HealthTable {
                     .unwrap_or_default();
                 debug_assert_eq!(table.backends.len(), backend.id);
                 table.backends.push(health);
+                table.identities.push(identity_hash(&key));
                 table.keys.push(key);
             }
         }
@@ -385,10 +397,28 @@ impl HealthTable {
         self.backends.get(id).map(|h| &**h)
     }
 
+    /// The backend's identity hash (stable across snapshots), for session pins and cookies.
+    pub(crate) fn identity(&self, id: BackendId) -> u64 {
+        self.identities.get(id).copied().unwrap_or(0)
+    }
+
+    /// The node's session pins (`None` until a snapshot has a sticky route).
+    pub(crate) fn pins(&self) -> Option<&PinTable> {
+        self.pins.as_deref()
+    }
+
     /// The backend's health, to keep beyond the table (the queue scraper's).
     pub(crate) fn shared(&self, id: BackendId) -> Option<Arc<BackendHealth>> {
         self.backends.get(id).map(Arc::clone)
     }
+}
+
+/// A 64-bit hash the same in every process and build (FNV-1a): identities travel in cookies
+/// and pins.
+pub(crate) fn identity_hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 //! [`Pools::shut_down_all`] ends every connection the worker holds, idle or busy, for a stop
 //! whose grace ran out.
 
+pub(crate) mod affinity;
 pub(crate) mod health;
 
 use std::cell::{Cell, RefCell};
