@@ -44,6 +44,8 @@ OPTIONS:
                              header [default: 1]
     --error-code CODE        error.code of injected error bodies (as x-mock-error-code)
                              [default: by status]
+    --reject-key KEY         answer 401 invalid_api_key to requests carrying KEY (as
+                             `Authorization: Bearer KEY`, `x-api-key` or `api-key`); repeatable
     --max-running N          answer at most N requests at once; the others wait in a FIFO
                              queue (vllm:num_requests_waiting) [default: 0, unlimited]
     --idle-close-ms N        silently close a connection that sends no request bytes for N ms
@@ -198,6 +200,8 @@ pub struct Config {
     pub retry_after: Option<String>,
     /// `error.code` of injected error bodies; None: the status's usual code.
     pub error_code: Option<String>,
+    /// `--reject-key`: credentials answered 401, like a provider's revoked key.
+    pub reject_keys: Vec<String>,
     /// `--max-running`: requests answered at once; None: unlimited.
     pub max_running: Option<u64>,
     /// Keep-alive timeout: close a connection idle this long between requests.
@@ -345,6 +349,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
             fault: None,
             retry_after: Some("1".to_owned()),
             error_code: None,
+            reject_keys: Vec::new(),
             max_running: None,
             idle_close: None,
         },
@@ -393,6 +398,10 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
             "--error-code" => {
                 let v = value()?;
                 a.cfg.error_code = Some(v.trim().to_owned()).filter(|v| !v.is_empty());
+            }
+            "--reject-key" => {
+                let v = value()?;
+                a.cfg.reject_keys.push(v.trim().to_owned());
             }
             "--max-running" => {
                 // 0: unlimited (the default), as for --idle-close-ms.

@@ -254,3 +254,61 @@ fn one_cluster_routes_move_on_to_the_clusters_other_backend() {
     }
     assert_eq!(b.stat("requests"), 10);
 }
+
+#[test]
+fn a_refused_credential_of_a_key_pool_benches_only_itself() {
+    // The provider has revoked one of the pool's two keys (the heavier one).
+    let m = Mock::start(&["--reject-key", "sk-revoked"]);
+    let log = TempDir::new("fallback-keypool");
+    let gw = Sluice::start(
+        &Config::new()
+            .access_log(log.path())
+            .access_log_opt("flush_interval_ms", 20)
+            .env("KEY_REVOKED", "sk-revoked")
+            .env("KEY_GOOD", "sk-good")
+            .raw(&format!(
+                "[clusters.p]\nbackends = [{{ base_url = {} }}]\n\
+                 credentials = [{{ env = \"KEY_REVOKED\", weight = 9 }}, {{ env = \"KEY_GOOD\" }}]\n\
+                 [[routes]]\nmodel = \"gpt-4o\"\ncluster = \"p\"\n\
+                 [routing]\nbreaker_failures = 1\n",
+                toml_str(&m.base_url())
+            )),
+    );
+    for i in 0..20 {
+        let r = gw.chat(&chat_body("gpt-4o"));
+        assert_eq!(r.status, 200, "request {i}: {}", r.dump());
+        // The upstream saw the good key on every request it answered.
+        let echo = echo_of(&r);
+        let auth: Vec<String> = echo_headers(&echo)
+            .into_iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case("authorization"))
+            .map(|(_, v)| v)
+            .collect();
+        assert_eq!(auth, ["Bearer sk-good"], "request {i}");
+    }
+    // At most one request drew the 401 (the key is benched at once); the backend itself was
+    // never benched, though its breaker opens on a single failure here.
+    assert!(m.stat("requests") <= 21, "{}", m.stat("requests"));
+    let recs = records(&log, 20);
+    let refused: Vec<_> = recs
+        .iter()
+        .filter(|r| r["fallback_reason"] == "credential")
+        .collect();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(m.stat("requests"), 20 + refused.len() as u64);
+}
+
+#[test]
+fn a_single_credential_refused_is_answered_as_it_is() {
+    let m = Mock::start(&["--reject-key", "sk-revoked"]);
+    let gw = Sluice::start(
+        &Config::one_cluster(&m)
+            .credential("KEY_REVOKED", "authorization")
+            .env("KEY_REVOKED", "sk-revoked"),
+    );
+    for _ in 0..3 {
+        let r = gw.chat(&chat_body("gpt-4o"));
+        assert_eq!(r.status, 401, "{}", r.dump());
+    }
+    assert_eq!(m.stat("requests"), 3);
+}

@@ -664,6 +664,26 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             }
             _ => {}
         }
+        // A revoked key (`--reject-key`): 401, as a provider answers it.
+        if !cfg.reject_keys.is_empty() && plan.status.is_none() {
+            let rejected = self.hdrs.iter().any(|(n, v)| {
+                let (name, value) = (&rbuf[n.clone()], rbuf[v.clone()].trim_ascii());
+                let key = if name.eq_ignore_ascii_case(b"authorization") {
+                    value.strip_prefix(b"Bearer ").unwrap_or(value)
+                } else if name.eq_ignore_ascii_case(b"x-api-key")
+                    || name.eq_ignore_ascii_case(b"api-key")
+                {
+                    value
+                } else {
+                    return false;
+                };
+                cfg.reject_keys.iter().any(|k| k.as_bytes() == key)
+            });
+            if rejected {
+                plan.status = Some(401);
+                plan.error_code = Some("invalid_api_key".to_owned());
+            }
+        }
         let m = model.as_deref().unwrap_or("");
         header_safe(&mut plan.model_header, m.as_bytes());
         http::json_str(

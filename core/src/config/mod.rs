@@ -285,6 +285,10 @@ struct RawCluster {
     #[serde(default)]
     model_map: BTreeMap<String, String>,
     credential: Option<RawCredential>,
+    /// A key pool: several credentials, picked by weight; a 401 / 403 benches only the one
+    /// that drew it.
+    #[serde(default)]
+    credentials: Vec<RawCredential>,
     ca_file: Option<PathBuf>,
     /// Scrape each backend's `/metrics` (vLLM, SGLang) for its queue.
     #[serde(default)]
@@ -311,6 +315,9 @@ struct RawCredential {
     env: String,
     #[serde(default = "default_credential_header")]
     header: String,
+    /// Share of the requests this credential carries, in a key pool (`credentials`).
+    #[serde(default = "default_weight")]
+    weight: u32,
     /// Send the secret under a header that is not a known credential header without a warning.
     #[serde(default)]
     allow_custom_header: bool,
@@ -491,7 +498,8 @@ pub(crate) struct Cluster {
     pub(crate) name: String,
     pub(crate) backends: Vec<Backend>,
     pub(crate) model_map: BTreeMap<String, String>,
-    pub(crate) credential: Option<Credential>,
+    /// The upstream credentials (none, one, or a key pool picked by weight).
+    pub(crate) credentials: Vec<Credential>,
     /// TLS client config for https backends (system roots + the cluster's CA file).
     pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
     /// Each backend's `/metrics` is scraped for its queue (`[clusters.x] queue_metrics`).
@@ -505,6 +513,9 @@ pub(crate) struct Credential {
     pub(crate) header_line: Vec<u8>,
     /// Lower-case header name, so the client's own copy of it is never forwarded.
     pub(crate) header_name: String,
+    /// The environment variable it came from: its name in logs (never the secret).
+    pub(crate) label: String,
+    pub(crate) weight: u32,
 }
 
 impl fmt::Debug for Credential {
@@ -1326,10 +1337,25 @@ fn resolve_cluster(
             );
         }
     }
-    let credential = rc
-        .credential
-        .as_ref()
-        .and_then(|c| resolve_credential(c, &path, env, err, warnings));
+    if rc.credential.is_some() && !rc.credentials.is_empty() {
+        err(
+            format!("{path}.credentials"),
+            "a cluster has either `credential` or a `credentials` pool, not both".into(),
+        );
+    }
+    let credentials: Vec<Credential> = match &rc.credential {
+        Some(c) => resolve_credential(c, &format!("{path}.credential"), env, err, warnings)
+            .into_iter()
+            .collect(),
+        None => rc
+            .credentials
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                resolve_credential(c, &format!("{path}.credentials[{i}]"), env, err, warnings)
+            })
+            .collect(),
+    };
     let any_tls = backends.iter().any(|b| b.tls);
     let tls = if any_tls || rc.ca_file.is_some() {
         build_tls(rc.ca_file.as_deref())
@@ -1342,7 +1368,7 @@ fn resolve_cluster(
         name: name.to_string(),
         backends,
         model_map: rc.model_map.clone(),
-        credential,
+        credentials,
         tls,
         queue_metrics: rc.queue_metrics,
     }
@@ -1394,12 +1420,14 @@ fn resolve_backend(
 /// set. A header no API knows draws a warning unless `allow_custom_header` says it is meant.
 fn resolve_credential(
     c: &RawCredential,
-    cluster_path: &str,
+    path: &str,
     env: &dyn Fn(&str) -> Option<String>,
     err: &mut dyn FnMut(String, String),
     warnings: &mut Vec<ConfigError>,
 ) -> Option<Credential> {
-    let path = format!("{cluster_path}.credential");
+    if c.weight == 0 {
+        err(format!("{path}.weight"), "must be at least 1".into());
+    }
     let header = c.header.to_ascii_lowercase();
     let valid_name = !header.is_empty()
         && header
@@ -1442,6 +1470,8 @@ fn resolve_credential(
     Some(Credential {
         header_line: format!("{header}: {value}\r\n").into_bytes(),
         header_name: header,
+        label: c.env.clone(),
+        weight: c.weight.max(1),
     })
 }
 
@@ -2342,7 +2372,7 @@ colour = "red"
         let loaded = load_with_warnings(text, &env);
         let snapshot = loaded.snapshot.unwrap();
         // Still sent as configured: a warning, not an error.
-        let credential = snapshot.clusters[0].credential.as_ref().unwrap();
+        let credential = &snapshot.clusters[0].credentials[0];
         assert_eq!(credential.header_name, "authorisation");
         assert_eq!(loaded.warnings.len(), 1);
         assert_eq!(

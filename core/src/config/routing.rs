@@ -21,6 +21,7 @@ pub(super) struct RawRouting {
     max_cooldown_ms: u64,
     scrape_interval_ms: u64,
     queue_stale_ms: u64,
+    credential_bench_ms: u64,
 }
 
 impl Default for RawRouting {
@@ -38,6 +39,7 @@ impl Default for RawRouting {
             max_cooldown_ms: 300_000,
             scrape_interval_ms: 1_000,
             queue_stale_ms: 5_000,
+            credential_bench_ms: 60_000,
         }
     }
 }
@@ -62,6 +64,8 @@ pub(crate) struct RoutingSettings {
     /// it is ignored.
     pub(crate) scrape_interval_ms: u64,
     pub(crate) queue_stale_ms: u64,
+    /// How long a credential of a key pool that drew a 401 / 403 is left out.
+    pub(crate) credential_bench_ms: u64,
 }
 
 /// How a target group picks among its available backends.
@@ -131,6 +135,7 @@ pub(super) fn resolve_routing(
         ("routing.cooldown_ms", raw.cooldown_ms),
         ("routing.scrape_interval_ms", raw.scrape_interval_ms),
         ("routing.queue_stale_ms", raw.queue_stale_ms),
+        ("routing.credential_bench_ms", raw.credential_bench_ms),
     ] {
         if v == 0 {
             err(key.into(), "must be at least 1 ms".into());
@@ -171,5 +176,6 @@ pub(super) fn resolve_routing(
         max_cooldown_ms: raw.max_cooldown_ms.max(raw.cooldown_ms).max(1),
         scrape_interval_ms: raw.scrape_interval_ms.max(1),
         queue_stale_ms: raw.queue_stale_ms.max(1),
+        credential_bench_ms: raw.credential_bench_ms.max(1),
     }
 }

@@ -36,6 +36,8 @@ pub(crate) enum FallbackReason {
     FirstEventError,
     /// This worker's connection cap to the backend was reached.
     PoolFull,
+    /// A 401 / 403: the credential's fault (a key pool tries its next credential).
+    Credential,
 }
 
 impl FallbackReason {
@@ -49,6 +51,7 @@ impl FallbackReason {
             FallbackReason::Overloaded => "status_529",
             FallbackReason::FirstEventError => "first_event_error",
             FallbackReason::PoolFull => "pool_full",
+            FallbackReason::Credential => "credential",
         }
     }
 }
@@ -89,15 +92,24 @@ pub(crate) fn judge_error(error: &GatewayError) -> Judgement {
 const MAX_JUDGED: usize = 64 * 1024;
 
 /// Judge a response whose head is in. `may_retry`: a fallback is possible, so reading more of
-/// the body to decide is worth it; without it only the head is looked at. Reads go into
-/// `response.buf` (the relay sends them on) until `deadline`.
+/// the body to decide is worth it; without it only the head is looked at. `key_pool`: the
+/// attempt carried one credential of several, so a 401 / 403 is that credential's (the backend
+/// answered; another credential may do). Reads go into `response.buf` (the relay sends them
+/// on) until `deadline`.
 pub(crate) async fn judge_response(
     response: &mut UpstreamResponse<'_>,
     may_retry: bool,
+    key_pool: bool,
     deadline: Instant,
 ) -> Judgement {
     let head = &response.head;
     let status = head.status;
+    if key_pool && (status == 401 || status == 403) {
+        return Judgement {
+            retry: Some(FallbackReason::Credential),
+            health: Some(AttemptResult::Answered),
+        };
+    }
     let retry_after_ms = retry_after_ms(response);
     let (reason, health) = match status_verdict(status, retry_after_ms) {
         Some(verdict) => verdict,

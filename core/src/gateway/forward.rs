@@ -88,7 +88,7 @@ pub(crate) fn build_request(
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(backend.host_header.as_bytes());
     out.extend_from_slice(b"\r\n");
-    let credential = target.cluster.credential.as_ref();
+    let credential = target.credential.map(|(_, c)| c);
     if let Some(c) = credential {
         out.extend_from_slice(&c.header_line);
     }

@@ -572,6 +572,7 @@ pub(crate) fn failed_attempt(
         R::Status429 => UpstreamErrorKind::Status429,
         R::Status5xx | R::Overloaded => UpstreamErrorKind::Status5xx,
         R::PoolFull => UpstreamErrorKind::PoolExhausted,
+        R::Credential => UpstreamErrorKind::CredentialRefused,
     };
     metrics.upstream_error(backend, kind);
 }

@@ -274,24 +274,40 @@ async fn serve<'s>(
             health.load.observe_latency(us, crate::sys::time::mono_ms());
         }
 
-        // Fallback: may another backend do better? Decided before a byte reaches the client.
-        let may_retry =
-            attempts < settings.max_attempts && candidates.clone().next_fallback(model).is_some();
+        // Fallback: may another backend (or credential) do better? Decided before a byte
+        // reaches the client.
+        let now = crate::sys::time::mono_ms();
+        let other_credential = target.with_other_credential(core.health, core.rng, now);
+        let may_retry = attempts < settings.max_attempts
+            && (other_credential.is_some() || candidates.clone().next_fallback(model).is_some());
+        let key_pool = target.cluster.credentials.len() > 1;
         let judgement = match &mut sent {
             Err(e) => fallback::judge_error(e),
             Ok(response) => {
                 let deadline =
                     std::time::Instant::now() + core.snapshot.timeouts.upstream_first_byte;
-                fallback::judge_response(response, may_retry, deadline).await
+                fallback::judge_response(response, may_retry, key_pool, deadline).await
             }
         };
-        let now = crate::sys::time::mono_ms();
         if let (Some(health), Some(result)) = (target.health, judgement.health) {
             health.record(result, now, settings);
         }
+        if judgement.retry == Some(fallback::FallbackReason::Credential) {
+            // Only the credential is benched: the backend answered.
+            if let Some((index, _)) = target.credential {
+                let until = now + settings.credential_bench_ms;
+                core.health
+                    .bench_credential(target.cluster_id, index, until);
+            }
+        }
         if let Some(reason) = judgement.retry.filter(|_| may_retry) {
             let within_budget = target.health.is_none_or(|h| h.allow_retry(now, settings));
-            if let Some(next) = candidates.next_fallback(model).filter(|_| within_budget) {
+            let next = match reason {
+                fallback::FallbackReason::Credential => other_credential,
+                _ => None,
+            }
+            .or_else(|| candidates.next_fallback(model));
+            if let Some(next) = next.filter(|_| within_budget) {
                 observe::failed_attempt(core.metrics, obs, target.backend.id, reason);
                 obs.fallbacks += 1;
                 obs.fallback_reason = reason.label();

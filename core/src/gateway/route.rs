@@ -22,7 +22,9 @@ use std::cell::Cell;
 
 use crate::config::routing::Strategy;
 use crate::config::sticky::StickyRule;
-use crate::config::{Backend, Cluster, ClusterId, Route, RouteTarget, Snapshot, TargetGroup};
+use crate::config::{
+    Backend, Cluster, ClusterId, Credential, Route, RouteTarget, Snapshot, TargetGroup,
+};
 use crate::gateway::error::GatewayError;
 use crate::gateway::sticky::Session;
 use crate::upstream::health::{Availability, BackendHealth, HealthTable, LoadSignals};
@@ -37,6 +39,64 @@ pub(crate) struct Target<'s> {
     pub(crate) mapped_model: Option<&'s str>,
     /// The backend's shared health (`None`: untracked).
     pub(crate) health: Option<&'s BackendHealth>,
+    /// The cluster credential this attempt carries, and its place in the cluster's pool.
+    pub(crate) credential: Option<(usize, &'s Credential)>,
+}
+
+impl<'s> Target<'s> {
+    /// The same backend with another credential of its cluster's pool, not benched at `now`.
+    pub(crate) fn with_other_credential(
+        &self,
+        health: &HealthTable,
+        rng: &Cell<u64>,
+        now: u64,
+    ) -> Option<Target<'s>> {
+        let (current, _) = self.credential?;
+        let index = pick_credential(
+            self.cluster_id,
+            self.cluster,
+            health,
+            rng,
+            now,
+            Some(current),
+        )?;
+        Some(Target {
+            credential: Some((index, &self.cluster.credentials[index])),
+            ..*self
+        })
+    }
+}
+
+/// A credential of the cluster's pool by weight among those not benched (`except` left out);
+/// when every one is benched, the first (`None`: no credential, or only `except`).
+fn pick_credential(
+    cluster_id: ClusterId,
+    cluster: &Cluster,
+    health: &HealthTable,
+    rng: &Cell<u64>,
+    now: u64,
+    except: Option<usize>,
+) -> Option<usize> {
+    let pool = &cluster.credentials;
+    let usable = |i: usize| Some(i) != except && !health.credential_benched(cluster_id, i, now);
+    let total: u64 = (0..pool.len())
+        .filter(|&i| usable(i))
+        .map(|i| u64::from(pool[i].weight))
+        .sum();
+    if total == 0 {
+        // All benched: the request still goes out (the bench may be stale), but never with
+        // the credential that just failed.
+        return (0..pool.len()).find(|&i| Some(i) != except);
+    }
+    let mut pick = next_random(rng) % total;
+    for i in (0..pool.len()).filter(|&i| usable(i)) {
+        let w = u64::from(pool[i].weight);
+        if pick < w {
+            return Some(i);
+        }
+        pick -= w;
+    }
+    None
 }
 
 /// A request's targets in the order to try them: [`Candidates::primary`] first, then what
@@ -115,10 +175,20 @@ impl<'s> Candidates<'s> {
     }
 
     fn target(&self, group: &'s TargetGroup, t: usize, b: usize, model: &str) -> Target<'s> {
-        make_target(self.snapshot, self.health, group, t, b, model)
+        make_target(
+            self.snapshot,
+            self.health,
+            group,
+            t,
+            b,
+            model,
+            self.rng,
+            self.now,
+        )
     }
 }
 
+#[allow(clippy::too_many_arguments)] // the walk's position and what a target is made of
 fn make_target<'s>(
     snapshot: &'s Snapshot,
     health: &'s HealthTable,
@@ -126,6 +196,8 @@ fn make_target<'s>(
     t: usize,
     b: usize,
     model: &str,
+    rng: &Cell<u64>,
+    now: u64,
 ) -> Target<'s> {
     let route_target = &group.targets[t];
     let cluster = &snapshot.clusters[route_target.cluster];
@@ -135,12 +207,15 @@ fn make_target<'s>(
         None => cluster.model_map.get(model).map(String::as_str),
     }
     .filter(|m| *m != model);
+    let credential = pick_credential(route_target.cluster, cluster, health, rng, now, None)
+        .map(|i| (i, &cluster.credentials[i]));
     Target {
         cluster_id: route_target.cluster,
         cluster,
         backend,
         mapped_model,
         health: health.get(backend.id),
+        credential,
     }
 }
 
@@ -465,6 +540,8 @@ pub(crate) fn route<'s>(
             walk.first_target,
             walk.first_backend,
             model,
+            rng,
+            now,
         );
         // The walk goes on after the primary.
         walk.backend_step = 1;

@@ -575,10 +575,12 @@ pub(crate) enum UpstreamErrorKind {
     Status5xx,
     /// No connection could be had: the per-backend connection cap was reached.
     PoolExhausted,
+    /// The backend refused a key pool's credential (401 / 403); another was tried.
+    CredentialRefused,
 }
 
 impl UpstreamErrorKind {
-    const ALL: [UpstreamErrorKind; 8] = [
+    const ALL: [UpstreamErrorKind; 9] = [
         UpstreamErrorKind::Connect,
         UpstreamErrorKind::Tls,
         UpstreamErrorKind::Timeout,
@@ -587,6 +589,7 @@ impl UpstreamErrorKind {
         UpstreamErrorKind::Status429,
         UpstreamErrorKind::Status5xx,
         UpstreamErrorKind::PoolExhausted,
+        UpstreamErrorKind::CredentialRefused,
     ];
 
     pub(crate) fn label(self) -> &'static str {
@@ -598,6 +601,7 @@ impl UpstreamErrorKind {
             UpstreamErrorKind::Protocol => "protocol",
             UpstreamErrorKind::Status429 => "status_429",
             UpstreamErrorKind::Status5xx => "status_5xx",
+            UpstreamErrorKind::CredentialRefused => "credential_refused",
             UpstreamErrorKind::PoolExhausted => "pool_exhausted",
         }
     }
@@ -2712,8 +2716,8 @@ pub(crate) mod tests {
     #[test]
     fn empty_tables_still_have_the_other_slot() {
         let hub = MetricsHub::new(LabelLists::default());
-        // 132 counters and buckets, 7 sums (u128), 2 gauges.
-        assert_eq!(hub.shard_bytes(), 132 * 8 + 7 * 16 + 2 * 8);
+        // 133 counters and buckets, 7 sums (u128), 2 gauges.
+        assert_eq!(hub.shard_bytes(), 133 * 8 + 7 * 16 + 2 * 8);
         let s = MetricsShard::new(&hub);
         s.request_done(
             hub.names().route("x"),

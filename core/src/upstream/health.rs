@@ -347,6 +347,10 @@ pub(crate) struct HealthTable {
     identities: Vec<u64>,
     /// Session pins, allocated once a snapshot has a sticky route.
     pins: Option<Arc<PinTable>>,
+    /// Per cluster, per credential of its pool: benched until this
+    /// [`mono_ms`](crate::sys::time::mono_ms) time (0: not).
+    credentials: Vec<Vec<Arc<AtomicU64>>>,
+    credential_keys: Vec<Vec<String>>,
 }
 
 impl HealthTable {
@@ -370,7 +374,37 @@ impl HealthTable {
             keys: Vec::with_capacity(snapshot.backend_count),
             identities: Vec::with_capacity(snapshot.backend_count),
             pins,
+            credentials: Vec::with_capacity(snapshot.clusters.len()),
+            credential_keys: Vec::with_capacity(snapshot.clusters.len()),
         };
+        let kept_credentials: HashMap<&str, &Arc<AtomicU64>> = previous
+            .map(|p| {
+                p.credential_keys
+                    .iter()
+                    .flatten()
+                    .map(String::as_str)
+                    .zip(p.credentials.iter().flatten())
+                    .collect()
+            })
+            .unwrap_or_default();
+        for cluster in &snapshot.clusters {
+            let keys: Vec<String> = cluster
+                .credentials
+                .iter()
+                .map(|c| format!("{}|{}", cluster.name, c.label))
+                .collect();
+            let states = keys
+                .iter()
+                .map(|k| {
+                    kept_credentials
+                        .get(k.as_str())
+                        .map(|s| Arc::clone(s))
+                        .unwrap_or_default()
+                })
+                .collect();
+            table.credentials.push(states);
+            table.credential_keys.push(keys);
+        }
         for cluster in &snapshot.clusters {
             for backend in &cluster.backends {
                 let key = format!(
@@ -400,6 +434,24 @@ impl HealthTable {
     /// The backend's identity hash (stable across snapshots), for session pins and cookies.
     pub(crate) fn identity(&self, id: BackendId) -> u64 {
         self.identities.get(id).copied().unwrap_or(0)
+    }
+
+    /// Whether the cluster's credential `index` is benched at `now`.
+    pub(crate) fn credential_benched(&self, cluster: usize, index: usize, now: u64) -> bool {
+        self.credential_state(cluster, index)
+            .is_some_and(|s| s.load(Relaxed) > now)
+    }
+
+    /// Bench the cluster's credential `index` until `until`: the provider refused it (401 /
+    /// 403), so requests take the pool's other credentials.
+    pub(crate) fn bench_credential(&self, cluster: usize, index: usize, until: u64) {
+        if let Some(s) = self.credential_state(cluster, index) {
+            s.fetch_max(until, Relaxed);
+        }
+    }
+
+    fn credential_state(&self, cluster: usize, index: usize) -> Option<&AtomicU64> {
+        self.credentials.get(cluster)?.get(index).map(|s| &**s)
     }
 
     /// The node's session pins (`None` until a snapshot has a sticky route).
