@@ -163,8 +163,12 @@ fn streaming_events() {
     }
     let p50 = v["event_gap"]["p50_ms"].as_f64().unwrap();
     assert!((15.0..=60.0).contains(&p50), "gap p50 {p50} ms: {stdout}");
-    assert_eq!(v["coalesced_events"], 0, "{stdout}");
     assert_eq!(v["content_events"], ok * 10, "{stdout}");
+    // Events 20 ms apart arrive in reads of their own, unless the client was descheduled that
+    // long (a busy machine: CI runs this beside builds); a few may share a read then, never
+    // most.
+    let (coalesced, content) = (v["coalesced_events"].as_u64().unwrap(), ok * 10);
+    assert!(coalesced * 10 <= content, "more than 1 in 10 coalesced: {stdout}");
     // 10 content events 20 ms apart: about 180 ms per stream.
     assert!(
         v["latency"]["p50_ms"].as_f64().unwrap() >= 170.0,

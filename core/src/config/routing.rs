@@ -78,7 +78,8 @@ pub(crate) enum Strategy {
     Weighted,
     /// Of two picked by weight, the one with fewer requests in flight from this process.
     LeastInFlight,
-    /// Of two picked by weight, the lower peak-EWMA response-head latency × (in flight + 1).
+    /// Of two picked by weight, the lower peak-EWMA latency (time to first token of a stream,
+    /// else to the response head) × (in flight + 1).
     PeakEwma,
     /// The lowest time-to-first-token EWMA (untried backends first).
     LowestTtft,

@@ -111,10 +111,16 @@ pub(crate) async fn proxy<'s>(
         estimator,
     );
 
-    // The backend's time to first token, for the strategies that weigh it.
-    if let (Some((_, backend)), Some(ttft)) = (obs.routed, outcome.ttft) {
-        if let Some(health) = core.health.get(backend) {
+    // The backend's latency for the strategies that weigh it: the time to the first token of
+    // a stream (its head comes at once, before the model has done anything), else to the
+    // response head (which, unstreamed, comes with the whole answer).
+    if let Some(health) = obs.routed.and_then(|(_, b)| core.health.get(b)) {
+        if let Some(ttft) = outcome.ttft {
             health.load.observe_ttft(ttft.as_micros() as f64);
+        }
+        if let Some(latency) = outcome.ttft.or(outcome.upstream_header) {
+            let now = crate::sys::time::mono_ms();
+            health.load.observe_latency(latency.as_micros() as f64, now);
         }
     }
 
@@ -267,12 +273,6 @@ async fn serve<'s>(
         );
         let (mut sent, timings) = forward::send(core.io(), &target, upstream_request).await;
         obs.forward = timings;
-        if let (Some(health), Some(started), Some(head)) =
-            (target.health, timings.started_at, timings.head_at)
-        {
-            let us = head.saturating_duration_since(started).as_micros() as f64;
-            health.load.observe_latency(us, crate::sys::time::mono_ms());
-        }
 
         // Fallback: may another backend (or credential) do better? Decided before a byte
         // reaches the client.

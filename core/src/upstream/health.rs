@@ -78,7 +78,8 @@ pub(crate) struct BackendHealth {
 #[derive(Debug, Default)]
 pub(crate) struct LoadSignals {
     in_flight: AtomicU32,
-    /// Peak-EWMA of the response-head latency, µs (f64 bits); 0 bits: no sample yet.
+    /// Peak-EWMA of the latency (time to first token of a stream, else to the response head),
+    /// µs (f64 bits); 0 bits: no sample yet.
     latency_us: AtomicU64,
     latency_at: AtomicU64,
     /// EWMA of streams' time to first token, µs (f64 bits).
@@ -113,7 +114,8 @@ impl LoadSignals {
         (bits != 0).then(|| f64::from_bits(bits))
     }
 
-    /// A response head arrived `us` after the request went out.
+    /// The first useful byte (a stream's first token, else the response head) came `us` after
+    /// the request went out.
     pub(crate) fn observe_latency(&self, us: f64, now: u64) {
         let us = us.max(1.0);
         let next = match self.latency_us() {
