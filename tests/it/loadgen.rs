@@ -168,7 +168,10 @@ fn streaming_events() {
     // long (a busy machine: CI runs this beside builds); a few may share a read then, never
     // most.
     let (coalesced, content) = (v["coalesced_events"].as_u64().unwrap(), ok * 10);
-    assert!(coalesced * 10 <= content, "more than 1 in 10 coalesced: {stdout}");
+    assert!(
+        coalesced * 10 <= content,
+        "more than 1 in 10 coalesced: {stdout}"
+    );
     // 10 content events 20 ms apart: about 180 ms per stream.
     assert!(
         v["latency"]["p50_ms"].as_f64().unwrap() >= 170.0,
