@@ -9,9 +9,12 @@ Run by scripts/soak.sh (which builds the release binaries first):
 
     scripts/soak.sh                 # 30 minutes
     DURATION=300 scripts/soak.sh    # 5 minutes
+    DURATION=30 RATE=0 RELOAD_EVERY=0 REDIS_RESTART=0 scripts/soak.sh
+                                    # the small requests closed loop: the capacity to soak at
 
 The load, all at once (each a separate client process or thread):
-  - small chat requests, open loop at RATE req/s (default 400) over 8 connections;
+  - small chat requests, open loop at RATE req/s (default 400; 0: closed loop) over 8
+    connections;
   - streams (20 events 20 ms apart), 16 connections closed loop;
   - streams the upstream drops half-way (x-mock-fault: drop-mid-stream), 2 connections;
   - client aborts: a stream opened and closed after its first event, 4 per second.
@@ -185,7 +188,9 @@ def main():
                                       "--json", os.path.join(OUT, f"{name}.json"), *args],
                                      stdout=open(os.path.join(OUT, f"{name}.txt"), "w"))
     loads = [
-        load("small", "--connections", "8", "--rate", str(RATE), "--keys", KEYS[0]),
+        # RATE=0: closed loop, as fast as it goes (a short run of it measures the capacity the
+        # soak's rate is then set against).
+        load("small", "--connections", "8", *(["--rate", str(RATE)] if RATE else []), "--keys", KEYS[0]),
         load("streams", "--connections", "16", "--stream", "--keys", KEYS[1]),
         load("drops", "--connections", "2", "--stream", "--keys", KEYS[2],
              "--header", "x-mock-fault: drop-mid-stream"),
@@ -216,11 +221,16 @@ def main():
     end_rss, end_fds = status_of(gw.pid)
     # Stop gracefully: the last spend goes to Redis, the access log is flushed.
     gw.send_signal(signal.SIGTERM); code = gw.wait(timeout=120)
-    records = []
+    # Streamed: a run near capacity writes tens of millions of records.
+    records = 0; billed = {}
     files = sorted(os.path.join(logdir, f) for f in os.listdir(logdir))
-    out = subprocess.run([f"{BIN}/sluice", "logs", *files], capture_output=True, text=True)
-    for line in out.stdout.splitlines():
-        records.append(json.loads(line))
+    dump = subprocess.Popen([f"{BIN}/sluice", "logs", *files], stdout=subprocess.PIPE, text=True)
+    for line in dump.stdout:
+        r = json.loads(line)
+        records += 1
+        key = r.get("key_id", "")
+        billed[key] = billed.get(key, 0) + int(r.get("total_tokens", 0))
+    dump.wait()
     # Every request that reached Sluice: what the clients sent, less what never connected.
     reached = aborts[0]; errors = {}; ok_total = 0
     for name in ["small", "streams", "drops"]:
@@ -229,9 +239,6 @@ def main():
         reached += j.get("requests", 0) - int(errs.get("connect", 0))
         ok_total += j.get("ok", 0)
         errors[name] = errs
-    billed = {}
-    for r in records:
-        billed[r.get("key_id", "")] = billed.get(r.get("key_id", ""), 0) + int(r.get("total_tokens", 0))
     ledger = {}
     for key in redis_cmd(redis_port, "--scan", "--pattern", "*p:tpm:*").split():
         fields = redis_cmd(redis_port, "HGETALL", key).split("\n")
@@ -244,14 +251,14 @@ def main():
         "rss_mib": {"after_warmup": warm[0] if warm else None, "end": end_rss, "max": max(s["rss_mib"] for s in samples)},
         "fds": {"after_warmup": warm[1] if warm else None, "end": end_fds, "max": max(s["fds"] for s in samples)},
         "reloads": reloads, "redis_restarted": redis_restarted,
-        "records": len(records), "requests_that_reached_sluice": reached,
+        "records": records, "requests_that_reached_sluice": reached,
         "ok_answers": ok_total, "aborts": aborts,
         "load_errors": errors,
         "billed_by_key": billed, "ledger_by_key": ledger,
     }
     ok = (code == 0 and warm is not None
           and end_rss <= warm[0] * 1.25 + 16 and end_fds <= warm[1] + 16
-          and len(records) == reached
+          and records == reached
           and all(ledger.get(k, 0) == v for k, v in billed.items() if k))
     # The small requests and the plain streams must be answered: errors under 0.1% of them
     # (the streams cut on purpose and the aborts are not counted here).

@@ -312,3 +312,35 @@ fn a_single_credential_refused_is_answered_as_it_is() {
     }
     assert_eq!(m.stat("requests"), 3);
 }
+
+#[test]
+fn a_stream_whose_first_event_never_comes_is_retried_or_answered_504_never_relayed_broken() {
+    // Both backends send the head at once and the first event only after 3 s; the gateway
+    // waits 300 ms for it.
+    let a = Mock::start(&["--ttft-ms", "3000"]);
+    let b = Mock::start(&["--ttft-ms", "3000"]);
+    let log = TempDir::new("fallback-stall");
+    let config = two_groups(&a.base_url(), &b.base_url(), &log)
+        .timeout("upstream_first_byte_ms", 300)
+        .set("routing", "retry_budget_ratio", "0.0")
+        .set("routing", "retry_budget_min", "0");
+    let gw = Sluice::start(&config);
+    // No retry allowed (the budget is zero): the stalled stream cannot be relayed (the judge's
+    // read gave up on it), so it is answered 504 — and the gateway carries on.
+    for _ in 0..2 {
+        let r = gw.chat(&chat_stream_body("gpt-4o"));
+        let e = assert_openai_error(&r, 504);
+        assert_eq!(e["type"], "upstream_error", "{}", r.dump());
+    }
+    assert_eq!(b.stat("requests"), 0);
+    let recs = records(&log, 2);
+    assert_eq!(
+        (&recs[0]["status"], &recs[0]["error_class"]),
+        (
+            &serde_json::json!(504),
+            &serde_json::json!("upstream_error")
+        ),
+        "{}",
+        recs[0]
+    );
+}

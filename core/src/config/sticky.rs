@@ -21,6 +21,9 @@ pub(super) struct RawStickyRule {
     ttl_secs: u64,
 }
 
+/// The longest a pin or cookie may hold.
+const MAX_TTL_SECS: u64 = 30 * 24 * 3600;
+
 fn default_ttl() -> u64 {
     3_600
 }
@@ -111,16 +114,16 @@ pub(super) fn resolve_rule(
             "needs `from` (where the session id is), `cookie` (an affinity cookie), or both".into(),
         );
     }
-    if raw.ttl_secs == 0 {
+    if raw.ttl_secs == 0 || raw.ttl_secs > MAX_TTL_SECS {
         err(
             format!("{path}.sticky.ttl_secs"),
-            "must be at least 1".into(),
+            format!("must be from 1 to {MAX_TTL_SECS} (30 days)"),
         );
     }
     StickyRule {
         sources,
         cookie: raw.cookie.clone(),
-        ttl_secs: raw.ttl_secs.max(1),
+        ttl_secs: raw.ttl_secs.clamp(1, MAX_TTL_SECS),
     }
 }
 

@@ -57,12 +57,25 @@ impl FallbackReason {
 }
 
 /// What one attempt came to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Judgement {
     /// `Some`: another backend may succeed (nothing reached the client yet).
     pub(crate) retry: Option<FallbackReason>,
     /// For the backend's health; `None`: known only once the response is relayed.
     pub(crate) health: Option<AttemptResult>,
+    /// Reading on to judge failed or ran out of time: the response can no longer be relayed
+    /// (bytes may be lost), and this is the error to answer with if no retry is made.
+    pub(crate) broken: Option<GatewayError>,
+}
+
+impl Judgement {
+    fn relay() -> Judgement {
+        Judgement {
+            retry: None,
+            health: None,
+            broken: None,
+        }
+    }
 }
 
 /// The forward phase failed with `error` (nothing came back, or nothing usable).
@@ -84,6 +97,7 @@ pub(crate) fn judge_error(error: &GatewayError) -> Judgement {
     Judgement {
         retry: reason,
         health: Some(health),
+        broken: None,
     }
 }
 
@@ -108,6 +122,7 @@ pub(crate) async fn judge_response(
         return Judgement {
             retry: Some(FallbackReason::Credential),
             health: Some(AttemptResult::Answered),
+            broken: None,
         };
     }
     let retry_after_ms = retry_after_ms(response);
@@ -115,39 +130,42 @@ pub(crate) async fn judge_response(
         Some(verdict) => verdict,
         None if status == 200 && head.event_stream && may_retry => {
             return match first_event(response, deadline).await {
-                FirstEvent::Data { error: false } | FirstEvent::Unknown => Judgement {
-                    retry: None,
-                    health: None,
-                },
+                FirstEvent::Data { error: false } | FirstEvent::Unknown => Judgement::relay(),
                 FirstEvent::Data { error: true } => Judgement {
                     retry: Some(FallbackReason::FirstEventError),
                     health: Some(AttemptResult::Failed),
+                    broken: None,
                 },
-                FirstEvent::Failed(reason) => Judgement {
+                FirstEvent::Failed(reason, error) => Judgement {
                     retry: Some(reason),
                     health: Some(AttemptResult::Failed),
+                    broken: Some(error),
                 },
             };
         }
-        None => {
-            return Judgement {
-                retry: None,
-                health: None,
-            }
-        }
+        None => return Judgement::relay(),
     };
     // Read whether or not a fallback is possible: a spend limit must not cool the backend.
-    if status == 429 && spend_limit(response, deadline).await {
-        // The account's money ran out: every backend on the same account says the same, and
-        // the client must be told, not kept waiting.
-        return Judgement {
-            retry: None,
-            health: Some(AttemptResult::Answered),
-        };
-    }
-    Judgement {
-        retry: Some(reason),
-        health: Some(health),
+    match spend_limit(response, status, deadline).await {
+        Ok(true) => {
+            // The account's money ran out: every backend on the same account says the same,
+            // and the client must be told, not kept waiting.
+            Judgement {
+                retry: None,
+                health: Some(AttemptResult::Answered),
+                broken: None,
+            }
+        }
+        Ok(false) => Judgement {
+            retry: Some(reason),
+            health: Some(health),
+            broken: None,
+        },
+        Err(error) => Judgement {
+            retry: Some(reason),
+            health: Some(health),
+            broken: Some(error),
+        },
     }
 }
 
@@ -190,21 +208,32 @@ fn retry_after_ms(response: &UpstreamResponse<'_>) -> Option<u64> {
         .or_else(|| value(b"retry-after").map(|s| (s * 1000.0) as u64))
 }
 
-/// Whether a 429's body says a spend or billing limit was reached (`insufficient_quota`),
-/// reading the rest of a small body if it is not in yet.
-async fn spend_limit(response: &mut UpstreamResponse<'_>, deadline: Instant) -> bool {
+/// Whether a 429's body says a spend or billing limit was reached (`insufficient_quota`).
+/// A Content-Length body (what providers send with an error) is read to its end if it is
+/// small; a body of another framing is judged on the bytes already in, since its end could
+/// not be told without decoding it. `Err`: the read failed or timed out, and the response can
+/// no longer be relayed.
+async fn spend_limit(
+    response: &mut UpstreamResponse<'_>,
+    status: u16,
+    deadline: Instant,
+) -> Result<bool, GatewayError> {
+    if status != 429 {
+        return Ok(false);
+    }
     let wanted = match response.head.framing() {
-        crate::http::BodyFraming::Length(n) => (n as usize).min(MAX_JUDGED),
-        _ => MAX_JUDGED,
+        crate::http::BodyFraming::Length(n) if n as usize <= MAX_JUDGED => n as usize,
+        _ => 0,
     };
     loop {
         let body = &response.buf[response.head.head_len..];
         if memchr::memmem::find(body, b"insufficient_quota").is_some() {
-            return true;
+            return Ok(true);
         }
-        if body.len() >= wanted || !read_more(response, deadline).await {
-            return false;
+        if body.len() >= wanted {
+            return Ok(false);
         }
+        read_more(response, deadline).await?;
     }
 }
 
@@ -212,10 +241,11 @@ enum FirstEvent {
     Data {
         error: bool,
     },
-    /// Not found within [`MAX_JUDGED`] bytes, or the body ended cleanly first.
+    /// Not found within [`MAX_JUDGED`] bytes.
     Unknown,
-    /// The upstream failed or stalled before its first event.
-    Failed(FallbackReason),
+    /// The upstream failed, closed or stalled before its first event: why, and the error to
+    /// answer with (the response can no longer be relayed).
+    Failed(FallbackReason, GatewayError),
 }
 
 /// Read until the stream's first `data:` line is in, and tell whether it is an error.
@@ -227,20 +257,23 @@ async fn first_event(response: &mut UpstreamResponse<'_>, deadline: Instant) -> 
         if response.buf.len() - response.head.head_len >= MAX_JUDGED {
             return FirstEvent::Unknown;
         }
-        let before = Instant::now();
-        if !read_more(response, deadline).await {
-            return FirstEvent::Failed(if Instant::now() >= deadline && before < deadline {
-                FallbackReason::Timeout
-            } else {
-                FallbackReason::Io
-            });
+        if let Err(error) = read_more(response, deadline).await {
+            let reason = match error.kind {
+                ErrorKind::UpstreamTimeout => FallbackReason::Timeout,
+                _ => FallbackReason::Io,
+            };
+            return FirstEvent::Failed(reason, error);
         }
     }
 }
 
-/// One more read into `response.buf` before `deadline`; `false` when it failed, timed out or
-/// the upstream closed.
-async fn read_more(response: &mut UpstreamResponse<'_>, deadline: Instant) -> bool {
+/// One more read into `response.buf` before `deadline`. `Err` (a timeout, a failed read, the
+/// upstream closing): the error to answer with; a timed-out read takes the buffer with it.
+async fn read_more(
+    response: &mut UpstreamResponse<'_>,
+    deadline: Instant,
+) -> Result<(), GatewayError> {
+    use crate::gateway::error::UpstreamFault;
     let limit = deadline.saturating_duration_since(Instant::now());
     let conn = &mut response.conn;
     let outcome = stream::read_spare(&mut response.buf, 4096, 16 * 1024, limit, |b| {
@@ -248,7 +281,20 @@ async fn read_more(response: &mut UpstreamResponse<'_>, deadline: Instant) -> bo
     })
     .await;
     response.read_at = Some(Instant::now());
-    matches!(outcome, ReadOutcome::Data(_))
+    match outcome {
+        ReadOutcome::Data(_) => Ok(()),
+        ReadOutcome::TimedOut => Err(GatewayError::gateway_timeout(
+            "the upstream answered but sent nothing more in time",
+        )),
+        ReadOutcome::Closed => Err(GatewayError::bad_gateway(
+            UpstreamFault::Io,
+            "the upstream closed the connection mid-response",
+        )),
+        ReadOutcome::Failed(e) => Err(GatewayError::bad_gateway(
+            UpstreamFault::Io,
+            format!("upstream connection failed: {e}"),
+        )),
+    }
 }
 
 /// Whether the first `data:` line of a raw event-stream body (chunk-size lines of a chunked

@@ -114,12 +114,20 @@ pub(crate) async fn proxy<'s>(
     // The backend's latency for the strategies that weigh it: the time to the first token of
     // a stream (its head comes at once, before the model has done anything), else to the
     // response head (which, unstreamed, comes with the whole answer).
-    if let Some(health) = obs.routed.and_then(|(_, b)| core.health.get(b)) {
-        if let Some(ttft) = outcome.ttft {
-            health.load.observe_ttft(ttft.as_micros() as f64);
+    // Measured from the last attempt's start (the time lost on backends before it is not this
+    // one's), on answers only (a fast error says nothing of how fast the model is).
+    let answered = (200..300).contains(&obs.status) && result.is_ok();
+    let health = obs.routed.and_then(|(_, b)| core.health.get(b));
+    if let (Some(health), Some(started), true) = (health, obs.forward.started_at, answered) {
+        let now = crate::sys::time::mono_ms();
+        let since_start = |after_receipt: std::time::Duration| {
+            (request.received_at + after_receipt).saturating_duration_since(started)
+        };
+        if let Some(ttft) = outcome.ttft.map(since_start) {
+            health.load.observe_ttft(ttft.as_micros() as f64, now);
         }
-        if let Some(latency) = outcome.ttft.or(outcome.upstream_header) {
-            let now = crate::sys::time::mono_ms();
+        let latency = outcome.ttft.map(since_start).or(outcome.upstream_header);
+        if let Some(latency) = latency {
             health.load.observe_latency(latency.as_micros() as f64, now);
         }
     }
@@ -183,9 +191,10 @@ pub(crate) async fn admit_request<'s>(
         crate::openai::tokens::estimate_tokens(request.body) + inspection.max_tokens.unwrap_or(0)
     };
     // For a sticky route: the session id and the affinity cookie, from the head.
-    let session_of = |rule: &crate::config::sticky::StickyRule| {
+    let session_of = |rule: &crate::config::sticky::StickyRule, route: &str| {
         sticky::session(
             rule,
+            route,
             &core.snapshot.sticky_keys,
             request,
             crate::sys::time::unix_secs(),
@@ -246,8 +255,8 @@ async fn serve<'s>(
     loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
         // A half-open backend takes one probe at a time: one that lost the race is passed over.
-        // The guard counts the attempt in the backend's in-flight number until it ends.
-        let _in_flight = match target.health {
+        // The guard counts the attempt in flight, and records its outcome exactly once.
+        let mut attempt = match target.health {
             Some(h) => match h.begin(crate::sys::time::mono_ms(), settings) {
                 Some(guard) => Some(guard),
                 None => match candidates.next_fallback(model) {
@@ -275,11 +284,10 @@ async fn serve<'s>(
         obs.forward = timings;
 
         // Fallback: may another backend (or credential) do better? Decided before a byte
-        // reaches the client.
-        let now = crate::sys::time::mono_ms();
-        let other_credential = target.with_other_credential(core.health, core.rng, now);
-        let may_retry = attempts < settings.max_attempts
-            && (other_credential.is_some() || candidates.clone().next_fallback(model).is_some());
+        // reaches the client. Reading on to judge (a 429's body, a stream's first event) is
+        // worth it only when another backend could take the request.
+        let may_retry =
+            attempts < settings.max_attempts && candidates.clone().next_fallback(model).is_some();
         let key_pool = target.cluster.credentials.len() > 1;
         let judgement = match &mut sent {
             Err(e) => fallback::judge_error(e),
@@ -289,8 +297,10 @@ async fn serve<'s>(
                 fallback::judge_response(response, may_retry, key_pool, deadline).await
             }
         };
-        if let (Some(health), Some(result)) = (target.health, judgement.health) {
-            health.record(result, now, settings);
+        // Read again: judging may have waited.
+        let now = crate::sys::time::mono_ms();
+        if let (Some(attempt), Some(result)) = (attempt.as_mut(), judgement.health) {
+            attempt.record(result, now, settings);
         }
         if judgement.retry == Some(fallback::FallbackReason::Credential) {
             // Only the credential is benched: the backend answered.
@@ -300,14 +310,17 @@ async fn serve<'s>(
                     .bench_credential(target.cluster_id, index, until);
             }
         }
-        if let Some(reason) = judgement.retry.filter(|_| may_retry) {
-            let within_budget = target.health.is_none_or(|h| h.allow_retry(now, settings));
+        if let Some(reason) = judgement.retry.filter(|_| attempts < settings.max_attempts) {
             let next = match reason {
-                fallback::FallbackReason::Credential => other_credential,
+                fallback::FallbackReason::Credential => {
+                    target.with_other_credential(core.health, core.rng, now)
+                }
                 _ => None,
             }
             .or_else(|| candidates.next_fallback(model));
-            if let Some(next) = next.filter(|_| within_budget) {
+            // Charged only when there is somewhere to go.
+            let next = next.filter(|_| target.health.is_none_or(|h| h.allow_retry(now, settings)));
+            if let Some(next) = next {
                 observe::failed_attempt(core.metrics, obs, target.backend.id, reason);
                 obs.fallbacks += 1;
                 obs.fallback_reason = reason.label();
@@ -327,10 +340,23 @@ async fn serve<'s>(
             Ok(response) => response,
             Err(e) => return (Err(e), target.mapped_model),
         };
+        if let Some(broken) = judgement.broken {
+            // Judging lost the response (a read timed out or failed), and nowhere else to go:
+            // answered as the upstream failure it is.
+            response.conn.abort();
+            return (Err(broken), target.mapped_model);
+        }
         // Sticky: the session stays with the backend that answered (a fallback re-pins it),
         // and an affinity cookie names it.
         if let Some((rule, session)) = candidates.sticky {
-            keep_session(core, rule, session, &target, obs);
+            keep_session(
+                core,
+                candidates.route_pattern(),
+                rule,
+                session,
+                &target,
+                obs,
+            );
         }
         let side = ClientSide {
             head_only: false,
@@ -339,7 +365,7 @@ async fn serve<'s>(
             strip_usage: usage_requested,
         };
         let relayed = relay::relay(core.io(), client, response, side, obs).await;
-        if let (Some(health), None) = (target.health, judgement.health) {
+        if let Some(attempt) = attempt.as_mut().filter(|a| !a.recorded()) {
             let result = match &relayed {
                 Ok(r) => match r.end {
                     RelayEnd::UpstreamCut(_) => AttemptResult::Failed,
@@ -348,7 +374,7 @@ async fn serve<'s>(
                 },
                 Err(_) => AttemptResult::Failed,
             };
-            health.record(result, crate::sys::time::mono_ms(), settings);
+            attempt.record(result, crate::sys::time::mono_ms(), settings);
         }
         return (relayed, target.mapped_model);
     }
@@ -356,9 +382,11 @@ async fn serve<'s>(
 
 /// A sticky session's pin and affinity cookie follow the backend that answered: re-pinned when
 /// a fallback served it, and a `Set-Cookie` (in the response's extra header lines) unless the
-/// request's cookie already names it.
+/// request's cookie already names it. Both slide: renewed once less than half their time is
+/// left, so an active conversation is never moved just because its pin aged.
 fn keep_session(
     core: PerCore<'_>,
+    route: &str,
     rule: &crate::config::sticky::StickyRule,
     session: sticky::Session,
     target: &crate::gateway::route::Target<'_>,
@@ -366,21 +394,20 @@ fn keep_session(
 ) {
     let identity = core.health.identity(target.backend.id);
     let now = crate::sys::time::unix_secs();
+    let fresh = |until: u64| until.saturating_sub(now) > rule.ttl_secs / 2;
     obs.sticky_id_hash = session.id.unwrap_or(0);
     if let (Some(id), Some(pins)) = (session.id, core.health.pins()) {
-        if pins.get(id, now) != Some(identity) {
+        let current = pins.get_until(id, now);
+        if !current.is_some_and(|(backend, until)| backend == identity && fresh(until)) {
             pins.pin(id, identity, now + rule.ttl_secs, now);
         }
     }
     if let Some(name) = &rule.cookie {
-        if session.cookie_backend != Some(identity) {
-            if let Some(line) = sticky::seal(
-                &core.snapshot.sticky_keys,
-                name,
-                identity,
-                rule.ttl_secs,
-                now,
-            ) {
+        let current = session.cookie_backend;
+        if !current.is_some_and(|(backend, until)| backend == identity && fresh(until)) {
+            let aad = sticky::aad(name, route);
+            let keys = &core.snapshot.sticky_keys;
+            if let Some(line) = sticky::seal(keys, name, &aad, identity, rule.ttl_secs, now) {
                 obs.rate_headers.push_str(&line);
             }
         }

@@ -59,7 +59,8 @@ impl<'s> Target<'s> {
             rng,
             now,
             Some(current),
-        )?;
+        )
+        .filter(|&i| !health.credential_benched(self.cluster_id, i, now))?;
         Some(Target {
             credential: Some((index, &self.cluster.credentials[index])),
             ..*self
@@ -114,10 +115,19 @@ pub(crate) struct Candidates<'s> {
     primary: Target<'s>,
     /// The route's sticky rule and what the request said of its session.
     pub(crate) sticky: Option<(&'s StickyRule, Session)>,
-    /// The group being walked, and where in it.
-    group: usize,
+    /// The group the walk started in (the primary's: a pinned session's may be a later one),
+    /// how many groups on it is now (wrapping round to the earlier ones), and where in it.
+    start_group: usize,
+    group_step: usize,
     walk: Option<Walk>,
+    /// The (backend, model) pairs already yielded, the primary first: a pair listed in two
+    /// groups is tried once, and the same backend with another model is a fallback of its own.
+    tried: [(usize, Option<&'s str>); MAX_TRIED],
+    tried_len: usize,
 }
+
+/// More than `routing.max_attempts` (at most 10) can use.
+const MAX_TRIED: usize = 12;
 
 /// A walk through one group: the targets in rotation from the picked one, and in each target
 /// the cluster's backends in rotation from one picked by weight.
@@ -135,11 +145,22 @@ impl<'s> Candidates<'s> {
         self.primary
     }
 
+    /// The route's model pattern, as written.
+    pub(crate) fn route_pattern(&self) -> &'s str {
+        self.route.pattern.source()
+    }
+
     /// The next fallback after the primary (and the fallbacks already yielded), for a request
     /// for `model`; `None` when every target was walked.
     pub(crate) fn next_fallback(&mut self, model: &str) -> Option<Target<'s>> {
+        // Availability as of now: an attempt before this one may have taken a while.
+        self.now = crate::sys::time::mono_ms();
+        let groups = self.route.groups.len();
         loop {
-            let group = self.route.groups.get(self.group)?;
+            if self.group_step >= groups || self.tried_len >= MAX_TRIED {
+                return None;
+            }
+            let group = &self.route.groups[(self.start_group + self.group_step) % groups];
             let Some(walk) = self.walk.as_mut() else {
                 let picker = Picker {
                     snapshot: self.snapshot,
@@ -151,24 +172,27 @@ impl<'s> Candidates<'s> {
                 };
                 self.walk = picker.start_walk(group);
                 if self.walk.is_none() {
-                    self.group += 1;
+                    self.group_step += 1;
                 }
                 continue;
             };
             let Some((t, b)) = walk.advance(self.snapshot, self.health, group, self.rng, self.now)
             else {
                 self.walk = None;
-                self.group += 1;
+                self.group_step += 1;
                 continue;
             };
             let target = self.target(group, t, b, model);
-            if target.backend.id == self.primary.backend.id {
+            let pair = (target.backend.id, target.mapped_model);
+            if self.tried[..self.tried_len].contains(&pair) {
                 continue;
             }
             let fits = group.targets[t]
                 .context_window
                 .is_none_or(|w| w >= self.needed_tokens);
             if fits && target.health.is_none_or(|h| available(h, self.now)) {
+                self.tried[self.tried_len] = pair;
+                self.tried_len += 1;
                 return Some(target);
             }
         }
@@ -390,17 +414,19 @@ impl<'s> Picker<'s, '_> {
             }),
             Strategy::PeakEwma => self.two_choices(options, |o| {
                 signals(o).map_or(0.0, |l| {
-                    l.latency_us().unwrap_or(0.0) * f64::from(l.in_flight() + 1)
+                    l.latency_us(self.now).unwrap_or(0.0) * f64::from(l.in_flight() + 1)
                 })
             }),
             Strategy::QueueAware => self.two_choices(options, |o| {
                 signals(o).map_or(0.0, |l| l.queue_depth(self.now, stale) as f64)
             }),
             Strategy::LowestTtft => self.lowest(options, |o| {
-                signals(o).and_then(|l| l.ttft_us()).unwrap_or(0.0)
+                signals(o).and_then(|l| l.ttft_us(self.now)).unwrap_or(0.0)
             }),
             Strategy::LatencyFirst => self.lowest(options, |o| {
-                let latency = signals(o).and_then(|l| l.latency_us()).unwrap_or(0.0);
+                let latency = signals(o)
+                    .and_then(|l| l.latency_us(self.now))
+                    .unwrap_or(0.0);
                 latency / (1.0 - self.load(o, stale).min(0.99))
             }),
             Strategy::QualityFirst => {
@@ -490,7 +516,7 @@ pub(crate) fn route<'s>(
     health: &'s HealthTable,
     model: &str,
     needed_tokens: &dyn Fn() -> u64,
-    session_of: &dyn Fn(&StickyRule) -> Session,
+    session_of: &dyn Fn(&StickyRule, &str) -> Session,
     rng: &'s Cell<u64>,
 ) -> Result<Candidates<'s>, GatewayError> {
     let route = snapshot
@@ -515,13 +541,19 @@ pub(crate) fn route<'s>(
         model,
     };
     // A session's pinned backend first, while it is available, fits and is under the load cap.
-    let sticky = route.sticky.as_ref().map(|rule| (rule, session_of(rule)));
+    let sticky = route
+        .sticky
+        .as_ref()
+        .map(|rule| (rule, session_of(rule, route.pattern.source())));
     let now_s = crate::sys::time::unix_secs();
     let pinned = sticky.and_then(|(_, session)| {
-        session.cookie_backend.or_else(|| {
-            let id = session.id?;
-            health.pins()?.get(id, now_s)
-        })
+        session
+            .cookie_backend
+            .map(|(backend, _)| backend)
+            .or_else(|| {
+                let id = session.id?;
+                health.pins()?.get(id, now_s)
+            })
     });
     let pinned_walk = pinned.and_then(|identity| picker.find_pinned(route, identity));
     let started = pinned_walk.or_else(|| {
@@ -552,6 +584,8 @@ pub(crate) fn route<'s>(
                 pins.pin(id, identity, now_s + rule.ttl_secs, now_s);
             }
         }
+        let mut tried = [(usize::MAX, None); MAX_TRIED];
+        tried[0] = (primary.backend.id, primary.mapped_model);
         return Ok(Candidates {
             snapshot,
             health,
@@ -561,8 +595,11 @@ pub(crate) fn route<'s>(
             needed_tokens,
             primary,
             sticky,
-            group: g,
+            start_group: g,
+            group_step: 0,
             walk: Some(walk),
+            tried,
+            tried_len: 1,
         });
     }
     // Nothing could take it: because no window is large enough (the client's to fix), or
@@ -680,7 +717,7 @@ mod tests {
         let h = table(&s);
         let rng = Cell::new(1);
         let primary = |model| {
-            route(&s, &h, model, &|| 0, &|_| Session::default(), &rng)
+            route(&s, &h, model, &|| 0, &|_, _| Session::default(), &rng)
                 .unwrap()
                 .primary()
         };
@@ -690,7 +727,7 @@ mod tests {
         assert_eq!(primary("gpt-4o-mini").cluster.name, "a");
         assert_eq!(primary("gpt-3.5").cluster.name, "b");
         assert_eq!(primary("gpt-3.5").mapped_model, None);
-        let e = route(&s, &h, "claude", &|| 0, &|_| Session::default(), &rng)
+        let e = route(&s, &h, "claude", &|| 0, &|_, _| Session::default(), &rng)
             .err()
             .unwrap();
         assert_eq!((e.status(), e.code()), (404, Some("model_not_found")));
@@ -726,7 +763,7 @@ mod tests {
         for seed in 1..64u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
             let mut candidates =
-                route(&s, &h, "gpt-4o", &|| 0, &|_| Session::default(), &rng).unwrap();
+                route(&s, &h, "gpt-4o", &|| 0, &|_, _| Session::default(), &rng).unwrap();
             let primary = candidates.primary();
             seen_primaries.insert(primary.backend.id);
             let rest = walk(&mut candidates.clone(), "gpt-4o");
@@ -746,7 +783,7 @@ mod tests {
         // A one-backend cluster has no fallback.
         let rng = Cell::new(7);
         assert!(
-            route(&s, &h, "gpt-3.5", &|| 0, &|_| Session::default(), &rng)
+            route(&s, &h, "gpt-3.5", &|| 0, &|_, _| Session::default(), &rng)
                 .unwrap()
                 .next_fallback("gpt-3.5")
                 .is_none()
@@ -790,7 +827,7 @@ mod tests {
         let mut primaries = std::collections::BTreeSet::new();
         for seed in 1..64u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut c = route(&s, &h, "gpt-4o", &|| 0, &|_| Session::default(), &rng).unwrap();
+            let mut c = route(&s, &h, "gpt-4o", &|| 0, &|_, _| Session::default(), &rng).unwrap();
             let p = c.primary();
             primaries.insert(p.backend.id);
             let mut all = vec![p.backend.id];
@@ -846,7 +883,7 @@ mod tests {
         }
         for seed in 1..16u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut c = route(&s, &h, "gpt-4o", &|| 0, &|_| Session::default(), &rng).unwrap();
+            let mut c = route(&s, &h, "gpt-4o", &|| 0, &|_, _| Session::default(), &rng).unwrap();
             assert_eq!(c.primary().backend.id, azure[0]);
             assert_eq!(walk(&mut c, "gpt-4o"), local);
         }
@@ -859,11 +896,62 @@ mod tests {
             }
         }
         let rng = Cell::new(3);
-        let e = route(&s, &h, "gpt-4o", &|| 0, &|_| Session::default(), &rng)
+        let e = route(&s, &h, "gpt-4o", &|| 0, &|_, _| Session::default(), &rng)
             .err()
             .unwrap();
         assert_eq!((e.status(), e.code()), (503, Some("upstream_unavailable")));
         // The soonest back is the cooled pair (2 s).
         assert_eq!(e.retry_after, Some(2));
+    }
+
+    #[test]
+    fn the_same_backend_with_another_model_is_a_fallback_and_earlier_groups_come_back_round() {
+        use crate::upstream::health::AttemptResult;
+        let text = r#"
+            [clusters.a]
+            backends = [{ base_url = "http://127.0.0.1:1/v1" }]
+            [clusters.b]
+            backends = [{ base_url = "http://127.0.0.1:2/v1" }]
+            [[routes]]
+            model = "m"
+            groups = [{ targets = [{ cluster = "a" }] }, { targets = [{ cluster = "a", model = "m-mini" }] }]
+            [[routes]]
+            model = "n"
+            groups = [{ targets = [{ cluster = "a" }] }, { targets = [{ cluster = "b" }] }]
+        "#;
+        let s = crate::config::load(text, &|_| None).unwrap();
+        let h = table(&s);
+        let rng = Cell::new(5);
+        // One backend, two models: the second group is a fallback of its own.
+        let mut c = route(&s, &h, "m", &|| 0, &|_, _| Session::default(), &rng).unwrap();
+        assert_eq!(c.primary().mapped_model, None);
+        let next = c.next_fallback("m").unwrap();
+        assert_eq!(
+            (next.backend.id, next.mapped_model),
+            (c.primary().backend.id, Some("m-mini"))
+        );
+        assert!(c.next_fallback("m").is_none());
+
+        // The first group's backend is cooling: the walk starts in the second group, and comes
+        // back round to the first once it is available again.
+        let a = s.clusters.iter().find(|c| c.name == "a").unwrap().backends[0].id;
+        let now = crate::sys::time::mono_ms();
+        h.get(a).unwrap().record(
+            AttemptResult::Cool {
+                ms: Some(40),
+                failed: false,
+            },
+            now,
+            &s.routing,
+        );
+        let mut c = route(&s, &h, "n", &|| 0, &|_, _| Session::default(), &rng).unwrap();
+        assert_ne!(c.primary().backend.id, a);
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "a unit test's own thread, not a worker: it waits out the cool-down"
+        )]
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        assert_eq!(c.next_fallback("n").map(|t| t.backend.id), Some(a));
+        assert!(c.next_fallback("n").is_none());
     }
 }

@@ -19,15 +19,18 @@ use crate::upstream::health::identity_hash;
 /// What a request says of its session.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Session {
-    /// The session id's hash.
+    /// The session id's hash, bound to the route (the same id sent to two sticky routes is two
+    /// sessions, each pinned in its own route).
     pub(crate) id: Option<u64>,
-    /// The backend identity a valid affinity cookie names.
-    pub(crate) cookie_backend: Option<u64>,
+    /// The backend identity a valid affinity cookie names, and until when (unix seconds).
+    pub(crate) cookie_backend: Option<(u64, u64)>,
 }
 
-/// Read the request's session under `rule`; `now` in unix seconds.
+/// Read the request's session under `rule`, the sticky rule of the route `route` (its model
+/// pattern); `now` in unix seconds.
 pub(crate) fn session(
     rule: &StickyRule,
+    route: &str,
     keys: &StickyKeys,
     request: &Request<'_>,
     now: u64,
@@ -36,13 +39,26 @@ pub(crate) fn session(
         .sources
         .iter()
         .find_map(|source| source_value(source, request))
-        .map(identity_hash);
-    let cookie_backend = rule
-        .cookie
-        .as_deref()
-        .and_then(|name| cookie(request, name))
-        .and_then(|value| open(keys, rule.cookie.as_deref().unwrap_or(""), value, now));
+        .map(|value| session_hash(route, value));
+    let cookie_backend = rule.cookie.as_deref().and_then(|name| {
+        let value = cookie(request, name)?;
+        open(keys, &aad(name, route), value, now)
+    });
     Session { id, cookie_backend }
+}
+
+/// A session id's hash within a route.
+fn session_hash(route: &str, id: &str) -> u64 {
+    let mut h = identity_hash(route);
+    for b in [0xff].iter().chain(id.as_bytes()) {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// What a cookie is bound to: its name and its route (a cookie is not good for another).
+pub(crate) fn aad(name: &str, route: &str) -> String {
+    format!("{name}\n{route}")
 }
 
 fn source_value<'r>(source: &StickySource, request: &Request<'r>) -> Option<&'r str> {
@@ -93,11 +109,12 @@ fn query<'r>(request: &Request<'r>, name: &str) -> Option<&'r str> {
 /// The plaintext: the backend identity and the expiry, little-endian.
 const PLAIN_LEN: usize = 16;
 
-/// The `Set-Cookie` header line naming `backend` for `ttl_secs`, sealed with the first key;
-/// `None` without a key or a random nonce.
+/// The `Set-Cookie` header line naming `backend` for `ttl_secs`, sealed with the first key and
+/// bound to `aad` (see [`aad`]); `None` without a key or a random nonce.
 pub(crate) fn seal(
     keys: &StickyKeys,
     name: &str,
+    aad: &str,
     backend: u64,
     ttl_secs: u64,
     now: u64,
@@ -111,37 +128,40 @@ pub(crate) fn seal(
     data.extend_from_slice(&(now + ttl_secs).to_le_bytes());
     key.seal_in_place_append_tag(
         Nonce::assume_unique_for_key(nonce),
-        Aad::from(name.as_bytes()),
+        Aad::from(aad.as_bytes()),
         &mut data,
     )
     .ok()?;
-    let mut line = format!("set-cookie: {name}={kid}.");
+    use std::fmt::Write as _;
+    let mut line = String::with_capacity(160);
+    let _ = write!(line, "set-cookie: {name}={kid}.");
     for b in nonce.iter().chain(&data) {
-        line.push_str(&format!("{b:02x}"));
+        let _ = write!(line, "{b:02x}");
     }
-    line.push_str(&format!(
+    let _ = write!(
+        line,
         "; Path=/; Max-Age={ttl_secs}; HttpOnly; SameSite=Lax\r\n"
-    ));
+    );
     Some(line)
 }
 
-/// The backend identity a cookie value names, if it opens with one of `keys` and has not
-/// expired at `now`.
-fn open(keys: &StickyKeys, name: &str, value: &str, now: u64) -> Option<u64> {
+/// The backend identity a cookie value names and its expiry, if it opens with one of `keys`
+/// under `aad` and has not expired at `now`.
+fn open(keys: &StickyKeys, aad: &str, value: &str, now: u64) -> Option<(u64, u64)> {
     let (kid, sealed) = value.split_once('.')?;
     let kid: u32 = kid.parse().ok()?;
     let (_, key) = keys.keys.iter().find(|(id, _)| *id == kid)?;
-    let mut bytes = decode_hex(sealed)?;
-    if bytes.len() != NONCE_LEN + PLAIN_LEN + key.algorithm().tag_len() {
+    if sealed.len() != 2 * (NONCE_LEN + PLAIN_LEN + key.algorithm().tag_len()) {
         return None;
     }
+    let mut bytes = decode_hex(sealed)?;
     let nonce = Nonce::try_assume_unique_for_key(&bytes[..NONCE_LEN]).ok()?;
     let plain = key
-        .open_in_place(nonce, Aad::from(name.as_bytes()), &mut bytes[NONCE_LEN..])
+        .open_in_place(nonce, Aad::from(aad.as_bytes()), &mut bytes[NONCE_LEN..])
         .ok()?;
     let backend = u64::from_le_bytes(plain[..8].try_into().ok()?);
     let until = u64::from_le_bytes(plain[8..16].try_into().ok()?);
-    (until > now).then_some(backend)
+    (until > now).then_some((backend, until))
 }
 
 #[cfg(test)]
@@ -172,14 +192,14 @@ mod tests {
     #[test]
     fn a_sealed_cookie_opens_until_it_expires_and_only_unaltered() {
         let k = keys(&[(2, 7), (1, 9)]);
-        let line = seal(&k, "aff", 0xdead_beef, 60, 1_000).unwrap();
+        let line = seal(&k, "aff", "aff", 0xdead_beef, 60, 1_000).unwrap();
         assert!(
             line.ends_with("; Path=/; Max-Age=60; HttpOnly; SameSite=Lax\r\n"),
             "{line}"
         );
         let v = value(&line);
         assert!(v.starts_with("2."), "sealed with the first key: {v}");
-        assert_eq!(open(&k, "aff", v, 1_000), Some(0xdead_beef));
+        assert_eq!(open(&k, "aff", v, 1_000), Some((0xdead_beef, 1_060)));
         assert_eq!(open(&k, "aff", v, 1_060), None, "expired");
         // Any altered byte, another name, an unknown key id, garbage: ignored.
         let mut altered = v.as_bytes().to_vec();
@@ -195,9 +215,14 @@ mod tests {
         assert_eq!(open(&k, "aff", "", 1_000), None);
         // Rotation: a cookie sealed with the old key (now second) still opens.
         let old = keys(&[(1, 9)]);
-        let old_line = seal(&old, "aff", 5, 60, 1_000).unwrap();
-        assert_eq!(open(&k, "aff", value(&old_line), 1_000), Some(5));
+        let old_line = seal(&old, "aff", "aff", 5, 60, 1_000).unwrap();
+        assert_eq!(open(&k, "aff", value(&old_line), 1_000), Some((5, 1_060)));
+        // Bound to what it was sealed for: not good for another route's cookie.
+        assert_eq!(open(&k, "aff\nother-route", value(&old_line), 1_000), None);
         // Two seals of the same backend differ (a fresh nonce each).
-        assert_ne!(seal(&k, "aff", 5, 60, 1_000), seal(&k, "aff", 5, 60, 1_000));
+        assert_ne!(
+            seal(&k, "aff", "aff", 5, 60, 1_000),
+            seal(&k, "aff", "aff", 5, 60, 1_000)
+        );
     }
 }

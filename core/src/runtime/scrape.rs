@@ -42,6 +42,8 @@ pub(crate) struct Scraper {
 const MAX_PAGE: usize = 1 << 20;
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 const IO_TIMEOUT: Duration = Duration::from_secs(1);
+/// The most one backend's scrape may take, connect included.
+const FETCH_DEADLINE: Duration = Duration::from_millis(1500);
 
 impl Scraper {
     /// Start the thread (only when some cluster asks for queue metrics, now or after a reload:
@@ -60,7 +62,8 @@ impl Scraper {
     pub(crate) fn replan(&self, snapshot: &Snapshot, health: &HealthTable) {
         let mut targets = Vec::new();
         for cluster in snapshot.clusters.iter().filter(|c| c.queue_metrics) {
-            for backend in &cluster.backends {
+            // Plain HTTP only: a TLS backend's metrics are not read (documented).
+            for backend in cluster.backends.iter().filter(|b| !b.tls) {
                 let (Some(&addr), Some(h)) = (backend.addrs.first(), health.shared(backend.id))
                 else {
                     continue;
@@ -106,10 +109,11 @@ fn run(plans: &mpsc::Receiver<Plan>) {
     }
 }
 
-/// `GET /metrics` over HTTP/1.0 (so the body is not chunked), the body of a 200.
+/// `GET /metrics` over HTTP/1.0 (so the body is not chunked), the body of a 200; all of it
+/// within [`FETCH_DEADLINE`], however slowly the endpoint drips.
 fn fetch(addr: SocketAddr, host: &str) -> Option<String> {
+    let deadline = Instant::now() + FETCH_DEADLINE;
     let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).ok()?;
-    stream.set_read_timeout(Some(IO_TIMEOUT)).ok()?;
     stream.set_write_timeout(Some(IO_TIMEOUT)).ok()?;
     write!(
         stream,
@@ -117,7 +121,16 @@ fn fetch(addr: SocketAddr, host: &str) -> Option<String> {
     )
     .ok()?;
     let mut page = Vec::new();
-    stream.take(MAX_PAGE as u64).read_to_end(&mut page).ok()?;
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        stream.set_read_timeout(Some(left.min(IO_TIMEOUT))).ok()?;
+        match stream.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) if page.len() + n <= MAX_PAGE => page.extend_from_slice(&chunk[..n]),
+            Ok(_) | Err(_) => return None,
+        }
+    }
     let text = String::from_utf8_lossy(&page);
     let (head, body) = text.split_once("\r\n\r\n")?;
     let status = head.split_whitespace().nth(1)?;

@@ -51,11 +51,16 @@ impl PinTable {
 
     /// The backend `id` is pinned to, if the pin still holds at `now` (unix seconds).
     pub(crate) fn get(&self, id: u64, now: u64) -> Option<u64> {
+        self.get_until(id, now).map(|(backend, _)| backend)
+    }
+
+    /// The pinned backend and until when the pin holds.
+    pub(crate) fn get_until(&self, id: u64, now: u64) -> Option<(u64, u64)> {
         let key = id.max(1);
         self.probe(key)
             .find(|s| s.key.load(Relaxed) == key)
-            .filter(|s| s.until.load(Relaxed) > now)
-            .map(|s| s.backend.load(Relaxed))
+            .map(|s| (s.backend.load(Relaxed), s.until.load(Relaxed)))
+            .filter(|(_, until)| *until > now)
     }
 
     /// Pin `id` to `backend` until `until` (unix seconds).

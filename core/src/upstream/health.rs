@@ -82,8 +82,9 @@ pub(crate) struct LoadSignals {
     /// µs (f64 bits); 0 bits: no sample yet.
     latency_us: AtomicU64,
     latency_at: AtomicU64,
-    /// EWMA of streams' time to first token, µs (f64 bits).
+    /// EWMA of streams' time to first token, µs (f64 bits), and its last sample's time.
     ttft_us: AtomicU64,
+    ttft_at: AtomicU64,
     /// From the backend's metrics endpoint: requests waiting and running, KV-cache use
     /// (per mille), and when they were read ([`mono_ms`](crate::sys::time::mono_ms); 0: never).
     waiting: AtomicU32,
@@ -96,6 +97,12 @@ pub(crate) struct LoadSignals {
 const LATENCY_DECAY_MS: f64 = 10_000.0;
 /// The weight of a new time-to-first-token sample.
 const TTFT_ALPHA: f64 = 0.3;
+/// How long a latency reading takes to fade by a factor e with no new sample.
+const FADE_MS: f64 = 30_000.0;
+
+fn fade(elapsed_ms: u64) -> f64 {
+    (-(elapsed_ms as f64) / FADE_MS).exp()
+}
 
 impl LoadSignals {
     pub(crate) fn in_flight(&self) -> u32 {
@@ -104,21 +111,32 @@ impl LoadSignals {
 
     /// Peak-EWMA latency in µs (`None`: no sample yet): a slower sample is taken at once, a
     /// faster one pulls the average down over [`LATENCY_DECAY_MS`].
-    pub(crate) fn latency_us(&self) -> Option<f64> {
+    fn latency_sample(&self) -> Option<f64> {
         let bits = self.latency_us.load(Relaxed);
         (bits != 0).then(|| f64::from_bits(bits))
     }
 
-    pub(crate) fn ttft_us(&self) -> Option<f64> {
+    /// The latency as of `now`: it fades while no sample comes, so a backend that once looked
+    /// slow is tried again after a while (a strategy that always takes the lowest would
+    /// otherwise never send it the request that would show it recovered).
+    pub(crate) fn latency_us(&self, now: u64) -> Option<f64> {
+        let at = self.latency_at.load(Relaxed);
+        self.latency_sample()
+            .map(|v| v * fade(now.saturating_sub(at)))
+    }
+
+    /// The time-to-first-token EWMA as of `now`, fading like [`latency_us`](Self::latency_us).
+    pub(crate) fn ttft_us(&self, now: u64) -> Option<f64> {
         let bits = self.ttft_us.load(Relaxed);
-        (bits != 0).then(|| f64::from_bits(bits))
+        let at = self.ttft_at.load(Relaxed);
+        (bits != 0).then(|| f64::from_bits(bits) * fade(now.saturating_sub(at)))
     }
 
     /// The first useful byte (a stream's first token, else the response head) came `us` after
     /// the request went out.
     pub(crate) fn observe_latency(&self, us: f64, now: u64) {
         let us = us.max(1.0);
-        let next = match self.latency_us() {
+        let next = match self.latency_sample() {
             None => us,
             Some(old) if us > old => us,
             Some(old) => {
@@ -131,13 +149,16 @@ impl LoadSignals {
         self.latency_at.store(now, Relaxed);
     }
 
-    pub(crate) fn observe_ttft(&self, us: f64) {
+    pub(crate) fn observe_ttft(&self, us: f64, now: u64) {
         let us = us.max(1.0);
-        let next = match self.ttft_us() {
-            None => us,
-            Some(old) => old * (1.0 - TTFT_ALPHA) + us * TTFT_ALPHA,
+        let bits = self.ttft_us.load(Relaxed);
+        let next = if bits == 0 {
+            us
+        } else {
+            f64::from_bits(bits) * (1.0 - TTFT_ALPHA) + us * TTFT_ALPHA
         };
         self.ttft_us.store(next.to_bits(), Relaxed);
+        self.ttft_at.store(now, Relaxed);
     }
 
     /// What the backend's metrics endpoint said just now.
@@ -189,13 +210,38 @@ impl LoadSignals {
     }
 }
 
-/// Counts one attempt in its backend's in-flight number until dropped.
+/// One attempt claimed by [`BackendHealth::begin`]: counted in the backend's in-flight number
+/// until dropped, and recorded once ([`AttemptGuard::record`]). It knows whether it holds the
+/// half-open probe, so only the probe's answer moves the breaker; dropped unrecorded (the
+/// request went away), a probe is released.
 #[derive(Debug)]
-pub(crate) struct InFlightGuard<'h>(&'h BackendHealth);
+pub(crate) struct AttemptGuard<'h> {
+    health: &'h BackendHealth,
+    probe: bool,
+    recorded: bool,
+}
 
-impl Drop for InFlightGuard<'_> {
+impl AttemptGuard<'_> {
+    /// What the attempt turned out to be (the first call counts; later ones are ignored).
+    pub(crate) fn record(&mut self, result: AttemptResult, now: u64, settings: &RoutingSettings) {
+        if !self.recorded {
+            self.recorded = true;
+            self.health
+                .record_attempt(result, now, settings, self.probe);
+        }
+    }
+
+    pub(crate) fn recorded(&self) -> bool {
+        self.recorded
+    }
+}
+
+impl Drop for AttemptGuard<'_> {
     fn drop(&mut self) {
-        self.0.load.in_flight.fetch_sub(1, Relaxed);
+        self.health.load.in_flight.fetch_sub(1, Relaxed);
+        if self.probe && !self.recorded {
+            self.health.probe_out.store(false, Relaxed);
+        }
     }
 }
 
@@ -222,29 +268,47 @@ impl BackendHealth {
     /// Claim the attempt about to be sent: the probe, when half-open (`None`: another request
     /// took it first, try elsewhere). Counts the request in the retry budget's window, and in
     /// flight while the guard lives.
-    pub(crate) fn begin(&self, now: u64, settings: &RoutingSettings) -> Option<InFlightGuard<'_>> {
-        match self.availability(now) {
-            Availability::Available => {}
+    pub(crate) fn begin(&self, now: u64, settings: &RoutingSettings) -> Option<AttemptGuard<'_>> {
+        let probe = match self.availability(now) {
+            Availability::Available => false,
             Availability::Probe => {
                 if self.probe_out.swap(true, Relaxed) {
                     return None;
                 }
+                true
             }
             Availability::Out { .. } => return None,
-        }
+        };
         self.roll_window(now, settings);
         self.window_requests.fetch_add(1, Relaxed);
         self.load.in_flight.fetch_add(1, Relaxed);
-        Some(InFlightGuard(self))
+        Some(AttemptGuard {
+            health: self,
+            probe,
+            recorded: false,
+        })
     }
 
-    /// What the attempt [`begin`](Self::begin) claimed turned out to be.
+    /// What an attempt that was not the probe turned out to be (tests, and attempts made
+    /// without a guard).
+    #[cfg(test)]
     pub(crate) fn record(&self, result: AttemptResult, now: u64, settings: &RoutingSettings) {
-        let half_open = self.open_until.load(Relaxed) != 0;
+        self.record_attempt(result, now, settings, false);
+    }
+
+    /// Only the probe's answer moves a half-open breaker: an attempt that started before the
+    /// breaker opened and ends now is counted, but neither closes nor re-opens it.
+    fn record_attempt(
+        &self,
+        result: AttemptResult,
+        now: u64,
+        settings: &RoutingSettings,
+        probe: bool,
+    ) {
         match result {
             AttemptResult::Answered => {
                 self.consecutive_failures.store(0, Relaxed);
-                if half_open {
+                if probe {
                     let successes = self.probe_successes.fetch_add(1, Relaxed) + 1;
                     if successes >= settings.breaker.successes {
                         self.close();
@@ -252,31 +316,31 @@ impl BackendHealth {
                     self.probe_out.store(false, Relaxed);
                 }
             }
-            AttemptResult::Failed => self.failed(now, &settings.breaker),
+            AttemptResult::Failed => self.failed(now, &settings.breaker, probe),
             AttemptResult::Cool { ms, failed } => {
                 let ms = ms
                     .unwrap_or(settings.cooldown_ms)
                     .min(settings.max_cooldown_ms);
                 self.cool_until.fetch_max(now + ms, Relaxed);
                 if failed {
-                    self.failed(now, &settings.breaker);
-                } else if half_open {
+                    self.failed(now, &settings.breaker, probe);
+                } else if probe {
                     // Alive but busy: the probe ends without a verdict.
                     self.probe_out.store(false, Relaxed);
                 }
             }
             AttemptResult::Unknown => {
-                if half_open {
+                if probe {
                     self.probe_out.store(false, Relaxed);
                 }
             }
         }
     }
 
-    fn failed(&self, now: u64, breaker: &BreakerSettings) {
+    fn failed(&self, now: u64, breaker: &BreakerSettings, probe: bool) {
         let failures = self.consecutive_failures.fetch_add(1, Relaxed) + 1;
-        let half_open = self.open_until.load(Relaxed) != 0;
-        if half_open || failures >= breaker.failures {
+        let closed = self.open_until.load(Relaxed) == 0;
+        if probe || (closed && failures >= breaker.failures) {
             let trips = self.trips.fetch_add(1, Relaxed).min(20);
             let open_ms = breaker
                 .open_ms
@@ -501,8 +565,7 @@ mod tests {
         let t = 100;
         // Two failures, then an answer: the count starts over.
         for _ in 0..2 {
-            assert!(h.begin(t, &s).is_some());
-            h.record(AttemptResult::Failed, t, &s);
+            h.begin(t, &s).unwrap().record(AttemptResult::Failed, t, &s);
         }
         h.record(AttemptResult::Answered, t, &s);
         for _ in 0..2 {
@@ -515,32 +578,44 @@ mod tests {
 
         // Half-open: one probe; the next request is kept out while it runs.
         assert_eq!(h.availability(t + 1_000), Availability::Probe);
-        assert!(h.begin(t + 1_000, &s).is_some());
+        let mut probe = h.begin(t + 1_000, &s).unwrap();
         assert!(matches!(
             h.availability(t + 1_000),
             Availability::Out { .. }
         ));
         assert!(h.begin(t + 1_000, &s).is_none());
-        // The probe fails: open twice as long.
+        // An attempt that started before the breaker opened ends now: counted, but it neither
+        // closes nor re-opens the breaker, nor frees the probe.
+        h.record(AttemptResult::Answered, t + 1_000, &s);
         h.record(AttemptResult::Failed, t + 1_000, &s);
+        assert!(h.begin(t + 1_000, &s).is_none());
+        assert_eq!(h.state_code(t + 1_000), 2);
+        // The probe fails: open twice as long.
+        probe.record(AttemptResult::Failed, t + 1_000, &s);
+        drop(probe);
         assert_eq!(
             h.availability(t + 1_001),
             Availability::Out { until: t + 3_000 }
         );
         // Then capped at max_open_ms.
-        assert!(h.begin(t + 3_000, &s).is_some());
-        h.record(AttemptResult::Failed, t + 3_000, &s);
+        h.begin(t + 3_000, &s)
+            .unwrap()
+            .record(AttemptResult::Failed, t + 3_000, &s);
         assert_eq!(
             h.availability(t + 3_000),
             Availability::Out { until: t + 6_000 }
         );
 
+        // A probe whose request went away (dropped unrecorded) frees the probe.
+        drop(h.begin(t + 6_000, &s).unwrap());
         // Two successful probes close it.
-        assert!(h.begin(t + 6_000, &s).is_some());
-        h.record(AttemptResult::Answered, t + 6_000, &s);
+        h.begin(t + 6_000, &s)
+            .unwrap()
+            .record(AttemptResult::Answered, t + 6_000, &s);
         assert_eq!(h.state_code(t + 6_000), 2, "one success: still half-open");
-        assert!(h.begin(t + 6_000, &s).is_some());
-        h.record(AttemptResult::Answered, t + 6_000, &s);
+        h.begin(t + 6_000, &s)
+            .unwrap()
+            .record(AttemptResult::Answered, t + 6_000, &s);
         assert_eq!(h.availability(t + 6_000), Availability::Available);
         assert_eq!(h.state_code(t + 6_000), 0);
         // Closed again: the back-off starts over at open_ms.
@@ -605,17 +680,20 @@ mod tests {
         let h = BackendHealth::default();
         let s = settings();
         let l = &h.load;
-        assert_eq!((l.latency_us(), l.ttft_us()), (None, None));
+        assert_eq!((l.latency_us(0), l.ttft_us(0)), (None, None));
         l.observe_latency(1_000.0, 0);
         // A slower sample is taken at once; a faster one pulls it down with time.
         l.observe_latency(5_000.0, 0);
-        assert_eq!(l.latency_us(), Some(5_000.0));
+        assert_eq!(l.latency_us(0), Some(5_000.0));
         l.observe_latency(1_000.0, 10_000);
-        let after = l.latency_us().unwrap();
+        let after = l.latency_us(10_000).unwrap();
         assert!((2_400.0..2_500.0).contains(&after), "{after}");
-        l.observe_ttft(100.0);
-        l.observe_ttft(200.0);
-        assert_eq!(l.ttft_us(), Some(130.0));
+        // With no new sample it fades (by e in 30 s), so a slow-looking backend is tried again.
+        let faded = l.latency_us(40_000).unwrap();
+        assert!((after / 2.8..after / 2.6).contains(&faded), "{faded}");
+        l.observe_ttft(100.0, 0);
+        l.observe_ttft(200.0, 0);
+        assert_eq!(l.ttft_us(0), Some(130.0));
 
         // In flight while the guards live; load over max_in_flight.
         let a = h.begin(1, &s).unwrap();
