@@ -192,3 +192,50 @@ fn a_cookie_route_without_a_key_is_refused_at_load() {
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("sticky.keys"), "{text}");
 }
+
+#[test]
+fn one_session_id_on_two_sticky_routes_is_two_sessions() {
+    // `gpt-4o` on cluster `pool` (mocks 0-1), `small` on cluster `other` (mocks 2-3), both sticky
+    // by the same header: each route keeps the session on one of its own backends, rather than
+    // the two routes taking the pin from each other on every request.
+    let m = mocks(4);
+    let log = TempDir::new("sticky-two-routes");
+    let url = |i: usize| toml_str(&m[i].base_url());
+    let gw = Sluice::start(
+        &Config::new()
+            .access_log(log.path())
+            .access_log_opt("flush_interval_ms", 20)
+            .raw(&format!(
+                "[clusters.pool]\nbackends = [{{ base_url = {} }}, {{ base_url = {} }}]\n\
+                 [clusters.other]\nbackends = [{{ base_url = {} }}, {{ base_url = {} }}]\n\
+                 [[routes]]\nmodel = \"gpt-4o\"\ncluster = \"pool\"\n\
+                 sticky = {{ from = [\"header:x-session-id\"] }}\n\
+                 [[routes]]\nmodel = \"small\"\ncluster = \"other\"\n\
+                 sticky = {{ from = [\"header:x-session-id\"] }}\n",
+                url(0),
+                url(1),
+                url(2),
+                url(3)
+            )),
+    );
+    for _ in 0..10 {
+        for model in ["gpt-4o", "small"] {
+            let r = gw.request(
+                &Req::post("/v1/chat/completions", &chat_body(model))
+                    .header("x-session-id", "shared-id"),
+            );
+            assert_eq!(r.status, 200, "{}", r.dump());
+        }
+    }
+    let mut by_route = BTreeMap::<String, BTreeSet<String>>::new();
+    for r in wait_records(log.path(), 20, Duration::from_secs(10)) {
+        by_route
+            .entry(r["requested_model"].as_str().unwrap().to_string())
+            .or_default()
+            .insert(r["backend"].as_str().unwrap().to_string());
+    }
+    assert_eq!(by_route.len(), 2);
+    for (route, backends) in &by_route {
+        assert_eq!(backends.len(), 1, "{route} moved: {backends:?}");
+    }
+}
