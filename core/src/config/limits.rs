@@ -703,14 +703,19 @@ fn parse_period(s: &str) -> Result<Period, String> {
 }
 
 fn parse_digest(s: &str) -> Option<[u8; 32]> {
-    if s.len() != 64 {
+    decode_hex(s)?.try_into().ok()
+}
+
+/// Lower- or upper-case hex to bytes; `None` when it is not hex (digits only: no sign).
+pub(crate) fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
-    let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(s.get(i * 2..i * 2 + 2)?, 16).ok()?;
-    }
-    Some(out)
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    s.as_bytes()
+        .chunks(2)
+        .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
+        .collect()
 }
 
 /// Ids end up in Redis keys, metric labels and log lines: keep them plain.

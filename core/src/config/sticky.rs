@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use super::limits::decode_hex;
+
 /// `[[routes]] sticky = { … }`.
 #[derive(Debug, Deserialize)]
 #[cfg_attr(test, derive(serde::Serialize))]
@@ -174,16 +176,4 @@ pub(super) fn resolve_keys(
         }
     }
     keys
-}
-
-/// Lower- or upper-case hex to bytes; `None` when it is not hex.
-pub(crate) fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
-    s.as_bytes()
-        .chunks(2)
-        .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
-        .collect()
 }

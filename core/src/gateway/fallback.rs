@@ -105,14 +105,15 @@ pub(crate) fn judge_error(error: &GatewayError) -> Judgement {
 /// comes early (a stream whose first event is not in this much is relayed as it is).
 const MAX_JUDGED: usize = 64 * 1024;
 
-/// Judge a response whose head is in. `may_retry`: a fallback is possible, so reading more of
-/// the body to decide is worth it; without it only the head is looked at. `key_pool`: the
+/// Judge a response whose head is in. `may_retry`: whether a fallback is possible, so reading
+/// more of the body to decide is worth it (asked only of a stream, whose first event would be
+/// read; it walks the candidates). `key_pool`: the
 /// attempt carried one credential of several, so a 401 / 403 is that credential's (the backend
 /// answered; another credential may do). Reads go into `response.buf` (the relay sends them
 /// on) until `deadline`.
 pub(crate) async fn judge_response(
     response: &mut UpstreamResponse<'_>,
-    may_retry: bool,
+    may_retry: impl FnOnce() -> bool,
     key_pool: bool,
     deadline: Instant,
 ) -> Judgement {
@@ -128,7 +129,7 @@ pub(crate) async fn judge_response(
     let retry_after_ms = retry_after_ms(response);
     let (reason, health) = match status_verdict(status, retry_after_ms) {
         Some(verdict) => verdict,
-        None if status == 200 && head.event_stream && may_retry => {
+        None if status == 200 && head.event_stream && may_retry() => {
             return match first_event(response, deadline).await {
                 FirstEvent::Data { error: false } | FirstEvent::Unknown => Judgement::relay(),
                 FirstEvent::Data { error: true } => Judgement {

@@ -286,8 +286,9 @@ async fn serve<'s>(
         // Fallback: may another backend (or credential) do better? Decided before a byte
         // reaches the client. Reading on to judge (a 429's body, a stream's first event) is
         // worth it only when another backend could take the request.
-        let may_retry =
-            attempts < settings.max_attempts && candidates.clone().next_fallback(model).is_some();
+        let may_retry = || {
+            attempts < settings.max_attempts && candidates.clone().next_fallback(model).is_some()
+        };
         let key_pool = target.cluster.credentials.len() > 1;
         let judgement = match &mut sent {
             Err(e) => fallback::judge_error(e),

@@ -79,25 +79,13 @@ fn pick_credential(
     except: Option<usize>,
 ) -> Option<usize> {
     let pool = &cluster.credentials;
-    let usable = |i: usize| Some(i) != except && !health.credential_benched(cluster_id, i, now);
-    let total: u64 = (0..pool.len())
-        .filter(|&i| usable(i))
-        .map(|i| u64::from(pool[i].weight))
-        .sum();
-    if total == 0 {
-        // All benched: the request still goes out (the bench may be stale), but never with
-        // the credential that just failed.
-        return (0..pool.len()).find(|&i| Some(i) != except);
-    }
-    let mut pick = next_random(rng) % total;
-    for i in (0..pool.len()).filter(|&i| usable(i)) {
-        let w = u64::from(pool[i].weight);
-        if pick < w {
-            return Some(i);
-        }
-        pick -= w;
-    }
-    None
+    let usable = |i: &usize| Some(*i) != except && !health.credential_benched(cluster_id, *i, now);
+    let usable = (0..pool.len())
+        .filter(usable)
+        .map(|i| (i, u64::from(pool[i].weight)));
+    // All benched: the request still goes out (the bench may be stale), but never with the
+    // credential that just failed.
+    weighted_pick(usable, rng).or_else(|| (0..pool.len()).find(|&i| Some(i) != except))
 }
 
 /// A request's targets in the order to try them: [`Candidates::primary`] first, then what
@@ -445,20 +433,7 @@ impl<'s> Picker<'s, '_> {
 
     /// Weighted random choice.
     fn weighted(&self, options: impl Iterator<Item = Choice<'s>> + Clone) -> Option<Choice<'s>> {
-        let total: u64 = options.clone().map(|o| o.weight).sum();
-        if total == 0 {
-            return None;
-        }
-        let mut pick = next_random(self.rng) % total;
-        let mut last = None;
-        for o in options {
-            if pick < o.weight {
-                return Some(o);
-            }
-            pick -= o.weight;
-            last = Some(o);
-        }
-        last
+        weighted_pick(options.map(|o| (o, o.weight)), self.rng)
     }
 
     /// Power of two choices: two weighted picks (distinct when there are two), the lower
@@ -647,27 +622,33 @@ pub(crate) fn choose_backend(
     rng: &Cell<u64>,
     now: u64,
 ) -> Option<usize> {
-    let eligible = |b: &&Backend| backend_available(health, b, now);
-    let total: u64 = cluster
+    let eligible = cluster
         .backends
         .iter()
-        .filter(eligible)
-        .map(|b| u64::from(b.weight))
-        .sum();
+        .enumerate()
+        .filter(|(_, b)| backend_available(health, b, now))
+        .map(|(i, b)| (i, u64::from(b.weight)));
+    weighted_pick(eligible, rng)
+}
+
+/// Weighted random choice among `(item, weight)` pairs: the one weighted pick every choice in
+/// routing makes (strategies, backends, credentials); `None` when the weights sum to 0.
+fn weighted_pick<T: Copy>(
+    items: impl Iterator<Item = (T, u64)> + Clone,
+    rng: &Cell<u64>,
+) -> Option<T> {
+    let total: u64 = items.clone().map(|(_, w)| w).sum();
     if total == 0 {
         return None;
     }
     let mut pick = next_random(rng) % total;
     let mut last = None;
-    for (i, b) in cluster.backends.iter().enumerate() {
-        if !eligible(&b) {
-            continue;
+    for (item, w) in items {
+        if pick < w {
+            return Some(item);
         }
-        if pick < u64::from(b.weight) {
-            return Some(i);
-        }
-        pick -= u64::from(b.weight);
-        last = Some(i);
+        pick -= w;
+        last = Some(item);
     }
     last
 }

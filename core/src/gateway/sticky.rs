@@ -12,9 +12,10 @@
 
 use ring::aead::{Aad, Nonce, NONCE_LEN};
 
-use crate::config::sticky::{decode_hex, StickyKeys, StickyRule, StickySource};
+use crate::config::limits::decode_hex;
+use crate::config::sticky::{StickyKeys, StickyRule, StickySource};
 use crate::gateway::context::Request;
-use crate::upstream::health::identity_hash;
+use crate::upstream::health::{fnv1a_extend, identity_hash};
 
 /// What a request says of its session.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -49,11 +50,8 @@ pub(crate) fn session(
 
 /// A session id's hash within a route.
 fn session_hash(route: &str, id: &str) -> u64 {
-    let mut h = identity_hash(route);
-    for b in [0xff].iter().chain(id.as_bytes()) {
-        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    // 0xff never occurs in UTF-8: it separates the route from the id.
+    fnv1a_extend(fnv1a_extend(identity_hash(route), &[0xff]), id.as_bytes())
 }
 
 /// What a cookie is bound to: its name and its route (a cookie is not good for another).

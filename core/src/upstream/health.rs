@@ -534,9 +534,14 @@ impl HealthTable {
 /// A 64-bit hash the same in every process and build (FNV-1a): identities travel in cookies
 /// and pins.
 pub(crate) fn identity_hash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
+    fnv1a_extend(0xcbf2_9ce4_8422_2325, s.as_bytes())
+}
+
+/// FNV-1a of `bytes`, continuing from the hash `h`.
+pub(crate) fn fnv1a_extend(h: u64, bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 #[cfg(test)]
