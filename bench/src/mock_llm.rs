@@ -67,6 +67,9 @@ FAULTS (SPEC):
     stall                    never send the response head; hold the connection until the
                              client closes it
     die-after=N              stream N content events, then close (no terminating chunk)
+    end-after=N              stream N content events, then end the body properly framed but
+                             with no finish chunk and no [DONE] (a truncated stream that looks
+                             complete on the wire)
     drop-mid-stream          stream half the content events, then close
     error-event[=N]          stream N content events (default 0), then an SSE error event
     malformed-chunk          after the first content event, an invalid chunk size, then close
@@ -116,6 +119,9 @@ pub enum Fault {
     Stall,
     /// Stream this many content events, then drop the connection.
     DieAfter(u64),
+    /// Stream this many content events, then end the body cleanly (terminating chunk) with no
+    /// finish chunk and no `[DONE]`.
+    EndAfter(u64),
 }
 
 impl Fault {
@@ -133,6 +139,7 @@ impl Fault {
             "drop-before-response" => Fault::DropBeforeResponse,
             "stall" => Fault::Stall,
             _ if s.starts_with("die-after=") => Fault::DieAfter(num("die-after=")?),
+            _ if s.starts_with("end-after=") => Fault::EndAfter(num("end-after=")?),
             _ if s.starts_with("error-event=") => Fault::ErrorEvent(num("error-event=")?),
             _ => {
                 let n = num("status=")?;
@@ -164,6 +171,7 @@ impl Fault {
                 | Fault::ErrorEvent(_)
                 | Fault::ChunkExt
                 | Fault::DieAfter(_)
+                | Fault::EndAfter(_)
         )
     }
 }
@@ -184,6 +192,7 @@ impl std::fmt::Display for Fault {
             Fault::DropBeforeResponse => f.write_str("drop-before-response"),
             Fault::Stall => f.write_str("stall"),
             Fault::DieAfter(n) => write!(f, "die-after={n}"),
+            Fault::EndAfter(n) => write!(f, "end-after={n}"),
         }
     }
 }
@@ -567,6 +576,7 @@ mod tests {
         assert_eq!(Fault::parse("status=503"), Some(Fault::Status(503)));
         assert_eq!(Fault::parse("chunk-ext"), Some(Fault::ChunkExt));
         assert_eq!(Fault::parse(" die-after=3 "), Some(Fault::DieAfter(3)));
+        assert_eq!(Fault::parse("end-after=2"), Some(Fault::EndAfter(2)));
         assert_eq!(Fault::parse("error-event"), Some(Fault::ErrorEvent(0)));
         assert_eq!(Fault::parse("error-event=2"), Some(Fault::ErrorEvent(2)));
         for bad in [
@@ -595,6 +605,7 @@ mod tests {
             Fault::DropBeforeResponse,
             Fault::Stall,
             Fault::DieAfter(0),
+            Fault::EndAfter(5),
         ] {
             assert_eq!(Fault::parse(&f.to_string()), Some(f), "{f}");
         }

@@ -965,6 +965,7 @@ fn mock_help_and_contract_name_every_fault_flag_and_endpoint() {
         "drop-before-response",
         "stall",
         "die-after=N",
+        "end-after=N",
         "error-event",
         "quota",
         "status=N",

@@ -335,3 +335,69 @@ fn close_delimited_and_chunk_extension_streams_are_stripped_too() {
     }
     assert_eq!(mock.stat("usage_chunks"), 2);
 }
+
+#[test]
+fn a_stream_that_ends_cleanly_without_its_end_is_a_cut_not_a_normal_end() {
+    // The upstream ends each body properly framed (the terminating chunk) after two content
+    // events, with no finish chunk and no `[DONE]` (no `response.completed` for the Responses
+    // API): the client must learn it was cut, and the record must say so.
+    let mock = Mock::start(&["--tokens", "6"]);
+    let log = TempDir::new("usage-ended-early");
+    let gw = observed(Config::one_cluster(&mock), &log);
+    let mut c = gw.conn();
+    let streams = [
+        ("/v1/chat/completions", chat_stream_body("gpt-4o")),
+        (
+            "/v1/completions",
+            json!({"model":"gpt-4o","prompt":"x","stream":true}).to_string(),
+        ),
+        (
+            "/v1/responses",
+            json!({"model":"gpt-4o","input":"x","stream":true}).to_string(),
+        ),
+    ];
+    for (path, body) in &streams {
+        c.send(
+            &Req::post(path, body)
+                .header("x-mock-fault", "end-after=2")
+                .build(),
+        );
+        let r = c.read_response();
+        assert_eq!(r.status, 200, "{path}: {}", r.dump());
+        // Still a well-framed response on a kept connection: only its events tell.
+        assert_eq!(r.end, BodyEnd::Complete, "{path}: {}", r.dump());
+        let events = r.sse_events();
+        assert!(
+            !events.iter().any(SseEvent::is_done),
+            "{path}: {}",
+            r.dump()
+        );
+        let last = events.last().unwrap();
+        assert!(
+            last.is_error(),
+            "{path}: no error event at the end: {}",
+            r.dump()
+        );
+        assert_error_value(&last.json().unwrap()).unwrap();
+    }
+    // The same connection serves a complete stream afterwards.
+    c.send(&Req::post("/v1/chat/completions", &chat_stream_body("gpt-4o")).build());
+    let r = c.read_response();
+    assert_stream_ends_with_done(&r, 6);
+
+    let recs = wait_records(log.path(), 4, LOG_WAIT);
+    for rec in &recs[..3] {
+        assert_eq!(field(rec, "error_class"), "upstream_abort", "{rec}");
+        // Billed on what was delivered: the prompt and the two events, estimated.
+        assert_eq!(
+            field(rec, "usage_source"),
+            "USAGE_SOURCE_ESTIMATED",
+            "{rec}"
+        );
+        assert!(
+            field(rec, "completion_tokens").as_u64().unwrap() >= 1,
+            "{rec}"
+        );
+    }
+    assert_eq!(field(&recs[3], "error_class"), "", "{}", recs[3]);
+}

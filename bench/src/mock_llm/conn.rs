@@ -896,6 +896,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             Some(Fault::ErrorEvent(n)) => Some(n),
             _ => None,
         };
+        let end_at = match fault {
+            Some(Fault::EndAfter(n)) => Some(n),
+            _ => None,
+        };
         let prelude = match p.route {
             Route::Chat => Some(body::ev_chat_role as fn(&mut Vec<u8>, &Gen)),
             Route::Responses => Some(body::ev_response_created as fn(&mut Vec<u8>, &Gen)),
@@ -915,6 +919,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             if cut_at == Some(i) {
                 Stats::bump(&self.st.stats.streams_cut);
                 return Ok(Next::Drop);
+            }
+            if end_at == Some(i) {
+                return self.end_without_finish(framing, close).await;
             }
             let at = p.ttft_ms.saturating_add(i.saturating_mul(p.itl_ms));
             self.pause_until(t0 + Duration::from_millis(at)).await?;
@@ -939,6 +946,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         }
         if error_at.is_some() {
             return self.error_event(p, framing, p.tokens, close).await;
+        }
+        if end_at.is_some() {
+            return self.end_without_finish(framing, close).await;
         }
         if fault == Some(Fault::MalformedChunk) {
             self.wbuf.clear();
@@ -979,6 +989,21 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             self.send_ev(framing, terminator(framing)).await?;
         }
         Ok(if close { Next::Close } else { Next::KeepAlive })
+    }
+
+    /// Ends a stream's body as a complete one would end on the wire (the terminating chunk, or
+    /// the close of an unframed body) but with no finish chunk, usage or `[DONE]` before it:
+    /// the `end-after` fault, a truncation only the event content shows.
+    async fn end_without_finish(&mut self, framing: Framing, close: bool) -> Result<Next, Gone> {
+        Stats::bump(&self.st.stats.streams_cut);
+        self.wbuf.clear();
+        self.wbuf.extend_from_slice(terminator(framing));
+        self.flush_wbuf().await?;
+        Ok(if close || framing == Framing::Raw {
+            Next::Close
+        } else {
+            Next::KeepAlive
+        })
     }
 
     /// Ends a stream, after `sent` content events, with the error event of its API: a

@@ -208,6 +208,17 @@ impl Observation {
         }
     }
 
+    /// A 2xx event stream whose events have not ended: no `[DONE]`, no finish reason (the
+    /// Responses API's terminal event sets one) and no error event of the upstream's.
+    pub(crate) fn stream_unfinished(&self) -> bool {
+        let summary = self.meter.summary();
+        matches!(self.metering, Metering::Stream)
+            && (200..300).contains(&self.status)
+            && !summary.done
+            && summary.finish_reason.is_none()
+            && summary.error.is_none()
+    }
+
     /// Whether `event` (one whole SSE event of the response) is the usage-only chunk that
     /// `stream_options.include_usage` adds; for the relay, which withholds it from clients that
     /// did not ask for it. The meter's parse buffers are reused; nothing is recorded.

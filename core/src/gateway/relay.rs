@@ -162,6 +162,11 @@ pub(crate) async fn relay(
     if cut.is_none() {
         cut = relay.pump().await.map(|c| relay.past_grace(c));
     }
+    // A body that ended where its framing says, but whose events never finished, was cut all
+    // the same.
+    if cut.is_none() && relay.truncated() {
+        cut = Some(relay.cut_short());
+    }
 
     // The end: the last chunk (or an SSE error event), the upstream connection back to the pool
     // or closed.
@@ -394,6 +399,13 @@ impl Relay<'_, '_> {
             if self.plan.framing == ClientFraming::Chunked
                 && matches!(self.body, UpstreamBody::Done)
             {
+                if self.truncated() {
+                    // Not ended with a last chunk: `finish` adds the error event first.
+                    if let Some(gone) = self.send_out(read_at).await {
+                        return Some(gone);
+                    }
+                    return Some(self.cut_short());
+                }
                 // The body ended in this read: its last chunk goes out in the same write.
                 self.out.extend_from_slice(LAST_CHUNK);
                 self.terminated = true;
@@ -403,6 +415,23 @@ impl Relay<'_, '_> {
             }
         }
         None
+    }
+
+    /// An event stream whose body ended but whose events did not (no `[DONE]`, no finish
+    /// reason, no error event of the upstream's own): a truncation, counted and answered as an
+    /// upstream cut — never shown to the client as a normal end.
+    fn truncated(&self) -> bool {
+        self.plan.event_stream && self.obs.stream_unfinished()
+    }
+
+    /// The cut a [truncated](Self::truncated) stream ends with, once everything decoded was
+    /// sent (`out` still holds the bytes of the last write: they must not go out again).
+    fn cut_short(&mut self) -> Cut {
+        self.out.clear();
+        Cut::Upstream(GatewayError::bad_gateway(
+            UpstreamFault::Io,
+            "the upstream ended the stream without a finish reason or [DONE]",
+        ))
     }
 
     /// One upstream read into `ubuf`, watching the client meanwhile (until it sends its next
