@@ -344,3 +344,94 @@ fn a_stream_whose_first_event_never_comes_is_retried_or_answered_504_never_relay
         recs[0]
     );
 }
+
+#[test]
+fn per_group_conditions_send_each_failure_to_its_own_fallback() {
+    // The seeds' rule: `status >= 500 or latency > X → group 2; status == 429 → group 3`.
+    // No Retry-After on its errors, and no cool-down or breaker between the phases: each
+    // request meets the primary.
+    let primary = Mock::start(&["--retry-after", "none"]);
+    let on_5xx = Mock::start(&[]);
+    let on_429 = Mock::start(&[]);
+    let log = TempDir::new("fallback-when");
+    let config = Config::new()
+        .cluster(Cluster::new("primary", &[&primary.base_url()]))
+        .cluster(Cluster::new("on-5xx", &[&on_5xx.base_url()]))
+        .cluster(Cluster::new("on-429", &[&on_429.base_url()]))
+        .access_log(log.path())
+        .access_log_opt("flush_interval_ms", 20)
+        .raw("[routing]\ncooldown_ms = 1\nbreaker_failures = 100\n")
+        .raw(
+            r#"
+[[routes]]
+model = "gpt-4o"
+groups = [
+  { targets = [{ cluster = "primary" }], first_byte_timeout_ms = 400 },
+  { when = ["status_5xx", "status_529", "timeout"], targets = [{ cluster = "on-5xx" }] },
+  { when = ["status_429"], targets = [{ cluster = "on-429" }] },
+]
+"#,
+        );
+    let gw = Sluice::start(&config);
+    let served = || {
+        (
+            primary.stat("requests"),
+            on_5xx.stat("requests"),
+            on_429.stat("requests"),
+        )
+    };
+
+    primary.set_fault(Some("status=503"));
+    assert_eq!(chat_with(&gw, &[]).status, 200);
+    assert_eq!(served(), (1, 1, 0), "a 503 goes to the 5xx group");
+
+    primary.set_fault(Some("status=429"));
+    assert_eq!(chat_with(&gw, &[]).status, 200);
+    assert_eq!(
+        served(),
+        (2, 1, 1),
+        "a 429 skips the 5xx group for the 429 one"
+    );
+
+    // Latency: the primary's group waits 400 ms for an answer (the global default is minutes).
+    primary.set_fault(Some("stall"));
+    let started = Instant::now();
+    let r = chat_with(&gw, &[]);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert!(
+        started.elapsed() < Duration::from_millis(2_500),
+        "the group's first-byte timeout did not cut the wait: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        served(),
+        (3, 2, 1),
+        "a slow primary goes to the timeout group"
+    );
+
+    // A failure no later group takes: the client gets the primary's answer.
+    primary.set_fault(Some("drop-before-response"));
+    let r = chat_with(&gw, &[]);
+    assert_eq!(r.status, 502, "{}", r.dump());
+    assert_eq!(served(), (4, 2, 1));
+
+    let recs = records(&log, 4);
+    let reasons: Vec<(&str, &str)> = recs
+        .iter()
+        .map(|r| {
+            (
+                r["fallback_reason"].as_str().unwrap(),
+                r["cluster"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            ("status_5xx", "on-5xx"),
+            ("status_429", "on-429"),
+            ("timeout", "on-5xx"),
+            ("", "primary")
+        ]
+    );
+}

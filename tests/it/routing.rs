@@ -473,7 +473,7 @@ colour = "red"
             "error: clusters.main.backends[0].base_url (line 6, column 27): \
              `ftp://127.0.0.1:1/v1` must start with http:// or https://",
             "error: routes[0].colour (line 11, column 1): unknown field `colour`, expected one of \
-             `model`, `cluster`, `groups`, `sticky`, `models`",
+             `model`, `cluster`, `groups`, `sticky`, `models`, `keys`, `entities`",
         ],
         "{stderr}"
     );
@@ -601,4 +601,177 @@ fn invalid_config_refuses_to_start() {
     assert!(f.exited, "sluice neither started nor exited: {}", f.stderr);
     assert_ne!(f.code, Some(0));
     assert!(f.stderr.contains("routes"), "{}", f.stderr);
+}
+
+/// Three deployments: `global` for everyone, `team` for team-a's keys, `own` for carol's own.
+fn scoped_routes(global: &Mock, team: &Mock, own: &Mock) -> Config {
+    Config::new()
+        .cluster(Cluster::new("global", &[&global.base_url()]))
+        .cluster(Cluster::new("team", &[&team.base_url()]))
+        .cluster(Cluster::new("own", &[&own.base_url()]))
+        .raw(&format!(
+            r#"
+[[routes]]
+model = "gpt-4o"
+cluster = "global"
+
+[[routes]]
+model = "gpt-*"
+entities = ["team-a"]
+groups = [{{ targets = [{{ cluster = "team", model = "team-model" }}] }}]
+
+[[routes]]
+model = "gpt-4o"
+keys = ["carol"]
+cluster = "own"
+
+[[routes]]
+model = "carol-special"
+keys = ["carol"]
+cluster = "own"
+
+[[keys]]
+id = "alice"
+sha256 = "{}"
+entity = "team-a"
+
+[[keys]]
+id = "carol"
+sha256 = "{}"
+entity = "team-a"
+
+[[keys]]
+id = "bob"
+sha256 = "{}"
+entity = "team-b"
+"#,
+            key_hash("sk-alice"),
+            key_hash("sk-carol"),
+            key_hash("sk-bob"),
+        ))
+}
+
+fn chat_as(gw: &Sluice, key: &str, model: &str) -> Response {
+    gw.request(
+        &Req::post("/v1/chat/completions", &chat_body(model))
+            .header("authorization", &format!("Bearer {key}")),
+    )
+}
+
+#[test]
+fn a_keys_own_route_wins_then_its_entitys_then_the_global_one() {
+    let (global, team, own) = (Mock::start(&[]), Mock::start(&[]), Mock::start(&[]));
+    let gw = Sluice::start(&scoped_routes(&global, &team, &own));
+
+    // bob (team-b): the global route.
+    let r = chat_as(&gw, "sk-bob", "gpt-4o");
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.header("x-mock-model"), Some("gpt-4o"));
+    assert_eq!(global.stat("requests"), 1);
+    // alice (team-a): her entity's glob route wins over the global exact one.
+    let r = chat_as(&gw, "sk-alice", "gpt-4o");
+    assert_eq!(r.header("x-mock-model"), Some("team-model"), "{}", r.dump());
+    assert_eq!(team.stat("requests"), 1);
+    // carol (team-a too): her own route wins over her entity's.
+    let r = chat_as(&gw, "sk-carol", "gpt-4o");
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(own.stat("requests"), 1);
+    assert_eq!(team.stat("requests"), 1);
+    // A model only carol's route knows is not found for anyone else.
+    assert_eq!(chat_as(&gw, "sk-carol", "carol-special").status, 200);
+    let e = assert_openai_error(&chat_as(&gw, "sk-alice", "carol-special"), 404);
+    assert_eq!(e["code"], "model_not_found", "{e}");
+    // The entity's glob serves alice's other gpt-* names; bob has no route for them.
+    assert_eq!(chat_as(&gw, "sk-alice", "gpt-4.1").status, 200);
+    assert_eq!(team.stat("requests"), 2);
+    assert_openai_error(&chat_as(&gw, "sk-bob", "gpt-4.1"), 404);
+    assert_eq!(global.stat("requests"), 1);
+
+    // /v1/models: each key sees the names that route for it.
+    let listed = |key: &str| -> Vec<String> {
+        let r =
+            gw.request(&Req::get("/v1/models").header("authorization", &format!("Bearer {key}")));
+        assert_eq!(r.status, 200, "{}", r.dump());
+        let mut ids: Vec<String> = r.json()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(listed("sk-bob"), ["gpt-4o"]);
+    assert_eq!(listed("sk-alice"), ["gpt-4o"]);
+    assert_eq!(listed("sk-carol"), ["carol-special", "gpt-4o"]);
+}
+
+#[test]
+fn check_rejects_route_scopes_naming_nobody_or_both_or_twice() {
+    let out = Sluice::check(
+        &Config::new()
+            .cluster(Cluster::new("a", &["http://127.0.0.1:9/v1"]))
+            .raw(&format!(
+                r#"
+[[routes]]
+model = "m"
+cluster = "a"
+
+[[routes]]
+model = "m"
+keys = ["nobody"]
+cluster = "a"
+
+[[routes]]
+model = "n"
+entities = ["no-team"]
+cluster = "a"
+
+[[routes]]
+model = "o"
+keys = ["k"]
+entities = ["t"]
+cluster = "a"
+
+[[routes]]
+model = "p"
+keys = ["k"]
+cluster = "a"
+
+[[routes]]
+model = "p"
+keys = ["k"]
+cluster = "a"
+
+[[keys]]
+id = "k"
+sha256 = "{}"
+entity = "t"
+"#,
+                key_hash("sk-k")
+            )),
+    );
+    assert!(!out.status.success());
+    let text = String::from_utf8_lossy(&out.stderr);
+    for (path, message) in [
+        ("routes[1].keys[0] (", "no key has id `nobody`"),
+        ("routes[2].entities[0] (", "no key has entity `no-team`"),
+        (
+            "routes[3].entities (",
+            "a route is for `keys` or for `entities`, not both",
+        ),
+        (
+            "routes[5].model (",
+            "`p` is already routed for key `k` by routes[4]",
+        ),
+    ] {
+        assert!(
+            text.lines()
+                .any(|l| l.contains(path) && l.contains(message)),
+            "missing {path} {message:?} in:\n{text}"
+        );
+    }
+    assert!(text.contains("4 error(s)"), "{text}");
+    // A global route and a key's own route for one model are not a clash.
+    assert!(!text.contains("routes[1].model"), "{text}");
 }

@@ -348,6 +348,12 @@ struct RawRoute {
     /// can't be enumerated).
     #[serde(default)]
     models: Vec<String>,
+    /// Only for these keys (by `id`): their own route for the model, ahead of any other.
+    #[serde(default)]
+    keys: Vec<String>,
+    /// Only for the keys of these entities: ahead of the global routes, after a key's own.
+    #[serde(default)]
+    entities: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -358,6 +364,12 @@ struct RawGroup {
     targets: Vec<RawTarget>,
     #[serde(default)]
     strategy: routing::Strategy,
+    /// The failures of an attempt in an earlier group that move the request on to this one
+    /// (labels as the access log's `fallback_reason`); absent: any failure that may move on.
+    when: Option<Vec<String>>,
+    /// How long an attempt on this group's targets waits for the response head (and a stream's
+    /// first event) before it counts as a timeout; default `timeouts.upstream_first_byte_ms`.
+    first_byte_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -548,6 +560,39 @@ pub(crate) struct Route {
     /// Concrete names a glob route declares it serves (each matches the glob), for
     /// `GET /v1/models`; empty for exact routes.
     pub(crate) models: Vec<String>,
+    /// Whose requests it serves.
+    pub(crate) scope: RouteScope,
+}
+
+/// Whose requests a route serves: a key's own routes come first, then its entity's, then the
+/// global ones (each most specific first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RouteScope {
+    Keys(Vec<limits::KeyIdx>),
+    /// Entity indexes ([`limits::LimitsConfig::entities`]).
+    Entities(Vec<usize>),
+    Global,
+}
+
+impl RouteScope {
+    /// Whether the route serves a request from key `key` (index, entity); `None`: no key.
+    pub(crate) fn serves(&self, key: Option<(limits::KeyIdx, Option<usize>)>) -> bool {
+        match (self, key) {
+            (RouteScope::Global, _) => true,
+            (RouteScope::Keys(keys), Some((k, _))) => keys.contains(&k),
+            (RouteScope::Entities(entities), Some((_, Some(e)))) => entities.contains(&e),
+            _ => false,
+        }
+    }
+
+    /// Keys first, then entities, then global: the order routes are looked up in.
+    fn rank(&self) -> u8 {
+        match self {
+            RouteScope::Keys(_) => 0,
+            RouteScope::Entities(_) => 1,
+            RouteScope::Global => 2,
+        }
+    }
 }
 
 /// Targets one of which serves a request (picked by the group's strategy among the available
@@ -556,6 +601,10 @@ pub(crate) struct Route {
 pub(crate) struct TargetGroup {
     pub(crate) targets: Vec<RouteTarget>,
     pub(crate) strategy: routing::Strategy,
+    /// The failures in an earlier group that lead here (`None`: any that may move on).
+    pub(crate) when: Option<routing::FallbackOn>,
+    /// The wait for a response head on this group's targets.
+    pub(crate) first_byte_timeout: Duration,
 }
 
 /// A cluster, and the model name its upstream is sent.
@@ -984,7 +1033,19 @@ fn validate(
     let timeouts = resolve_timeouts(&timeouts, &mut err);
     let upstream = resolve_upstream(&upstream, &mut err);
     let clusters = resolve_clusters(&clusters, env, &mut err, warnings);
-    let routes = resolve_routes(&routes, &clusters.by_name, &mut err);
+    // Keys before routes: a route may be a key's or an entity's own.
+    let limits_read = !failed.contains("limits");
+    // Route scopes are checked against the keys only when every key could be read.
+    let keys_read =
+        limits_read && keys.iter().all(Option::is_some) && policies.iter().all(Option::is_some);
+    let limits = resolve_limits(keys, policies, &limits, limits_read, workers, env, &mut err);
+    let routes = resolve_routes(
+        &routes,
+        &clusters.by_name,
+        timeouts.upstream_first_byte,
+        keys_read.then_some(&limits),
+        &mut err,
+    );
     let routing = routing::resolve_routing(&routing, &mut err);
     let sticky_keys = sticky::resolve_keys(&sticky, env, &mut err);
     if sticky_keys.keys.is_empty() {
@@ -1031,8 +1092,6 @@ fn validate(
     }
     let access_log = access_log.as_ref().map(|l| resolve_access_log(l, &mut err));
     let prices = resolve_pricing(&pricing, &mut err);
-    let limits_read = !failed.contains("limits");
-    let limits = resolve_limits(keys, policies, &limits, limits_read, workers, env, &mut err);
 
     if !errors.is_empty() || !failed.is_empty() {
         return None;
@@ -1480,12 +1539,16 @@ fn resolve_credential(
 fn resolve_routes(
     raw: &[Option<RawRoute>],
     clusters: &BTreeMap<String, Option<ClusterId>>,
+    first_byte_default: Duration,
+    limits: Option<&limits::LimitsConfig>,
     err: &mut dyn FnMut(String, String),
 ) -> Vec<Route> {
     if raw.is_empty() {
         err("routes".into(), "at least one route is required".into());
     }
     let mut routes = Vec::new();
+    // (model, whose) → the route that has it: a key (or entity) with two routes for one model
+    // name would have its choice made by file order.
     let mut seen = BTreeMap::new();
     for (i, rr) in raw.iter().enumerate() {
         let Some(rr) = rr else {
@@ -1495,19 +1558,86 @@ fn resolve_routes(
         if rr.model.is_empty() {
             err(format!("{path}.model"), "must not be empty".into());
         }
-        if let Some(prev) = seen.insert(rr.model.clone(), i) {
-            err(
-                format!("{path}.model"),
-                format!("`{}` is already routed by routes[{prev}]", rr.model),
-            );
+        let whose: Vec<String> = match (rr.keys.is_empty(), rr.entities.is_empty()) {
+            (true, true) => vec![String::new()],
+            (false, true) => rr.keys.iter().map(|k| format!("key `{k}`")).collect(),
+            (true, false) => rr
+                .entities
+                .iter()
+                .map(|e| format!("entity `{e}`"))
+                .collect(),
+            (false, false) => {
+                err(
+                    format!("{path}.entities"),
+                    "a route is for `keys` or for `entities`, not both (give each its own route)"
+                        .into(),
+                );
+                Vec::new()
+            }
+        };
+        for who in whose {
+            if let Some(prev) = seen.insert((rr.model.clone(), who.clone()), i) {
+                let whom = if who.is_empty() {
+                    String::new()
+                } else {
+                    format!(" for {who}")
+                };
+                err(
+                    format!("{path}.model"),
+                    format!("`{}` is already routed{whom} by routes[{prev}]", rr.model),
+                );
+            }
         }
-        routes.extend(resolve_route(rr, clusters, &path, err));
+        let scope = resolve_scope(rr, limits, &path, err);
+        routes.extend(
+            resolve_route(rr, clusters, first_byte_default, &path, err).map(|mut route| {
+                route.scope = scope;
+                route
+            }),
+        );
     }
     routes.sort_by_key(|r| match &r.pattern {
-        ModelPattern::Exact(_) => (0, 0),
-        ModelPattern::Glob { .. } => (1, usize::MAX - r.pattern.literal_len()),
+        ModelPattern::Exact(_) => (r.scope.rank(), 0, 0),
+        ModelPattern::Glob { .. } => (r.scope.rank(), 1, usize::MAX - r.pattern.literal_len()),
     });
     routes
+}
+
+/// A route's `keys` / `entities`, by index; each must name one that exists (`limits` is `None`
+/// when the keys could not be read: their errors are reported, and these are not checked).
+fn resolve_scope(
+    rr: &RawRoute,
+    limits: Option<&limits::LimitsConfig>,
+    path: &str,
+    err: &mut dyn FnMut(String, String),
+) -> RouteScope {
+    let Some(limits) = limits else {
+        return RouteScope::Global;
+    };
+    if !rr.keys.is_empty() {
+        let mut keys = Vec::new();
+        for (j, id) in rr.keys.iter().enumerate() {
+            match limits.keys.iter().position(|k| &k.id == id) {
+                Some(index) => keys.push(index),
+                None => err(format!("{path}.keys[{j}]"), format!("no key has id `{id}`")),
+            }
+        }
+        return RouteScope::Keys(keys);
+    }
+    if !rr.entities.is_empty() {
+        let mut entities = Vec::new();
+        for (j, name) in rr.entities.iter().enumerate() {
+            match limits.entities.iter().position(|e| e == name) {
+                Some(index) => entities.push(index),
+                None => err(
+                    format!("{path}.entities[{j}]"),
+                    format!("no key has entity `{name}`"),
+                ),
+            }
+        }
+        return RouteScope::Entities(entities);
+    }
+    RouteScope::Global
 }
 
 /// One route, its model name already checked; `None` when its cluster is not one that could be
@@ -1515,6 +1645,7 @@ fn resolve_routes(
 fn resolve_route(
     rr: &RawRoute,
     clusters: &BTreeMap<String, Option<ClusterId>>,
+    first_byte_default: Duration,
     path: &str,
     err: &mut dyn FnMut(String, String),
 ) -> Option<Route> {
@@ -1547,6 +1678,8 @@ fn resolve_route(
                     max_in_flight: None,
                 }],
                 strategy: routing::Strategy::default(),
+                when: None,
+                first_byte_timeout_ms: None,
             }];
             &shorthand
         }
@@ -1578,6 +1711,26 @@ fn resolve_route(
                 "at least one target is required".into(),
             );
         }
+        let when = raw_group.when.as_ref().map(|labels| {
+            if g == 0 {
+                err(
+                    format!("{group_path}.when"),
+                    "the first group is where every request starts: only a later group has a \
+                     condition"
+                        .into(),
+                );
+            }
+            routing::FallbackOn::parse(labels, &format!("{group_path}.when"), err)
+        });
+        if raw_group.first_byte_timeout_ms == Some(0) {
+            err(
+                format!("{group_path}.first_byte_timeout_ms"),
+                "must be at least 1 ms".into(),
+            );
+        }
+        let first_byte_timeout = raw_group
+            .first_byte_timeout_ms
+            .map_or(first_byte_default, |ms| Duration::from_millis(ms.max(1)));
         let mut targets = Vec::new();
         for (t, rt) in raw_group.targets.iter().enumerate() {
             // The shorthand's errors are the route's own key.
@@ -1626,6 +1779,8 @@ fn resolve_route(
         groups.push(TargetGroup {
             targets,
             strategy: raw_group.strategy,
+            when,
+            first_byte_timeout,
         });
     }
     if !complete {
@@ -1640,6 +1795,7 @@ fn resolve_route(
         groups,
         sticky,
         models: rr.models.clone(),
+        scope: RouteScope::Global,
     })
 }
 
@@ -2189,6 +2345,38 @@ mod tests {
         errs.iter()
             .find(|e| e.path == path)
             .unwrap_or_else(|| panic!("no error at {path}: {errs:#?}"))
+    }
+
+    #[test]
+    fn group_conditions_and_timeouts_are_checked() {
+        let text = "[clusters.a]\nbackends = [{ base_url = \"http://127.0.0.1:1/v1\" }]\n\
+                    [[routes]]\nmodel = \"m\"\ngroups = [\n\
+                    { when = [\"timeout\"], targets = [{ cluster = \"a\" }] },\n\
+                    { when = [], targets = [{ cluster = \"a\" }] },\n\
+                    { when = [\"status_5xx\", \"5xx\", \"status_5xx\"], first_byte_timeout_ms = 0, \
+                      targets = [{ cluster = \"a\" }] },\n]\n";
+        let errs = load(text, &|_| None).unwrap_err();
+        let msg = |path| find(&errs, path).message.clone();
+        assert!(msg("routes[0].groups[0].when").contains("only a later group"));
+        assert!(msg("routes[0].groups[1].when").contains("at least one failure"));
+        assert!(msg("routes[0].groups[2].when[1]").contains("one of connect, timeout"));
+        assert!(msg("routes[0].groups[2].when[2]").contains("listed twice"));
+        assert!(msg("routes[0].groups[2].first_byte_timeout_ms").contains("at least 1 ms"));
+        assert_eq!(errs.len(), 5, "{errs:#?}");
+
+        let text = "[timeouts]\nupstream_first_byte_ms = 9000\n\
+                    [clusters.a]\nbackends = [{ base_url = \"http://127.0.0.1:1/v1\" }]\n\
+                    [[routes]]\nmodel = \"m\"\ngroups = [\n\
+                    { targets = [{ cluster = \"a\" }], first_byte_timeout_ms = 250 },\n\
+                    { when = [\"status_429\", \"timeout\"], targets = [{ cluster = \"a\" }] },\n]\n";
+        let snapshot = load(text, &|_| None).unwrap();
+        let groups = &snapshot.routes[0].groups;
+        assert_eq!(groups[0].first_byte_timeout, Duration::from_millis(250));
+        assert_eq!(groups[1].first_byte_timeout, Duration::from_millis(9000));
+        assert_eq!(groups[0].when, None);
+        let when = groups[1].when.unwrap();
+        assert!(when.contains("status_429") && when.contains("timeout"));
+        assert!(!when.contains("status_5xx") && !when.contains("connect"));
     }
 
     #[test]

@@ -180,3 +180,62 @@ pub(super) fn resolve_routing(
         credential_bench_ms: raw.credential_bench_ms.max(1),
     }
 }
+
+/// The failures that move a request on to a target group (its `when`): a set of the access
+/// log's `fallback_reason` labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FallbackOn(u16);
+
+impl FallbackOn {
+    /// Every label a `when` may name, in the order of their bits.
+    pub(crate) const LABELS: [&'static str; 9] = [
+        "connect",
+        "timeout",
+        "io",
+        "status_429",
+        "status_5xx",
+        "status_529",
+        "first_event_error",
+        "pool_full",
+        "credential",
+    ];
+
+    /// The set of `labels`; an unknown or repeated one is an error at `path`.
+    pub(super) fn parse(
+        labels: &[String],
+        path: &str,
+        err: &mut dyn FnMut(String, String),
+    ) -> FallbackOn {
+        if labels.is_empty() {
+            err(
+                path.to_string(),
+                "names at least one failure (leave `when` out to take any)".into(),
+            );
+        }
+        let mut set = 0u16;
+        for (i, label) in labels.iter().enumerate() {
+            match Self::LABELS.iter().position(|l| l == label) {
+                Some(bit) if set & (1 << bit) != 0 => {
+                    err(format!("{path}[{i}]"), format!("`{label}` is listed twice"))
+                }
+                Some(bit) => set |= 1 << bit,
+                None => err(
+                    format!("{path}[{i}]"),
+                    format!(
+                        "`{label}` is not a failure Sluice moves on for; one of {}",
+                        Self::LABELS.join(", ")
+                    ),
+                ),
+            }
+        }
+        FallbackOn(set)
+    }
+
+    /// Whether the failure labelled `label` (one of [`Self::LABELS`]) is in the set.
+    pub(crate) fn contains(self, label: &str) -> bool {
+        Self::LABELS
+            .iter()
+            .position(|l| *l == label)
+            .is_some_and(|bit| self.0 & (1 << bit) != 0)
+    }
+}

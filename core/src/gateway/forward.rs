@@ -251,7 +251,7 @@ pub(crate) async fn send<'w>(
                 }
             }
         };
-        let deadline = Instant::now() + timeouts.upstream_first_byte;
+        let deadline = Instant::now() + target.first_byte_timeout;
         let in_flight = io.metrics.shard.upstream_in_flight(backend);
         let (result, returned) = attempt(io, conn, in_flight, request, deadline).await;
         request = returned;

@@ -4,26 +4,42 @@
 //! the concrete names that route: exact route names, the models a glob route declares
 //! (`[[routes]] models = [...]`: a glob itself can't be enumerated), and each cluster's
 //! `model_map` names, both sides — a name is listed only when a request for it would be routed,
-//! so the list never offers a model that answers 404. Sorted by name, each once.
+//! so the list never offers a model that answers 404. A key sees the global routes' names and
+//! those of its own routes and its entity's; a request without a key, only the global ones.
+//! Sorted by name, each once.
 
-use crate::config::limits::ApiKey;
-use crate::config::{ModelPattern, Snapshot};
+use crate::config::limits::{ApiKey, KeyIdx};
+use crate::config::{ModelPattern, RouteScope, Snapshot};
 use crate::openai::json::push_json_string;
 
 pub(crate) fn list_body(snapshot: &Snapshot) -> Vec<u8> {
-    body(snapshot, |_| true)
+    body(snapshot, None, |_| true)
 }
 
-/// The list as one key sees it: only models its allow / block lists let it use (built per
-/// request, for keys that have such lists).
-pub(crate) fn list_body_for(snapshot: &Snapshot, key: &ApiKey) -> Vec<u8> {
-    body(snapshot, |m| key.may_use(m))
+/// Whether a key may see another list than [`list_body`]'s: it has model lists, or some
+/// routes are a key's or an entity's own.
+pub(crate) fn own_list(snapshot: &Snapshot, key: &ApiKey) -> bool {
+    !key.models_allow.is_empty()
+        || !key.models_block.is_empty()
+        || snapshot
+            .routes
+            .iter()
+            .any(|r| r.scope != RouteScope::Global)
 }
 
-fn body(snapshot: &Snapshot, keep: impl Fn(&str) -> bool) -> Vec<u8> {
-    let mut names: Vec<&str> = snapshot
-        .routes
-        .iter()
+/// The list as one key sees it: the global routes and its own (and its entity's), only models
+/// its allow / block lists let it use (built per request, for keys [`own_list`] says so of).
+pub(crate) fn list_body_for(snapshot: &Snapshot, index: KeyIdx, key: &ApiKey) -> Vec<u8> {
+    body(snapshot, Some((index, key.entity)), |m| key.may_use(m))
+}
+
+fn body(
+    snapshot: &Snapshot,
+    caller: Option<(KeyIdx, Option<usize>)>,
+    keep: impl Fn(&str) -> bool,
+) -> Vec<u8> {
+    let routes = || snapshot.routes.iter().filter(|r| r.scope.serves(caller));
+    let mut names: Vec<&str> = routes()
         .flat_map(|r| {
             let exact = match &r.pattern {
                 ModelPattern::Exact(m) => Some(m.as_str()),
@@ -36,7 +52,7 @@ fn body(snapshot: &Snapshot, keep: impl Fn(&str) -> bool) -> Vec<u8> {
                 .iter()
                 .flat_map(|(from, to)| [from.as_str(), to.as_str()])
         }))
-        .filter(|m| snapshot.routes.iter().any(|r| r.pattern.matches(m)))
+        .filter(|m| routes().any(|r| r.pattern.matches(m)))
         .filter(|m| keep(m))
         .collect();
     names.sort_unstable();

@@ -204,6 +204,7 @@ pub(crate) async fn admit_request<'s>(
         core.snapshot,
         core.health,
         &inspection.model,
+        principal.map(|p| (p.index, p.key.entity)),
         &needed_tokens,
         &session_of,
         core.rng,
@@ -259,7 +260,7 @@ async fn serve<'s>(
         let mut attempt = match target.health {
             Some(h) => match h.begin(crate::sys::time::mono_ms(), settings) {
                 Some(guard) => Some(guard),
-                None => match candidates.next_fallback(model) {
+                None => match candidates.next_fallback(model, None) {
                     Some(next) => {
                         target = next;
                         continue;
@@ -287,14 +288,14 @@ async fn serve<'s>(
         // reaches the client. Reading on to judge (a 429's body, a stream's first event) is
         // worth it only when another backend could take the request.
         let may_retry = || {
-            attempts < settings.max_attempts && candidates.clone().next_fallback(model).is_some()
+            attempts < settings.max_attempts
+                && candidates.clone().next_fallback(model, None).is_some()
         };
         let key_pool = target.cluster.credentials.len() > 1;
         let judgement = match &mut sent {
             Err(e) => fallback::judge_error(e),
             Ok(response) => {
-                let deadline =
-                    std::time::Instant::now() + core.snapshot.timeouts.upstream_first_byte;
+                let deadline = std::time::Instant::now() + target.first_byte_timeout;
                 fallback::judge_response(response, may_retry, key_pool, deadline).await
             }
         };
@@ -318,7 +319,7 @@ async fn serve<'s>(
                 }
                 _ => None,
             }
-            .or_else(|| candidates.next_fallback(model));
+            .or_else(|| candidates.next_fallback(model, Some(reason.label())));
             // Charged only when there is somewhere to go.
             let next = next.filter(|_| target.health.is_none_or(|h| h.allow_retry(now, settings)));
             if let Some(next) = next {
@@ -532,7 +533,7 @@ mod tests {
             Ok((candidates, admission)) => {
                 let primary = candidates.primary();
                 let mut walk = candidates.clone();
-                let fallbacks = std::iter::from_fn(|| walk.next_fallback("gpt-4o")).count();
+                let fallbacks = std::iter::from_fn(|| walk.next_fallback("gpt-4o", None)).count();
                 admission.settle(per_core.limiter, 10);
                 let mapped = primary.mapped_model.map(str::to_string);
                 let chosen = Chosen {

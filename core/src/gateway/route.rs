@@ -1,7 +1,9 @@
 //! Route: the ordered candidate targets for a request's model.
 //!
 //! Runs after inspection. Takes the config snapshot, the backends' [`HealthTable`], the
-//! requested model and the worker's random state; returns [`Candidates`]: the targets to try,
+//! requested model, the caller's key (index and entity: a key's own routes, then its entity's,
+//! come before the global ones) and the worker's random state; returns [`Candidates`]: the
+//! targets to try,
 //! in order, of which the first (the primary) is already chosen. A route is a list of target
 //! groups in fallback order; within a group the group's [`Strategy`] picks a (target, backend)
 //! pair among the backends available now (breaker closed or half-open without a probe out, not
@@ -20,6 +22,7 @@
 
 use std::cell::Cell;
 
+use crate::config::limits::KeyIdx;
 use crate::config::routing::Strategy;
 use crate::config::sticky::StickyRule;
 use crate::config::{
@@ -41,6 +44,8 @@ pub(crate) struct Target<'s> {
     pub(crate) health: Option<&'s BackendHealth>,
     /// The cluster credential this attempt carries, and its place in the cluster's pool.
     pub(crate) credential: Option<(usize, &'s Credential)>,
+    /// How long the attempt waits for the response head (its group's `first_byte_timeout_ms`).
+    pub(crate) first_byte_timeout: std::time::Duration,
 }
 
 impl<'s> Target<'s> {
@@ -139,8 +144,10 @@ impl<'s> Candidates<'s> {
     }
 
     /// The next fallback after the primary (and the fallbacks already yielded), for a request
-    /// for `model`; `None` when every target was walked.
-    pub(crate) fn next_fallback(&mut self, model: &str) -> Option<Target<'s>> {
+    /// for `model` whose last attempt failed for `cause` (a `fallback_reason` label; `None`:
+    /// it was not sent, so any group may take it); `None` when every target was walked. A
+    /// group whose `when` does not name the cause is passed over, for good.
+    pub(crate) fn next_fallback(&mut self, model: &str, cause: Option<&str>) -> Option<Target<'s>> {
         // Availability as of now: an attempt before this one may have taken a while.
         self.now = crate::sys::time::mono_ms();
         let groups = self.route.groups.len();
@@ -150,6 +157,14 @@ impl<'s> Candidates<'s> {
             }
             let group = &self.route.groups[(self.start_group + self.group_step) % groups];
             let Some(walk) = self.walk.as_mut() else {
+                let refused = match (group.when, cause) {
+                    (Some(when), Some(cause)) => !when.contains(cause),
+                    _ => false,
+                };
+                if refused {
+                    self.group_step += 1;
+                    continue;
+                }
                 let picker = Picker {
                     snapshot: self.snapshot,
                     health: self.health,
@@ -228,6 +243,7 @@ fn make_target<'s>(
         mapped_model,
         health: health.get(backend.id),
         credential,
+        first_byte_timeout: group.first_byte_timeout,
     }
 }
 
@@ -486,10 +502,12 @@ impl<'s> Picker<'s, '_> {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // each is one thing the decision reads
 pub(crate) fn route<'s>(
     snapshot: &'s Snapshot,
     health: &'s HealthTable,
     model: &str,
+    caller: Option<(KeyIdx, Option<usize>)>,
     needed_tokens: &dyn Fn() -> u64,
     session_of: &dyn Fn(&StickyRule, &str) -> Session,
     rng: &'s Cell<u64>,
@@ -497,7 +515,7 @@ pub(crate) fn route<'s>(
     let route = snapshot
         .routes
         .iter()
-        .find(|r| r.pattern.matches(model))
+        .find(|r| r.pattern.matches(model) && r.scope.serves(caller))
         .ok_or_else(|| GatewayError::model_not_found(model))?;
     let now = crate::sys::time::mono_ms();
     // Estimated only for a route with a context window to fit in.
@@ -698,7 +716,7 @@ mod tests {
         let h = table(&s);
         let rng = Cell::new(1);
         let primary = |model| {
-            route(&s, &h, model, &|| 0, &|_, _| Session::default(), &rng)
+            route(&s, &h, model, None, &|| 0, &|_, _| Session::default(), &rng)
                 .unwrap()
                 .primary()
         };
@@ -708,9 +726,17 @@ mod tests {
         assert_eq!(primary("gpt-4o-mini").cluster.name, "a");
         assert_eq!(primary("gpt-3.5").cluster.name, "b");
         assert_eq!(primary("gpt-3.5").mapped_model, None);
-        let e = route(&s, &h, "claude", &|| 0, &|_, _| Session::default(), &rng)
-            .err()
-            .unwrap();
+        let e = route(
+            &s,
+            &h,
+            "claude",
+            None,
+            &|| 0,
+            &|_, _| Session::default(),
+            &rng,
+        )
+        .err()
+        .unwrap();
         assert_eq!((e.status(), e.code()), (404, Some("model_not_found")));
     }
 
@@ -729,7 +755,7 @@ mod tests {
     }
 
     fn walk(c: &mut Candidates<'_>, model: &str) -> Vec<usize> {
-        std::iter::from_fn(|| c.next_fallback(model))
+        std::iter::from_fn(|| c.next_fallback(model, None))
             .map(|t| t.backend.id)
             .collect()
     }
@@ -743,8 +769,16 @@ mod tests {
         let mut seen_primaries = std::collections::BTreeSet::new();
         for seed in 1..64u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut candidates =
-                route(&s, &h, "gpt-4o", &|| 0, &|_, _| Session::default(), &rng).unwrap();
+            let mut candidates = route(
+                &s,
+                &h,
+                "gpt-4o",
+                None,
+                &|| 0,
+                &|_, _| Session::default(),
+                &rng,
+            )
+            .unwrap();
             let primary = candidates.primary();
             seen_primaries.insert(primary.backend.id);
             let rest = walk(&mut candidates.clone(), "gpt-4o");
@@ -756,19 +790,25 @@ mod tests {
                 .collect();
             assert_eq!(rest, expected, "seed {seed}");
             // Fallbacks keep the route's cluster and mapped model.
-            let t = candidates.next_fallback("gpt-4o").unwrap();
+            let t = candidates.next_fallback("gpt-4o", None).unwrap();
             assert!(t.cluster_id == primary.cluster_id && t.mapped_model == Some("real-4o"));
         }
         // Both backends get to be primary (the weighted pick, not always the first).
         assert_eq!(seen_primaries.len(), 2);
         // A one-backend cluster has no fallback.
         let rng = Cell::new(7);
-        assert!(
-            route(&s, &h, "gpt-3.5", &|| 0, &|_, _| Session::default(), &rng)
-                .unwrap()
-                .next_fallback("gpt-3.5")
-                .is_none()
-        );
+        assert!(route(
+            &s,
+            &h,
+            "gpt-3.5",
+            None,
+            &|| 0,
+            &|_, _| Session::default(),
+            &rng
+        )
+        .unwrap()
+        .next_fallback("gpt-3.5", None)
+        .is_none());
     }
 
     fn grouped() -> Snapshot {
@@ -808,7 +848,16 @@ mod tests {
         let mut primaries = std::collections::BTreeSet::new();
         for seed in 1..64u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut c = route(&s, &h, "gpt-4o", &|| 0, &|_, _| Session::default(), &rng).unwrap();
+            let mut c = route(
+                &s,
+                &h,
+                "gpt-4o",
+                None,
+                &|| 0,
+                &|_, _| Session::default(),
+                &rng,
+            )
+            .unwrap();
             let p = c.primary();
             primaries.insert(p.backend.id);
             let mut all = vec![p.backend.id];
@@ -825,7 +874,7 @@ mod tests {
                 "seed {seed}: {all:?}"
             );
             // The models: azure's own, the first group's requested name, the local target's.
-            while let Some(t) = c.next_fallback("gpt-4o") {
+            while let Some(t) = c.next_fallback("gpt-4o", None) {
                 let expected = match t.cluster.name.as_str() {
                     "azure" => Some("gpt-4o-eu"),
                     "local" => Some("llama-3.1-70b"),
@@ -864,7 +913,16 @@ mod tests {
         }
         for seed in 1..16u64 {
             let rng = Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut c = route(&s, &h, "gpt-4o", &|| 0, &|_, _| Session::default(), &rng).unwrap();
+            let mut c = route(
+                &s,
+                &h,
+                "gpt-4o",
+                None,
+                &|| 0,
+                &|_, _| Session::default(),
+                &rng,
+            )
+            .unwrap();
             assert_eq!(c.primary().backend.id, azure[0]);
             assert_eq!(walk(&mut c, "gpt-4o"), local);
         }
@@ -877,9 +935,17 @@ mod tests {
             }
         }
         let rng = Cell::new(3);
-        let e = route(&s, &h, "gpt-4o", &|| 0, &|_, _| Session::default(), &rng)
-            .err()
-            .unwrap();
+        let e = route(
+            &s,
+            &h,
+            "gpt-4o",
+            None,
+            &|| 0,
+            &|_, _| Session::default(),
+            &rng,
+        )
+        .err()
+        .unwrap();
         assert_eq!((e.status(), e.code()), (503, Some("upstream_unavailable")));
         // The soonest back is the cooled pair (2 s).
         assert_eq!(e.retry_after, Some(2));
@@ -904,14 +970,14 @@ mod tests {
         let h = table(&s);
         let rng = Cell::new(5);
         // One backend, two models: the second group is a fallback of its own.
-        let mut c = route(&s, &h, "m", &|| 0, &|_, _| Session::default(), &rng).unwrap();
+        let mut c = route(&s, &h, "m", None, &|| 0, &|_, _| Session::default(), &rng).unwrap();
         assert_eq!(c.primary().mapped_model, None);
-        let next = c.next_fallback("m").unwrap();
+        let next = c.next_fallback("m", None).unwrap();
         assert_eq!(
             (next.backend.id, next.mapped_model),
             (c.primary().backend.id, Some("m-mini"))
         );
-        assert!(c.next_fallback("m").is_none());
+        assert!(c.next_fallback("m", None).is_none());
 
         // The first group's backend is cooling: the walk starts in the second group, and comes
         // back round to the first once it is available again.
@@ -925,14 +991,14 @@ mod tests {
             now,
             &s.routing,
         );
-        let mut c = route(&s, &h, "n", &|| 0, &|_, _| Session::default(), &rng).unwrap();
+        let mut c = route(&s, &h, "n", None, &|| 0, &|_, _| Session::default(), &rng).unwrap();
         assert_ne!(c.primary().backend.id, a);
         #[allow(
             clippy::disallowed_methods,
             reason = "a unit test's own thread, not a worker: it waits out the cool-down"
         )]
         std::thread::sleep(std::time::Duration::from_millis(60));
-        assert_eq!(c.next_fallback("n").map(|t| t.backend.id), Some(a));
-        assert!(c.next_fallback("n").is_none());
+        assert_eq!(c.next_fallback("n", None).map(|t| t.backend.id), Some(a));
+        assert!(c.next_fallback("n", None).is_none());
     }
 }

@@ -424,11 +424,14 @@ async fn dispatch(
     };
     match result {
         Ok(principal) => {
-            // A key with model lists sees only what it may use.
+            // A key with model lists sees only what it may use; one with routes of its own
+            // (or its entity's) sees those too.
             let own;
-            let body = match principal.map(|p| p.key) {
-                Some(k) if !k.models_allow.is_empty() || !k.models_block.is_empty() => {
-                    own = crate::gateway::models::list_body_for(&generation.snapshot, k);
+            let models = crate::gateway::models::own_list;
+            let body = match principal {
+                Some(p) if models(&generation.snapshot, p.key) => {
+                    own =
+                        crate::gateway::models::list_body_for(&generation.snapshot, p.index, p.key);
                     &own
                 }
                 _ => &generation.models_body,
