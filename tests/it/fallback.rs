@@ -435,3 +435,114 @@ groups = [
         ]
     );
 }
+
+/// `gpt-4o` on cluster `a` (probed as `probe` says) first, then `b` (`b-model`); a breaker
+/// that opens after two failures and stays open a minute unless a probe closes it.
+fn probed_pair(a: &Mock, b: &Mock, probe: &str, log: &TempDir) -> Config {
+    Config::new()
+        .access_log(log.path())
+        .access_log_opt("flush_interval_ms", 20)
+        .raw(&format!(
+            r#"
+[clusters.a]
+backends = [{{ base_url = "{}" }}]
+probe = {probe}
+
+[clusters.b]
+backends = [{{ base_url = "{}" }}]
+
+[[routes]]
+model = "gpt-4o"
+groups = [{{ targets = [{{ cluster = "a" }}] }}, {{ targets = [{{ cluster = "b", model = "b-model" }}] }}]
+
+[routing]
+breaker_failures = 2
+breaker_successes = 2
+breaker_open_ms = 60000
+breaker_max_open_ms = 60000
+"#,
+            a.base_url(),
+            b.base_url()
+        ))
+}
+
+/// Whether requests are served by `a` again (its answers carry the requested model name).
+fn back_on_a(gw: &Sluice) -> bool {
+    wait_until(Duration::from_secs(10), || {
+        let r = chat_with(gw, &[]);
+        r.status == 200 && r.header("x-mock-model") == Some("gpt-4o")
+    })
+}
+
+#[test]
+fn always_on_probes_open_the_breaker_before_any_request_fails_and_close_it_early() {
+    let a = Mock::start(&["--retry-after", "none"]);
+    let b = Mock::start(&[]);
+    let log = TempDir::new("probe-always");
+    let probe = r#"{ path = "/v1/models", expect_status = 200, interval_ms = 100, timeout_ms = 100, when = "always" }"#;
+    let gw = Sluice::start(&probed_pair(&a, &b, probe, &log));
+
+    // The health endpoint starts failing; no client request is sent meanwhile.
+    a.set_fault(Some("status=503"));
+    // Probes run one after another, each verdict recorded before the next is sent: a third
+    // failed probe means two were recorded, and the breaker is open.
+    assert!(
+        wait_until(Duration::from_secs(10), || a.stat("errors_injected") >= 3),
+        "no probes reached the backend"
+    );
+    let r = chat_with(&gw, &[]);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.header("x-mock-model"), Some("b-model"));
+    let recs = records(&log, 1);
+    assert_eq!(recs[0]["cluster"], "b", "{}", recs[0]);
+    assert_eq!(
+        recs[0]["fallback_attempts"], 0,
+        "the primary was tried although probes had found it down: {}",
+        recs[0]
+    );
+
+    // Healthy again: two good probes close the breaker long before its minute is up.
+    a.set_fault(None);
+    let healed = Instant::now();
+    assert!(back_on_a(&gw), "the breaker never closed");
+    assert!(healed.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+fn probes_run_only_while_the_breaker_is_open_and_let_a_recovered_backend_back_early() {
+    let a = Mock::start(&["--retry-after", "none"]);
+    let b = Mock::start(&[]);
+    let log = TempDir::new("probe-open");
+    let probe = r#"{ path = "/v1/models", interval_ms = 100, timeout_ms = 100 }"#;
+    let gw = Sluice::start(&probed_pair(&a, &b, probe, &log));
+
+    // `when = "open"` (the default): a healthy backend is never probed.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        a.stat("requests"),
+        0,
+        "a closed breaker's backend was probed"
+    );
+
+    // Two failed requests open the breaker (each is served by the fallback).
+    a.set_fault(Some("drop-before-response"));
+    for _ in 0..2 {
+        assert_eq!(chat_with(&gw, &[]).status, 200);
+    }
+    // Open: now it is probed, and found still down; clients never wait on it.
+    assert!(wait_until(Duration::from_secs(10), || {
+        a.stat("dropped_before_response") >= 5
+    }));
+    for _ in 0..3 {
+        let r = chat_with(&gw, &[]);
+        assert_eq!(r.header("x-mock-model"), Some("b-model"), "{}", r.dump());
+    }
+    let recs = records(&log, 5);
+    for rec in &recs[2..] {
+        assert_eq!(rec["fallback_attempts"], 0, "{rec}");
+    }
+
+    // Recovered: the probes close the breaker, sooner than its minute.
+    a.set_fault(None);
+    assert!(back_on_a(&gw), "the breaker never closed");
+}

@@ -293,6 +293,8 @@ struct RawCluster {
     /// Scrape each backend's `/metrics` (vLLM, SGLang) for its queue.
     #[serde(default)]
     queue_metrics: bool,
+    /// An active health check of each backend.
+    probe: Option<routing::RawProbe>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -516,6 +518,8 @@ pub(crate) struct Cluster {
     pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
     /// Each backend's `/metrics` is scraped for its queue (`[clusters.x] queue_metrics`).
     pub(crate) queue_metrics: bool,
+    /// Each backend is checked actively (`[clusters.x] probe`).
+    pub(crate) probe: Option<routing::Probe>,
 }
 
 /// An upstream credential header, ready to write: `name: value\r\n`. Never logged.
@@ -1430,6 +1434,10 @@ fn resolve_cluster(
         credentials,
         tls,
         queue_metrics: rc.queue_metrics,
+        probe: rc
+            .probe
+            .as_ref()
+            .map(|p| routing::resolve_probe(p, any_tls, &format!("{path}.probe"), err)),
     }
 }
 
@@ -2377,6 +2385,61 @@ mod tests {
         let when = groups[1].when.unwrap();
         assert!(when.contains("status_429") && when.contains("timeout"));
         assert!(!when.contains("status_5xx") && !when.contains("connect"));
+    }
+
+    #[test]
+    fn probes_are_checked() {
+        let cluster = |url: &str, probe: &str| {
+            format!(
+                "[clusters.a]\nbackends = [{{ base_url = \"{url}\" }}]\nprobe = {probe}\n\
+                 [[routes]]\nmodel = \"*\"\ncluster = \"a\"\n"
+            )
+        };
+        let errs = |text: String| load(&text, &|_| None).unwrap_err();
+        let e = errs(cluster(
+            "https://127.0.0.1:1/v1",
+            "{ path = \"health\", expect_status = 99, interval_ms = 5, timeout_ms = 6, when = \"sometimes\" }",
+        ));
+        let msg = |path| find(&e, path).message.clone();
+        assert!(msg("clusters.a.probe.path").contains("absolute path"));
+        assert!(msg("clusters.a.probe.expect_status").contains("100 to 599"));
+        assert!(msg("clusters.a.probe.type").contains("use type = \"tcp\""));
+        assert!(msg("clusters.a.probe.interval_ms").contains("at least 10"));
+        assert!(msg("clusters.a.probe.timeout_ms").contains("interval_ms"));
+        assert!(msg("clusters.a.probe.when").contains("\"open\" or \"always\""));
+        let e = errs(cluster(
+            "http://127.0.0.1:1/v1",
+            "{ type = \"tcp\", path = \"/health\" }",
+        ));
+        assert!(find(&e, "clusters.a.probe.path")
+            .message
+            .contains("only an http probe"));
+        let e = errs(cluster("http://127.0.0.1:1/v1", "{ type = \"icmp\" }"));
+        assert!(find(&e, "clusters.a.probe.type").message.contains("`icmp`"));
+
+        let ok = load(
+            &cluster(
+                "https://127.0.0.1:1/v1",
+                "{ type = \"tcp\", when = \"always\" }",
+            ),
+            &|_| None,
+        )
+        .unwrap();
+        let probe = ok.clusters[0].probe.clone().unwrap();
+        assert_eq!(probe.check, routing::ProbeCheck::Tcp);
+        assert!(probe.always);
+        let ok = load(&cluster("http://127.0.0.1:1/v1", "{}"), &|_| None).unwrap();
+        let probe = ok.clusters[0].probe.clone().unwrap();
+        assert_eq!(
+            probe.check,
+            routing::ProbeCheck::Http {
+                path: "/health".into(),
+                expect_status: 200
+            }
+        );
+        assert_eq!(probe.interval, Duration::from_millis(2000));
+        assert_eq!(probe.timeout, Duration::from_millis(1000));
+        assert!(!probe.always);
     }
 
     #[test]

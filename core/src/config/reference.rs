@@ -17,7 +17,7 @@ use super::limits::{
     RawKey, RawLimits, RawPlan, RawPolicy, RawRedis, RawReserve, Reserve, DEFAULT_REDIS_DB,
     DEFAULT_WINDOW_SECS,
 };
-use super::routing::RawRouting;
+use super::routing::{RawProbe, RawRouting};
 use super::sticky::{RawSticky, RawStickyKey, RawStickyRule};
 use super::tls::{RawCertificate, RawTls};
 use super::{
@@ -72,6 +72,7 @@ fn sections() -> Vec<Section> {
             r#"{ env = "X" }"#,
             Some((CLUSTER, "credential")),
         ),
+        section::<RawProbe>("clusters.<name>.probe", "{}", Some((CLUSTER, "probe"))),
         section::<RawRoute>("[[routes]]", r#"{ model = "m" }"#, None),
         section::<RawGroup>("routes[].groups[]", "{}", Some(("[[routes]]", "groups"))),
         section::<RawTarget>(

@@ -239,3 +239,141 @@ impl FallbackOn {
             .is_some_and(|bit| self.0 & (1 << bit) != 0)
     }
 }
+
+/// `[clusters.x] probe`: an active health check of each of the cluster's backends.
+#[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawProbe {
+    #[serde(rename = "type", default = "default_probe_type")]
+    kind: String,
+    /// `type = "http"`: the path asked for (absolute on the backend's host).
+    path: Option<String>,
+    /// `type = "http"`: the status a healthy backend answers.
+    expect_status: Option<u16>,
+    #[serde(default = "default_probe_interval")]
+    interval_ms: u64,
+    #[serde(default = "default_probe_timeout")]
+    timeout_ms: u64,
+    /// `"open"`: only while the backend's breaker is open; `"always"`: all the time.
+    #[serde(default = "default_probe_when")]
+    when: String,
+}
+
+fn default_probe_type() -> String {
+    "http".into()
+}
+fn default_probe_interval() -> u64 {
+    2_000
+}
+fn default_probe_timeout() -> u64 {
+    1_000
+}
+fn default_probe_when() -> String {
+    "open".into()
+}
+
+/// A validated `probe`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Probe {
+    pub(crate) check: ProbeCheck,
+    pub(crate) interval: std::time::Duration,
+    pub(crate) timeout: std::time::Duration,
+    /// Probe a backend whose breaker is closed too (its failures then count against it).
+    pub(crate) always: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ProbeCheck {
+    /// `GET path` over plain HTTP/1.0 must answer `expect_status`.
+    Http { path: String, expect_status: u16 },
+    /// A TCP connection must open.
+    Tcp,
+}
+
+/// `probe` of the cluster at `path`; `any_tls`: some of its backends are `https`, which an HTTP
+/// probe (plain HTTP only) can't check.
+pub(super) fn resolve_probe(
+    raw: &RawProbe,
+    any_tls: bool,
+    path: &str,
+    err: &mut dyn FnMut(String, String),
+) -> Probe {
+    let check = match raw.kind.as_str() {
+        "http" => {
+            let probe_path = raw.path.clone().unwrap_or_else(|| "/health".into());
+            if !probe_path.starts_with('/') || probe_path.bytes().any(|b| b <= b' ' || b == 0x7f) {
+                err(
+                    format!("{path}.path"),
+                    format!("`{probe_path}` is not an absolute path like /health"),
+                );
+            }
+            let expect_status = raw.expect_status.unwrap_or(200);
+            if !(100..=599).contains(&expect_status) {
+                err(
+                    format!("{path}.expect_status"),
+                    "must be an HTTP status (100 to 599)".into(),
+                );
+            }
+            if any_tls {
+                err(
+                    format!("{path}.type"),
+                    "an http probe is sent in plain HTTP, and this cluster has https backends: \
+                     use type = \"tcp\""
+                        .into(),
+                );
+            }
+            ProbeCheck::Http {
+                path: probe_path,
+                expect_status,
+            }
+        }
+        "tcp" => {
+            for (key, set) in [
+                ("path", raw.path.is_some()),
+                ("expect_status", raw.expect_status.is_some()),
+            ] {
+                if set {
+                    err(format!("{path}.{key}"), "only an http probe has one".into());
+                }
+            }
+            ProbeCheck::Tcp
+        }
+        other => {
+            err(
+                format!("{path}.type"),
+                format!("`{other}` is not \"http\" or \"tcp\""),
+            );
+            ProbeCheck::Tcp
+        }
+    };
+    if raw.interval_ms < 10 {
+        err(
+            format!("{path}.interval_ms"),
+            "must be at least 10 ms".into(),
+        );
+    }
+    if raw.timeout_ms == 0 || raw.timeout_ms > raw.interval_ms {
+        err(
+            format!("{path}.timeout_ms"),
+            "must be from 1 ms to interval_ms".into(),
+        );
+    }
+    let always = match raw.when.as_str() {
+        "open" => false,
+        "always" => true,
+        other => {
+            err(
+                format!("{path}.when"),
+                format!("`{other}` is not \"open\" or \"always\""),
+            );
+            false
+        }
+    };
+    Probe {
+        check,
+        interval: std::time::Duration::from_millis(raw.interval_ms.max(10)),
+        timeout: std::time::Duration::from_millis(raw.timeout_ms.clamp(1, raw.interval_ms.max(10))),
+        always,
+    }
+}

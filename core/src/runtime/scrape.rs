@@ -1,21 +1,27 @@
-//! The queue scraper: one thread per process that reads, every `routing.scrape_interval_ms`,
-//! the Prometheus `/metrics` of each backend whose cluster sets `queue_metrics`, and stores the
-//! queue it reports in the backend's health, where the load-aware strategies read it.
+//! The health thread: one per process that reads, every `routing.scrape_interval_ms`, the
+//! Prometheus `/metrics` of each backend whose cluster sets `queue_metrics`, and stores the
+//! queue it reports in the backend's health, where the load-aware strategies read it; and that
+//! runs the active probes of clusters with a `probe`, every probe's `interval_ms`, feeding each
+//! verdict to the backend's breaker ([`BackendHealth::probed`]).
 //!
 //! Started by the runtime with the first snapshot's plan; the control thread hands it a new
 //! plan on each reload ([`Scraper::replan`]). It runs off the workers, with blocking sockets
-//! bounded by timeouts, so a slow or dead metrics endpoint delays only the scrape. What it
-//! reads: vLLM's `vllm:num_requests_waiting`, `vllm:num_requests_running` and
-//! `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` in older versions), SGLang's
-//! `sglang:num_queue_reqs`, `sglang:num_running_reqs` and `sglang:token_usage`; counts are
-//! summed over the label sets (one per model), usage is the largest. A backend that does not
-//! answer keeps its last reading, which ages out after `routing.queue_stale_ms`.
+//! bounded by timeouts, so a slow or dead endpoint delays only the scrapes and probes after it
+//! (by its timeout at most). What it reads: vLLM's `vllm:num_requests_waiting`,
+//! `vllm:num_requests_running` and `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` in
+//! older versions), SGLang's `sglang:num_queue_reqs`, `sglang:num_running_reqs` and
+//! `sglang:token_usage`; counts are summed over the label sets (one per model), usage is the
+//! largest. A backend that does not answer keeps its last reading, which ages out after
+//! `routing.queue_stale_ms`. A probe is `GET path` over plain HTTP/1.0 whose status must be the
+//! expected one, or a TCP connect, within the probe's `timeout_ms`; with `when = "open"` only
+//! backends whose breaker is open are probed.
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use crate::config::routing::{Probe, ProbeCheck, RoutingSettings};
 use crate::config::Snapshot;
 use crate::upstream::health::{BackendHealth, HealthTable};
 
@@ -26,10 +32,21 @@ struct Target {
     health: Arc<BackendHealth>,
 }
 
+/// One backend to probe, and when next.
+struct ProbeTarget {
+    addr: SocketAddr,
+    host: String,
+    health: Arc<BackendHealth>,
+    probe: Probe,
+    due: Instant,
+}
+
 #[derive(Default)]
 struct Plan {
     targets: Vec<Target>,
     interval: Duration,
+    probes: Vec<ProbeTarget>,
+    routing: RoutingSettings,
 }
 
 /// The handle the control thread keeps: new plans go to the thread over a channel, which is
@@ -75,20 +92,53 @@ impl Scraper {
                 });
             }
         }
+        let now = Instant::now();
+        let mut probes = Vec::new();
+        for cluster in &snapshot.clusters {
+            let Some(probe) = &cluster.probe else {
+                continue;
+            };
+            for backend in &cluster.backends {
+                let (Some(&addr), Some(h)) = (backend.addrs.first(), health.shared(backend.id))
+                else {
+                    continue;
+                };
+                probes.push(ProbeTarget {
+                    addr,
+                    host: backend.host_header.clone(),
+                    health: h,
+                    probe: probe.clone(),
+                    due: now,
+                });
+            }
+        }
         // The thread ends with the process; a send cannot fail before that.
         let _ = self.plans.send(Plan {
             targets,
             interval: Duration::from_millis(snapshot.routing.scrape_interval_ms),
+            probes,
+            routing: snapshot.routing,
         });
     }
 }
 
 fn run(plans: &mpsc::Receiver<Plan>) {
     let mut plan = Plan::default();
-    let mut next = Instant::now();
+    let mut next_scrape = Instant::now();
     loop {
-        // Wait for the next scrape, taking any new plan meanwhile (the latest wins).
-        match plans.recv_timeout(next.saturating_duration_since(Instant::now())) {
+        // Wait for the next scrape or probe, taking any new plan meanwhile (the latest wins).
+        let idle = Instant::now() + Duration::from_secs(3600);
+        let scrape_at = if plan.targets.is_empty() {
+            idle
+        } else {
+            next_scrape
+        };
+        let wake = plan
+            .probes
+            .iter()
+            .map(|p| p.due)
+            .fold(scrape_at, Instant::min);
+        match plans.recv_timeout(wake.saturating_duration_since(Instant::now())) {
             Ok(new) => {
                 plan = new;
                 continue;
@@ -96,17 +146,94 @@ fn run(plans: &mpsc::Receiver<Plan>) {
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => return,
         }
-        next = Instant::now() + plan.interval.max(Duration::from_millis(10));
-        for target in &plan.targets {
-            if let Some(q) = fetch(target.addr, &target.host).and_then(|p| parse_queue(&p)) {
-                let now = crate::sys::time::mono_ms();
-                target
-                    .health
-                    .load
-                    .scraped(q.waiting, q.running, q.kv_usage, now);
+        let started = Instant::now();
+        if started >= scrape_at {
+            next_scrape = started + plan.interval.max(Duration::from_millis(10));
+            for target in &plan.targets {
+                if let Some(q) = fetch(target.addr, &target.host).and_then(|p| parse_queue(&p)) {
+                    let now = crate::sys::time::mono_ms();
+                    target
+                        .health
+                        .load
+                        .scraped(q.waiting, q.running, q.kv_usage, now);
+                }
             }
         }
+        let routing = plan.routing;
+        for target in plan.probes.iter_mut().filter(|p| p.due <= started) {
+            target.due = started + target.probe.interval;
+            if !target.probe.always && !target.health.breaker_open() {
+                continue;
+            }
+            let ok = probe(target.addr, &target.host, &target.probe);
+            // Held open until the next verdict can come (with an interval to spare: this
+            // thread may be late on a busy machine).
+            let hold = 2 * target.probe.interval + target.probe.timeout;
+            let now = crate::sys::time::mono_ms();
+            target
+                .health
+                .probed(ok, now, &routing, hold.as_millis() as u64);
+        }
     }
+}
+
+/// One probe of the backend at `addr`: whether it passed, within the probe's timeout.
+fn probe(addr: SocketAddr, host: &str, probe: &Probe) -> bool {
+    let deadline = Instant::now() + probe.timeout;
+    let Ok(mut stream) = TcpStream::connect_timeout(&addr, probe.timeout) else {
+        return false;
+    };
+    let (path, expect_status) = match &probe.check {
+        ProbeCheck::Tcp => return true,
+        ProbeCheck::Http {
+            path,
+            expect_status,
+        } => (path, *expect_status),
+    };
+    let left = || {
+        deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+    };
+    let Some(timeout) = left() else {
+        return false;
+    };
+    if stream.set_write_timeout(Some(timeout)).is_err()
+        || write!(stream, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").is_err()
+    {
+        return false;
+    }
+    // The status line is all a verdict needs.
+    let mut head = [0u8; 64];
+    let mut len = 0;
+    while len < head.len() {
+        let Some(timeout) = left() else {
+            return false;
+        };
+        if stream.set_read_timeout(Some(timeout)).is_err() {
+            return false;
+        }
+        match stream.read(&mut head[len..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => len += n,
+        }
+        if head[..len].contains(&b'\n') {
+            break;
+        }
+    }
+    status_of(&head[..len]) == Some(expect_status)
+}
+
+/// The status of an HTTP/1.x status line at the start of `head`.
+fn status_of(head: &[u8]) -> Option<u16> {
+    let rest = head
+        .strip_prefix(b"HTTP/1.1 ")
+        .or_else(|| head.strip_prefix(b"HTTP/1.0 "))?;
+    let digits = rest.get(..3)?;
+    if !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(digits).ok()?.parse().ok()
 }
 
 /// `GET /metrics` over HTTP/1.0 (so the body is not chunked), the body of a 200; all of it
@@ -200,6 +327,15 @@ pub(crate) fn parse_queue(page: &str) -> Option<Queue> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_the_status_line() {
+        assert_eq!(status_of(b"HTTP/1.1 200 OK\r\n"), Some(200));
+        assert_eq!(status_of(b"HTTP/1.0 503 Service Unavailable"), Some(503));
+        assert_eq!(status_of(b"HTTP/1.1 20"), None);
+        assert_eq!(status_of(b"SSH-2.0-OpenSSH"), None);
+        assert_eq!(status_of(b"HTTP/1.1 2x0 OK"), None);
+    }
 
     #[test]
     fn reads_vllm_and_sglang_pages() {

@@ -352,6 +352,34 @@ impl BackendHealth {
         }
     }
 
+    /// The breaker is open or half-open (not closed).
+    pub(crate) fn breaker_open(&self) -> bool {
+        self.open_until.load(Relaxed) != 0
+    }
+
+    /// An active probe's verdict (`ok`), at `now`. While the breaker is open, a good probe
+    /// counts as a good half-open probe (`breaker.successes` of them close it, sooner than the
+    /// open time if need be), and a failed one starts the count over and keeps the breaker open
+    /// for `hold_ms` more at least, so no client request is sent to find out what the probe
+    /// already knows. While it is closed, a failed probe counts as a failed request (enough in a
+    /// row open it); a good one proves nothing about requests, and changes nothing.
+    pub(crate) fn probed(&self, ok: bool, now: u64, settings: &RoutingSettings, hold_ms: u64) {
+        match (ok, self.breaker_open()) {
+            (true, true) => {
+                let successes = self.probe_successes.fetch_add(1, Relaxed) + 1;
+                if successes >= settings.breaker.successes {
+                    self.close();
+                }
+            }
+            (true, false) => {}
+            (false, true) => {
+                self.probe_successes.store(0, Relaxed);
+                self.open_until.fetch_max(now + hold_ms, Relaxed);
+            }
+            (false, false) => self.failed(now, &settings.breaker, false),
+        }
+    }
+
     fn close(&self) {
         self.open_until.store(0, Relaxed);
         self.trips.store(0, Relaxed);
@@ -631,6 +659,38 @@ mod tests {
             h.availability(t + 7_000),
             Availability::Out { until: t + 8_000 }
         );
+    }
+
+    #[test]
+    fn active_probes_open_hold_and_close_the_breaker() {
+        let s = settings();
+        let h = BackendHealth::default();
+        // Closed: good probes change nothing, failed ones count like failed requests.
+        h.probed(true, 0, &s, 100);
+        for _ in 0..s.breaker.failures - 1 {
+            h.probed(false, 0, &s, 100);
+        }
+        assert_eq!(h.state_code(0), 0);
+        h.probed(false, 0, &s, 100);
+        assert_eq!(h.state_code(0), 1, "enough failed probes in a row open it");
+        // Open and still failing: held open past its open time, so no request probes it.
+        let open_until = h.open_until.load(Relaxed);
+        h.probed(false, open_until - 1, &s, 1_000);
+        assert_eq!(h.state_code(open_until + 500), 1);
+        // Good probes close it before its open time is up.
+        for _ in 0..s.breaker.successes - 1 {
+            h.probed(true, 10, &s, 100);
+            assert_eq!(h.state_code(10), 1);
+        }
+        // A failure between good probes starts the count over.
+        h.probed(false, 10, &s, 100);
+        for _ in 0..s.breaker.successes - 1 {
+            h.probed(true, 10, &s, 100);
+        }
+        assert_eq!(h.state_code(10), 1);
+        h.probed(true, 10, &s, 100);
+        assert_eq!(h.state_code(10), 0);
+        assert_eq!(h.availability(10), Availability::Available);
     }
 
     #[test]
