@@ -68,6 +68,7 @@ mod runtime {
     //! Worker threads, per-core state and the connection loop.
     pub(crate) mod conn;
     pub(crate) mod control;
+    pub(crate) mod fleet;
     pub(crate) mod scrape;
     pub(crate) mod server;
     pub(crate) mod takeover;

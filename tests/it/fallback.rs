@@ -546,3 +546,102 @@ fn probes_run_only_while_the_breaker_is_open_and_let_a_recovered_backend_back_ea
     a.set_fault(None);
     assert!(back_on_a(&gw), "the breaker never closed");
 }
+
+/// A node of a fleet sharing breakers through `redis`: `gpt-4o` on cluster `a` first, then `b`
+/// (`b-model`); the node's own breaker opens after `breaker_failures` failures.
+fn fleet_node(a: &Mock, b: &Mock, redis: &Redis, breaker_failures: u32) -> Config {
+    Config::new().raw(&format!(
+        r#"
+[clusters.a]
+backends = [{{ base_url = "{}" }}]
+
+[clusters.b]
+backends = [{{ base_url = "{}" }}]
+
+[[routes]]
+model = "gpt-4o"
+groups = [{{ targets = [{{ cluster = "a" }}] }}, {{ targets = [{{ cluster = "b", model = "b-model" }}] }}]
+
+[routing]
+share_breakers = true
+breaker_failures = {breaker_failures}
+breaker_open_ms = 60000
+breaker_max_open_ms = 60000
+retry_budget_min = 100000
+
+[limits]
+backend = "redis"
+nodes = 2
+
+[limits.redis]
+address = "{}"
+key_prefix = "fleet"
+"#,
+        a.base_url(),
+        b.base_url(),
+        redis.addr,
+    ))
+}
+
+#[test]
+fn one_nodes_open_breaker_keeps_the_other_node_off_the_failing_backend() {
+    let a = Mock::start(&["--fault", "drop-before-response"]);
+    let b = Mock::start(&[]);
+    let redis = Redis::start();
+    // Node 1 opens its breaker after two failures; node 2 never would on its own.
+    let node1 = Sluice::start(&fleet_node(&a, &b, &redis, 2));
+    let node2 = Sluice::start(&fleet_node(&a, &b, &redis, 100_000));
+
+    // Node 2 alone: every request touches the dead primary first (served by the fallback).
+    for _ in 0..3 {
+        let before = a.stat("dropped_before_response");
+        let r = chat_with(&node2, &[]);
+        assert_eq!(r.header("x-mock-model"), Some("b-model"), "{}", r.dump());
+        assert_eq!(a.stat("dropped_before_response"), before + 1);
+    }
+    // Node 1 finds it failing, opens its breaker and tells the fleet.
+    for _ in 0..2 {
+        assert_eq!(chat_with(&node1, &[]).status, 200);
+    }
+    assert!(
+        wait_until(Duration::from_secs(10), || !redis
+            .keys("{fleet:breakers}:*")
+            .is_empty()),
+        "node 1 never published its open breaker"
+    );
+    // Within a sync interval or two node 2 stops sending the primary anything.
+    let spared = wait_until(Duration::from_secs(10), || {
+        let before = a.stat("dropped_before_response");
+        let r = chat_with(&node2, &[]);
+        assert_eq!(r.status, 200, "{}", r.dump());
+        a.stat("dropped_before_response") == before
+    });
+    assert!(
+        spared,
+        "node 2 kept trying the backend node 1 found failing"
+    );
+    for _ in 0..5 {
+        let before = a.stat("requests");
+        assert_eq!(
+            chat_with(&node2, &[]).header("x-mock-model"),
+            Some("b-model")
+        );
+        assert_eq!(a.stat("requests"), before, "node 2 tried the primary again");
+    }
+}
+
+#[test]
+fn sharing_breakers_needs_the_redis_backend() {
+    let out = Sluice::check(
+        &Config::new()
+            .cluster(Cluster::new("a", &["http://127.0.0.1:9/v1"]))
+            .route("*", "a")
+            .raw("[routing]\nshare_breakers = true\n"),
+    );
+    assert!(!out.status.success());
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("routing.share_breakers") && text.contains("backend = \"redis\""),
+        "{text}"
+    );
+}

@@ -1097,6 +1097,13 @@ fn validate(
     let access_log = access_log.as_ref().map(|l| resolve_access_log(l, &mut err));
     let prices = resolve_pricing(&pricing, &mut err);
 
+    if routing.share_breakers && limits_read && limits.sync.redis.is_none() {
+        err(
+            "routing.share_breakers".into(),
+            "breakers are shared through the limits Redis: set [limits] backend = \"redis\"".into(),
+        );
+    }
+
     if !errors.is_empty() || !failed.is_empty() {
         return None;
     }

@@ -22,6 +22,7 @@ pub(super) struct RawRouting {
     scrape_interval_ms: u64,
     queue_stale_ms: u64,
     credential_bench_ms: u64,
+    share_breakers: bool,
 }
 
 impl Default for RawRouting {
@@ -40,6 +41,7 @@ impl Default for RawRouting {
             scrape_interval_ms: 1_000,
             queue_stale_ms: 5_000,
             credential_bench_ms: 60_000,
+            share_breakers: false,
         }
     }
 }
@@ -66,6 +68,8 @@ pub(crate) struct RoutingSettings {
     pub(crate) queue_stale_ms: u64,
     /// How long a credential of a key pool that drew a 401 / 403 is left out.
     pub(crate) credential_bench_ms: u64,
+    /// Open breakers are shared with the other nodes through the limits Redis.
+    pub(crate) share_breakers: bool,
 }
 
 /// How a target group picks among its available backends.
@@ -178,6 +182,7 @@ pub(super) fn resolve_routing(
         scrape_interval_ms: raw.scrape_interval_ms.max(1),
         queue_stale_ms: raw.queue_stale_ms.max(1),
         credential_bench_ms: raw.credential_bench_ms.max(1),
+        share_breakers: raw.share_breakers,
     }
 }
 

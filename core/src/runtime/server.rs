@@ -178,6 +178,7 @@ pub fn run(
     // One health table for every worker: what one learns of a backend, all act on.
     let health = Arc::new(crate::upstream::health::HealthTable::build(&snapshot, None));
     let scraper = crate::runtime::scrape::Scraper::start(&snapshot, &health)?;
+    let fleet = crate::runtime::fleet::Fleet::start(&snapshot, &health)?;
     let listeners = worker_listeners(workers, addr, tls_addr, inherited)?;
     // Duplicates of every listening socket, for a successor to take over.
     let handover = match &snapshot.server.takeover_socket {
@@ -282,6 +283,7 @@ pub fn run(
         snapshot,
         health,
         scraper,
+        fleet,
         workers: controls,
         ready,
         hub,
@@ -305,6 +307,7 @@ struct Control {
     health: Arc<crate::upstream::health::HealthTable>,
     /// Reads the queue of backends whose cluster asks for it (`queue_metrics`).
     scraper: crate::runtime::scrape::Scraper,
+    fleet: crate::runtime::fleet::Fleet,
     workers: Vec<crate::runtime::control::ControlSender>,
     ready: Arc<AtomicBool>,
     hub: Arc<MetricsHub>,
@@ -575,6 +578,7 @@ impl Control {
             }
         }
         self.scraper.replan(&snapshot, &health);
+        self.fleet.replan(&snapshot, &health);
         self.snapshot = snapshot;
         self.health = health;
         if swapped < self.workers.len() {

@@ -357,6 +357,26 @@ impl BackendHealth {
         self.open_until.load(Relaxed) != 0
     }
 
+    /// When the breaker's open time ends ([`mono_ms`](crate::sys::time::mono_ms)); 0: closed.
+    pub(crate) fn open_until(&self) -> u64 {
+        self.open_until.load(Relaxed)
+    }
+
+    /// Another node found the backend failing: open the breaker until `until` unless it is
+    /// open already (its own state, and back-off, then stand). Passing the open time leads to
+    /// half-open here as after a local trip. Returns whether it was opened.
+    pub(crate) fn open_from_fleet(&self, until: u64) -> bool {
+        let opened = self
+            .open_until
+            .compare_exchange(0, until.max(1), Relaxed, Relaxed)
+            .is_ok();
+        if opened {
+            self.probe_successes.store(0, Relaxed);
+            self.probe_out.store(false, Relaxed);
+        }
+        opened
+    }
+
     /// An active probe's verdict (`ok`), at `now`. While the breaker is open, a good probe
     /// counts as a good half-open probe (`breaker.successes` of them close it, sooner than the
     /// open time if need be), and a failed one starts the count over and keeps the breaker open
