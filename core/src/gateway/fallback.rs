@@ -18,6 +18,8 @@ use std::time::Instant;
 
 use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::gateway::forward::UpstreamResponse;
+use crate::http::chunked::ChunkedDecoder;
+use crate::http::BodyFraming;
 use crate::sys::stream::{self, ReadOutcome};
 use crate::upstream::health::AttemptResult;
 
@@ -251,8 +253,12 @@ enum FirstEvent {
 
 /// Read until the stream's first `data:` line is in, and tell whether it is an error.
 async fn first_event(response: &mut UpstreamResponse<'_>, deadline: Instant) -> FirstEvent {
+    let chunked = response.head.framing() == BodyFraming::Chunked;
+    // A chunked body is judged on its decoded bytes: a chunk boundary may fall inside an event.
+    let mut decoded = Vec::new();
     loop {
-        if let Some(error) = first_data_is_error(&response.buf[response.head.head_len..]) {
+        let raw = &response.buf[response.head.head_len..];
+        if let Some(error) = first_data_is_error(body_of(raw, chunked, &mut decoded)) {
             return FirstEvent::Data { error };
         }
         if response.buf.len() - response.head.head_len >= MAX_JUDGED {
@@ -296,6 +302,18 @@ async fn read_more(
             format!("upstream connection failed: {e}"),
         )),
     }
+}
+
+/// The body bytes of `raw` (what came after the head so far): decoded into `decoded` when the
+/// body is `chunked` (a framing error is the relay's to report: what decoded before it is
+/// returned).
+fn body_of<'b>(raw: &'b [u8], chunked: bool, decoded: &'b mut Vec<u8>) -> &'b [u8] {
+    if !chunked {
+        return raw;
+    }
+    decoded.clear();
+    let _ = ChunkedDecoder::default().decode(raw, |d| decoded.extend_from_slice(d));
+    decoded
 }
 
 /// Whether the first `data:` line of a raw event-stream body (chunk-size lines of a chunked
@@ -353,6 +371,24 @@ fn is_error_payload(payload: &[u8]) -> bool {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn a_chunk_boundary_inside_the_first_event_does_not_hide_an_error() {
+        // `data: {"err` in one chunk, the rest of the event in the next.
+        let raw =
+            b"b\r\ndata: {\"err\r\n2f\r\nor\":{\"message\":\"overloaded\",\"type\":\"x\"}}\n\n\r\n";
+        let mut scratch = Vec::new();
+        assert_eq!(
+            first_data_is_error(body_of(raw, true, &mut scratch)),
+            Some(true)
+        );
+        // Only part of the second chunk in: not enough to tell yet.
+        let partial = &raw[..24];
+        assert_eq!(
+            first_data_is_error(body_of(partial, true, &mut scratch)),
+            None
+        );
+    }
 
     #[test]
     fn the_first_data_line_decides() {
