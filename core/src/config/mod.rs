@@ -398,6 +398,8 @@ pub struct Snapshot {
     pub(crate) routing: routing::RoutingSettings,
     /// The keys affinity cookies are sealed with (`[sticky]`).
     pub(crate) sticky_keys: sticky::StickyKeys,
+    /// What inspection reads of request bodies for the routes' sticky rules.
+    pub(crate) body_wants: crate::openai::inspect::Wants,
     /// Every backend of every cluster, indexed by [`BackendId`] (pools are per backend).
     pub(crate) backend_count: usize,
     /// Where the admin listener (metrics, health) binds, if anywhere.
@@ -984,7 +986,8 @@ fn validate(
     let timeouts = resolve_timeouts(&timeouts, &mut err);
     let upstream = resolve_upstream(&upstream, &mut err);
     let clusters = resolve_clusters(&clusters, env, &mut err, warnings);
-    let routes = resolve_routes(&routes, &clusters.by_name, &mut err);
+    let mut routes = resolve_routes(&routes, &clusters.by_name, &mut err);
+    let body_wants = sticky::body_wants(routes.iter_mut().filter_map(|r| r.sticky.as_mut()));
     let routing = routing::resolve_routing(&routing, &mut err);
     let sticky_keys = sticky::resolve_keys(&sticky, env, &mut err);
     if sticky_keys.keys.is_empty() {
@@ -1046,6 +1049,7 @@ fn validate(
         routes,
         routing,
         sticky_keys,
+        body_wants,
         backend_count: clusters.backend_count,
         admin_listen,
         admin_token_digest,
