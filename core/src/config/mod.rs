@@ -412,6 +412,8 @@ pub struct Snapshot {
     pub(crate) routing: routing::RoutingSettings,
     /// The keys affinity cookies are sealed with (`[sticky]`).
     pub(crate) sticky_keys: sticky::StickyKeys,
+    /// What inspection reads of request bodies for the routes' sticky rules.
+    pub(crate) body_wants: crate::openai::inspect::Wants,
     /// Every backend of every cluster, indexed by [`BackendId`] (pools are per backend).
     pub(crate) backend_count: usize,
     /// Where the admin listener (metrics, health) binds, if anywhere.
@@ -1043,13 +1045,14 @@ fn validate(
     let keys_read =
         limits_read && keys.iter().all(Option::is_some) && policies.iter().all(Option::is_some);
     let limits = resolve_limits(keys, policies, &limits, limits_read, workers, env, &mut err);
-    let routes = resolve_routes(
+    let mut routes = resolve_routes(
         &routes,
         &clusters.by_name,
         timeouts.upstream_first_byte,
         keys_read.then_some(&limits),
         &mut err,
     );
+    let body_wants = sticky::body_wants(routes.iter_mut().filter_map(|r| r.sticky.as_mut()));
     let routing = routing::resolve_routing(&routing, &mut err);
     let sticky_keys = sticky::resolve_keys(&sticky, env, &mut err);
     if sticky_keys.keys.is_empty() {
@@ -1116,6 +1119,7 @@ fn validate(
         routes,
         routing,
         sticky_keys,
+        body_wants,
         backend_count: clusters.backend_count,
         admin_listen,
         admin_token_digest,

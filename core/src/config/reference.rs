@@ -18,7 +18,7 @@ use super::limits::{
     DEFAULT_WINDOW_SECS,
 };
 use super::routing::{RawProbe, RawRouting};
-use super::sticky::{RawSticky, RawStickyKey, RawStickyRule};
+use super::sticky::{RawPrefix, RawSticky, RawStickyKey, RawStickyRule};
 use super::tls::{RawCertificate, RawTls};
 use super::{
     RawAccessLog, RawAdmin, RawBackend, RawCluster, RawCredential, RawGroup, RawHttp, RawPrice,
@@ -81,6 +81,11 @@ fn sections() -> Vec<Section> {
             Some(("routes[].groups[]", "targets")),
         ),
         section::<RawStickyRule>("routes[].sticky", "{}", Some(("[[routes]]", "sticky"))),
+        section::<RawPrefix>(
+            "routes[].sticky.prefix",
+            "{}",
+            Some(("routes[].sticky", "prefix")),
+        ),
         section::<RawRouting>("[routing]", "{}", None),
         section::<RawSticky>("[sticky]", "{}", None),
         section::<RawStickyKey>(

@@ -178,7 +178,7 @@ pub(crate) async fn admit_request<'s>(
     // Inspect: the top-level model and friends, exactly as the upstream will read them.
     core.inspector
         .borrow_mut()
-        .inspect(request.body, inspection)?;
+        .inspect_for(request.body, &core.snapshot.body_wants, inspection)?;
 
     // Authorize: may this key use this model, from this address.
     auth::authorize(principal, &inspection.model, request.peer.map(|p| p.ip()))
@@ -190,13 +190,15 @@ pub(crate) async fn admit_request<'s>(
     let needed_tokens = || {
         crate::openai::tokens::estimate_tokens(request.body) + inspection.max_tokens.unwrap_or(0)
     };
-    // For a sticky route: the session id and the affinity cookie, from the head.
+    // For a sticky route: the session id, the affinity cookie and the prompt prefix's hash.
+    let inspected = &*inspection;
     let session_of = |rule: &crate::config::sticky::StickyRule, route: &str| {
         sticky::session(
             rule,
             route,
             &core.snapshot.sticky_keys,
             request,
+            inspected,
             crate::sys::time::unix_secs(),
         )
     };

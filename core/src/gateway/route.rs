@@ -362,6 +362,55 @@ impl<'s> Picker<'s, '_> {
         })
     }
 
+    /// Prefix affinity: of the first group with a backend that can take the request (available,
+    /// fits, under 95% loaded), the one rendezvous hashing gives `prefix` — unless it has more
+    /// in flight than bounded load allows ([`under_load_cap`]); then the group's strategy among
+    /// those that it allows. `None`: no group has such a backend (the plain walk decides).
+    fn find_prefix(
+        &self,
+        route: &'s Route,
+        prefix: u64,
+        load_factor: f64,
+    ) -> Option<(usize, Walk)> {
+        let stale = self.snapshot.routing.queue_stale_ms;
+        let keep = |o: &Choice<'_>| {
+            o.target
+                .context_window
+                .is_none_or(|w| w >= self.needed_tokens)
+                && self.load(o, stale) < 0.95
+        };
+        let in_flight = |o: &Choice<'_>| o.health.map_or(0, |h| u64::from(h.load.in_flight()));
+        route.groups.iter().enumerate().find_map(|(g, group)| {
+            let options = self.options(group, &keep);
+            let (total, weights) = options
+                .clone()
+                .fold((0, 0), |(n, w), o| (n + in_flight(&o), w + o.weight));
+            let allowed = |o: &Choice<'_>| {
+                under_load_cap(in_flight(o), o.weight, total, weights, load_factor)
+            };
+            let score = |o: &Choice<'_>| {
+                let cluster = &self.snapshot.clusters[o.target.cluster];
+                let identity = self.health.identity(cluster.backends[o.b].id);
+                rendezvous_score(prefix, identity, o.weight)
+            };
+            let best = options.min_by(|a, b| score(a).total_cmp(&score(b)))?;
+            let (t, b) = if allowed(&best) {
+                (best.t, best.b)
+            } else {
+                self.pick(group, &|o| keep(o) && allowed(o))?
+            };
+            Some((
+                g,
+                Walk {
+                    first_target: t,
+                    target_step: 0,
+                    first_backend: b,
+                    backend_step: 0,
+                },
+            ))
+        })
+    }
+
     fn load(&self, o: &Choice<'_>, stale: u64) -> f64 {
         o.health.map_or(0.0, |h| {
             h.load.load(self.now, stale, o.target.max_in_flight)
@@ -549,7 +598,12 @@ pub(crate) fn route<'s>(
             })
     });
     let pinned_walk = pinned.and_then(|identity| picker.find_pinned(route, identity));
-    let started = pinned_walk.or_else(|| {
+    // No pin that holds: prefix affinity, when the rule has it.
+    let prefix_walk = || {
+        let (rule, session) = sticky?;
+        picker.find_prefix(route, session.prefix?, rule.prefix?.load_factor)
+    };
+    let started = pinned_walk.or_else(prefix_walk).or_else(|| {
         route
             .groups
             .iter()
@@ -614,6 +668,36 @@ pub(crate) fn route<'s>(
         model,
         retry_after_secs(snapshot, health, route, now),
     ))
+}
+
+/// Bounded load (consistent hashing with bounded loads, Mirrokni et al.): a backend with
+/// `in_flight` requests may take one more while that keeps it within its weight's share of
+/// `load_factor` × the candidates' `total` in flight, this request included, rounded up — so no
+/// backend is placed above `load_factor` × the (weighted) average + 1.
+fn under_load_cap(in_flight: u64, weight: u64, total: u64, weights: u64, load_factor: f64) -> bool {
+    if weights == 0 {
+        return false;
+    }
+    let cap = load_factor * (total + 1) as f64 * weight as f64 / weights as f64;
+    (in_flight + 1) as f64 <= cap.ceil()
+}
+
+/// Weighted rendezvous (highest-random-weight) hashing: the backend with the lowest score takes
+/// `key`. Each backend's score depends on the key and its own identity only, so a backend
+/// leaving moves only its own keys, every node agrees without sharing state, and a backend's
+/// share of keys is its share of the weight.
+fn rendezvous_score(key: u64, identity: u64, weight: u64) -> f64 {
+    let h = mix(key ^ mix(identity));
+    // Uniform in (0, 1), never 0.
+    let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    -u.ln() / weight.max(1) as f64
+}
+
+/// splitmix64's finalizer.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// Seconds until the first of the route's backends is back (at least 1).
@@ -1000,5 +1084,138 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(60));
         assert_eq!(c.next_fallback("n", None).map(|t| t.backend.id), Some(a));
         assert!(c.next_fallback("n", None).is_none());
+    }
+
+    fn prefix_pool(load_factor: f64) -> Snapshot {
+        let text = format!(
+            r#"
+            [clusters.p]
+            backends = [{{ base_url = "http://127.0.0.1:1/v1" }}, {{ base_url = "http://127.0.0.1:2/v1" }}, {{ base_url = "http://127.0.0.1:3/v1" }}]
+            [[routes]]
+            model = "m"
+            cluster = "p"
+            sticky = {{ prefix = {{ bytes = 64, load_factor = {load_factor:?} }} }}
+        "#
+        );
+        crate::config::load(&text, &|_| None).unwrap()
+    }
+
+    fn by_prefix<'s>(s: &'s Snapshot, h: &'s HealthTable, rng: &'s Cell<u64>, key: u64) -> usize {
+        let session = move |_: &StickyRule, _: &str| Session {
+            prefix: Some(key),
+            ..Session::default()
+        };
+        route(s, h, "m", None, &|| 0, &session, rng)
+            .unwrap()
+            .primary()
+            .backend
+            .id
+    }
+
+    #[test]
+    fn a_prefix_goes_to_one_backend_and_prefixes_spread() {
+        let s = prefix_pool(1.25);
+        let h = table(&s);
+        let mut per_backend = [0; 3];
+        for key in 0..300u64 {
+            let key = crate::upstream::health::fnv1a_extend(key, b"prefix");
+            let first = by_prefix(&s, &h, &Cell::new(1), key);
+            // Whatever the random state: the hash decides, not the strategy.
+            for seed in 2..6u64 {
+                assert_eq!(by_prefix(&s, &h, &Cell::new(seed), key), first);
+            }
+            per_backend[first] += 1;
+        }
+        assert!(per_backend.iter().all(|&n| n >= 70), "{per_backend:?}");
+        // A backend that is out loses its prefixes to one other backend each, the rest stay.
+        use crate::upstream::health::AttemptResult;
+        let now = crate::sys::time::mono_ms();
+        let keys: Vec<u64> = (0..100u64).map(|k| k.wrapping_mul(0x9e37_79b9)).collect();
+        let before: Vec<usize> = keys
+            .iter()
+            .map(|&k| by_prefix(&s, &h, &Cell::new(1), k))
+            .collect();
+        h.get(0).unwrap().record(
+            AttemptResult::Cool {
+                ms: Some(60_000),
+                failed: false,
+            },
+            now,
+            &s.routing,
+        );
+        for (&k, &was) in keys.iter().zip(&before) {
+            let now_at = by_prefix(&s, &h, &Cell::new(1), k);
+            assert_ne!(now_at, 0);
+            if was != 0 {
+                assert_eq!(now_at, was, "only the out backend's prefixes move");
+            }
+            assert_eq!(by_prefix(&s, &h, &Cell::new(9), k), now_at);
+        }
+    }
+
+    /// Place `steps` requests (90% one hot prefix), each held in flight; with `churn`, every
+    /// other step first ends a random one. Calls `check(chosen, in_flight, total)` after each
+    /// placement (in flight of each backend, after it).
+    fn skewed_mix(
+        s: &Snapshot,
+        h: &HealthTable,
+        steps: usize,
+        churn: bool,
+        mut check: impl FnMut(usize, [u64; 3], u64),
+    ) {
+        let rng = Cell::new(0x2545_f491_4f6c_dd1d);
+        let mut guards = Vec::new();
+        let now = crate::sys::time::mono_ms();
+        for step in 0..steps {
+            if churn && step % 2 == 0 && !guards.is_empty() {
+                let i = (next_random(&rng) % guards.len() as u64) as usize;
+                drop(guards.swap_remove(i));
+            }
+            let key = if next_random(&rng) % 10 < 9 {
+                0xfeed
+            } else {
+                next_random(&rng)
+            };
+            let chosen = by_prefix(s, h, &rng, key);
+            guards.push(h.get(chosen).unwrap().begin(now, &s.routing).unwrap());
+            let in_flight: [u64; 3] =
+                std::array::from_fn(|b| u64::from(h.get(b).unwrap().load.in_flight()));
+            check(chosen, in_flight, in_flight.iter().sum());
+        }
+    }
+
+    #[test]
+    fn bounded_load_keeps_every_backend_within_c_times_the_average_plus_one() {
+        let c = 1.25;
+        let s = prefix_pool(c);
+        let h = table(&s);
+        let within = |n: u64, total: u64| n as f64 <= c * total as f64 / 3.0 + 1.0;
+        // Growing only: no backend is ever above the bound.
+        let mut hot = None;
+        skewed_mix(&s, &h, 300, false, |_, in_flight, total| {
+            for n in in_flight {
+                assert!(within(n, total), "{in_flight:?}");
+            }
+            hot = Some(in_flight);
+        });
+        // The hot prefix's backend is the one at the cap: affinity was used up to it.
+        let last = hot.unwrap();
+        let max = *last.iter().max().unwrap();
+        assert!(max as f64 >= c * 300.0 / 3.0 - 1.0, "{last:?}");
+        drop(h);
+
+        // With requests ending at random: each placement stays within the bound.
+        let h = table(&s);
+        skewed_mix(&s, &h, 2_000, true, |chosen, in_flight, total| {
+            assert!(within(in_flight[chosen], total), "{chosen} {in_flight:?}");
+        });
+
+        // The same mix with the cap out of the way (c = 100) piles onto one backend: the bound
+        // above is the rule's doing.
+        let s = prefix_pool(100.0);
+        let h = table(&s);
+        let mut last = [0; 3];
+        skewed_mix(&s, &h, 300, false, |_, in_flight, _| last = in_flight);
+        assert!(*last.iter().max().unwrap() > 250, "{last:?}");
     }
 }

@@ -13,6 +13,12 @@
 //!
 //! Only top-level keys count: the tape is walked at depth one, so a `"model"` inside messages or
 //! nested objects is never taken, in whatever order it appears.
+//!
+//! What sticky routing asks of the body, only when some route asks ([`Wants`]), is read in the
+//! same pass: the value at each dotted path of object keys (`metadata.conversation_id`: a string
+//! or an integer, else nothing — never an error; the first of duplicate nested keys), and the
+//! byte span of the start of the prompt (`messages`, else `input`, else `prompt`) for prefix
+//! affinity. Nothing is copied but the ids' text, into a buffer the [`Inspection`] keeps.
 
 use simd_json::{Buffers, Node, StaticNode};
 
@@ -31,6 +37,66 @@ pub(crate) struct Inspection {
     /// Where `stream_options` is, for splicing in `include_usage`. Found for streaming requests
     /// only (nothing else needs it); otherwise left at its default.
     pub(crate) stream_options: StreamOptionsAt,
+    /// The values at the paths [`Wants::paths`] lists, by slot.
+    pub(crate) body_ids: BodyIds,
+    /// The first (at most) [`Wants::prefix_bytes`] bytes of the prompt's JSON text — the
+    /// `messages` array, else `input`, else `prompt` — as a byte range of the body.
+    pub(crate) prompt_prefix: Option<(usize, usize)>,
+}
+
+/// What routing wants read from bodies besides the fixed fields: built once per config
+/// snapshot from the routes' sticky rules; empty (the default) costs nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Wants {
+    /// Dotted paths of object keys from the top level, each split into its keys; a path's
+    /// place in the list is its slot in [`BodyIds`].
+    pub(crate) paths: Vec<Vec<String>>,
+    /// How many bytes of the prompt's start prefix affinity hashes (0: none wanted).
+    pub(crate) prefix_bytes: usize,
+}
+
+/// The session ids found in a body, by slot: their text in one buffer, reused across requests
+/// (an integer id is its decimal text, so `42` and `"42"` are one id).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct BodyIds {
+    text: String,
+    spans: Vec<Option<(u32, u32)>>,
+}
+
+impl BodyIds {
+    /// The value found for `slot`, if any.
+    pub(crate) fn get(&self, slot: usize) -> Option<&str> {
+        let (start, end) = (*self.spans.get(slot)?)?;
+        self.text.get(start as usize..end as usize)
+    }
+
+    fn reset(&mut self, slots: usize) {
+        self.text.clear();
+        self.spans.clear();
+        self.spans.resize(slots, None);
+    }
+
+    fn set(&mut self, slot: usize, value: Node<'_>) {
+        use std::fmt::Write as _;
+        let start = self.text.len();
+        match value {
+            Node::String(s) => self.text.push_str(s),
+            Node::Static(StaticNode::U64(v)) => {
+                let _ = write!(self.text, "{v}");
+            }
+            Node::Static(StaticNode::I64(v)) => {
+                let _ = write!(self.text, "{v}");
+            }
+            _ => return,
+        }
+        if let (Some(span), Ok(start), Ok(end)) = (
+            self.spans.get_mut(slot),
+            u32::try_from(start),
+            u32::try_from(self.text.len()),
+        ) {
+            *span = Some((start, end));
+        }
+    }
 }
 
 /// Where a streaming request's `stream_options` sits in the body, as byte offsets: enough for
@@ -84,9 +150,22 @@ pub(crate) struct Inspector {
 }
 
 impl Inspector {
+    /// Inspect `body` for the fixed fields only (tests, fuzzing and benchmarks; the gateway
+    /// calls [`Inspector::inspect_for`] with its snapshot's wants).
+    #[cfg(any(test, feature = "fuzz", feature = "bench"))]
     pub(crate) fn inspect(
         &mut self,
         body: &[u8],
+        out: &mut Inspection,
+    ) -> Result<(), InspectError> {
+        self.inspect_for(body, &Wants::default(), out)
+    }
+
+    /// Inspect `body`, also reading what `wants` asks.
+    pub(crate) fn inspect_for(
+        &mut self,
+        body: &[u8],
+        wants: &Wants,
         out: &mut Inspection,
     ) -> Result<(), InspectError> {
         // simd-json parses in place (it unescapes strings into its input), so it gets a copy.
@@ -100,7 +179,7 @@ impl Inspector {
             None => simd_json::Tape(Vec::with_capacity(256)),
         };
         let result = match simd_json::fill_tape(&mut self.scratch, buffers, &mut tape) {
-            Ok(()) => read_top_level(&tape.0, body, buffers.structural_indexes(), out),
+            Ok(()) => read_top_level(&tape.0, body, buffers.structural_indexes(), wants, out),
             Err(e) => Err(InspectError::new(json_syntax_message(body, &e), None)),
         };
         self.tape = Some(tape.reset());
@@ -186,6 +265,7 @@ fn read_top_level(
     nodes: &[Node<'_>],
     body: &[u8],
     structurals: &[u32],
+    wants: &Wants,
     out: &mut Inspection,
 ) -> Result<(), InspectError> {
     let Some(&Node::Object { len, .. }) = nodes.first() else {
@@ -194,7 +274,15 @@ fn read_top_level(
             None,
         ));
     };
-    *out = Inspection::default();
+    // The ids' buffer is kept: no allocation per request once it has grown.
+    let mut body_ids = std::mem::take(&mut out.body_ids);
+    body_ids.reset(wants.paths.len());
+    *out = Inspection {
+        body_ids,
+        ..Inspection::default()
+    };
+    // The prompt's key index: `messages`, else `input`, else `prompt` (by rank).
+    let mut prompt_at: Option<(u8, usize)> = None;
     let mut model_key_index = None;
     // `stream_options`: its key index, how many keys it has, and which of them is
     // `include_usage` (spans are found after the walk, for streaming requests only).
@@ -236,6 +324,24 @@ fn read_top_level(
         let value_idx = idx + 1;
         let value = nodes.get(value_idx).copied();
         idx = value_idx + value.map_or(1, node_span);
+        for (slot, path) in wants.paths.iter().enumerate() {
+            if path.first().is_some_and(|k| k == key) {
+                if let Some(found) = find_path(nodes, value_idx, &path[1..]) {
+                    out.body_ids.set(slot, found);
+                }
+            }
+        }
+        if wants.prefix_bytes > 0 {
+            let rank = match key {
+                "messages" => 0,
+                "input" => 1,
+                "prompt" => 2,
+                _ => u8::MAX,
+            };
+            if rank != u8::MAX && prompt_at.is_none_or(|(r, _)| rank < r) {
+                prompt_at = Some((rank, key_index));
+            }
+        }
         match key {
             "model" => match value {
                 Some(Node::String(m)) => {
@@ -285,6 +391,9 @@ fn read_top_level(
     };
     let malformed = || InspectError::new("malformed JSON object", None);
     out.model_span = member_value_span(body, structurals, model_key_index).ok_or_else(malformed)?;
+    if let Some((_, key_index)) = prompt_at {
+        out.prompt_prefix = member_value_prefix(body, structurals, key_index, wants.prefix_bytes);
+    }
     if out.stream {
         out.stream_options = match (options_at, options_null_at) {
             (Some((key_index, len, usage_key)), _) => {
@@ -316,6 +425,28 @@ fn read_top_level(
         };
     }
     Ok(())
+}
+
+/// The value at `path` (object keys) below the node at `nodes[idx]`; the first of duplicate
+/// keys.
+fn find_path<'t>(nodes: &[Node<'t>], mut idx: usize, path: &[String]) -> Option<Node<'t>> {
+    for key in path {
+        let Some(&Node::Object { len, .. }) = nodes.get(idx) else {
+            return None;
+        };
+        let mut at = idx + 1;
+        let mut found = None;
+        for _ in 0..len {
+            let value = nodes.get(at + 1).copied()?;
+            if matches!(nodes.get(at), Some(Node::String(k)) if *k == key.as_str()) {
+                found = Some(at + 1);
+                break;
+            }
+            at += 1 + node_span(value);
+        }
+        idx = found?;
+    }
+    nodes.get(idx).copied()
 }
 
 /// Nodes taken by the value starting at this node (itself included).
@@ -386,6 +517,17 @@ fn non_negative_int(
 /// depth one, the structural right after the k-th `:` starts the value, and the next depth-one
 /// structural (`,` or `}`) ends it, less trailing whitespace.
 fn member_value_span(body: &[u8], structurals: &[u32], key_index: usize) -> Option<(usize, usize)> {
+    member_value_prefix(body, structurals, key_index, usize::MAX)
+}
+
+/// As [`member_value_span`], cut to the value's first `max_len` bytes: the scan stops there, so
+/// a long value costs no more than its prefix.
+fn member_value_prefix(
+    body: &[u8],
+    structurals: &[u32],
+    key_index: usize,
+    max_len: usize,
+) -> Option<(usize, usize)> {
     let mut depth = 0usize;
     let mut colons = 0usize;
     let mut value_next = false;
@@ -397,6 +539,9 @@ fn member_value_span(body: &[u8], structurals: &[u32], key_index: usize) -> Opti
             value_next = false;
             start = Some(pos);
         } else if let Some(s) = start {
+            if pos - s >= max_len {
+                return Some((s, s + max_len));
+            }
             if depth == 1 && (c == b',' || c == b'}') {
                 let mut end = pos;
                 while end > s && matches!(body[end - 1], b' ' | b'\t' | b'\n' | b'\r') {
@@ -644,6 +789,94 @@ mod tests {
         ] {
             assert!(inspect(bad).is_err(), "{bad}");
         }
+    }
+
+    fn inspect_wanting(body: &str, paths: &[&str], prefix_bytes: usize) -> Inspection {
+        let wants = Wants {
+            paths: paths
+                .iter()
+                .map(|p| p.split('.').map(str::to_string).collect())
+                .collect(),
+            prefix_bytes,
+        };
+        let mut out = Inspection::default();
+        Inspector::default()
+            .inspect_for(body.as_bytes(), &wants, &mut out)
+            .unwrap();
+        out
+    }
+
+    #[test]
+    fn body_ids_are_read_at_their_paths_only() {
+        let body = r#"{"messages":[{"metadata":{"conversation_id":"evil"}}],"model":"m","metadata":{"x":{"conversation_id":"deeper"},"conversation_id":"c-1","n":42,"neg":-7,"f":1.5,"o":{}},"user":"u1"}"#;
+        let paths = [
+            "metadata.conversation_id",
+            "metadata.n",
+            "metadata.neg",
+            "metadata.f",
+            "metadata.o",
+            "user",
+            "metadata.missing",
+            "model.x",
+            "metadata.x.conversation_id",
+        ];
+        let r = inspect_wanting(body, &paths, 0);
+        let ids: Vec<Option<&str>> = (0..paths.len()).map(|i| r.body_ids.get(i)).collect();
+        assert_eq!(
+            ids,
+            [
+                Some("c-1"),
+                Some("42"),
+                Some("-7"),
+                None,
+                None,
+                Some("u1"),
+                None,
+                None,
+                Some("deeper")
+            ]
+        );
+        assert_eq!(r.model, "m");
+        assert_eq!(r.prompt_prefix, None, "not wanted");
+        // Reused: the next body's ids replace the last one's, and none is left over.
+        let mut i = Inspector::default();
+        let wants = Wants {
+            paths: vec![vec!["user".into()]],
+            prefix_bytes: 0,
+        };
+        let mut out = Inspection::default();
+        i.inspect_for(br#"{"model":"m","user":"a"}"#, &wants, &mut out)
+            .unwrap();
+        assert_eq!(out.body_ids.get(0), Some("a"));
+        i.inspect_for(br#"{"model":"m"}"#, &wants, &mut out)
+            .unwrap();
+        assert_eq!(out.body_ids.get(0), None);
+    }
+
+    #[test]
+    fn the_prompt_prefix_is_the_start_of_the_messages_text() {
+        let body = r#"{"model":"m","messages" : [{"role":"system","content":"You are terse."},{"role":"user","content":"hi"}] ,"n":1}"#;
+        let span = |n| {
+            let (a, b) = inspect_wanting(body, &[], n).prompt_prefix.unwrap();
+            &body[a..b]
+        };
+        assert_eq!(span(10), r#"[{"role":""#);
+        assert_eq!(span(30), r#"[{"role":"system","content":"Y"#);
+        // Longer than the array: the whole array, nothing after it.
+        let whole =
+            r#"[{"role":"system","content":"You are terse."},{"role":"user","content":"hi"}]"#;
+        assert_eq!(span(4096), whole);
+        // `input` (Responses) or `prompt` (completions) when there is no `messages`.
+        let r = inspect_wanting(r#"{"prompt":"once upon","model":"m"}"#, &[], 64);
+        let (a, b) = r.prompt_prefix.unwrap();
+        assert_eq!((a, b), (10, 21));
+        let r = inspect_wanting(r#"{"input":[1],"model":"m","messages":[2]}"#, &[], 64);
+        let (a, b) = r.prompt_prefix.unwrap();
+        assert_eq!(&r#"{"input":[1],"model":"m","messages":[2]}"#[a..b], "[2]");
+        assert_eq!(
+            inspect_wanting(r#"{"model":"m"}"#, &[], 64).prompt_prefix,
+            None
+        );
     }
 
     #[test]
