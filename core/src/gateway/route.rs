@@ -322,9 +322,19 @@ impl<'s> Picker<'s, '_> {
                 .is_none_or(|w| w >= self.needed_tokens)
         };
         let roomy = |o: &Choice<'_>| self.load(o, stale) < 0.95;
-        let picked = self
-            .pick(group, &|o| fits(o) && roomy(o))
-            .or_else(|| self.pick(group, &fits))?;
+        // A group with no context windows, no `max_in_flight` and no scraped queues has nothing
+        // for the filter to look at: every available pair passes, so it is not asked.
+        let filtered = group.targets.iter().any(|t| {
+            t.context_window.is_some()
+                || t.max_in_flight.is_some()
+                || self.snapshot.clusters[t.cluster].queue_metrics
+        });
+        let picked = if filtered {
+            self.pick(group, &|o| fits(o) && roomy(o))
+                .or_else(|| self.pick(group, &fits))?
+        } else {
+            self.pick(group, &|_| true)?
+        };
         let (t, b) = picked;
         Some(Walk {
             first_target: t,
@@ -455,6 +465,9 @@ impl<'s> Picker<'s, '_> {
         group: &'s TargetGroup,
         keep: &dyn Fn(&Choice<'s>) -> bool,
     ) -> Option<(usize, usize)> {
+        if group.strategy == Strategy::Weighted {
+            return self.weighted_loop(group, keep);
+        }
         let options = self.options(group, keep);
         let stale = self.snapshot.routing.queue_stale_ms;
         fn signals<'h>(o: &Choice<'h>) -> Option<&'h LoadSignals> {
@@ -494,6 +507,43 @@ impl<'s> Picker<'s, '_> {
             }
         }?;
         Some((chosen.t, chosen.b))
+    }
+
+    /// The default strategy, the one most requests take: weighted random choice among the
+    /// group's available pairs that pass `keep`, in one pass of plain loops (as
+    /// [`weighted_pick`] does over [`Self::options`], without the iterator adapters' cost).
+    fn weighted_loop(
+        &self,
+        group: &'s TargetGroup,
+        keep: &dyn Fn(&Choice<'s>) -> bool,
+    ) -> Option<(usize, usize)> {
+        let mut total = 0u64;
+        let mut chosen = None;
+        for (t, target) in group.targets.iter().enumerate() {
+            let cluster = &self.snapshot.clusters[target.cluster];
+            for (b, backend) in cluster.backends.iter().enumerate() {
+                let health = self.health.get(backend.id);
+                if !health.is_none_or(|h| available(h, self.now)) {
+                    continue;
+                }
+                let weight = u64::from(target.weight) * u64::from(backend.weight);
+                let o = Choice {
+                    t,
+                    b,
+                    weight,
+                    target,
+                    health,
+                };
+                if weight == 0 || !keep(&o) {
+                    continue;
+                }
+                total += weight;
+                if next_random(self.rng) % total < weight {
+                    chosen = Some((t, b));
+                }
+            }
+        }
+        chosen
     }
 
     /// Weighted random choice.
@@ -587,7 +637,12 @@ pub(crate) fn route<'s>(
         .sticky
         .as_ref()
         .map(|rule| (rule, session_of(rule, route.pattern.source())));
-    let now_s = crate::sys::time::unix_secs();
+    // Pins live in wall-clock seconds; a route without stickiness reads no second clock.
+    let now_s = if sticky.is_some() {
+        crate::sys::time::unix_secs()
+    } else {
+        0
+    };
     let pinned = sticky.and_then(|(_, session)| {
         session
             .cookie_backend
@@ -735,24 +790,23 @@ pub(crate) fn choose_backend(
 
 /// Weighted random choice among `(item, weight)` pairs: the one weighted pick every choice in
 /// routing makes (strategies, backends, credentials); `None` when the weights sum to 0.
-fn weighted_pick<T: Copy>(
-    items: impl Iterator<Item = (T, u64)> + Clone,
-    rng: &Cell<u64>,
-) -> Option<T> {
-    let total: u64 = items.clone().map(|(_, w)| w).sum();
-    if total == 0 {
-        return None;
-    }
-    let mut pick = next_random(rng) % total;
-    let mut last = None;
+fn weighted_pick<T>(items: impl Iterator<Item = (T, u64)>, rng: &Cell<u64>) -> Option<T> {
+    // One pass (weighted reservoir sampling of one): each item replaces the choice with
+    // probability weight / weight so far, which leaves item i chosen with probability
+    // w_i / total. The items — availability and load checks — are computed once, not once to
+    // sum and again to pick.
+    let mut total = 0u64;
+    let mut chosen = None;
     for (item, w) in items {
-        if pick < w {
-            return Some(item);
+        if w == 0 {
+            continue;
         }
-        pick -= w;
-        last = Some(item);
+        total += w;
+        if next_random(rng) % total < w {
+            chosen = Some(item);
+        }
     }
-    last
+    chosen
 }
 
 /// xorshift64*: fast, per-worker, good enough for load spreading (not for secrets).
