@@ -421,6 +421,11 @@ pub(crate) struct RateLimit {
 }
 
 impl RateLimit {
+    /// The window's length in ms (at least 1).
+    pub(crate) fn window_ms(&self) -> u64 {
+        self.window.as_millis().max(1) as u64
+    }
+
     /// The allowance of the window that started at `window_start_ms`, as of `now_ms`.
     pub(crate) fn allowance(&self, window_start_ms: u64, now_ms: u64) -> u64 {
         if self.burst >= self.max {
