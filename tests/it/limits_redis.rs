@@ -740,3 +740,87 @@ plans = [{{ id = "pre", tokens = 300 }}]
         gw.stderr_text()
     );
 }
+
+/// Issue #12 item 6: a provider's TPM budget on the first target of a route, shared by three
+/// processes through Redis, is never passed at that provider, and the requests it would not
+/// take go to the next target — no client sees an error.
+#[test]
+fn a_provider_tpm_budget_shared_by_3_processes_is_never_exceeded_and_traffic_moves_on() {
+    const BUDGET: u64 = 400;
+    let redis = Redis::start();
+    // 8 completion tokens; the prompt is counted as the body's length / 4 (about 20 here),
+    // within what a request reserves (its prompt estimate plus max_tokens = 16).
+    let a = Mock::start(&["--tokens", "8"]);
+    let b = Mock::start(&["--tokens", "8"]);
+    let toml = format!(
+        r#"
+[clusters.a]
+backends = [{{ base_url = "{}" }}]
+provider_limits = {{ max_tokens = {BUDGET}, window_secs = 60 }}
+
+[clusters.b]
+backends = [{{ base_url = "{}" }}]
+
+[[routes]]
+model = "gpt-4o"
+groups = [{{ targets = [{{ cluster = "a" }}] }}, {{ targets = [{{ cluster = "b" }}] }}]
+
+[limits]
+backend = "redis"
+nodes = 3
+lease_ttl_ms = 2000
+sync_timeout_ms = 1000
+
+[limits.redis]
+address = "{}"
+key_prefix = "prov"
+"#,
+        a.base_url(),
+        b.base_url(),
+        redis.addr,
+    );
+    // The whole burst within one sliding window's first part, with no window before it.
+    wait_out_window_edge(60, 20);
+    let gws: Vec<Sluice> = (0..3)
+        .map(|_| Sluice::start(&Config::new().workers(1).raw(&toml)))
+        .collect();
+    let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
+    let handles: Vec<_> = (0..9)
+        .map(|t| {
+            let addr = addrs[t % 3];
+            std::thread::spawn(move || {
+                let mut c = Conn::open(addr);
+                let req = Req::post("/v1/chat/completions", &body(16));
+                for _ in 0..10 {
+                    c.send(&req.build());
+                    let r = c.read_response();
+                    assert_eq!(r.status, 200, "{}", r.dump());
+                    // Spread over a few sync intervals: a worker without a lease passes the
+                    // target over until its next exchange.
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let used_at_a = a.stat("usage_prompt_tokens") + a.stat("usage_completion_tokens");
+    let (at_a, at_b) = (a.stat("requests"), b.stat("requests"));
+    assert!(
+        used_at_a <= BUDGET,
+        "provider a was sent {used_at_a} tokens ({at_a} requests) on a budget of {BUDGET}"
+    );
+    let stderr: Vec<String> = gws.iter().map(|g| g.stderr_text()).collect();
+    assert!(
+        at_a >= 3,
+        "provider a served only {at_a}: its budget went unused; {stderr:?}; {:?}",
+        redis.keys("*")
+    );
+    assert_eq!(
+        at_a + at_b,
+        90,
+        "a served {at_a}, b {at_b}: retried or lost"
+    );
+    assert!(at_b >= 90 - BUDGET / 20, "b served only {at_b}");
+}

@@ -14,8 +14,8 @@ use serde::de::{DeserializeOwned, Visitor};
 use serde::Serialize;
 
 use super::limits::{
-    RawKey, RawLimits, RawPlan, RawPolicy, RawRedis, RawReserve, Reserve, DEFAULT_REDIS_DB,
-    DEFAULT_WINDOW_SECS,
+    RawKey, RawLimits, RawPlan, RawPolicy, RawProviderLimits, RawRedis, RawReserve, Reserve,
+    DEFAULT_REDIS_DB, DEFAULT_WINDOW_SECS,
 };
 use super::routing::RawRouting;
 use super::sticky::{RawSticky, RawStickyKey, RawStickyRule};
@@ -71,6 +71,11 @@ fn sections() -> Vec<Section> {
             "clusters.<name>.credential",
             r#"{ env = "X" }"#,
             Some((CLUSTER, "credential")),
+        ),
+        section::<RawProviderLimits>(
+            "clusters.<name>.provider_limits",
+            "{}",
+            Some((CLUSTER, "provider_limits")),
         ),
         section::<RawRoute>("[[routes]]", r#"{ model = "m" }"#, None),
         section::<RawGroup>("routes[].groups[]", "{}", Some(("[[routes]]", "groups"))),
@@ -143,6 +148,10 @@ fn applied_later() -> BTreeMap<(&'static str, &'static str), toml::Value> {
         ),
         (
             ("[[policies]]", "tokens_window_secs"),
+            value(DEFAULT_WINDOW_SECS),
+        ),
+        (
+            ("clusters.<name>.provider_limits", "window_secs"),
             value(DEFAULT_WINDOW_SECS),
         ),
     ])

@@ -33,13 +33,16 @@ use crate::sys::time::unix_ms;
 use super::sync::{slid_limit, BudgetState, BudgetSync, Slide};
 use crate::config::limits::{
     civil_year_month, days_from_civil, ApiKey, DownPolicy, KeyIdx, LimitDimension, LimitsConfig,
-    Per, Period, Plan, Policy, RateLimit, StableIds,
+    Per, Period, Plan, Policy, ProviderLimits, RateLimit, StableIds,
 };
 
 const KIND_REQUESTS: u8 = 0;
 const KIND_TOKENS: u8 = 1;
 const KIND_CONCURRENCY: u8 = 2;
 const KIND_PLAN: u8 = 3;
+
+/// The high bit of a provider budget's [`BudgetId::shape`] (a policy's never has it).
+const PROVIDER_SHAPE: u64 = 1 << 63;
 
 /// A subject id for requests without one (no key, or a key without an entity).
 const NO_SUBJECT: u32 = u32::MAX;
@@ -379,6 +382,11 @@ impl LimiterShard {
             }
         }
         for (id, budget) in &mut self.budgets {
+            // A provider's budgets take a reloaded limit when they are next created (a new
+            // window; a concurrency budget once idle).
+            if id.shape & PROVIDER_SHAPE != 0 {
+                continue;
+            }
             match id.kind {
                 KIND_PLAN => {
                     if let Some(tokens) = plans.get(&(id.owner, id.subject)).and_then(|p| p.tokens)
@@ -604,7 +612,6 @@ impl LimiterShard {
             shape: (per_code(policy.per) << 56) | window_ms,
         };
         if !self.budgets.contains_key(&id) {
-            let kind_name = ["r", "t", "c"][limit.kind as usize];
             let mut k = String::with_capacity(64);
             k.push('{');
             k.push_str(&self.prefix);
@@ -613,6 +620,25 @@ impl LimiterShard {
             k.push(':');
             k.push_str(&subject_name(policy.per, subject, a));
             k.push('}');
+            self.insert_limit_budget(id, k, limit, limit.kind == KIND_CONCURRENCY, a.now_ms);
+        }
+        id
+    }
+
+    /// Create the budget `id` of one limit (a policy's or a provider's), its ledger key `k`
+    /// (the hash-tagged base) followed by the kind and, for a window, the window's number.
+    fn insert_limit_budget(
+        &mut self,
+        id: BudgetId,
+        mut k: String,
+        limit: &PolicyLimit,
+        strict: bool,
+        now_ms: u64,
+    ) {
+        let window_ms = limit.window_ms;
+        let window = id.window;
+        {
+            let kind_name = ["r", "t", "c"][limit.kind as usize];
             k.push(':');
             k.push_str(kind_name);
             if window_ms > 0 {
@@ -637,9 +663,9 @@ impl LimiterShard {
             let mut budget = new_budget(
                 k,
                 limit.rate.map_or(limit.limit, |r| {
-                    sliding(&r, start, a.now_ms, a.now_ms, prev_total).0
+                    sliding(&r, start, now_ms, now_ms, prev_total).0
                 }),
-                limit.kind == KIND_CONCURRENCY,
+                strict,
                 limit.rate.map(|r| (r, start)),
                 if window_ms > 0 { 2 * window_ms } else { 0 },
                 if window_ms > 0 { start + window_ms } else { 0 },
@@ -648,7 +674,117 @@ impl LimiterShard {
             budget.prev_total = prev_total;
             self.budgets.insert(id, budget);
         }
-        id
+    }
+
+    /// Reserve `tokens` (and a request, and a slot) for one attempt on a provider's limits —
+    /// a cluster's and its credential's, those given — without waiting: on success `permit`
+    /// holds the reservations (settle it with the attempt's usage, or [`Self::release`] it if
+    /// the attempt was never sent). A refusal (the limit used up, or this core holding too
+    /// small a lease: it asks for one at the next exchange) says the provider would not take
+    /// the attempt now.
+    pub(crate) fn try_reserve_provider(
+        &mut self,
+        limits: [Option<&ProviderLimits>; 2],
+        tokens: u64,
+        permit: &mut Permit,
+    ) -> Result<(), Refusal> {
+        let now_ms = unix_ms();
+        let lease_valid = self.lease_valid(Instant::now());
+        let mut passed = self.spare_entries.pop().unwrap_or_default();
+        passed.clear();
+        let mut short: Vec<(BudgetId, u64)> = Vec::new();
+        let mut refusal: Option<Refusal> = None;
+        for provider in limits.into_iter().flatten() {
+            // Owner and subject: a 64-bit hash of the name (a reload keeps a name's budgets;
+            // the high bit of the shape keeps them apart from every policy's).
+            let hash = {
+                use std::hash::Hasher;
+                let mut h = IdHasher::default();
+                h.write(provider.name.as_bytes());
+                h.finish()
+            };
+            for limit in PolicyLimit::provider(provider, tokens)
+                .into_iter()
+                .flatten()
+            {
+                let window = now_ms.checked_div(limit.window_ms).unwrap_or(0);
+                let id = BudgetId {
+                    kind: limit.kind,
+                    owner: hash as u32,
+                    subject: (hash >> 32) as u32,
+                    window,
+                    shape: PROVIDER_SHAPE | limit.window_ms,
+                };
+                if !self.budgets.contains_key(&id) {
+                    let mut k = String::with_capacity(64);
+                    k.push('{');
+                    k.push_str(&self.prefix);
+                    k.push_str(":v:");
+                    k.push_str(&provider.name);
+                    k.push('}');
+                    // Strict, every limit: a provider's limit is one never to pass (past it
+                    // come its 429s), so no admission on credit.
+                    self.insert_limit_budget(id, k, &limit, true, now_ms);
+                }
+                match self.check(&id, limit.cost, lease_valid) {
+                    Ok(()) => passed.push((id, limit.cost)),
+                    Err(kind) => {
+                        if kind == RefusalKind::NeedLease {
+                            short.push((id, limit.cost));
+                        }
+                        let reset_ms = self
+                            .budgets
+                            .get(&id)
+                            .map_or(0, |b| b.ends_at_ms.saturating_sub(now_ms));
+                        let found = Refusal {
+                            kind,
+                            policy: None,
+                            dimension: limit.dimension,
+                            retry_after: Some(reset_ms.div_ceil(1000).clamp(1, 60) as u32),
+                            limit: limit.limit,
+                        };
+                        if refusal.is_none_or(|r| {
+                            r.kind == RefusalKind::NeedLease && kind != RefusalKind::NeedLease
+                        }) {
+                            refusal = Some(found);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(refusal) = refusal {
+            self.refuse(&refusal, &short, passed);
+            if refusal.kind == RefusalKind::NeedLease {
+                // Nobody waits for it (the attempt goes elsewhere), but the lease should come
+                // at once, not at the end of the interval.
+                self.hurry();
+            }
+            return Err(refusal);
+        }
+        self.reserve(&passed, lease_valid);
+        *permit = Permit {
+            entries: passed,
+            headers: RateHeaders::default(),
+            settled: false,
+        };
+        Ok(())
+    }
+
+    /// Give a permit's reservations back without any spend (an attempt that was never sent).
+    pub(crate) fn release(&mut self, permit: &mut Permit) {
+        if permit.settled {
+            return;
+        }
+        permit.settled = true;
+        for (id, reserved) in permit.entries.drain(..) {
+            if let Some(b) = self.budgets.get_mut(&id) {
+                b.reserved = b.reserved.saturating_sub(reserved);
+            }
+        }
+        let spare = std::mem::take(&mut permit.entries);
+        if self.spare_entries.len() < 1024 {
+            self.spare_entries.push(spare);
+        }
     }
 
     /// The key's quota plan to charge: the first, by priority, that can cover the reservation.
@@ -956,6 +1092,14 @@ impl LimiterShard {
         }
     }
 
+    /// Ask the sync task to exchange now rather than at the end of the interval.
+    pub(crate) fn hurry(&mut self) {
+        self.urgent = true;
+        if let Some(w) = self.sync_waker.take() {
+            w.wake();
+        }
+    }
+
     /// The sync task asks whether to run now; otherwise it is woken when a request waits.
     pub(crate) fn take_urgent(&mut self, waker: &Waker) -> bool {
         if std::mem::take(&mut self.urgent) {
@@ -1086,6 +1230,32 @@ struct PolicyLimit {
 }
 
 impl PolicyLimit {
+    /// A provider's requests, tokens and concurrency limits for an attempt using `tokens`.
+    fn provider(p: &ProviderLimits, tokens: u64) -> [Option<PolicyLimit>; 3] {
+        let rate = |kind, dimension, r: RateLimit, cost| PolicyLimit {
+            kind,
+            dimension,
+            limit: r.max,
+            rate: Some(r),
+            window_ms: r.window.as_millis() as u64,
+            cost,
+        };
+        [
+            p.requests
+                .map(|r| rate(KIND_REQUESTS, LimitDimension::Rpm, r, 1)),
+            p.tokens
+                .map(|r| rate(KIND_TOKENS, LimitDimension::Tpm, r, tokens)),
+            p.concurrency.map(|c| PolicyLimit {
+                kind: KIND_CONCURRENCY,
+                dimension: LimitDimension::Concurrency,
+                limit: c,
+                rate: None,
+                window_ms: 0,
+                cost: 1,
+            }),
+        ]
+    }
+
     /// A policy's requests, tokens and concurrency limits, `None` for those it does not set.
     fn all(policy: &Policy, ask: &Ask<'_>) -> [Option<PolicyLimit>; 3] {
         let rate = |kind, dimension, r: RateLimit, cost| PolicyLimit {
@@ -1611,6 +1781,51 @@ mod tests {
             assert!(admitted >= 160, "{burst:?}: {admitted} admitted");
             assert!(refused.is_empty(), "{burst:?}: refused at {refused:?}");
         }
+    }
+
+    /// A provider's limits are strict: a worker reserves only from a lease (the first attempt
+    /// asks for one and is refused), and the budget is never passed across cores.
+    #[test]
+    fn provider_budgets_are_strict_and_shared_across_cores() {
+        let cfg = limits("");
+        let provider = ProviderLimits {
+            name: "a".into(),
+            requests: None,
+            tokens: Some(RateLimit {
+                max: 400,
+                window: Duration::from_secs(3600),
+                burst: 400,
+            }),
+            concurrency: None,
+        };
+        let ledger = InProcessLedger::new();
+        let mut shards: Vec<LimiterShard> = (0..3)
+            .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+            .collect();
+        let mut used = 0;
+        let mut refused_for_lease = 0;
+        for _round in 0..40 {
+            for s in shards.iter_mut() {
+                for _ in 0..3 {
+                    let mut p = Permit::default();
+                    match s.try_reserve_provider([Some(&provider), None], 36, &mut p) {
+                        Ok(()) => {
+                            used += 28;
+                            s.settle(&mut p, 28);
+                        }
+                        Err(r) if r.kind == RefusalKind::NeedLease => refused_for_lease += 1,
+                        Err(_) => {}
+                    }
+                }
+            }
+            sync_all(&mut shards, &ledger, &[0, 1, 2]);
+        }
+        assert!(
+            refused_for_lease >= 3,
+            "{refused_for_lease}: reserved without a lease"
+        );
+        assert!(used <= 400, "{used} tokens on a budget of 400");
+        assert!(used >= 300, "{used} tokens: the budget went unused");
     }
 
     #[test]
