@@ -295,6 +295,8 @@ struct RawCluster {
     queue_metrics: bool,
     /// An active health check of each backend.
     probe: Option<routing::RawProbe>,
+    /// The provider's own limits on the whole cluster (every credential together).
+    provider_limits: Option<limits::RawProviderLimits>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -323,6 +325,8 @@ struct RawCredential {
     /// Send the secret under a header that is not a known credential header without a warning.
     #[serde(default)]
     allow_custom_header: bool,
+    /// The provider's own limits on this credential alone.
+    provider_limits: Option<limits::RawProviderLimits>,
 }
 
 /// Header names upstream APIs take a key under; any other `credential.header` is likely a typo
@@ -522,6 +526,8 @@ pub(crate) struct Cluster {
     pub(crate) queue_metrics: bool,
     /// Each backend is checked actively (`[clusters.x] probe`).
     pub(crate) probe: Option<routing::Probe>,
+    /// The provider's limits on the whole cluster (`provider_limits`).
+    pub(crate) provider_limits: Option<limits::ProviderLimits>,
 }
 
 /// An upstream credential header, ready to write: `name: value\r\n`. Never logged.
@@ -534,6 +540,8 @@ pub(crate) struct Credential {
     /// The environment variable it came from: its name in logs (never the secret).
     pub(crate) label: String,
     pub(crate) weight: u32,
+    /// The provider's limits on this credential alone (`provider_limits`).
+    pub(crate) provider_limits: Option<limits::ProviderLimits>,
 }
 
 impl fmt::Debug for Credential {
@@ -1418,7 +1426,7 @@ fn resolve_cluster(
         );
     }
     let credentials: Vec<Credential> = match &rc.credential {
-        Some(c) => resolve_credential(c, &format!("{path}.credential"), env, err, warnings)
+        Some(c) => resolve_credential(c, name, &format!("{path}.credential"), env, err, warnings)
             .into_iter()
             .collect(),
         None => rc
@@ -1426,10 +1434,15 @@ fn resolve_cluster(
             .iter()
             .enumerate()
             .filter_map(|(i, c)| {
-                resolve_credential(c, &format!("{path}.credentials[{i}]"), env, err, warnings)
+                let path = format!("{path}.credentials[{i}]");
+                resolve_credential(c, name, &path, env, err, warnings)
             })
             .collect(),
     };
+    let provider_limits = rc.provider_limits.as_ref().and_then(|p| {
+        let path = format!("{path}.provider_limits");
+        limits::resolve_provider_limits(p, name.to_string(), &path, err)
+    });
     let any_tls = backends.iter().any(|b| b.tls);
     let tls = if any_tls || rc.ca_file.is_some() {
         build_tls(rc.ca_file.as_deref())
@@ -1449,6 +1462,7 @@ fn resolve_cluster(
             .probe
             .as_ref()
             .map(|p| routing::resolve_probe(p, any_tls, &format!("{path}.probe"), err)),
+        provider_limits,
     }
 }
 
@@ -1498,6 +1512,7 @@ fn resolve_backend(
 /// set. A header no API knows draws a warning unless `allow_custom_header` says it is meant.
 fn resolve_credential(
     c: &RawCredential,
+    cluster: &str,
     path: &str,
     env: &dyn Fn(&str) -> Option<String>,
     err: &mut dyn FnMut(String, String),
@@ -1545,11 +1560,16 @@ fn resolve_credential(
     } else {
         value
     };
+    let provider_limits = c.provider_limits.as_ref().and_then(|p| {
+        let path = format!("{path}.provider_limits");
+        limits::resolve_provider_limits(p, format!("{cluster}/{}", c.env), &path, err)
+    });
     Some(Credential {
         header_line: format!("{header}: {value}\r\n").into_bytes(),
         header_name: header,
         label: c.env.clone(),
         weight: c.weight.max(1),
+        provider_limits,
     })
 }
 

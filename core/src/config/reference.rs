@@ -14,8 +14,8 @@ use serde::de::{DeserializeOwned, Visitor};
 use serde::Serialize;
 
 use super::limits::{
-    RawKey, RawLimits, RawPlan, RawPolicy, RawRedis, RawReserve, Reserve, DEFAULT_REDIS_DB,
-    DEFAULT_WINDOW_SECS,
+    RawKey, RawLimits, RawPlan, RawPolicy, RawProviderLimits, RawRedis, RawReserve, Reserve,
+    DEFAULT_REDIS_DB, DEFAULT_WINDOW_SECS,
 };
 use super::routing::{RawProbe, RawRouting};
 use super::sticky::{RawPrefix, RawSticky, RawStickyKey, RawStickyRule};
@@ -73,6 +73,11 @@ fn sections() -> Vec<Section> {
             Some((CLUSTER, "credential")),
         ),
         section::<RawProbe>("clusters.<name>.probe", "{}", Some((CLUSTER, "probe"))),
+        section::<RawProviderLimits>(
+            "clusters.<name>.provider_limits",
+            "{}",
+            Some((CLUSTER, "provider_limits")),
+        ),
         section::<RawRoute>("[[routes]]", r#"{ model = "m" }"#, None),
         section::<RawGroup>("routes[].groups[]", "{}", Some(("[[routes]]", "groups"))),
         section::<RawTarget>(
@@ -149,6 +154,10 @@ fn applied_later() -> BTreeMap<(&'static str, &'static str), toml::Value> {
         ),
         (
             ("[[policies]]", "tokens_window_secs"),
+            value(DEFAULT_WINDOW_SECS),
+        ),
+        (
+            ("clusters.<name>.provider_limits", "window_secs"),
             value(DEFAULT_WINDOW_SECS),
         ),
     ])

@@ -227,6 +227,20 @@ pub(crate) fn billable_tokens(status: u16, end: Option<RelayEnd>, outcome: &Outc
     }
 }
 
+/// Wait, at most `wait`, for the limiter's next exchange (a lease asked for by a refusal that
+/// registered its demand). Whether it came in time.
+pub(crate) async fn wait_for_lease(
+    limiter: &RefCell<LimiterShard>,
+    wait: std::time::Duration,
+) -> bool {
+    let target = limiter.borrow().lease_epoch();
+    let wait_for = SyncWait {
+        shard: limiter,
+        target,
+    };
+    monoio::time::timeout(wait, wait_for).await.is_ok()
+}
+
 /// Resolves when the shard has completed the exchange numbered `target`.
 struct SyncWait<'a> {
     shard: &'a RefCell<LimiterShard>,

@@ -16,6 +16,7 @@ use crate::gateway::observe::{Estimator, Observation};
 use crate::gateway::relay::{ClientSide, RelayEnd, Relayed};
 use crate::gateway::route::Candidates;
 use crate::gateway::{admit, auth, fallback, forward, observe, relay, route, sticky};
+use crate::limits::shard::Permit;
 use crate::openai::inspect::Inspection;
 use crate::upstream::health::AttemptResult;
 
@@ -90,11 +91,20 @@ pub(crate) async fn proxy<'s>(
 
     // Forward and relay, on the admission's reservation: to the candidates in turn while a
     // failure leaves the client untouched and another backend may do better.
+    let mut provider = Permit::default();
     let (mut result, mapped, admission) = match admitted {
         Ok((candidates, admission)) => {
             admission.rate_headers().write(&mut obs.rate_headers);
-            let (served, mapped) =
-                serve(core, client, request, inspection, candidates, &mut obs).await;
+            let (served, mapped) = serve(
+                core,
+                client,
+                request,
+                inspection,
+                candidates,
+                &mut obs,
+                &mut provider,
+            )
+            .await;
             (served, mapped, Some(admission))
         }
         Err(e) => (Err(e), None, None),
@@ -135,10 +145,12 @@ pub(crate) async fn proxy<'s>(
     // Settle: what the request used goes into every budget it reserved from — success,
     // upstream error (released), client or upstream abort (billed). Settling consumes the
     // admission: exactly once.
+    // The provider's limits of the target that served (if any) likewise.
     if let Some(admission) = admission {
         let status = result.as_ref().map_or(0, |_| obs.status);
         let tokens = admit::billable_tokens(status, obs.end, &outcome);
         admission.settle(core.limiter, tokens);
+        core.limiter.borrow_mut().settle(&mut provider, tokens);
     }
     if let Err(e) = &mut result {
         if e.extra_headers.is_none() {
@@ -242,7 +254,10 @@ pub(crate) async fn admit_request<'s>(
 /// failure another backend could do better than: how the relay ended, or the error to answer
 /// with when nothing reached the client; and the model name the last attempt's upstream saw.
 /// Each attempt's outcome goes into its backend's health; a retry is charged to the failed
-/// backend's retry budget and bounded by `routing.max_attempts`.
+/// backend's retry budget and bounded by `routing.max_attempts`. A target whose provider
+/// limits (its cluster's, its credential's) would not take the request now is passed over
+/// without being sent anything; `provider` holds the reservation on the limits of the target
+/// that was sent the request last (settled by the caller with the usage).
 async fn serve<'s>(
     core: PerCore<'s>,
     client: &mut ClientSocket,
@@ -250,25 +265,86 @@ async fn serve<'s>(
     inspection: &Inspection,
     mut candidates: Candidates<'s>,
     obs: &mut Observation,
+    provider: &mut Permit,
 ) -> (Result<Relayed, GatewayError>, Option<&'s str>) {
     let settings = &core.snapshot.routing;
     let model = inspection.model.as_str();
     let mut target = candidates.primary();
     let mut attempts = 1;
+    // The attempt's token estimate, as admission makes it (computed once, when needed), and
+    // the soonest a provider over its limits takes requests again.
+    let mut estimate: Option<u64> = None;
+    let mut over_limits: Option<u64> = None;
     loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
+        // Provider limits: would this target take the request now? Asked without waiting;
+        // when it would not, the next candidate is tried, and when none is left the answer is
+        // the fast 503 of a route whose every backend is out.
+        let limits = [
+            target.cluster.provider_limits.as_ref(),
+            target
+                .credential
+                .and_then(|(_, c)| c.provider_limits.as_ref()),
+        ];
+        if limits.iter().any(Option::is_some) {
+            let cfg = &core.snapshot.limits;
+            let tokens = *estimate.get_or_insert_with(|| {
+                cfg.reserve.tokens(
+                    crate::openai::tokens::estimate_tokens(request.body),
+                    inspection.max_tokens,
+                    inspection.n,
+                )
+            });
+            let mut reserved = core
+                .limiter
+                .borrow_mut()
+                .try_reserve_provider(limits, tokens, provider);
+            // The last candidate, short only of a lease on this worker: wait for it once, as
+            // admission does, rather than answer 503 for a limit that has room.
+            let short_of_lease = reserved
+                .as_ref()
+                .is_err_and(|r| r.kind == crate::limits::shard::RefusalKind::NeedLease);
+            if short_of_lease && candidates.clone().next_fallback(model, None).is_none() {
+                let wait = cfg.sync.lease_wait;
+                if admit::wait_for_lease(core.limiter, wait).await {
+                    reserved = core
+                        .limiter
+                        .borrow_mut()
+                        .try_reserve_provider(limits, tokens, provider);
+                }
+            }
+            if let Err(refusal) = reserved {
+                obs.fallback_reason = "provider_limit";
+                let retry = u64::from(refusal.retry_after.unwrap_or(1));
+                over_limits = Some(over_limits.map_or(retry, |r| r.min(retry)));
+                match candidates.next_fallback(model, None) {
+                    Some(next) => {
+                        target = next;
+                        continue;
+                    }
+                    None => {
+                        let retry = over_limits.unwrap_or(1);
+                        return (Err(GatewayError::upstream_unavailable(model, retry)), None);
+                    }
+                }
+            }
+        }
         // A half-open backend takes one probe at a time: one that lost the race is passed over.
         // The guard counts the attempt in flight, and records its outcome exactly once.
         let mut attempt = match target.health {
             Some(h) => match h.begin(crate::sys::time::mono_ms(), settings) {
                 Some(guard) => Some(guard),
-                None => match candidates.next_fallback(model, None) {
-                    Some(next) => {
-                        target = next;
-                        continue;
+                None => {
+                    // Never sent: its provider reservation goes back untouched.
+                    core.limiter.borrow_mut().release(provider);
+                    match candidates.next_fallback(model, None) {
+                        Some(next) => {
+                            target = next;
+                            continue;
+                        }
+                        None => return (Err(GatewayError::upstream_unavailable(model, 1)), None),
                     }
-                    None => return (Err(GatewayError::upstream_unavailable(model, 1)), None),
-                },
+                }
             },
             None => None,
         };
@@ -332,6 +408,8 @@ async fn serve<'s>(
                     // Not relayed: the connection's state is unknown, so it is not reused.
                     response.conn.abort();
                 }
+                // The provider was sent a request that used nothing.
+                core.limiter.borrow_mut().settle(provider, 0);
                 target = next;
                 attempts += 1;
                 continue;

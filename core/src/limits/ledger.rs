@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::sync::{BudgetState, BudgetSync, SyncBackend, SyncError};
+use super::sync::{slid_limit, BudgetState, BudgetSync, SyncBackend, SyncError};
 
 /// The longest an expired budget stays in the map when the map does not grow.
 pub(crate) const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
@@ -166,6 +166,21 @@ impl Ledger {
         expiries: Expiries,
         sync: &BudgetSync,
     ) -> BudgetState {
+        // A rate window's limit less the previous window's weighted use (read-only).
+        let (limit, prev_total) = match &sync.slide {
+            Some(slide) => {
+                let prev = self.window_total(&slide.prev_key, now);
+                let limit = slid_limit(
+                    sync.limit,
+                    slide.max,
+                    prev,
+                    slide.overlap_ms,
+                    slide.window_ms,
+                );
+                (limit, prev)
+            }
+            None => (sync.limit, 0),
+        };
         let budget = match self.budgets.get_mut(sync.key.as_str()) {
             Some(b) => b,
             None => self.budgets.entry(sync.key.clone()).or_default(),
@@ -206,8 +221,7 @@ impl Ledger {
             leased_others = leased_others.saturating_add(share.lease);
             wanted_others = wanted_others.saturating_add(share.shortfall);
         }
-        let available = sync
-            .limit
+        let available = limit
             .saturating_sub(spent_total)
             .saturating_sub(leased_others);
 
@@ -231,7 +245,27 @@ impl Ledger {
             spent_total,
             leased_others,
             wanted_others,
+            prev_total,
         }
+    }
+
+    /// A budget's Σ spend + Σ live leases, every node's (0 when it is gone): what a window
+    /// admitted, settled or not, for the sliding window after it.
+    fn window_total(&self, key: &str, now: Instant) -> u64 {
+        let Some(budget) = self.budgets.get(key) else {
+            return 0;
+        };
+        if budget.expired(now) {
+            return 0;
+        }
+        budget.nodes.values().fold(0u64, |total, share| {
+            let lease = if share.lease_expires > now {
+                share.lease
+            } else {
+                0
+            };
+            total.saturating_add(share.spent).saturating_add(lease)
+        })
     }
 }
 
@@ -255,7 +289,7 @@ impl SyncBackend for InProcessLedger {
 pub(crate) mod conformance {
     use std::time::Duration;
 
-    use super::super::sync::{BudgetState, BudgetSync, SyncBackend, SyncError};
+    use super::super::sync::{BudgetState, BudgetSync, Slide, SyncBackend, SyncError};
 
     /// Deadline for each exchange in the scenario.
     const DEADLINE: Duration = Duration::from_secs(2);
@@ -271,6 +305,7 @@ pub(crate) mod conformance {
             floor,
             key_ttl_ms: 0,
             shortfall: 0,
+            slide: None,
         }
     }
 
@@ -280,6 +315,14 @@ pub(crate) mod conformance {
             spent_total,
             leased_others,
             wanted_others: 0,
+            prev_total: 0,
+        }
+    }
+
+    pub(crate) fn with_prev(state: BudgetState, prev_total: u64) -> BudgetState {
+        BudgetState {
+            prev_total,
+            ..state
         }
     }
 
@@ -444,6 +487,46 @@ pub(crate) mod conformance {
         )
         .await?;
         assert_eq!(out, vec![state(3, 1, 0)]);
+
+        // A sliding window: the previous window's spend and live leases (70 here), weighted by
+        // the part of it still overlapping, come off the next window's limit.
+        let prev = format!("{{{prefix}:slide}}:1");
+        let cur = format!("{{{prefix}:slide}}:2");
+        let slid = |limit: u64, lease: u64, overlap_ms: u64| BudgetSync {
+            slide: Some(Slide {
+                prev_key: prev.clone(),
+                max: 100,
+                overlap_ms,
+                window_ms: 1000,
+            }),
+            ..budget(&cur, limit, 0, lease, 0)
+        };
+        let out = step(
+            backend,
+            &mut log,
+            "n1",
+            LONG_TTL,
+            &[budget(&prev, 100, 50, 20, 0)],
+        )
+        .await?;
+        assert_eq!(out, vec![state(20, 50, 0)]);
+        // 30% overlap: 100 − ⌈70 × 0.3⌉ = 79.
+        let out = step(backend, &mut log, "n2", LONG_TTL, &[slid(100, 100, 300)]).await?;
+        assert_eq!(out, vec![with_prev(state(79, 0, 0), 70)]);
+        // A paced allowance below that is the limit.
+        let out = step(backend, &mut log, "n2", LONG_TTL, &[slid(50, 100, 300)]).await?;
+        assert_eq!(out, vec![with_prev(state(50, 0, 0), 70)]);
+        // Rounded up: ⌈70 × 0.001⌉ = 1 comes off; n2's 50 is leased.
+        let out = step(backend, &mut log, "n3", LONG_TTL, &[slid(100, 100, 1)]).await?;
+        assert_eq!(out, vec![with_prev(state(49, 0, 50), 70)]);
+        // A previous window nobody used (its key absent) takes nothing off.
+        let mut fresh = slid(100, 100, 1000);
+        fresh.key = format!("{{{prefix}:slide}}:9");
+        if let Some(s) = fresh.slide.as_mut() {
+            s.prev_key = format!("{{{prefix}:slide}}:8");
+        }
+        let out = step(backend, &mut log, "n1", LONG_TTL, &[fresh]).await?;
+        assert_eq!(out, vec![state(100, 0, 0)]);
 
         // An empty batch is a valid exchange with an empty answer.
         let out = step(backend, &mut log, "n1", LONG_TTL, &[]).await?;

@@ -227,6 +227,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
                 floor: 0,
                 shortfall: 0,
                 key_ttl_ms: 0,
+                slide: None,
             };
             ledger.exchange_at(Instant::now(), "probe", 60_000, &[probe], &mut out);
             out[0].spent_total

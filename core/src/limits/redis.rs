@@ -60,7 +60,10 @@ const MAX_EXACT: u64 = (1 << 53) - 1;
 /// lease_ttl_ms, shortfall, shortfall_ttl_ms. The hash holds, per node, `s:<node>` (spent),
 /// `l:<node>` (lease), `e:<node>` (the lease's expiry, ms since the epoch by the Redis clock),
 /// `w:<node>` (what its waiting requests lack) and `x:<node>` (that shortfall's expiry).
-/// Returns `{granted, spent_total, leased_others, wanted_others}`. Numbers are stored with `%d`, so they stay plain
+/// A sliding rate window adds `KEYS[2]`, the previous window's hash (same hash tag, so the same
+/// slot), and `ARGV[10..12]` = max, overlap_ms, window_ms: the previous window's spend and live
+/// leases, weighted by the overlap and rounded up, come off the limit (read-only on `KEYS[2]`).
+/// Returns `{granted, spent_total, leased_others, wanted_others, prev_total}`. Numbers are stored with `%d`, so they stay plain
 /// decimal integers whatever number-to-string conversion the Redis version applies (Lua's own
 /// keeps only 14 significant digits).
 pub(crate) const LEDGER_SCRIPT: &str = r#"
@@ -70,6 +73,31 @@ local key_ttl, lease_ttl = tonumber(ARGV[6]), tonumber(ARGV[7])
 local shortfall, shortfall_ttl = tonumber(ARGV[8]), tonumber(ARGV[9])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+-- A sliding window: the previous window's spend and live leases, weighted by its overlap.
+local prev_total = 0
+if KEYS[2] then
+  local prev = redis.call('HGETALL', KEYS[2])
+  local pleases, pexpiries = {}, {}
+  for i = 1, #prev, 2 do
+    local kind, who, v = string.sub(prev[i], 1, 2), string.sub(prev[i], 3), tonumber(prev[i + 1])
+    if kind == 's:' then prev_total = prev_total + v
+    elseif kind == 'l:' then pleases[who] = v elseif kind == 'e:' then pexpiries[who] = v end
+  end
+  for who, v in pairs(pleases) do
+    local e = pexpiries[who]
+    if e ~= nil and e > now then prev_total = prev_total + v end
+  end
+  local max, overlap, window = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+  if overlap > window then overlap = window end
+  -- ceil(prev_total * overlap / window), exact in doubles below 2^53.
+  local w = prev_total * overlap
+  local weighted = math.floor(w / window)
+  if weighted * window < w then weighted = weighted + 1 end
+  local cap = max - weighted
+  if cap < 0 then cap = 0 end
+  if cap < limit then limit = cap end
+end
 
 local fields = redis.call('HGETALL', key)
 local own, spent_total, leased_others, wanted_others = 0, 0, 0, 0
@@ -134,7 +162,7 @@ if key_ttl > 0 then
 else
   redis.call('PERSIST', key)
 end
-return {granted, spent_total, leased_others, wanted_others}
+return {granted, spent_total, leased_others, wanted_others, prev_total}
 "#;
 
 /// Where and how to reach Redis. `Debug` leaves the password out.
@@ -655,24 +683,49 @@ fn encode_evalsha(
 ) -> Result<(), SyncError> {
     // MAX_EXACT < i64::MAX, so the conversion can't fail after the cap.
     let int = |v: u64| BorrowedFrame::Integer(i64::try_from(v.min(MAX_EXACT)).unwrap_or(0));
-    encode(
-        buf,
-        &[
-            bulk(b"EVALSHA"),
-            bulk(sha.as_bytes()),
-            bulk(b"1"),
-            bulk(b.key.as_bytes()),
-            bulk(node.as_bytes()),
-            int(b.limit),
-            int(b.spent),
-            int(b.lease),
-            int(b.floor),
-            int(b.key_ttl_ms),
-            int(lease_ttl_ms),
-            int(b.shortfall),
-            int(super::ledger::shortfall_ttl_ms(lease_ttl_ms)),
-        ],
-    )
+    let shortfall_ttl = super::ledger::shortfall_ttl_ms(lease_ttl_ms);
+    match &b.slide {
+        None => encode(
+            buf,
+            &[
+                bulk(b"EVALSHA"),
+                bulk(sha.as_bytes()),
+                bulk(b"1"),
+                bulk(b.key.as_bytes()),
+                bulk(node.as_bytes()),
+                int(b.limit),
+                int(b.spent),
+                int(b.lease),
+                int(b.floor),
+                int(b.key_ttl_ms),
+                int(lease_ttl_ms),
+                int(b.shortfall),
+                int(shortfall_ttl),
+            ],
+        ),
+        Some(slide) => encode(
+            buf,
+            &[
+                bulk(b"EVALSHA"),
+                bulk(sha.as_bytes()),
+                bulk(b"2"),
+                bulk(b.key.as_bytes()),
+                bulk(slide.prev_key.as_bytes()),
+                bulk(node.as_bytes()),
+                int(b.limit),
+                int(b.spent),
+                int(b.lease),
+                int(b.floor),
+                int(b.key_ttl_ms),
+                int(lease_ttl_ms),
+                int(b.shortfall),
+                int(shortfall_ttl),
+                int(slide.max),
+                int(slide.overlap_ms.min(slide.window_ms)),
+                int(slide.window_ms.max(1)),
+            ],
+        ),
+    }
 }
 
 fn is_noscript(frame: &BytesFrame) -> bool {
@@ -693,7 +746,7 @@ fn script_sha(frame: &BytesFrame) -> Result<String, SyncError> {
     }
 }
 
-/// One script reply: `{granted, spent_total, leased_others, wanted_others}`.
+/// One script reply: `{granted, spent_total, leased_others, wanted_others, prev_total}`.
 pub(crate) fn budget_state(frame: &BytesFrame) -> Result<BudgetState, SyncError> {
     let num = |f: &BytesFrame| match f {
         BytesFrame::Integer(i) => u64::try_from(*i).ok(),
@@ -701,21 +754,26 @@ pub(crate) fn budget_state(frame: &BytesFrame) -> Result<BudgetState, SyncError>
     };
     match frame {
         BytesFrame::Array(items) => match items.as_slice() {
-            [g, s, l, w] => match (num(g), num(s), num(l), num(w)) {
-                (Some(granted), Some(spent_total), Some(leased_others), Some(wanted_others)) => {
-                    Ok(BudgetState {
-                        granted,
-                        spent_total,
-                        leased_others,
-                        wanted_others,
-                    })
-                }
+            [g, s, l, w, p] => match (num(g), num(s), num(l), num(w), num(p)) {
+                (
+                    Some(granted),
+                    Some(spent_total),
+                    Some(leased_others),
+                    Some(wanted_others),
+                    Some(prev_total),
+                ) => Ok(BudgetState {
+                    granted,
+                    spent_total,
+                    leased_others,
+                    wanted_others,
+                    prev_total,
+                }),
                 _ => Err(SyncError::Protocol(
                     "ledger reply holds a non-integer or negative value".into(),
                 )),
             },
             _ => Err(SyncError::Protocol(format!(
-                "ledger reply has {} elements, expected 4",
+                "ledger reply has {} elements, expected 5",
                 items.len()
             ))),
         },
@@ -1254,9 +1312,9 @@ mod tests {
             sha_reply(),
             b":5\r\n".to_vec(),
             b"*2\r\n:1\r\n:2\r\n".to_vec(),
-            b"*4\r\n:1\r\n:-2\r\n:3\r\n:0\r\n".to_vec(),
+            b"*5\r\n:1\r\n:-2\r\n:3\r\n:0\r\n:0\r\n".to_vec(),
             b"-ERR user_script:1: boom\r\n".to_vec(),
-            b"*4\r\n:1\r\n:2\r\n:3\r\n:0\r\n".to_vec(),
+            b"*5\r\n:1\r\n:2\r\n:3\r\n:0\r\n:0\r\n".to_vec(),
         ]);
         let mut b = RedisBackend::new(RedisSettings::new(addr));
         block_on(async {

@@ -15,10 +15,14 @@
 //! on windows within their clock skew), a policy's concurrent slots, a key's quota plan in its
 //! current period. A core admits against the lease it holds: `free = granted − spent since the
 //! grant − reserved`. Quotas and concurrency are strict — no lease, no admission (the request
-//! may wait one sync for a lease). Rate budgets (requests, tokens per window) may also admit one
-//! request *on credit* per sync interval when the last global view still showed headroom; that
-//! is their only overshoot, bounded by 2 × (cores across all nodes) × (largest single
-//! reservation) per window — see README "How limits behave".
+//! may wait one sync for a lease). Rate budgets (requests, tokens per window) slide: a window's
+//! limit is the policy's less the previous window's total (spend and live leases, as the ledger
+//! holds them) weighted by the part of it a window ending now still covers (see
+//! [`super::sync::Slide`]). They may also admit one request *on credit* per sync interval when
+//! the last global view still showed headroom; that is their only overshoot, bounded by
+//! 2 × (cores across all nodes) × (largest single reservation) per window, and across an edge
+//! any span of D ≤ W admits at most L × (1 + D / W) + 5 × C × R — see README "How limits
+//! behave".
 
 use std::collections::HashMap;
 use std::task::Waker;
@@ -26,16 +30,19 @@ use std::time::{Duration, Instant};
 
 use crate::sys::time::unix_ms;
 
-use super::sync::{BudgetState, BudgetSync};
+use super::sync::{slid_limit, BudgetState, BudgetSync, Slide};
 use crate::config::limits::{
     civil_year_month, days_from_civil, ApiKey, DownPolicy, KeyIdx, LimitDimension, LimitsConfig,
-    Per, Period, Plan, Policy, RateLimit, StableIds,
+    Per, Period, Plan, Policy, ProviderLimits, RateLimit, StableIds,
 };
 
 const KIND_REQUESTS: u8 = 0;
 const KIND_TOKENS: u8 = 1;
 const KIND_CONCURRENCY: u8 = 2;
 const KIND_PLAN: u8 = 3;
+
+/// The high bit of a provider budget's [`BudgetId::shape`] (a policy's never has it).
+const PROVIDER_SHAPE: u64 = 1 << 63;
 
 /// A subject id for requests without one (no key, or a key without an entity).
 const NO_SUBJECT: u32 = u32::MAX;
@@ -104,8 +111,15 @@ struct Budget {
     key: String,
     limit: u64,
     strict: bool,
-    /// For paced rate windows: the limit grows with the window's age.
+    /// Rate windows: the rate and the window's start (unix ms). The limit is a sliding
+    /// window's: the allowance (growing with the window's age when paced), less the previous
+    /// window's use weighted by its remaining overlap.
     rate: Option<(RateLimit, u64)>,
+    /// Rate windows: the previous window's ledger key (same hash tag).
+    prev_key: Option<String>,
+    /// Rate windows: the previous window's Σ spend + Σ leases, as the last exchange saw it
+    /// (before the first, this core's own view of that window).
+    prev_total: u64,
     key_ttl_ms: u64,
     /// When the window or period ends (unix ms); 0: never.
     ends_at_ms: u64,
@@ -128,7 +142,38 @@ struct Budget {
     idle_syncs: u32,
 }
 
+/// A rate window's limit at `now_ms`: the allowance as of `allowance_at_ms` (a lease is sized
+/// for the interval ahead), at most the rate's max less the previous window's `prev_total`
+/// weighted by how much of it a window ending at `now_ms` covers. Returns it with the overlap.
+fn sliding(
+    rate: &RateLimit,
+    start: u64,
+    allowance_at_ms: u64,
+    now_ms: u64,
+    prev_total: u64,
+) -> (u64, u64) {
+    let window_ms = rate.window_ms();
+    let overlap_ms = start
+        .saturating_add(window_ms)
+        .saturating_sub(now_ms)
+        .min(window_ms);
+    let allowance = rate.allowance(start, allowance_at_ms);
+    (
+        slid_limit(allowance, rate.max, prev_total, overlap_ms, window_ms),
+        overlap_ms,
+    )
+}
+
 impl Budget {
+    /// What this core knows the window admitted: the others' spend and leases at the last
+    /// exchange, plus its own spend and reservations (for the sliding window after it).
+    fn window_total(&self) -> u64 {
+        let others = self.view.map_or(0, |v| {
+            v.spent_total.saturating_sub(self.flushed) + v.leased_others
+        });
+        others + self.spent + self.reserved + self.free(true).max(0) as u64
+    }
+
     fn free(&self, lease_valid: bool) -> i64 {
         if !lease_valid {
             return 0;
@@ -337,6 +382,11 @@ impl LimiterShard {
             }
         }
         for (id, budget) in &mut self.budgets {
+            // A provider's budgets take a reloaded limit when they are next created (a new
+            // window; a concurrency budget once idle).
+            if id.shape & PROVIDER_SHAPE != 0 {
+                continue;
+            }
             match id.kind {
                 KIND_PLAN => {
                     if let Some(tokens) = plans.get(&(id.owner, id.subject)).and_then(|p| p.tokens)
@@ -361,7 +411,8 @@ impl LimiterShard {
                     if let (Some(new), Some((old, start))) = (rate, budget.rate) {
                         if new.window == old.window {
                             budget.rate = Some((new, start));
-                            budget.limit = new.allowance(start, now_ms);
+                            budget.limit =
+                                sliding(&new, start, now_ms, now_ms, budget.prev_total).0;
                         }
                     }
                 }
@@ -409,12 +460,25 @@ impl LimiterShard {
         permit: &mut Permit,
         matched: &mut dyn FnMut(usize, LimitDimension),
     ) -> Result<(), Refusal> {
+        self.try_admit_at(cfg, ask, permit, matched, unix_ms())
+    }
+
+    /// [`Self::try_admit`] at a given wall-clock time (unix ms): the windows are those of
+    /// `now_ms` (tests drive window edges through it).
+    pub(crate) fn try_admit_at(
+        &mut self,
+        cfg: &LimitsConfig,
+        ask: &Ask<'_>,
+        permit: &mut Permit,
+        matched: &mut dyn FnMut(usize, LimitDimension),
+        now_ms: u64,
+    ) -> Result<(), Refusal> {
         let now = Instant::now();
         let a = Admission {
             cfg,
             ask,
             key: ask.key.and_then(|k| cfg.keys.get(k)),
-            now_ms: unix_ms(),
+            now_ms,
             lease_valid: self.lease_valid(now),
         };
         let mut passed = self.spare_entries.pop().unwrap_or_default();
@@ -548,7 +612,6 @@ impl LimiterShard {
             shape: (per_code(policy.per) << 56) | window_ms,
         };
         if !self.budgets.contains_key(&id) {
-            let kind_name = ["r", "t", "c"][limit.kind as usize];
             let mut k = String::with_capacity(64);
             k.push('{');
             k.push_str(&self.prefix);
@@ -557,6 +620,25 @@ impl LimiterShard {
             k.push(':');
             k.push_str(&subject_name(policy.per, subject, a));
             k.push('}');
+            self.insert_limit_budget(id, k, limit, limit.kind == KIND_CONCURRENCY, a.now_ms);
+        }
+        id
+    }
+
+    /// Create the budget `id` of one limit (a policy's or a provider's), its ledger key `k`
+    /// (the hash-tagged base) followed by the kind and, for a window, the window's number.
+    fn insert_limit_budget(
+        &mut self,
+        id: BudgetId,
+        mut k: String,
+        limit: &PolicyLimit,
+        strict: bool,
+        now_ms: u64,
+    ) {
+        let window_ms = limit.window_ms;
+        let window = id.window;
+        {
+            let kind_name = ["r", "t", "c"][limit.kind as usize];
             k.push(':');
             k.push_str(kind_name);
             if window_ms > 0 {
@@ -564,21 +646,145 @@ impl LimiterShard {
                 k.push_str(&window.to_string());
             }
             let start = window * window_ms;
-            self.budgets.insert(
-                id,
-                new_budget(
-                    k,
-                    limit
-                        .rate
-                        .map_or(limit.limit, |r| r.allowance(start, a.now_ms)),
-                    limit.kind == KIND_CONCURRENCY,
-                    limit.rate.map(|r| (r, start)),
-                    if window_ms > 0 { 2 * window_ms } else { 0 },
-                    if window_ms > 0 { start + window_ms } else { 0 },
-                ),
+            // A rate window slides over the one before it: until the ledger says how much that
+            // one admitted, this core's own view of it stands in.
+            let (prev_key, prev_total) = match (limit.rate, window.checked_sub(1)) {
+                (Some(_), Some(prev)) => {
+                    let mut prev_key = String::with_capacity(k.len());
+                    prev_key.push_str(k.rsplit_once(':').map_or(k.as_str(), |(base, _)| base));
+                    prev_key.push(':');
+                    prev_key.push_str(&prev.to_string());
+                    let prev_id = BudgetId { window: prev, ..id };
+                    let seen = self.budgets.get(&prev_id).map_or(0, Budget::window_total);
+                    (Some(prev_key), seen)
+                }
+                _ => (None, 0),
+            };
+            let mut budget = new_budget(
+                k,
+                limit.rate.map_or(limit.limit, |r| {
+                    sliding(&r, start, now_ms, now_ms, prev_total).0
+                }),
+                strict,
+                limit.rate.map(|r| (r, start)),
+                if window_ms > 0 { 2 * window_ms } else { 0 },
+                if window_ms > 0 { start + window_ms } else { 0 },
             );
+            budget.prev_key = prev_key;
+            budget.prev_total = prev_total;
+            self.budgets.insert(id, budget);
         }
-        id
+    }
+
+    /// Reserve `tokens` (and a request, and a slot) for one attempt on a provider's limits —
+    /// a cluster's and its credential's, those given — without waiting: on success `permit`
+    /// holds the reservations (settle it with the attempt's usage, or [`Self::release`] it if
+    /// the attempt was never sent). A refusal (the limit used up, or this core holding too
+    /// small a lease: it asks for one at the next exchange) says the provider would not take
+    /// the attempt now.
+    pub(crate) fn try_reserve_provider(
+        &mut self,
+        limits: [Option<&ProviderLimits>; 2],
+        tokens: u64,
+        permit: &mut Permit,
+    ) -> Result<(), Refusal> {
+        let now_ms = unix_ms();
+        let lease_valid = self.lease_valid(Instant::now());
+        let mut passed = self.spare_entries.pop().unwrap_or_default();
+        passed.clear();
+        let mut short: Vec<(BudgetId, u64)> = Vec::new();
+        let mut refusal: Option<Refusal> = None;
+        for provider in limits.into_iter().flatten() {
+            // Owner and subject: a 64-bit hash of the name (a reload keeps a name's budgets;
+            // the high bit of the shape keeps them apart from every policy's).
+            let hash = {
+                use std::hash::Hasher;
+                let mut h = IdHasher::default();
+                h.write(provider.name.as_bytes());
+                h.finish()
+            };
+            for limit in PolicyLimit::provider(provider, tokens)
+                .into_iter()
+                .flatten()
+            {
+                let window = now_ms.checked_div(limit.window_ms).unwrap_or(0);
+                let id = BudgetId {
+                    kind: limit.kind,
+                    owner: hash as u32,
+                    subject: (hash >> 32) as u32,
+                    window,
+                    shape: PROVIDER_SHAPE | limit.window_ms,
+                };
+                if !self.budgets.contains_key(&id) {
+                    let mut k = String::with_capacity(64);
+                    k.push('{');
+                    k.push_str(&self.prefix);
+                    k.push_str(":v:");
+                    k.push_str(&provider.name);
+                    k.push('}');
+                    // Strict, every limit: a provider's limit is one never to pass (past it
+                    // come its 429s), so no admission on credit.
+                    self.insert_limit_budget(id, k, &limit, true, now_ms);
+                }
+                match self.check(&id, limit.cost, lease_valid) {
+                    Ok(()) => passed.push((id, limit.cost)),
+                    Err(kind) => {
+                        if kind == RefusalKind::NeedLease {
+                            short.push((id, limit.cost));
+                        }
+                        let reset_ms = self
+                            .budgets
+                            .get(&id)
+                            .map_or(0, |b| b.ends_at_ms.saturating_sub(now_ms));
+                        let found = Refusal {
+                            kind,
+                            policy: None,
+                            dimension: limit.dimension,
+                            retry_after: Some(reset_ms.div_ceil(1000).clamp(1, 60) as u32),
+                            limit: limit.limit,
+                        };
+                        if refusal.is_none_or(|r| {
+                            r.kind == RefusalKind::NeedLease && kind != RefusalKind::NeedLease
+                        }) {
+                            refusal = Some(found);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(refusal) = refusal {
+            self.refuse(&refusal, &short, passed);
+            if refusal.kind == RefusalKind::NeedLease {
+                // Nobody waits for it (the attempt goes elsewhere), but the lease should come
+                // at once, not at the end of the interval.
+                self.hurry();
+            }
+            return Err(refusal);
+        }
+        self.reserve(&passed, lease_valid);
+        *permit = Permit {
+            entries: passed,
+            headers: RateHeaders::default(),
+            settled: false,
+        };
+        Ok(())
+    }
+
+    /// Give a permit's reservations back without any spend (an attempt that was never sent).
+    pub(crate) fn release(&mut self, permit: &mut Permit) {
+        if permit.settled {
+            return;
+        }
+        permit.settled = true;
+        for (id, reserved) in permit.entries.drain(..) {
+            if let Some(b) = self.budgets.get_mut(&id) {
+                b.reserved = b.reserved.saturating_sub(reserved);
+            }
+        }
+        let spare = std::mem::take(&mut permit.entries);
+        if self.spare_entries.len() < 1024 {
+            self.spare_entries.push(spare);
+        }
     }
 
     /// The key's quota plan to charge: the first, by priority, that can cover the reservation.
@@ -801,74 +1007,28 @@ impl LimiterShard {
             let idle_slots = id.kind == KIND_CONCURRENCY && b.idle_syncs >= 200;
             b.busy() || !(over || idle_slots)
         });
-        for (id, b) in self.budgets.iter_mut() {
-            // Rounded up: a sync that ran late (a busy machine) must not turn one request into
-            // no use at all, or the budget is taken for quiet and its lease given back.
-            let scaled = (u128::from(b.used_since_sync) * u128::from(interval_ms))
-                .div_ceil(u128::from(elapsed_ms)) as u64;
-            b.recent_use = scaled.max(b.recent_use / 2);
-            if !b.busy() && b.recent_use == 0 && b.demand == 0 {
-                b.idle_syncs += 1;
-                continue;
+        // Budgets whose window is over go first: their leases go back (down to what is in
+        // flight) before the ledger weighs them against the windows that follow them.
+        let down_share = self.down_share;
+        for over_pass in [true, false] {
+            for (id, b) in self.budgets.iter_mut() {
+                let over = b.ends_at_ms > 0 && now_ms >= b.ends_at_ms;
+                if over != over_pass {
+                    continue;
+                }
+                if let Some(sync) = prepare_budget(
+                    b,
+                    now_ms,
+                    ahead,
+                    interval_ms,
+                    elapsed_ms,
+                    lease_valid,
+                    down_share,
+                ) {
+                    out.push(sync);
+                    self.in_flight.push(*id);
+                }
             }
-            if let Some((rate, start)) = b.rate {
-                b.limit = rate.allowance(start, now_ms + ahead);
-            }
-            let held = if lease_valid {
-                b.granted as i64 - (b.spent - b.spent_at_grant) as i64
-            } else {
-                0
-            }
-            .max(0) as u64;
-            let over = b.ends_at_ms > 0 && now_ms >= b.ends_at_ms;
-            // Enough for twice the last interval's use plus what waiting requests need, and at
-            // least 1/64 of the limit, so a busy core rarely runs dry between exchanges while
-            // a handful of cores can't hoard a strict budget.
-            if b.used_since_sync == 0 {
-                b.idle_syncs += 1;
-            }
-            // A budget gone quiet keeps its minimum slice (1/64 of the limit) for a while, so
-            // the next request of a slow caller (one stream every few seconds) doesn't wait a
-            // round trip for a lease; after KEEP_QUIET_SYNCS quiet exchanges it goes back.
-            let quiet = b.recent_use == 0 && b.demand == 0;
-            //
-            // A strict budget (quota, concurrency) can't overshoot, so slack one core holds idle
-            // is slack another core's waiting request can't have: its slack is capped at this
-            // core's fair share, and given up entirely while another core reports a shortfall.
-            let others_wait = b.view.is_some_and(|v| v.wanted_others > 0);
-            // 1/64 of the limit, and at least one unit: a small limit (2 concurrent requests)
-            // has no 1/64th, and without a slice every request of a slow caller waited.
-            let min_slice = (b.limit / 64).max(1).min(b.limit);
-            let target_free = if over || (quiet && b.idle_syncs >= KEEP_QUIET_SYNCS) {
-                0
-            } else if b.strict && others_wait {
-                b.demand
-            } else if quiet {
-                min_slice
-            } else {
-                (2 * b.recent_use + b.demand).max(min_slice).min(b.limit)
-            };
-            let target_free = if b.strict {
-                target_free.min(b.limit.div_ceil(self.down_share).max(b.demand))
-            } else {
-                target_free
-            };
-            let lease = b.reserved + target_free;
-            let floor = lease.min(held).max(b.reserved);
-            b.granted = floor;
-            b.spent_at_grant = b.spent;
-            b.used_since_sync = 0;
-            let shortfall = std::mem::take(&mut b.demand);
-            out.push(BudgetSync {
-                key: b.key.clone(),
-                limit: b.limit,
-                spent: b.spent,
-                lease,
-                floor,
-                key_ttl_ms: b.key_ttl_ms,
-                shortfall,
-            });
-            self.in_flight.push(*id);
         }
         self.exchanging = true;
     }
@@ -888,6 +1048,17 @@ impl LimiterShard {
                     if let Some(b) = self.budgets.get_mut(id) {
                         b.granted = state.granted;
                         b.view = Some(*state);
+                        // The ledger's total of the previous window is the one to slide over.
+                        if let Some(slide) = &s.slide {
+                            b.prev_total = state.prev_total;
+                            b.limit = slid_limit(
+                                s.limit,
+                                slide.max,
+                                state.prev_total,
+                                slide.overlap_ms,
+                                slide.window_ms,
+                            );
+                        }
                         b.flushed = b.flushed.max(s.spent);
                         b.credit = false;
                     }
@@ -921,6 +1092,14 @@ impl LimiterShard {
         }
     }
 
+    /// Ask the sync task to exchange now rather than at the end of the interval.
+    pub(crate) fn hurry(&mut self) {
+        self.urgent = true;
+        if let Some(w) = self.sync_waker.take() {
+            w.wake();
+        }
+    }
+
     /// The sync task asks whether to run now; otherwise it is woken when a request waits.
     pub(crate) fn take_urgent(&mut self, waker: &Waker) -> bool {
         if std::mem::take(&mut self.urgent) {
@@ -929,6 +1108,100 @@ impl LimiterShard {
         self.sync_waker = Some(waker.clone());
         false
     }
+}
+
+/// One budget's part of an exchange (see [`LimiterShard::prepare`]); `None` when it has nothing
+/// to exchange.
+#[allow(clippy::too_many_arguments)] // the budget, and the moment as `prepare` sees it
+fn prepare_budget(
+    b: &mut Budget,
+    now_ms: u64,
+    ahead: u64,
+    interval_ms: u64,
+    elapsed_ms: u64,
+    lease_valid: bool,
+    down_share: u64,
+) -> Option<BudgetSync> {
+    let over = b.ends_at_ms > 0 && now_ms >= b.ends_at_ms;
+    // Rounded up: a sync that ran late (a busy machine) must not turn one request into
+    // no use at all, or the budget is taken for quiet and its lease given back.
+    let scaled = (u128::from(b.used_since_sync) * u128::from(interval_ms))
+        .div_ceil(u128::from(elapsed_ms)) as u64;
+    b.recent_use = scaled.max(b.recent_use / 2);
+    if !b.busy() && b.recent_use == 0 && b.demand == 0 {
+        b.idle_syncs += 1;
+        return None;
+    }
+    // A rate window's limit: its allowance for the interval ahead (paced windows
+    // grow), less the previous window's weighted use as of now (the ledger applies
+    // its own, fresher, total of that window; see `apply`).
+    let mut slide = None;
+    let mut limit = b.limit;
+    if let Some((rate, start)) = b.rate {
+        limit = rate.allowance(start, now_ms + ahead);
+        let overlap_ms;
+        (b.limit, overlap_ms) = sliding(&rate, start, now_ms + ahead, now_ms, b.prev_total);
+        slide = b.prev_key.as_ref().map(|k| Slide {
+            prev_key: k.clone(),
+            max: rate.max,
+            overlap_ms,
+            window_ms: rate.window_ms(),
+        });
+    }
+    let held = if lease_valid {
+        b.granted as i64 - (b.spent - b.spent_at_grant) as i64
+    } else {
+        0
+    }
+    .max(0) as u64;
+    // Enough for twice the last interval's use plus what waiting requests need, and at
+    // least 1/64 of the limit, so a busy core rarely runs dry between exchanges while
+    // a handful of cores can't hoard a strict budget.
+    if b.used_since_sync == 0 {
+        b.idle_syncs += 1;
+    }
+    // A budget gone quiet keeps its minimum slice (1/64 of the limit) for a while, so
+    // the next request of a slow caller (one stream every few seconds) doesn't wait a
+    // round trip for a lease; after KEEP_QUIET_SYNCS quiet exchanges it goes back.
+    let quiet = b.recent_use == 0 && b.demand == 0;
+    //
+    // A strict budget (quota, concurrency) can't overshoot, so slack one core holds idle
+    // is slack another core's waiting request can't have: its slack is capped at this
+    // core's fair share, and given up entirely while another core reports a shortfall.
+    let others_wait = b.view.is_some_and(|v| v.wanted_others > 0);
+    // 1/64 of the limit, and at least one unit: a small limit (2 concurrent requests)
+    // has no 1/64th, and without a slice every request of a slow caller waited.
+    let min_slice = (b.limit / 64).max(1).min(b.limit);
+    let target_free = if over || (quiet && b.idle_syncs >= KEEP_QUIET_SYNCS) {
+        0
+    } else if b.strict && others_wait {
+        b.demand
+    } else if quiet {
+        min_slice
+    } else {
+        (2 * b.recent_use + b.demand).max(min_slice).min(b.limit)
+    };
+    let target_free = if b.strict {
+        target_free.min(b.limit.div_ceil(down_share).max(b.demand))
+    } else {
+        target_free
+    };
+    let lease = b.reserved + target_free;
+    let floor = lease.min(held).max(b.reserved);
+    b.granted = floor;
+    b.spent_at_grant = b.spent;
+    b.used_since_sync = 0;
+    let shortfall = std::mem::take(&mut b.demand);
+    Some(BudgetSync {
+        key: b.key.clone(),
+        limit,
+        spent: b.spent,
+        lease,
+        floor,
+        key_ttl_ms: b.key_ttl_ms,
+        shortfall,
+        slide,
+    })
 }
 
 /// What one admission is decided on: the config, the request and its key, and when.
@@ -957,6 +1230,32 @@ struct PolicyLimit {
 }
 
 impl PolicyLimit {
+    /// A provider's requests, tokens and concurrency limits for an attempt using `tokens`.
+    fn provider(p: &ProviderLimits, tokens: u64) -> [Option<PolicyLimit>; 3] {
+        let rate = |kind, dimension, r: RateLimit, cost| PolicyLimit {
+            kind,
+            dimension,
+            limit: r.max,
+            rate: Some(r),
+            window_ms: r.window.as_millis() as u64,
+            cost,
+        };
+        [
+            p.requests
+                .map(|r| rate(KIND_REQUESTS, LimitDimension::Rpm, r, 1)),
+            p.tokens
+                .map(|r| rate(KIND_TOKENS, LimitDimension::Tpm, r, tokens)),
+            p.concurrency.map(|c| PolicyLimit {
+                kind: KIND_CONCURRENCY,
+                dimension: LimitDimension::Concurrency,
+                limit: c,
+                rate: None,
+                window_ms: 0,
+                cost: 1,
+            }),
+        ]
+    }
+
     /// A policy's requests, tokens and concurrency limits, `None` for those it does not set.
     fn all(policy: &Policy, ask: &Ask<'_>) -> [Option<PolicyLimit>; 3] {
         let rate = |kind, dimension, r: RateLimit, cost| PolicyLimit {
@@ -1043,6 +1342,8 @@ fn new_budget(
         limit,
         strict,
         rate,
+        prev_key: None,
+        prev_total: 0,
         key_ttl_ms,
         ends_at_ms,
         spent: 0,
@@ -1359,6 +1660,172 @@ mod tests {
             admitted <= 100 + 2 * cores as u64,
             "{admitted} admitted: past the documented bound"
         );
+    }
+
+    /// One exchange of every shard with the ledger at wall-clock `now_ms`.
+    fn sync_at(shards: &mut [LimiterShard], ledger: &InProcessLedger, now_ms: u64) {
+        let (mut batch, mut states) = (Vec::new(), Vec::new());
+        for s in shards.iter_mut() {
+            s.prepare(now_ms, Duration::from_millis(50), &mut batch);
+            let node = s.node().to_string();
+            ledger.exchange_at(Instant::now(), &node, 60_000, &batch, &mut states);
+            s.apply(Ok(&states), &batch, Instant::now());
+        }
+    }
+
+    /// Issue #12 item 7: a burst that straddles a window edge. Fixed windows admitted the
+    /// limit just before the edge and the limit again just after it (2 × L in 300 ms); the
+    /// sliding window admits at most L × (1 + D / W) + 5 × C × R in any span of D ≤ W (README
+    /// "How limits behave"). Half the requests admitted before the edge are still in flight
+    /// after it: their leases, not yet their spend, must count.
+    #[test]
+    fn a_burst_across_a_window_edge_stays_within_the_sliding_bound() {
+        let cfg =
+            limits("[[policies]]\nid = \"rpm\"\nmax_requests = 100\nrequests_window_secs = 10");
+        let (limit, window_ms, cores) = (100u64, 10_000u64, 6u64);
+        let ledger = InProcessLedger::new();
+        let mut shards: Vec<LimiterShard> = (0..cores)
+            .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+            .collect();
+        let anon = Ask {
+            key: None,
+            ..ask(0)
+        };
+        let edge = (unix_ms() / window_ms + 2) * window_ms;
+        let (first, last) = (edge - 150, edge + 150);
+        let mut rng = Rng(12);
+        let (mut before, mut after) = (0u64, 0u64);
+        let mut in_flight: Vec<(usize, Permit)> = Vec::new();
+        let mut t = first;
+        while t <= last {
+            for (i, s) in shards.iter_mut().enumerate() {
+                for _ in 0..rng.next() % 8 {
+                    let mut p = Permit::default();
+                    if s.try_admit_at(&cfg, &anon, &mut p, &mut |_, _| {}, t)
+                        .is_ok()
+                    {
+                        if t < edge {
+                            before += 1;
+                        } else {
+                            after += 1;
+                        }
+                        if rng.next().is_multiple_of(2) {
+                            in_flight.push((i, p));
+                        } else {
+                            s.settle(&mut p, 0);
+                        }
+                    }
+                }
+            }
+            if t >= edge + 50 {
+                for (i, mut p) in in_flight.drain(..) {
+                    shards[i].settle(&mut p, 0);
+                }
+            }
+            sync_at(&mut shards, &ledger, t);
+            t += 10;
+        }
+        let span = last - first;
+        let bound = limit + (limit * span).div_ceil(window_ms) + 5 * cores;
+        assert!(
+            before >= limit,
+            "{before} before the edge: the limit was never reached"
+        );
+        assert!(
+            before + after <= bound,
+            "{before} + {after} admitted within {span} ms: past the bound {bound}"
+        );
+        assert!(before + after < 2 * limit);
+    }
+
+    /// The sliding window takes nothing from a caller who keeps under the rate: one request
+    /// every 111 ms (90% of 60 per 6 s) over three windows is always admitted, with a plain
+    /// window and with a paced one (6 at once, the rest accruing).
+    #[test]
+    fn a_steady_caller_under_the_rate_is_never_refused_across_edges() {
+        for burst in ["", "\nrequests_burst = 6"] {
+            let cfg = limits(&format!(
+                "[[policies]]\nid = \"rpm\"\nmax_requests = 60\nrequests_window_secs = 6{burst}"
+            ));
+            let ledger = InProcessLedger::new();
+            let mut shards: Vec<LimiterShard> = (0..2)
+                .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+                .collect();
+            let anon = Ask {
+                key: None,
+                ..ask(0)
+            };
+            let start = (unix_ms() / 6_000 + 1) * 6_000;
+            let mut next_request = start;
+            let mut refused = Vec::new();
+            let mut admitted = 0;
+            let mut t = start;
+            while t < start + 18_000 {
+                if t >= next_request {
+                    let core = (admitted + refused.len()) % 2;
+                    let mut p = Permit::default();
+                    match shards[core].try_admit_at(&cfg, &anon, &mut p, &mut |_, _| {}, t) {
+                        Ok(()) => {
+                            admitted += 1;
+                            shards[core].settle(&mut p, 0);
+                        }
+                        Err(r) => refused.push((t - start, r.kind)),
+                    }
+                    next_request += 111;
+                }
+                t += 1;
+                if t.is_multiple_of(50) {
+                    sync_at(&mut shards, &ledger, t);
+                }
+            }
+            assert!(admitted >= 160, "{burst:?}: {admitted} admitted");
+            assert!(refused.is_empty(), "{burst:?}: refused at {refused:?}");
+        }
+    }
+
+    /// A provider's limits are strict: a worker reserves only from a lease (the first attempt
+    /// asks for one and is refused), and the budget is never passed across cores.
+    #[test]
+    fn provider_budgets_are_strict_and_shared_across_cores() {
+        let cfg = limits("");
+        let provider = ProviderLimits {
+            name: "a".into(),
+            requests: None,
+            tokens: Some(RateLimit {
+                max: 400,
+                window: Duration::from_secs(3600),
+                burst: 400,
+            }),
+            concurrency: None,
+        };
+        let ledger = InProcessLedger::new();
+        let mut shards: Vec<LimiterShard> = (0..3)
+            .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+            .collect();
+        let mut used = 0;
+        let mut refused_for_lease = 0;
+        for _round in 0..40 {
+            for s in shards.iter_mut() {
+                for _ in 0..3 {
+                    let mut p = Permit::default();
+                    match s.try_reserve_provider([Some(&provider), None], 36, &mut p) {
+                        Ok(()) => {
+                            used += 28;
+                            s.settle(&mut p, 28);
+                        }
+                        Err(r) if r.kind == RefusalKind::NeedLease => refused_for_lease += 1,
+                        Err(_) => {}
+                    }
+                }
+            }
+            sync_all(&mut shards, &ledger, &[0, 1, 2]);
+        }
+        assert!(
+            refused_for_lease >= 3,
+            "{refused_for_lease}: reserved without a lease"
+        );
+        assert!(used <= 400, "{used} tokens on a budget of 400");
+        assert!(used >= 300, "{used} tokens: the budget went unused");
     }
 
     #[test]

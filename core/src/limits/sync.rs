@@ -32,6 +32,16 @@
 //! 6. When `key_ttl_ms > 0`, (re)set the whole budget's expiry to `key_ttl_ms` (window budgets
 //!    live two windows).
 //!
+//! A rate window's budget also carries a [`Slide`]: the key of the window before it and how much
+//! of that window a window ending now still covers. Then, before step 3, the ledger reads the
+//! previous window's `prev_total = Σ spent[*] + Σ live lease[*]` (every node's, the caller's
+//! included; 0 when that budget is gone) and uses the limit
+//! `min(limit, max − ⌈prev_total × overlap_ms / window_ms⌉)` ([`slid_limit`]): a sliding window,
+//! the previous window's use weighted by its remaining overlap. Leases count because they cover
+//! what is admitted but not yet settled (a request's spend is reported when it ends); each core
+//! gives its lease of a window back (down to its in-flight reservations) at its first exchange
+//! after the window ends. Reading it is read-only. The answer carries `prev_total`.
+//!
 //! So as long as every core admits only from its granted lease, `Σ spent + Σ leases ≤ limit`:
 //! the sum of admitted reservations never passes the limit, on one core or across nodes.
 //!
@@ -61,6 +71,36 @@ pub(crate) struct BudgetSync {
     pub(crate) shortfall: u64,
     /// Expiry of the whole budget in ms after this exchange; 0 keeps it forever.
     pub(crate) key_ttl_ms: u64,
+    /// A rate window: the previous window's use lowers this one's limit (see the module doc).
+    pub(crate) slide: Option<Slide>,
+}
+
+/// What a sliding rate window needs of the window before it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Slide {
+    /// The previous window's budget key. It has the same hash tag as the budget's key, so both
+    /// live in one Redis Cluster slot and one script may read them.
+    pub(crate) prev_key: String,
+    /// The window's full size (a paced window's `limit` is its allowance so far, at most this).
+    pub(crate) max: u64,
+    /// How much of the previous window a window ending now still covers (ms, ≤ `window_ms`).
+    pub(crate) overlap_ms: u64,
+    /// The window's length (ms, ≥ 1).
+    pub(crate) window_ms: u64,
+}
+
+/// A sliding window's limit: `limit`, and at most `max` less the previous window's total
+/// weighted by the part of it still overlapping (rounded up, so never generous).
+pub(crate) fn slid_limit(
+    limit: u64,
+    max: u64,
+    prev_total: u64,
+    overlap_ms: u64,
+    window_ms: u64,
+) -> u64 {
+    let weighted = (u128::from(prev_total) * u128::from(overlap_ms.min(window_ms)))
+        .div_ceil(u128::from(window_ms.max(1)));
+    limit.min(max.saturating_sub(u64::try_from(weighted).unwrap_or(u64::MAX)))
 }
 
 /// The ledger's answer for one budget.
@@ -75,6 +115,8 @@ pub(crate) struct BudgetState {
     pub(crate) leased_others: u64,
     /// Σ live shortfalls of the other cores: requests elsewhere wait for this much.
     pub(crate) wanted_others: u64,
+    /// With a [`Slide`]: the previous window's Σ spend + Σ live leases (0 without one).
+    pub(crate) prev_total: u64,
 }
 
 /// Why an exchange failed; the caller keeps serving from what it holds.
@@ -115,4 +157,26 @@ pub(crate) trait SyncBackend {
     /// Get ready before the first request needs the ledger (e.g. connect and load scripts), so
     /// the first lease a request waits for costs one round trip, not a connect. Best effort.
     async fn warm_up(&mut self, _deadline: std::time::Duration) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slid_limit;
+
+    #[test]
+    fn the_previous_window_weighs_by_its_overlap_rounded_up() {
+        // At the edge the whole previous window counts; at the window's end none of it.
+        assert_eq!(slid_limit(600, 600, 600, 60_000, 60_000), 0);
+        assert_eq!(slid_limit(600, 600, 600, 0, 60_000), 600);
+        // A quarter of the window still overlaps: a quarter of the previous total counts.
+        assert_eq!(slid_limit(600, 600, 400, 15_000, 60_000), 500);
+        // Rounded up: 7 × 1/1000 still takes one.
+        assert_eq!(slid_limit(100, 100, 7, 1, 1_000), 99);
+        // A paced allowance below the slid limit is the limit; a previous window over the
+        // limit (it overshot) leaves nothing, never a wrap-around.
+        assert_eq!(slid_limit(50, 100, 70, 300, 1_000), 50);
+        assert_eq!(slid_limit(100, 100, 1_000, 1_000, 1_000), 0);
+        // No overflow at the extremes.
+        assert_eq!(slid_limit(u64::MAX, u64::MAX, u64::MAX, u64::MAX, 1), 0);
+    }
 }
