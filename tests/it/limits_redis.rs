@@ -782,7 +782,7 @@ key_prefix = "prov"
     // The whole burst within one sliding window's first part, with no window before it.
     wait_out_window_edge(60, 20);
     let gws: Vec<Sluice> = (0..3)
-        .map(|_| Sluice::start(&Config::new().workers(1).raw(&toml)))
+        .map(|_| Sluice::start(&Config::new().workers(1).admin().raw(&toml)))
         .collect();
     let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
     let handles: Vec<_> = (0..9)
@@ -823,4 +823,20 @@ key_prefix = "prov"
         "a served {at_a}, b {at_b}: retried or lost"
     );
     assert!(at_b >= 90 - BUDGET / 20, "b served only {at_b}");
+    // Each request b served is one skip of a, counted where operators look.
+    let skips = || {
+        gws.iter()
+            .map(|g| {
+                g.metrics().sum(
+                    "sluice_upstream_errors_total",
+                    &[("kind", "provider_limit")],
+                )
+            })
+            .sum::<f64>()
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), || skips() == at_b as f64),
+        "provider_limit skips {} for {at_b} requests served by b",
+        skips()
+    );
 }

@@ -229,6 +229,46 @@ pub(crate) fn billable_tokens(status: u16, end: Option<RelayEnd>, outcome: &Outc
 
 /// Wait, at most `wait`, for the limiter's next exchange (a lease asked for by a refusal that
 /// registered its demand). Whether it came in time.
+/// Provider limits: reserve one attempt's request, slot and `tokens()` on the limits of
+/// `target`'s cluster and credential (`limits.provider_limits`), into `provider`. Runs in the
+/// forward loop before each attempt is sent. Without waiting — unless the target is the route's
+/// last (`is_last`) and this core is only short of a lease: then once, at most
+/// `limits.lease_wait_ms`, as admission does, rather than answer 503 for a limit that has
+/// room. `Ok` also when the target has no provider limits (nothing reserved). `Err`: the
+/// provider would not take the attempt now, with the seconds until its window has room (at
+/// least 1), for `Retry-After`.
+pub(crate) async fn reserve_provider(
+    limiter: &RefCell<LimiterShard>,
+    cfg: &LimitsConfig,
+    target: &crate::gateway::route::Target<'_>,
+    tokens: impl FnOnce() -> u64,
+    is_last: impl FnOnce() -> bool,
+    provider: &mut Permit,
+) -> Result<(), u64> {
+    let limits = [
+        target.cluster.provider_limits.as_ref(),
+        target
+            .credential
+            .and_then(|(_, c)| c.provider_limits.as_ref()),
+    ];
+    if limits.iter().all(Option::is_none) {
+        return Ok(());
+    }
+    let tokens = tokens();
+    let mut reserved = limiter
+        .borrow_mut()
+        .try_reserve_provider(limits, tokens, provider);
+    let short_of_lease = reserved
+        .as_ref()
+        .is_err_and(|r| r.kind == RefusalKind::NeedLease);
+    if short_of_lease && is_last() && wait_for_lease(limiter, cfg.sync.lease_wait).await {
+        reserved = limiter
+            .borrow_mut()
+            .try_reserve_provider(limits, tokens, provider);
+    }
+    reserved.map_err(|refusal| u64::from(refusal.retry_after.unwrap_or(1)).max(1))
+}
+
 pub(crate) async fn wait_for_lease(
     limiter: &RefCell<LimiterShard>,
     wait: std::time::Duration,

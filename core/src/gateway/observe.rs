@@ -589,6 +589,13 @@ pub(crate) fn failed_attempt(
     metrics.upstream_error(backend, kind);
 }
 
+/// A candidate passed over, unsent, because its provider's limits had no room:
+/// `sluice_upstream_errors_total{kind="provider_limit"}`.
+pub(crate) fn provider_skipped(metrics: MetricsView<'_>, backend_id: usize) {
+    let backend = metrics.labels.backend(backend_id);
+    metrics.upstream_error(backend, UpstreamErrorKind::ProviderLimit);
+}
+
 fn fault_kind(fault: UpstreamFault) -> UpstreamErrorKind {
     match fault {
         UpstreamFault::Connect => UpstreamErrorKind::Connect,

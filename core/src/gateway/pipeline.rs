@@ -277,55 +277,38 @@ async fn serve<'s>(
     let mut over_limits: Option<u64> = None;
     loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
-        // Provider limits: would this target take the request now? Asked without waiting;
-        // when it would not, the next candidate is tried, and when none is left the answer is
-        // the fast 503 of a route whose every backend is out.
-        let limits = [
-            target.cluster.provider_limits.as_ref(),
-            target
-                .credential
-                .and_then(|(_, c)| c.provider_limits.as_ref()),
-        ];
-        if limits.iter().any(Option::is_some) {
-            let cfg = &core.snapshot.limits;
-            let tokens = *estimate.get_or_insert_with(|| {
-                cfg.reserve.tokens(
-                    crate::openai::tokens::estimate_tokens(request.body),
-                    inspection.max_tokens,
-                    inspection.n,
-                )
-            });
-            let mut reserved = core
-                .limiter
-                .borrow_mut()
-                .try_reserve_provider(limits, tokens, provider);
-            // The last candidate, short only of a lease on this worker: wait for it once, as
-            // admission does, rather than answer 503 for a limit that has room.
-            let short_of_lease = reserved
-                .as_ref()
-                .is_err_and(|r| r.kind == crate::limits::shard::RefusalKind::NeedLease);
-            if short_of_lease && candidates.clone().next_fallback(model, None).is_none() {
-                let wait = cfg.sync.lease_wait;
-                if admit::wait_for_lease(core.limiter, wait).await {
-                    reserved = core
-                        .limiter
-                        .borrow_mut()
-                        .try_reserve_provider(limits, tokens, provider);
+        // Provider limits: would this target take the request now? When it would not, the
+        // next candidate is tried; when none is left, the fast 503 of a route whose every
+        // backend is out, with `Retry-After` when the first provider has room again.
+        let is_last = || candidates.clone().next_fallback(model, None).is_none();
+        let tokens = || {
+            *estimate.get_or_insert_with(|| {
+                let reserve = &core.snapshot.limits.reserve;
+                let prompt = crate::openai::tokens::estimate_tokens(request.body);
+                reserve.tokens(prompt, inspection.max_tokens, inspection.n)
+            })
+        };
+        let reserved = admit::reserve_provider(
+            core.limiter,
+            &core.snapshot.limits,
+            &target,
+            tokens,
+            is_last,
+            provider,
+        )
+        .await;
+        if let Err(retry) = reserved {
+            observe::provider_skipped(core.metrics, target.backend.id);
+            obs.fallback_reason = "provider_limit";
+            over_limits = Some(over_limits.map_or(retry, |r| r.min(retry)));
+            match candidates.next_fallback(model, None) {
+                Some(next) => {
+                    target = next;
+                    continue;
                 }
-            }
-            if let Err(refusal) = reserved {
-                obs.fallback_reason = "provider_limit";
-                let retry = u64::from(refusal.retry_after.unwrap_or(1));
-                over_limits = Some(over_limits.map_or(retry, |r| r.min(retry)));
-                match candidates.next_fallback(model, None) {
-                    Some(next) => {
-                        target = next;
-                        continue;
-                    }
-                    None => {
-                        let retry = over_limits.unwrap_or(1);
-                        return (Err(GatewayError::upstream_unavailable(model, retry)), None);
-                    }
+                None => {
+                    let retry = over_limits.unwrap_or(1);
+                    return (Err(GatewayError::upstream_unavailable(model, retry)), None);
                 }
             }
         }

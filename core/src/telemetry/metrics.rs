@@ -577,10 +577,12 @@ pub(crate) enum UpstreamErrorKind {
     PoolExhausted,
     /// The backend refused a key pool's credential (401 / 403); another was tried.
     CredentialRefused,
+    /// Not sent: the provider's own limits (`provider_limits`) had no room; skipped.
+    ProviderLimit,
 }
 
 impl UpstreamErrorKind {
-    const ALL: [UpstreamErrorKind; 9] = [
+    const ALL: [UpstreamErrorKind; 10] = [
         UpstreamErrorKind::Connect,
         UpstreamErrorKind::Tls,
         UpstreamErrorKind::Timeout,
@@ -590,6 +592,7 @@ impl UpstreamErrorKind {
         UpstreamErrorKind::Status5xx,
         UpstreamErrorKind::PoolExhausted,
         UpstreamErrorKind::CredentialRefused,
+        UpstreamErrorKind::ProviderLimit,
     ];
 
     pub(crate) fn label(self) -> &'static str {
@@ -602,6 +605,7 @@ impl UpstreamErrorKind {
             UpstreamErrorKind::Status429 => "status_429",
             UpstreamErrorKind::Status5xx => "status_5xx",
             UpstreamErrorKind::CredentialRefused => "credential_refused",
+            UpstreamErrorKind::ProviderLimit => "provider_limit",
             UpstreamErrorKind::PoolExhausted => "pool_exhausted",
         }
     }
