@@ -132,6 +132,28 @@ pub fn json_inspect(data: &[u8]) {
     let first = inspector.inspect(data, &mut again).is_ok();
     let mut third = Inspection::default();
     assert_eq!(first, inspector.inspect(data, &mut third).is_ok());
+    // What sticky routes ask of a body (session ids at paths, the prompt's prefix) never
+    // changes the verdict, and what it finds is bounded by the body.
+    let wants = crate::openai::inspect::Wants {
+        paths: vec![
+            vec!["metadata".into(), "conversation_id".into()],
+            vec!["user".into()],
+        ],
+        prefix_bytes: 64,
+    };
+    let mut sticky = Inspection::default();
+    assert_eq!(first, inspector.inspect_for(data, &wants, &mut sticky).is_ok());
+    if first {
+        assert_eq!(sticky.model, out.model);
+        for slot in 0..wants.paths.len() {
+            if let Some(id) = sticky.body_ids.get(slot) {
+                assert!(id.len() <= data.len());
+            }
+        }
+        if let Some((start, end)) = sticky.prompt_prefix {
+            assert!(start <= end && end <= data.len() && end - start <= wants.prefix_bytes);
+        }
+    }
 }
 
 /// A config file: loading never panics, whatever it says (environment variables unset).
