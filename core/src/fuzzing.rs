@@ -142,7 +142,10 @@ pub fn json_inspect(data: &[u8]) {
         prefix_bytes: 64,
     };
     let mut sticky = Inspection::default();
-    assert_eq!(first, inspector.inspect_for(data, &wants, &mut sticky).is_ok());
+    assert_eq!(
+        first,
+        inspector.inspect_for(data, &wants, &mut sticky).is_ok()
+    );
     if first {
         assert_eq!(sticky.model, out.model);
         for slot in 0..wants.paths.len() {

@@ -549,11 +549,17 @@ fn probes_run_only_while_the_breaker_is_open_and_let_a_recovered_backend_back_ea
 
 /// A node of a fleet sharing breakers through `redis`: `gpt-4o` on cluster `a` first, then `b`
 /// (`b-model`); the node's own breaker opens after `breaker_failures` failures.
-fn fleet_node(a: &Mock, b: &Mock, redis: &Redis, breaker_failures: u32) -> Config {
+fn fleet_node(a: &Mock, b: &Mock, redis: &Redis, breaker_failures: u32, probe: bool) -> Config {
+    let probe = if probe {
+        r#"probe = { path = "/v1/models", interval_ms = 100, timeout_ms = 100 }"#
+    } else {
+        ""
+    };
     Config::new().raw(&format!(
         r#"
 [clusters.a]
 backends = [{{ base_url = "{}" }}]
+{probe}
 
 [clusters.b]
 backends = [{{ base_url = "{}" }}]
@@ -589,8 +595,9 @@ fn one_nodes_open_breaker_keeps_the_other_node_off_the_failing_backend() {
     let b = Mock::start(&[]);
     let redis = Redis::start();
     // Node 1 opens its breaker after two failures; node 2 never would on its own.
-    let node1 = Sluice::start(&fleet_node(&a, &b, &redis, 2));
-    let node2 = Sluice::start(&fleet_node(&a, &b, &redis, 100_000));
+    // Node 1 also probes the backend while its breaker is open.
+    let node1 = Sluice::start(&fleet_node(&a, &b, &redis, 2, true));
+    let node2 = Sluice::start(&fleet_node(&a, &b, &redis, 100_000, false));
 
     // Node 2 alone: every request touches the dead primary first (served by the fallback).
     for _ in 0..3 {
@@ -621,13 +628,33 @@ fn one_nodes_open_breaker_keeps_the_other_node_off_the_failing_backend() {
         "node 2 kept trying the backend node 1 found failing"
     );
     for _ in 0..5 {
-        let before = a.stat("requests");
+        let before = a.stat("dropped_before_response");
         assert_eq!(
             chat_with(&node2, &[]).header("x-mock-model"),
             Some("b-model")
         );
-        assert_eq!(a.stat("requests"), before, "node 2 tried the primary again");
+        assert_eq!(
+            a.stat("dropped_before_response"),
+            before,
+            "node 2 tried the primary again"
+        );
     }
+
+    // The backend recovers: node 1's probes and requests close its breaker and it clears the
+    // fleet's key; node 2 goes back to the primary long before the minute its copy would last.
+    a.set_fault(None);
+    let healed = Instant::now();
+    assert!(back_on_a(&node1), "node 1's breaker never went half-open");
+    // Half-open: `breaker_successes` answered requests close it.
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            chat_with(&node1, &[]);
+            redis.keys("{fleet:breakers}:*").is_empty()
+        }),
+        "node 1 never cleared the fleet's key"
+    );
+    assert!(back_on_a(&node2), "node 2 never heard of the recovery");
+    assert!(healed.elapsed() < Duration::from_secs(40));
 }
 
 #[test]

@@ -193,7 +193,7 @@ pub(crate) struct FallbackOn(u16);
 
 impl FallbackOn {
     /// Every label a `when` may name, in the order of their bits.
-    pub(crate) const LABELS: [&'static str; 9] = [
+    pub(crate) const LABELS: [&'static str; 10] = [
         "connect",
         "timeout",
         "io",
@@ -203,6 +203,7 @@ impl FallbackOn {
         "first_event_error",
         "pool_full",
         "credential",
+        "provider_limit",
     ];
 
     /// The set of `labels`; an unknown or repeated one is an error at `path`.

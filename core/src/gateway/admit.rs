@@ -227,22 +227,20 @@ pub(crate) fn billable_tokens(status: u16, end: Option<RelayEnd>, outcome: &Outc
     }
 }
 
-/// Wait, at most `wait`, for the limiter's next exchange (a lease asked for by a refusal that
-/// registered its demand). Whether it came in time.
 /// Provider limits: reserve one attempt's request, slot and `tokens()` on the limits of
 /// `target`'s cluster and credential (`limits.provider_limits`), into `provider`. Runs in the
-/// forward loop before each attempt is sent. Without waiting — unless the target is the route's
-/// last (`is_last`) and this core is only short of a lease: then once, at most
-/// `limits.lease_wait_ms`, as admission does, rather than answer 503 for a limit that has
-/// room. `Ok` also when the target has no provider limits (nothing reserved). `Err`: the
-/// provider would not take the attempt now, with the seconds until its window has room (at
-/// least 1), for `Retry-After`.
+/// forward loop before each attempt is sent. Without waiting when the limit is used up; when
+/// this core is only short of a lease (a quiet worker, a new window) it waits once, at most
+/// `limits.lease_wait_ms`, as admission does — a provider with room is not passed over for the
+/// fallback (or answered 503) because this core had not asked for its share yet. `Ok` also
+/// when the target has no provider limits (nothing reserved). `Err`: the provider would not
+/// take the attempt now, with the seconds until its window has room (at least 1), for
+/// `Retry-After`.
 pub(crate) async fn reserve_provider(
     limiter: &RefCell<LimiterShard>,
     cfg: &LimitsConfig,
     target: &crate::gateway::route::Target<'_>,
-    tokens: impl FnOnce() -> u64,
-    is_last: impl FnOnce() -> bool,
+    mut tokens: impl FnMut() -> u64,
     provider: &mut Permit,
 ) -> Result<(), u64> {
     let limits = [
@@ -261,7 +259,7 @@ pub(crate) async fn reserve_provider(
     let short_of_lease = reserved
         .as_ref()
         .is_err_and(|r| r.kind == RefusalKind::NeedLease);
-    if short_of_lease && is_last() && wait_for_lease(limiter, cfg.sync.lease_wait).await {
+    if short_of_lease && wait_for_lease(limiter, cfg.sync.lease_wait).await {
         reserved = limiter
             .borrow_mut()
             .try_reserve_provider(limits, tokens, provider);
@@ -269,6 +267,8 @@ pub(crate) async fn reserve_provider(
     reserved.map_err(|refusal| u64::from(refusal.retry_after.unwrap_or(1)).max(1))
 }
 
+/// Wait, at most `wait`, for the limiter's next exchange (a lease asked for by a refusal that
+/// registered its demand). Whether it came in time.
 pub(crate) async fn wait_for_lease(
     limiter: &RefCell<LimiterShard>,
     wait: std::time::Duration,

@@ -16,6 +16,7 @@
 
 use std::time::Instant;
 
+use crate::gateway::context::BufPool;
 use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::gateway::forward::UpstreamResponse;
 use crate::http::chunked::ChunkedDecoder;
@@ -118,6 +119,7 @@ pub(crate) async fn judge_response(
     may_retry: impl FnOnce() -> bool,
     key_pool: bool,
     deadline: Instant,
+    bufs: &BufPool,
 ) -> Judgement {
     let head = &response.head;
     let status = head.status;
@@ -132,7 +134,11 @@ pub(crate) async fn judge_response(
     let (reason, health) = match status_verdict(status, retry_after_ms) {
         Some(verdict) => verdict,
         None if status == 200 && head.event_stream && may_retry() => {
-            return match first_event(response, deadline).await {
+            // A chunked body is decoded into a pooled buffer to be judged.
+            let mut decoded = bufs.take();
+            let first = first_event(response, deadline, &mut decoded).await;
+            bufs.give(decoded);
+            return match first {
                 FirstEvent::Data { error: false } | FirstEvent::Unknown => Judgement::relay(),
                 FirstEvent::Data { error: true } => Judgement {
                     retry: Some(FallbackReason::FirstEventError),
@@ -252,13 +258,16 @@ enum FirstEvent {
 }
 
 /// Read until the stream's first `data:` line is in, and tell whether it is an error.
-async fn first_event(response: &mut UpstreamResponse<'_>, deadline: Instant) -> FirstEvent {
+async fn first_event(
+    response: &mut UpstreamResponse<'_>,
+    deadline: Instant,
+    decoded: &mut Vec<u8>,
+) -> FirstEvent {
     let chunked = response.head.framing() == BodyFraming::Chunked;
     // A chunked body is judged on its decoded bytes: a chunk boundary may fall inside an event.
-    let mut decoded = Vec::new();
     loop {
         let raw = &response.buf[response.head.head_len..];
-        if let Some(error) = first_data_is_error(body_of(raw, chunked, &mut decoded)) {
+        if let Some(error) = first_data_is_error(body_of(raw, chunked, decoded)) {
             return FirstEvent::Data { error };
         }
         if response.buf.len() - response.head.head_len >= MAX_JUDGED {

@@ -209,14 +209,12 @@ impl Observation {
     }
 
     /// A 2xx event stream whose events have not ended: no `[DONE]`, no finish reason (the
-    /// Responses API's terminal event sets one) and no error event of the upstream's.
+    /// Responses API's terminal event sets one), no error event of the upstream's, and no event
+    /// too long to read that might have been the end ([`SseMeter::events_ended`]).
     pub(crate) fn stream_unfinished(&self) -> bool {
-        let summary = self.meter.summary();
         matches!(self.metering, Metering::Stream)
             && (200..300).contains(&self.status)
-            && !summary.done
-            && summary.finish_reason.is_none()
-            && summary.error.is_none()
+            && !self.meter.events_ended()
     }
 
     /// Whether `event` (one whole SSE event of the response) is the usage-only chunk that

@@ -280,28 +280,34 @@ async fn serve<'s>(
         // Provider limits: would this target take the request now? When it would not, the
         // next candidate is tried; when none is left, the fast 503 of a route whose every
         // backend is out, with `Retry-After` when the first provider has room again.
-        let is_last = || candidates.clone().next_fallback(model, None).is_none();
-        let tokens = || {
+        let mut tokens = || {
             *estimate.get_or_insert_with(|| {
                 let reserve = &core.snapshot.limits.reserve;
                 let prompt = crate::openai::tokens::estimate_tokens(request.body);
                 reserve.tokens(prompt, inspection.max_tokens, inspection.n)
             })
         };
-        let reserved = admit::reserve_provider(
-            core.limiter,
-            &core.snapshot.limits,
-            &target,
-            tokens,
-            is_last,
-            provider,
-        )
-        .await;
+        let limits = &core.snapshot.limits;
+        let mut reserved =
+            admit::reserve_provider(core.limiter, limits, &target, &mut tokens, provider).await;
+        if reserved.is_err() {
+            // A key pool: the full limit may be this credential's own; another may have room.
+            let now = crate::sys::time::mono_ms();
+            if let Some(other) = target.with_other_credential(core.health, core.rng, now) {
+                let again =
+                    admit::reserve_provider(core.limiter, limits, &other, &mut tokens, provider)
+                        .await;
+                if again.is_ok() {
+                    target = other;
+                    reserved = again;
+                }
+            }
+        }
         if let Err(retry) = reserved {
             observe::provider_skipped(core.metrics, target.backend.id);
             obs.fallback_reason = "provider_limit";
             over_limits = Some(over_limits.map_or(retry, |r| r.min(retry)));
-            match candidates.next_fallback(model, None) {
+            match candidates.next_fallback(model, Some("provider_limit")) {
                 Some(next) => {
                     target = next;
                     continue;
@@ -357,7 +363,7 @@ async fn serve<'s>(
             Err(e) => fallback::judge_error(e),
             Ok(response) => {
                 let deadline = std::time::Instant::now() + target.first_byte_timeout;
-                fallback::judge_response(response, may_retry, key_pool, deadline).await
+                fallback::judge_response(response, may_retry, key_pool, deadline, core.bufs).await
             }
         };
         // Read again: judging may have waited.

@@ -782,7 +782,9 @@ impl LimiterShard {
             }
         }
         let spare = std::mem::take(&mut permit.entries);
-        if self.spare_entries.len() < 1024 {
+        // Only a buffer worth reusing: an empty permit's (a target with no provider limits)
+        // would hand the next admission a buffer it must allocate anyway.
+        if spare.capacity() > 0 && self.spare_entries.len() < 1024 {
             self.spare_entries.push(spare);
         }
     }
@@ -983,7 +985,9 @@ impl LimiterShard {
             }
         }
         let spare = std::mem::take(&mut permit.entries);
-        if self.spare_entries.len() < 1024 {
+        // Only a buffer worth reusing: an empty permit's (a target with no provider limits)
+        // would hand the next admission a buffer it must allocate anyway.
+        if spare.capacity() > 0 && self.spare_entries.len() < 1024 {
             self.spare_entries.push(spare);
         }
     }

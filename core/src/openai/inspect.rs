@@ -55,6 +55,9 @@ pub(crate) struct Wants {
     pub(crate) prefix_bytes: usize,
 }
 
+/// The longest body value taken as a session id, in bytes.
+pub(crate) const MAX_BODY_ID: usize = 256;
+
 /// The session ids found in a body, by slot: their text in one buffer, reused across requests
 /// (an integer id is its decimal text, so `42` and `"42"` are one id).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -80,6 +83,9 @@ impl BodyIds {
         use std::fmt::Write as _;
         let start = self.text.len();
         match value {
+            // A session id is short; a longer value is not one, and is not kept (the buffer
+            // lives as long as the connection).
+            Node::String(s) if s.len() > MAX_BODY_ID => return,
             Node::String(s) => self.text.push_str(s),
             Node::Static(StaticNode::U64(v)) => {
                 let _ = write!(self.text, "{v}");
@@ -851,6 +857,15 @@ mod tests {
         i.inspect_for(br#"{"model":"m"}"#, &wants, &mut out)
             .unwrap();
         assert_eq!(out.body_ids.get(0), None);
+        // A value longer than an id is not one (and is not kept).
+        let long = "x".repeat(MAX_BODY_ID + 1);
+        let body = format!(r#"{{"model":"m","user":"{long}"}}"#);
+        i.inspect_for(body.as_bytes(), &wants, &mut out).unwrap();
+        assert_eq!(out.body_ids.get(0), None);
+        let longest = &long[..MAX_BODY_ID];
+        let body = format!(r#"{{"model":"m","user":"{longest}"}}"#);
+        i.inspect_for(body.as_bytes(), &wants, &mut out).unwrap();
+        assert_eq!(out.body_ids.get(0), Some(longest));
     }
 
     #[test]

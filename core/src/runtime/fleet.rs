@@ -40,6 +40,9 @@ struct Entry {
     health: Arc<BackendHealth>,
     /// The open time (Unix ms) this node last wrote or adopted; 0: none.
     shared_until: u64,
+    /// The local open time ([`mono_ms`](crate::sys::time::mono_ms)) a fleet key set here, while
+    /// it stands; 0: none.
+    adopted: u64,
 }
 
 #[derive(Default)]
@@ -89,6 +92,7 @@ impl Fleet {
                         key: key_of(&redis.key_prefix, health.identity(backend.id)),
                         health: h,
                         shared_until: 0,
+                        adopted: 0,
                     });
                 }
             }
@@ -157,20 +161,22 @@ fn exchange(
     let now_unix = crate::sys::time::unix_ms();
     let mut out = BytesMut::new();
     let mut writes = 0;
-    let mut wrote = vec![0u64; entries.len()];
-    for (entry, wrote) in entries.iter().zip(wrote.iter_mut()) {
+    // Per entry, what this exchange tells the fleet: Some(until) a SET, Some(0) a DEL.
+    let mut told = vec![None; entries.len()];
+    for (entry, told) in entries.iter().zip(told.iter_mut()) {
         let until = entry.health.open_until();
         if until == 0 {
             if entry.shared_until != 0 {
                 encode(&mut out, &[b"DEL", entry.key.as_bytes()])?;
                 writes += 1;
+                *told = Some(0);
             }
             continue;
         }
-        // Open (or half-open) here: published when it is a trip newer than what the fleet was
-        // told or had (a local clock's rounding aside).
-        let until_unix = now_unix + until.saturating_sub(now_mono);
+        // Open here: published when it is a trip newer than what the fleet was told or had (a
+        // clock's rounding aside). Half-open (its open time past) is nothing new.
         let ttl = until.saturating_sub(now_mono);
+        let until_unix = now_unix + ttl;
         if ttl > 0 && until_unix > entry.shared_until + 100 {
             let value = until_unix.to_string();
             let ttl = ttl.to_string();
@@ -185,7 +191,7 @@ fn exchange(
                 ],
             )?;
             writes += 1;
-            *wrote = until_unix;
+            *told = Some(until_unix);
         }
     }
     let mut mget: Vec<&[u8]> = Vec::with_capacity(entries.len() + 1);
@@ -193,11 +199,14 @@ fn exchange(
     mget.extend(entries.iter().map(|e| e.key.as_bytes()));
     encode(&mut out, &mget)?;
     let replies = round_trip(conn, redis, &out, writes + 1)?;
-    for (entry, wrote) in entries.iter_mut().zip(&wrote) {
-        if entry.health.open_until() == 0 {
-            entry.shared_until = 0;
-        } else if *wrote != 0 {
-            entry.shared_until = *wrote;
+    // What was told is what the fleet now has, whatever the breaker did meanwhile (a close
+    // during the round trip is told by the next exchange's DEL).
+    for (entry, told) in entries.iter_mut().zip(&told) {
+        if let Some(until) = told {
+            entry.shared_until = *until;
+            if *until != 0 {
+                entry.adopted = 0;
+            }
         }
     }
     let Some(BytesFrame::Array(values)) = replies.last() else {
@@ -209,15 +218,24 @@ fn exchange(
                 .ok()
                 .and_then(|s| s.parse::<u64>().ok()),
             _ => None,
-        };
-        let Some(until_unix) = until_unix.filter(|&u| u > now_unix) else {
-            continue;
-        };
-        if entry
-            .health
-            .open_from_fleet(now_mono + (until_unix - now_unix))
-        {
-            entry.shared_until = until_unix;
+        }
+        .filter(|&u| u > now_unix);
+        match until_unix {
+            Some(until_unix) => {
+                let until = now_mono + (until_unix - now_unix);
+                if entry.health.open_from_fleet(until) {
+                    entry.shared_until = until_unix;
+                    entry.adopted = until;
+                }
+            }
+            // The node that opened it saw the backend recover (or its time ran out): a breaker
+            // held open only by the fleet's word goes half-open here, and a request decides.
+            None if entry.adopted != 0 => {
+                entry.health.end_fleet_open(entry.adopted, now_mono);
+                entry.adopted = 0;
+                entry.shared_until = 0;
+            }
+            None => {}
         }
     }
     Ok(())

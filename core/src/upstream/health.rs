@@ -62,6 +62,9 @@ pub(crate) struct BackendHealth {
     probe_out: AtomicBool,
     /// Half-open: successful probes so far.
     probe_successes: AtomicU32,
+    /// Active probes: passed ones in a row while open, failed ones in a row while closed.
+    probe_passes: AtomicU32,
+    probe_failures: AtomicU32,
     /// Cooling down until this time (0: not).
     cool_until: AtomicU64,
     /// The retry budget's window: its start, and the requests and retries in it.
@@ -341,15 +344,20 @@ impl BackendHealth {
         let failures = self.consecutive_failures.fetch_add(1, Relaxed) + 1;
         let closed = self.open_until.load(Relaxed) == 0;
         if probe || (closed && failures >= breaker.failures) {
-            let trips = self.trips.fetch_add(1, Relaxed).min(20);
-            let open_ms = breaker
-                .open_ms
-                .saturating_mul(1u64 << trips)
-                .min(breaker.max_open_ms);
-            self.open_until.store(now + open_ms, Relaxed);
-            self.probe_successes.store(0, Relaxed);
-            self.probe_out.store(false, Relaxed);
+            self.trip(now, breaker);
         }
+    }
+
+    /// Open the breaker, for longer each time it opens again before it closes.
+    fn trip(&self, now: u64, breaker: &BreakerSettings) {
+        let trips = self.trips.fetch_add(1, Relaxed).min(20);
+        let open_ms = breaker
+            .open_ms
+            .saturating_mul(1u64 << trips)
+            .min(breaker.max_open_ms);
+        self.open_until.store(now + open_ms, Relaxed);
+        self.probe_successes.store(0, Relaxed);
+        self.probe_out.store(false, Relaxed);
     }
 
     /// The breaker is open or half-open (not closed).
@@ -377,26 +385,46 @@ impl BackendHealth {
         opened
     }
 
-    /// An active probe's verdict (`ok`), at `now`. While the breaker is open, a good probe
-    /// counts as a good half-open probe (`breaker.successes` of them close it, sooner than the
-    /// open time if need be), and a failed one starts the count over and keeps the breaker open
-    /// for `hold_ms` more at least, so no client request is sent to find out what the probe
-    /// already knows. While it is closed, a failed probe counts as a failed request (enough in a
-    /// row open it); a good one proves nothing about requests, and changes nothing.
+    /// The fleet no longer holds the backend open: when the breaker is still open only by the
+    /// fleet's word (its open time is still `adopted`, the one [`Self::open_from_fleet`] set),
+    /// its open time ends now — half-open, so a request decides.
+    pub(crate) fn end_fleet_open(&self, adopted: u64, now: u64) {
+        let _ = self
+            .open_until
+            .compare_exchange(adopted, now.clamp(1, adopted), Relaxed, Relaxed);
+    }
+
+    /// An active probe's verdict (`ok`), at `now`. While the breaker is open, `breaker.successes`
+    /// passed probes in a row end its open time early: it goes half-open, and a real request —
+    /// the probe of what clients see — closes it, or opens it again with a longer back-off (a
+    /// passed health check, or a TCP connect, says the backend is up, not that it answers
+    /// requests, so it never closes the breaker or forgets the back-off itself). A failed probe
+    /// starts that count over and keeps the breaker open for `hold_ms` more at least, so no
+    /// client request is sent to find out what the probe already knows. While the breaker is
+    /// closed, `breaker.failures` failed probes in a row (their own count, apart from the
+    /// requests') open it; a passed one starts that count over.
     pub(crate) fn probed(&self, ok: bool, now: u64, settings: &RoutingSettings, hold_ms: u64) {
         match (ok, self.breaker_open()) {
             (true, true) => {
-                let successes = self.probe_successes.fetch_add(1, Relaxed) + 1;
-                if successes >= settings.breaker.successes {
-                    self.close();
+                let passed = self.probe_passes.fetch_add(1, Relaxed) + 1;
+                if passed >= settings.breaker.successes {
+                    self.probe_passes.store(0, Relaxed);
+                    // Half-open from now (a breaker already half-open stays so).
+                    self.open_until.fetch_min(now.max(1), Relaxed);
                 }
             }
-            (true, false) => {}
+            (true, false) => self.probe_failures.store(0, Relaxed),
             (false, true) => {
-                self.probe_successes.store(0, Relaxed);
+                self.probe_passes.store(0, Relaxed);
                 self.open_until.fetch_max(now + hold_ms, Relaxed);
             }
-            (false, false) => self.failed(now, &settings.breaker, false),
+            (false, false) => {
+                let failures = self.probe_failures.fetch_add(1, Relaxed) + 1;
+                if failures >= settings.breaker.failures {
+                    self.probe_failures.store(0, Relaxed);
+                    self.trip(now, &settings.breaker);
+                }
+            }
         }
     }
 
@@ -682,35 +710,55 @@ mod tests {
     }
 
     #[test]
-    fn active_probes_open_hold_and_close_the_breaker() {
+    fn active_probes_open_hold_and_shorten_the_breaker_but_never_close_it() {
         let s = settings();
         let h = BackendHealth::default();
-        // Closed: good probes change nothing, failed ones count like failed requests.
+        // Closed: failed probes in a row open it; a passed one starts the count over.
+        for _ in 0..s.breaker.failures - 1 {
+            h.probed(false, 0, &s, 100);
+        }
         h.probed(true, 0, &s, 100);
         for _ in 0..s.breaker.failures - 1 {
             h.probed(false, 0, &s, 100);
         }
-        assert_eq!(h.state_code(0), 0);
+        assert_eq!(
+            h.state_code(0),
+            0,
+            "failures apart from each other do not open it"
+        );
         h.probed(false, 0, &s, 100);
         assert_eq!(h.state_code(0), 1, "enough failed probes in a row open it");
         // Open and still failing: held open past its open time, so no request probes it.
         let open_until = h.open_until.load(Relaxed);
         h.probed(false, open_until - 1, &s, 1_000);
         assert_eq!(h.state_code(open_until + 500), 1);
-        // Good probes close it before its open time is up.
+        // Passed probes end the open time early (half-open), a failure between them starting
+        // the count over; they never close it themselves.
+        for _ in 0..s.breaker.successes - 1 {
+            h.probed(true, 10, &s, 100);
+        }
+        h.probed(false, 10, &s, 100);
         for _ in 0..s.breaker.successes - 1 {
             h.probed(true, 10, &s, 100);
             assert_eq!(h.state_code(10), 1);
         }
-        // A failure between good probes starts the count over.
-        h.probed(false, 10, &s, 100);
-        for _ in 0..s.breaker.successes - 1 {
-            h.probed(true, 10, &s, 100);
-        }
-        assert_eq!(h.state_code(10), 1);
         h.probed(true, 10, &s, 100);
-        assert_eq!(h.state_code(10), 0);
-        assert_eq!(h.availability(10), Availability::Available);
+        assert_eq!(h.state_code(10), 2, "half-open: a request decides");
+        assert_eq!(h.availability(10), Availability::Probe);
+        // The request that probes fails: open again, for twice as long (the back-off stands).
+        let mut probe = h.begin(10, &s).unwrap();
+        probe.record(AttemptResult::Failed, 10, &s);
+        drop(probe);
+        assert_eq!(h.open_until.load(Relaxed), 10 + 2 * s.breaker.open_ms);
+        // Passed probes again, then requests that answer: closed.
+        for _ in 0..s.breaker.successes {
+            h.probed(true, 20, &s, 100);
+        }
+        for _ in 0..s.breaker.successes {
+            let mut probe = h.begin(20, &s).unwrap();
+            probe.record(AttemptResult::Answered, 20, &s);
+        }
+        assert_eq!(h.state_code(20), 0);
     }
 
     #[test]

@@ -79,6 +79,18 @@ impl SseMeter {
         self.meter.captured()
     }
 
+    /// Whether the stream's events said it ended — `[DONE]`, a finish reason (the Responses
+    /// API's terminal event sets one) or an error event — or could have: an event too long to
+    /// read may have been the end (a `response.completed` repeats the whole output), so a
+    /// stream with one is never called unfinished. Reads without copying.
+    pub fn events_ended(&self) -> bool {
+        let s = self.meter.summary();
+        s.done
+            || s.finish_reason.is_some()
+            || s.error.is_some()
+            || self.splitter.oversized_events() > 0
+    }
+
     /// What has been recorded so far.
     pub fn summary(&self) -> MeterSummary {
         let mut s = self.meter.summary().clone();
@@ -123,6 +135,31 @@ mod tests {
         // A fixed base keeps summaries comparable across meters.
         static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
         *BASE.get_or_init(Instant::now) + Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn a_stream_has_ended_by_done_finish_error_or_an_unreadable_event() {
+        let ended = |body: &[u8]| {
+            let mut m = SseMeter::new();
+            m.feed(body, t(0));
+            m.events_ended()
+        };
+        assert!(ended(CHAT_STREAM.as_bytes()));
+        let cut = CHAT_STREAM.split("data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[{\"index\":0,\"delta\":{},").next().unwrap();
+        assert!(!ended(cut.as_bytes()), "content only: not ended");
+        let finished_no_done =
+            b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
+        assert!(ended(finished_no_done));
+        let error = b"data: {\"error\":{\"message\":\"x\",\"type\":\"server_error\"}}\n\n";
+        assert!(ended(error));
+        // A `response.completed` too long to read may have been the end.
+        let huge = format!(
+            "event: response.completed\ndata: {{\"type\":\"response.completed\",\"response\":{{\"output\":\"{}\"}}}}\n\n",
+            "x".repeat(DEFAULT_MAX_EVENT + 1)
+        );
+        let created = "event: response.created\ndata: {\"type\":\"response.created\"}\n\n";
+        assert!(!ended(created.as_bytes()));
+        assert!(ended(format!("{created}{huge}").as_bytes()));
     }
 
     /// Feed `chunks`, the i-th at time `i` ms.
