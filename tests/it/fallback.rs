@@ -672,3 +672,64 @@ fn sharing_breakers_needs_the_redis_backend() {
         "{text}"
     );
 }
+
+#[test]
+fn a_key_pool_fills_each_credentials_provider_limit_before_the_fallback_serves() {
+    // Two keys of one provider, three requests a minute each (the provider's limit per key),
+    // picked 9 to 1: once the heavy key is full, the light one takes the rest of its share.
+    let a = Mock::start(&[]);
+    let b = Mock::start(&[]);
+    let gw = Sluice::start(
+        &Config::new()
+            .env("KEY_HEAVY", "sk-heavy")
+            .env("KEY_LIGHT", "sk-light")
+            .raw(&format!(
+                r#"
+[clusters.a]
+backends = [{{ base_url = {} }}]
+credentials = [
+  {{ env = "KEY_HEAVY", weight = 9, provider_limits = {{ max_requests = 3 }} }},
+  {{ env = "KEY_LIGHT", provider_limits = {{ max_requests = 3 }} }},
+]
+
+[clusters.b]
+backends = [{{ base_url = {} }}]
+
+[[routes]]
+model = "gpt-4o"
+groups = [{{ targets = [{{ cluster = "a" }}] }}, {{ targets = [{{ cluster = "b", model = "b-model" }}] }}]
+"#,
+                toml_str(&a.base_url()),
+                toml_str(&b.base_url())
+            )),
+    );
+    // The whole test within one minute window (the limits' default).
+    wait_out_window_edge(60, 15);
+    let mut keys = Vec::new();
+    for i in 0..8 {
+        let r = chat_with(&gw, &[]);
+        assert_eq!(r.status, 200, "request {i}: {}", r.dump());
+        if r.header("x-mock-model") == Some("gpt-4o") {
+            let auth: Vec<String> = echo_headers(&echo_of(&r))
+                .into_iter()
+                .filter(|(k, _)| k.eq_ignore_ascii_case("authorization"))
+                .map(|(_, v)| v)
+                .collect();
+            keys.extend(auth);
+        }
+    }
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "Bearer sk-heavy",
+            "Bearer sk-heavy",
+            "Bearer sk-heavy",
+            "Bearer sk-light",
+            "Bearer sk-light",
+            "Bearer sk-light"
+        ],
+        "each key served exactly its limit"
+    );
+    assert_eq!((a.stat("requests"), b.stat("requests")), (6, 2));
+}
