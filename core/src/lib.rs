@@ -28,6 +28,7 @@ mod openai {
     //! What Sluice knows of the OpenAI wire format, with no I/O: which top-level fields a request
     //! carries ([`inspect`]), what a response reports as it streams ([`meter`]), and how many
     //! tokens a text is ([`tokens`]).
+    pub(crate) mod anthropic;
     pub(crate) mod endpoint;
     pub(crate) mod inspect;
     pub(crate) mod json;

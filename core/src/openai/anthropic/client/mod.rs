@@ -1,0 +1,1 @@
+//! Anthropic client → OpenAI-dialect upstream: see the parent module.

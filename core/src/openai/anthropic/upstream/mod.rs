@@ -1,0 +1,1 @@
+//! OpenAI client → Anthropic upstream: see the parent module.
