@@ -43,7 +43,7 @@ fn sse_events_arrive_spaced_as_sent() {
 
 #[test]
 fn responses_api_stream_is_relayed_without_done() {
-    let mock = Mock::start(&["--inter-token-ms", "50", "--tokens", "4"]);
+    let mock = Mock::start(&["--inter-token-ms", "100", "--tokens", "4"]);
     let gw = Sluice::start(&Config::one_cluster(&mock));
     let body = json!({"model":"gpt-4o","input":"hi","stream":true}).to_string();
     let r = gw.post("/v1/responses", &body);
@@ -52,9 +52,14 @@ fn responses_api_stream_is_relayed_without_done() {
     let events = r.sse_events();
     let deltas: Vec<&SseEvent> = events.iter().filter(|e| e.content().is_some()).collect();
     assert_eq!(deltas.len(), 4, "{}", r.dump());
-    for w in deltas.windows(2) {
-        assert!(w[1].at.duration_since(w[0].at) >= Duration::from_millis(30));
-    }
+    // Relayed as sent (300 ms from the first delta to the last), not held back and sent
+    // together. The span, not each gap: one event a scheduling hiccup late on a busy machine
+    // shortens the gap after it, never the whole span by that much.
+    let span = deltas[3].at.duration_since(deltas[0].at);
+    assert!(
+        span >= Duration::from_millis(200),
+        "deltas coalesced: {span:?}"
+    );
     let last = events.last().unwrap().json().unwrap();
     assert_eq!(last["type"], "response.completed", "{last}");
     assert!(!events.iter().any(SseEvent::is_done));
