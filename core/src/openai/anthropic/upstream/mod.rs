@@ -23,10 +23,49 @@
 #![cfg_attr(not(test), allow(dead_code))]
 
 mod error;
+mod request;
 
 // The surface the pipeline is wired to; the tests reach the items through their modules.
 #[allow(unused_imports)]
-pub(crate) use self::error::{error_to_openai, is_spend_limit};
+pub(crate) use self::{
+    error::{error_to_openai, is_spend_limit},
+    request::{chat_to_messages, chat_to_messages_with, RequestOptions},
+};
+
+/// A request this translation cannot carry to the Messages API, as an OpenAI-style 400 for the
+/// client (`invalid_request_error`, with `param` when one field is at fault).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TranslateError {
+    pub(crate) message: String,
+    pub(crate) param: Option<&'static str>,
+}
+
+impl TranslateError {
+    fn new(param: &'static str, message: impl Into<String>) -> Self {
+        TranslateError {
+            message: message.into(),
+            param: Some(param),
+        }
+    }
+
+    fn body(message: impl Into<String>) -> Self {
+        TranslateError {
+            message: message.into(),
+            param: None,
+        }
+    }
+}
+
+impl std::fmt::Display for TranslateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.param {
+            Some(p) => write!(f, "{} (param {p})", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+impl std::error::Error for TranslateError {}
 
 /// Appends JSON text to a byte buffer through [`std::fmt::Write`], so the crate's JSON string
 /// writer ([`crate::openai::json::write_json_string`]) can target the output buffers here.
