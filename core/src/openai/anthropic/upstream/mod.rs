@@ -24,12 +24,14 @@
 
 mod error;
 mod request;
+mod response;
 
 // The surface the pipeline is wired to; the tests reach the items through their modules.
 #[allow(unused_imports)]
 pub(crate) use self::{
     error::{error_to_openai, is_spend_limit},
     request::{chat_to_messages, chat_to_messages_with, RequestOptions},
+    response::{message_to_chat, message_to_chat_at},
 };
 
 /// A request this translation cannot carry to the Messages API, as an OpenAI-style 400 for the
