@@ -25,6 +25,7 @@
 mod error;
 mod request;
 mod response;
+mod stream;
 
 // The surface the pipeline is wired to; the tests reach the items through their modules.
 #[allow(unused_imports)]
@@ -32,6 +33,7 @@ pub(crate) use self::{
     error::{error_to_openai, is_spend_limit},
     request::{chat_to_messages, chat_to_messages_with, RequestOptions},
     response::{message_to_chat, message_to_chat_at},
+    stream::StreamTranslator,
 };
 
 /// A request this translation cannot carry to the Messages API, as an OpenAI-style 400 for the
