@@ -14,6 +14,7 @@
 // The config loader resolves backend and listener names here, once, on the control thread.
 #![allow(clippy::disallowed_methods)]
 
+pub(crate) mod dialect;
 pub(crate) mod limits;
 mod redis_url;
 #[cfg(test)]
@@ -297,6 +298,11 @@ struct RawCluster {
     probe: Option<routing::RawProbe>,
     /// The provider's own limits on the whole cluster (every credential together).
     provider_limits: Option<limits::RawProviderLimits>,
+    /// The API the backends speak.
+    #[serde(default)]
+    dialect: dialect::DialectName,
+    /// An Anthropic-dialect cluster's settings.
+    anthropic: Option<dialect::RawAnthropic>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -528,6 +534,8 @@ pub(crate) struct Cluster {
     pub(crate) probe: Option<routing::Probe>,
     /// The provider's limits on the whole cluster (`provider_limits`).
     pub(crate) provider_limits: Option<limits::ProviderLimits>,
+    /// The API the backends speak (`dialect`, `anthropic`).
+    pub(crate) dialect: dialect::Dialect,
 }
 
 /// An upstream credential header, ready to write: `name: value\r\n`. Never logged.
@@ -1463,6 +1471,7 @@ fn resolve_cluster(
             .as_ref()
             .map(|p| routing::resolve_probe(p, any_tls, &format!("{path}.probe"), err)),
         provider_limits,
+        dialect: dialect::resolve_dialect(rc.dialect, rc.anthropic.as_ref(), &path, err),
     }
 }
 
@@ -2416,6 +2425,43 @@ mod tests {
         let when = groups[1].when.unwrap();
         assert!(when.contains("status_429") && when.contains("timeout"));
         assert!(!when.contains("status_5xx") && !when.contains("connect"));
+    }
+
+    #[test]
+    fn dialects_are_checked() {
+        let cluster = |extra: &str| {
+            format!(
+                "[clusters.a]\nbackends = [{{ base_url = \"http://127.0.0.1:1/v1\" }}]\n{extra}\n\
+                 [[routes]]\nmodel = \"*\"\ncluster = \"a\"\n"
+            )
+        };
+        let errs = |extra: &str| load(&cluster(extra), &|_| None).unwrap_err();
+        let e = errs("anthropic = { version = \"2023-06-01\" }");
+        assert!(find(&e, "clusters.a.anthropic")
+            .message
+            .contains("dialect = \"anthropic\""));
+        let e = errs("dialect = \"anthropic\"\nanthropic = { version = \"\", beta = \"a\\nb\", default_max_tokens = 0 }");
+        assert!(find(&e, "clusters.a.anthropic.version")
+            .message
+            .contains("header value"));
+        assert!(find(&e, "clusters.a.anthropic.beta")
+            .message
+            .contains("header value"));
+        assert!(find(&e, "clusters.a.anthropic.default_max_tokens")
+            .message
+            .contains("at least 1"));
+        let e = errs("dialect = \"gemini\"");
+        assert!(e[0].path.starts_with("clusters.a.dialect"), "{e:?}");
+
+        let ok = load(&cluster("dialect = \"anthropic\""), &|_| None).unwrap();
+        let dialect::Dialect::Anthropic(a) = &ok.clusters[0].dialect else {
+            panic!("not anthropic");
+        };
+        assert_eq!(a.version_line, b"anthropic-version: 2023-06-01\r\n");
+        assert_eq!(a.beta_line, None);
+        assert_eq!(a.default_max_tokens, 4096);
+        let ok = load(&cluster(""), &|_| None).unwrap();
+        assert_eq!(ok.clusters[0].dialect, dialect::Dialect::OpenAi);
     }
 
     #[test]

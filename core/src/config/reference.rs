@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::de::{DeserializeOwned, Visitor};
 use serde::Serialize;
 
+use super::dialect::RawAnthropic;
 use super::limits::{
     RawKey, RawLimits, RawPlan, RawPolicy, RawProviderLimits, RawRedis, RawReserve, Reserve,
     DEFAULT_REDIS_DB, DEFAULT_WINDOW_SECS,
@@ -73,6 +74,11 @@ fn sections() -> Vec<Section> {
             Some((CLUSTER, "credential")),
         ),
         section::<RawProbe>("clusters.<name>.probe", "{}", Some((CLUSTER, "probe"))),
+        section::<RawAnthropic>(
+            "clusters.<name>.anthropic",
+            "{}",
+            Some((CLUSTER, "anthropic")),
+        ),
         section::<RawProviderLimits>(
             "clusters.<name>.provider_limits",
             "{}",
@@ -300,6 +306,7 @@ mod tests {
             include_str!("tls.rs"),
             include_str!("routing.rs"),
             include_str!("sticky.rs"),
+            include_str!("dialect.rs"),
         ];
         let raw_structs: BTreeSet<&str> = sources
             .iter()

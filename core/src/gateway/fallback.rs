@@ -236,7 +236,10 @@ async fn spend_limit(
     };
     loop {
         let body = &response.buf[response.head.head_len..];
-        if memchr::memmem::find(body, b"insufficient_quota").is_some() {
+        // OpenAI's code, or an Anthropic billing / spend-limit error.
+        if memchr::memmem::find(body, b"insufficient_quota").is_some()
+            || crate::openai::anthropic::upstream::is_spend_limit(body)
+        {
             return Ok(true);
         }
         if body.len() >= wanted {
@@ -355,14 +358,20 @@ pub(crate) fn first_data_is_error(body: &[u8]) -> Option<bool> {
 }
 
 /// A chat chunk whose only delta is the assistant role (OpenAI, vLLM and SGLang open with one).
+/// Anthropic's stream opens with `message_start` (and may `ping`) before content or an error:
+/// a preamble too.
 fn is_role_preamble(payload: &[u8]) -> bool {
     let find = |needle: &[u8]| memchr::memmem::find(payload, needle).is_some();
+    if first_type_is(payload, b"message_start") || first_type_is(payload, b"ping") {
+        return true;
+    }
     (find(b"\"delta\":{\"role\":\"assistant\"}")
         || find(b"\"delta\":{\"role\":\"assistant\",\"content\":\"\"}"))
         && !find(b"\"finish_reason\":\"")
 }
 
-/// `{"error": …}` (OpenAI, mock-llm) or `{"object": "error", …}` (vLLM).
+/// `{"error": …}` (OpenAI, mock-llm), `{"object": "error", …}` (vLLM) or
+/// `{"type": "error", …}` (Anthropic).
 fn is_error_payload(payload: &[u8]) -> bool {
     let Some(inner) = payload.strip_prefix(b"{") else {
         return false;
@@ -372,14 +381,56 @@ fn is_error_payload(payload: &[u8]) -> bool {
         return true;
     }
     let prefix = &payload[..payload.len().min(64)];
-    memchr::memmem::find(prefix, b"\"object\":\"error\"").is_some()
-        || memchr::memmem::find(prefix, b"\"object\": \"error\"").is_some()
+    let find = |needle: &[u8]| memchr::memmem::find(prefix, needle).is_some();
+    find(b"\"object\":\"error\"")
+        || find(b"\"object\": \"error\"")
+        || first_type_is(payload, b"error")
+}
+
+/// Whether a JSON object's first member is `"type": "<name>"` (Anthropic's events lead with it).
+fn first_type_is(payload: &[u8], name: &[u8]) -> bool {
+    let rest = payload.trim_ascii_start();
+    let Some(rest) = rest.strip_prefix(b"{") else {
+        return false;
+    };
+    let Some(rest) = rest.trim_ascii_start().strip_prefix(b"\"type\"") else {
+        return false;
+    };
+    let Some(rest) = rest.trim_ascii_start().strip_prefix(b":") else {
+        return false;
+    };
+    let Some(rest) = rest.trim_ascii_start().strip_prefix(b"\"") else {
+        return false;
+    };
+    rest.strip_prefix(name)
+        .is_some_and(|r| r.starts_with(b"\""))
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn anthropic_streams_open_with_a_preamble_and_fail_with_a_type_error() {
+        let start = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"usage\":{\"input_tokens\":5}}}\n\n";
+        let ping = b"event: ping\ndata: {\"type\": \"ping\"}\n\n";
+        let error = b"event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n";
+        let text = b"event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n";
+        assert_eq!(
+            first_data_is_error(start),
+            None,
+            "a preamble alone tells nothing"
+        );
+        assert_eq!(
+            first_data_is_error(&[&start[..], ping, error].concat()),
+            Some(true)
+        );
+        assert_eq!(
+            first_data_is_error(&[&start[..], text].concat()),
+            Some(false)
+        );
+    }
 
     #[test]
     fn a_chunk_boundary_inside_the_first_event_does_not_hide_an_error() {

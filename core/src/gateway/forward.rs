@@ -16,11 +16,13 @@
 use std::io::Write as _;
 use std::time::{Duration, Instant};
 
+use crate::config::dialect::AnthropicSettings;
 use crate::gateway::context::{Io, Request};
-use crate::gateway::error::{GatewayError, UpstreamFault};
+use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
 use crate::gateway::route::Target;
 use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
+use crate::openai::anthropic::upstream::{chat_to_messages, RequestOptions};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
 use crate::sys::stream::{self, ReadOutcome};
 use crate::telemetry::metrics::InFlight;
@@ -106,6 +108,61 @@ pub(crate) fn build_request(
     let _ = write!(out, "content-length: {body_len}\r\n\r\n");
     splice(out, body, edits.iter().flatten().copied());
     edits.iter().flatten().any(|e| e.3)
+}
+
+/// Build the upstream request for an Anthropic-dialect cluster into `out`: the chat completion
+/// translated into a Messages request (`POST {base path}/messages`) for the target's model,
+/// with the cluster's credential, `anthropic-version` and `anthropic-beta` (the cluster's, else
+/// the client's own). No other client header goes: they are OpenAI's. A request the Messages
+/// API cannot express is the client's to fix: 400.
+pub(crate) fn build_anthropic_request(
+    out: &mut Vec<u8>,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    target: &Target<'_>,
+    settings: &AnthropicSettings,
+) -> Result<(), GatewayError> {
+    let buf = request.buf;
+    let backend = target.backend;
+    let options = RequestOptions {
+        model: target.mapped_model.unwrap_or(&inspection.model),
+        default_max_tokens: settings.default_max_tokens,
+    };
+    let mut body = Vec::with_capacity(request.body.len() + 256);
+    chat_to_messages(request.body, &options, &mut body).map_err(|e| {
+        let mut error = GatewayError::new(ErrorKind::InvalidRequest, e.message);
+        error.param = e.param;
+        error
+    })?;
+    out.clear();
+    out.extend_from_slice(b"POST ");
+    out.extend_from_slice(backend.base_path.as_bytes());
+    out.extend_from_slice(b"/messages HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(backend.host_header.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    if let Some((_, c)) = target.credential {
+        out.extend_from_slice(&c.header_line);
+    }
+    out.extend_from_slice(&settings.version_line);
+    match &settings.beta_line {
+        Some(line) => out.extend_from_slice(line),
+        None => {
+            for h in request.head.headers.iter() {
+                if h.name(buf).eq_ignore_ascii_case(b"anthropic-beta") {
+                    out.extend_from_slice(b"anthropic-beta: ");
+                    out.extend_from_slice(h.value(buf));
+                    out.extend_from_slice(b"\r\n");
+                }
+            }
+        }
+    }
+    let _ = write!(
+        out,
+        "content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    out.extend_from_slice(&body);
+    Ok(())
 }
 
 /// A replacement of `body[start..end]` (empty for an insertion) by the bytes given, and whether

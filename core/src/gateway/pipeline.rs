@@ -8,15 +8,19 @@
 //! sent to the client yet (errors after the response started are the relay's to end); `proxy`
 //! otherwise returns whether the client connection can be kept.
 
+use crate::config::dialect::Dialect;
 use crate::gateway::admit::{Admission, Caller};
 use crate::gateway::auth::Principal;
 use crate::gateway::context::{ClientSocket, PerCore, Request};
 use crate::gateway::error::GatewayError;
+use crate::gateway::error::{ErrorKind, UpstreamFault};
 use crate::gateway::observe::{Estimator, Observation};
+use crate::gateway::relay::translate::StreamTranslate;
 use crate::gateway::relay::{ClientSide, RelayEnd, Relayed};
 use crate::gateway::route::Candidates;
 use crate::gateway::{admit, auth, fallback, forward, observe, relay, route, sticky};
 use crate::limits::shard::Permit;
+use crate::openai::anthropic::upstream as anthropic_upstream;
 use crate::openai::inspect::Inspection;
 use crate::upstream::health::AttemptResult;
 
@@ -275,8 +279,29 @@ async fn serve<'s>(
     // the soonest a provider over its limits takes requests again.
     let mut estimate: Option<u64> = None;
     let mut over_limits: Option<u64> = None;
+    // An Anthropic-dialect cluster answers chat completions only (what translates).
+    let chat = crate::openai::endpoint::Endpoint::from_path(request.head.path(request.buf))
+        == Some(crate::openai::endpoint::Endpoint::ChatCompletions);
     loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
+        if !chat && matches!(target.cluster.dialect, Dialect::Anthropic(_)) {
+            match candidates.next_fallback(model, None) {
+                Some(next) => {
+                    target = next;
+                    continue;
+                }
+                None => {
+                    let message = format!(
+                        "`{model}` is served by Anthropic's Messages API here, which answers \
+                         /v1/chat/completions only"
+                    );
+                    return (
+                        Err(GatewayError::new(ErrorKind::InvalidRequest, message)),
+                        None,
+                    );
+                }
+            }
+        }
         // Provider limits: would this target take the request now? When it would not, the
         // next candidate is tried; when none is left, the fast 503 of a route whose every
         // backend is out, with `Retry-After` when the first provider has room again.
@@ -339,15 +364,39 @@ async fn serve<'s>(
         };
 
         // Forward: the rewritten request out (with stream usage asked for, so limits settle on
-        // reported usage), the response head back (one retry on a stale pooled connection).
+        // reported usage), the response head back (one retry on a stale pooled connection). An
+        // Anthropic-dialect cluster gets the chat completion as a Messages request; its stream
+        // always ends with usage, withheld unless the client asked.
         let mut upstream_request = core.bufs.take();
-        let usage_requested = forward::build_request(
-            &mut upstream_request,
-            request,
-            inspection,
-            &target,
-            core.snapshot.upstream.request_stream_usage,
-        );
+        let anthropic = match &target.cluster.dialect {
+            Dialect::Anthropic(settings) => Some(settings),
+            Dialect::OpenAi => None,
+        };
+        let usage_requested = match anthropic {
+            Some(settings) => {
+                let built = forward::build_anthropic_request(
+                    &mut upstream_request,
+                    request,
+                    inspection,
+                    &target,
+                    settings,
+                );
+                if let Err(e) = built {
+                    // Never sent: the request is the client's to fix, wherever it goes.
+                    core.bufs.give(upstream_request);
+                    core.limiter.borrow_mut().release(provider);
+                    return (Err(e), target.mapped_model);
+                }
+                inspection.include_usage != Some(true)
+            }
+            None => forward::build_request(
+                &mut upstream_request,
+                request,
+                inspection,
+                &target,
+                core.snapshot.upstream.request_stream_usage,
+            ),
+        };
         let (mut sent, timings) = forward::send(core.io(), &target, upstream_request).await;
         obs.forward = timings;
 
@@ -435,7 +484,35 @@ async fn serve<'s>(
             keep_alive: request.head.keep_alive,
             strip_usage: usage_requested,
         };
-        let relayed = relay::relay(core.io(), client, response, side, obs).await;
+        let relayed = match anthropic {
+            // Streamed: translated event by event. Anything else (an answer, an error): read
+            // whole and translated.
+            Some(_) if response.head.event_stream && (200..300).contains(&response.head.status) => {
+                let translate = StreamTranslate::anthropic(model);
+                relay::relay(core.io(), client, response, side, obs, Some(translate)).await
+            }
+            Some(_) => {
+                let translate = |status: u16, body: &[u8], out: &mut Vec<u8>| {
+                    if (200..300).contains(&status) {
+                        anthropic_upstream::message_to_chat(body, out).map_err(|e| {
+                            GatewayError::bad_gateway(
+                                UpstreamFault::Protocol,
+                                format!(
+                                    "the Anthropic upstream's answer could not be read: {}",
+                                    e.message
+                                ),
+                            )
+                        })?;
+                        Ok(status)
+                    } else {
+                        Ok(anthropic_upstream::error_to_openai(status, body, out))
+                    }
+                };
+                relay::relay_translated_whole(core.io(), client, response, side, obs, translate)
+                    .await
+            }
+            None => relay::relay(core.io(), client, response, side, obs, None).await,
+        };
         if let Some(attempt) = attempt.as_mut().filter(|a| !a.recorded()) {
             let result = match &relayed {
                 Ok(r) => match r.end {

@@ -40,8 +40,10 @@ use crate::sys::stream::{self, ReadOutcome};
 use crate::upstream::UpstreamConn;
 
 mod strip;
+pub(crate) mod translate;
 
 use strip::UsageStrip;
+use translate::StreamTranslate;
 
 /// How often a TLS client whose watch woke on bytes of its session (an alert, say) is checked
 /// for a hang-up, while the relay waits on the upstream.
@@ -118,6 +120,7 @@ pub(crate) async fn relay(
     response: UpstreamResponse<'_>,
     side: ClientSide,
     obs: &mut Observation,
+    translate: Option<StreamTranslate>,
 ) -> Result<Relayed, GatewayError> {
     let UpstreamResponse {
         conn,
@@ -126,7 +129,9 @@ pub(crate) async fn relay(
         in_flight: _in_flight, // the exchange counts as in flight until the relay returns
         read_at,
     } = response;
-    let mut plan = Plan::new(&head, side);
+    // A translated body's length is not the upstream's: it goes out re-framed.
+    let translate = translate.filter(|_| head.event_stream);
+    let mut plan = Plan::new(&head, side, translate.is_some());
     if io.drain.draining() {
         // Stopping: this response is the connection's last.
         plan.keep_client = false;
@@ -141,6 +146,7 @@ pub(crate) async fn relay(
         strip: (plan.strip_usage && plan.framing != ClientFraming::Empty)
             .then(|| UsageStrip::new(DEFAULT_MAX_EVENT, io.bufs.take())),
         body: plan.upstream_body(&head, side),
+        translate,
         plan,
         clean: true,
         terminated: false,
@@ -183,6 +189,137 @@ pub(crate) async fn relay(
     Ok(Relayed { keep_alive, end })
 }
 
+/// The most of a non-streamed answer read to be translated (a chat completion is kilobytes).
+const MAX_TRANSLATED_BODY: usize = 16 << 20;
+
+/// Relay a non-streamed answer (or any error) of an upstream that speaks another dialect: the
+/// whole body is read (within `timeouts.stream_idle` per read, at most 16 MiB), translated —
+/// `translate(status, body, out)` returns the status for the client — and sent with its own
+/// `Content-Length`, metered like a non-streamed OpenAI answer. A body that cannot be read
+/// whole, or a 2xx the translator cannot read, is a 502 (nothing was sent yet).
+pub(crate) async fn relay_translated_whole(
+    io: Io<'_>,
+    client: &mut ClientSocket,
+    response: UpstreamResponse<'_>,
+    side: ClientSide,
+    obs: &mut Observation,
+    translate: impl FnOnce(u16, &[u8], &mut Vec<u8>) -> Result<u16, GatewayError>,
+) -> Result<Relayed, GatewayError> {
+    let UpstreamResponse {
+        mut conn,
+        head,
+        buf: mut ubuf,
+        in_flight: _in_flight,
+        read_at: _,
+    } = response;
+    let plan = Plan::new(&head, side, false);
+    let mut upstream = plan.upstream_body(&head, side);
+    let mut body = io.bufs.take();
+    let mut clean = true;
+    let mut ended = emit_body(&mut upstream, &ubuf[head.head_len..], |d| {
+        body.extend_from_slice(d)
+    })
+    .map(|extra| clean &= !extra);
+    while ended.is_ok() && !matches!(upstream, UpstreamBody::Done) {
+        if body.len() > MAX_TRANSLATED_BODY {
+            ended = Err(GatewayError::bad_gateway(
+                UpstreamFault::Protocol,
+                "the upstream's answer is too large to translate",
+            ));
+            break;
+        }
+        ubuf.clear();
+        let read = stream::read_spare(
+            &mut ubuf,
+            16 * 1024,
+            16 * 1024,
+            io.timeouts.stream_idle,
+            |b| conn.io.read(b),
+        )
+        .await;
+        ended = match read {
+            ReadOutcome::Data(n) => {
+                emit_body(&mut upstream, &ubuf[..n], |d| body.extend_from_slice(d))
+                    .map(|extra| clean &= !extra)
+            }
+            ReadOutcome::Closed if matches!(upstream, UpstreamBody::UntilClose) => {
+                upstream = UpstreamBody::Done;
+                clean = false;
+                Ok(())
+            }
+            ReadOutcome::Closed => Err(GatewayError::bad_gateway(
+                UpstreamFault::Io,
+                "the upstream closed the connection mid-response",
+            )),
+            ReadOutcome::TimedOut => Err(GatewayError::gateway_timeout(
+                "the upstream's answer stalled",
+            )),
+            ReadOutcome::Failed(e) => Err(GatewayError::bad_gateway(
+                UpstreamFault::Io,
+                format!("upstream connection failed mid-response: {e}"),
+            )),
+        };
+    }
+    let mut translated = io.bufs.take();
+    let status = ended.and_then(|()| translate(head.status, &body, &mut translated));
+    io.bufs.give(body);
+    io.bufs.give(ubuf);
+    let status = match status {
+        Ok(status) => status,
+        Err(e) => {
+            conn.abort();
+            io.bufs.give(translated);
+            return Err(e);
+        }
+    };
+    if clean && head.keep_alive {
+        io.pools.checkin(conn);
+    } else {
+        conn.abort();
+    }
+    let keep_client = side.keep_alive && !io.drain.draining();
+    let mut out = io.bufs.take();
+    let _ = write!(
+        out,
+        "HTTP/1.{} {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+        side.minor_version,
+        reason(status),
+        if side.head_only { 0 } else { translated.len() }
+    );
+    if !keep_client {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    obs.response_started(status, false, !side.head_only);
+    out.extend_from_slice(obs.rate_headers.as_bytes());
+    let _ = write!(
+        out,
+        "x-sluice-overhead-us: {}\r\n\r\n",
+        obs.overhead_so_far(Instant::now()).as_micros()
+    );
+    if !side.head_only {
+        let now = Instant::now();
+        obs.body(&translated, now);
+        out.extend_from_slice(&translated);
+    }
+    io.bufs.give(translated);
+    obs.bytes_out += out.len() as u64;
+    let (res, returned) = client
+        .write_all(out, io.timeouts.stream_idle, io.load.direct_writes())
+        .await;
+    io.bufs.give(returned);
+    obs.finished_at = Some(Instant::now());
+    let end = if res.is_ok() {
+        RelayEnd::Complete
+    } else {
+        RelayEnd::ClientLeft
+    };
+    obs.end = Some(end);
+    Ok(Relayed {
+        keep_alive: keep_client && res.is_ok(),
+        end,
+    })
+}
+
 /// What the response's head decides for the whole relay.
 #[derive(Debug, Clone, Copy)]
 struct Plan {
@@ -194,17 +331,16 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(head: &ResponseHead, side: ClientSide) -> Plan {
+    fn new(head: &ResponseHead, side: ClientSide, translated: bool) -> Plan {
         let mut keep_client = side.keep_alive;
         let strip_usage = side.strip_usage && head.event_stream;
+        let reframed = strip_usage || translated;
         let framing = match head.framing() {
             BodyFraming::None => ClientFraming::Empty,
             _ if side.head_only => ClientFraming::Empty,
-            // A stripped body is shorter than the upstream's Content-Length: re-frame it.
-            BodyFraming::Length(_) if strip_usage && side.minor_version >= 1 => {
-                ClientFraming::Chunked
-            }
-            BodyFraming::Length(_) if strip_usage => {
+            // A stripped or translated body is not the upstream's Content-Length: re-frame it.
+            BodyFraming::Length(_) if reframed && side.minor_version >= 1 => ClientFraming::Chunked,
+            BodyFraming::Length(_) if reframed => {
                 keep_client = false;
                 ClientFraming::Close
             }
@@ -251,6 +387,8 @@ struct Relay<'r, 'w> {
     ubuf: Vec<u8>,
     strip: Option<UsageStrip>,
     body: UpstreamBody,
+    /// The upstream speaks another dialect: its events are translated on the way in.
+    translate: Option<StreamTranslate>,
     plan: Plan,
     /// No bytes beyond the body's end arrived, so the upstream connection may be reused.
     clean: bool,
@@ -323,7 +461,10 @@ impl Relay<'_, '_> {
             self.plan.framing,
             &mut self.out,
             self.obs,
-            self.strip.as_mut(),
+            Filters {
+                translate: self.translate.as_mut(),
+                strip: self.strip.as_mut(),
+            },
             read_at,
         )?;
         self.clean &= !extra;
@@ -380,6 +521,7 @@ impl Relay<'_, '_> {
             let read_at = Instant::now();
             let whole_read_passes_through = self.plan.framing == ClientFraming::Passthrough
                 && self.strip.is_none()
+                && self.translate.is_none()
                 && matches!(self.body, UpstreamBody::Length(remaining) if remaining >= n as u64);
             if whole_read_passes_through {
                 // The whole read is body the client gets unchanged: hand the read buffer itself
@@ -597,6 +739,13 @@ fn frame(framing: ClientFraming, data: &[u8], out: &mut Vec<u8>) {
     }
 }
 
+/// What the decoded upstream bytes go through before the client's framing: a translation
+/// from another dialect, then the usage strip.
+struct Filters<'f> {
+    translate: Option<&'f mut StreamTranslate>,
+    strip: Option<&'f mut UsageStrip>,
+}
+
 /// Move `input` (upstream body bytes) into `out` in the client's framing, through `strip` when
 /// the usage chunk is withheld. Returns whether bytes beyond the end of the body arrived (the
 /// upstream connection then can't be reused).
@@ -606,11 +755,16 @@ fn feed(
     framing: ClientFraming,
     out: &mut Vec<u8>,
     obs: &mut Observation,
-    mut strip: Option<&mut UsageStrip>,
+    filters: Filters<'_>,
     now: Instant,
 ) -> Result<bool, GatewayError> {
-    let mut emit = |data: &[u8]| {
-        // The meter looks at the decoded bytes, all of them; it never holds them back.
+    let Filters {
+        mut translate,
+        mut strip,
+    } = filters;
+    let mut pass = |data: &[u8]| {
+        // The meter looks at the decoded (and translated) bytes, all of them; it never holds
+        // them back.
         obs.body(data, now);
         match strip.as_deref_mut() {
             Some(strip) => strip.feed(
@@ -620,6 +774,10 @@ fn feed(
             ),
             None => frame(framing, data, out),
         }
+    };
+    let mut emit = |data: &[u8]| match translate.as_deref_mut() {
+        Some(translate) => translate.feed(data, &mut pass),
+        None => pass(data),
     };
     let extra = emit_body(body, input, &mut emit)?;
     if let (UpstreamBody::Done, Some(strip)) = (body, strip) {

@@ -18,21 +18,16 @@
 //! as `prompt_tokens_details.cache_write_tokens` (OpenAI's name, in its current SDK) and
 //! `cache_creation_tokens` (the name Sluice's cost accounting asked for), for cost.
 
-// The pipeline is wired to these by the dialect work of #14; until then only the tests call
-// them, so outside tests they are unused.
-#![cfg_attr(not(test), allow(dead_code))]
-
 mod error;
 mod request;
 mod response;
 mod stream;
 
-// The surface the pipeline is wired to; the tests reach the items through their modules.
-#[allow(unused_imports)]
+// The surface the pipeline uses; the tests reach the other items through their modules.
 pub(crate) use self::{
     error::{error_to_openai, is_spend_limit},
-    request::{chat_to_messages, chat_to_messages_with, RequestOptions},
-    response::{message_to_chat, message_to_chat_at},
+    request::{chat_to_messages, RequestOptions},
+    response::message_to_chat,
     stream::StreamTranslator,
 };
 

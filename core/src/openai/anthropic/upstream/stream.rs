@@ -115,7 +115,9 @@ impl StreamTranslator {
         t
     }
 
-    /// Whether `message_stop` (or an error event) was seen: the stream ended properly.
+    /// Whether `message_stop` (or an error event) was seen: the stream ended properly. (The
+    /// relay asks the meter, which sees the translated stream's `[DONE]`.)
+    #[cfg(test)]
     pub(crate) fn ended(&self) -> bool {
         self.ended
     }
@@ -946,7 +948,7 @@ mod tests {
             std::fs::write(dir.join(format!("{name}.sse")), out).unwrap();
         }
         let mut out = Vec::new();
-        super::super::message_to_chat_at(
+        super::super::response::message_to_chat_at(
             include_bytes!("../testdata/anthropic_message_tool_use.json"),
             CREATED,
             &mut out,
