@@ -105,6 +105,22 @@ fn every_openai_endpoint_is_proxied_by_model() {
 // ----- credentials -----
 
 #[test]
+fn a_clients_accept_encoding_never_reaches_the_upstream_so_answers_stay_meterable() {
+    // SDKs send `Accept-Encoding: gzip` by default; a compressed answer could be neither metered
+    // (usage) nor relayed as events.
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let r = gw.request(
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+            .header("Accept-Encoding", "gzip, deflate, br"),
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let echo = echo_of(&r);
+    assert!(names(&echo, "accept-encoding").is_empty(), "{echo}");
+    assert!(r.header("content-encoding").is_none());
+}
+
+#[test]
 fn authorization_credential_is_injected_and_client_auth_dropped() {
     let mock = Mock::start(&[]);
     let gw = Sluice::start(

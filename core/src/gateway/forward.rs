@@ -31,7 +31,9 @@ use crate::upstream::{connect, UpstreamConn};
 /// Client headers never forwarded: the client's credentials (the upstream gets the cluster's),
 /// and headers this hop sets itself.
 fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
-    const WITHHELD: [&[u8]; 7] = [
+    // `accept-encoding`: a compressed answer could not be metered (usage, TTFT) nor relayed as
+    // events; the client gets identity, which every HTTP client accepts.
+    const WITHHELD: [&[u8]; 8] = [
         b"host",
         b"authorization",
         b"x-api-key",
@@ -39,6 +41,7 @@ fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
         b"expect",
         b"openai-organization",
         b"openai-project",
+        b"accept-encoding",
     ];
     is_hop_by_hop(name)
         || WITHHELD.iter().any(|h| h.eq_ignore_ascii_case(name))
@@ -113,8 +116,10 @@ pub(crate) fn build_request(
 /// Build the upstream request for an Anthropic-dialect cluster into `out`: the chat completion
 /// translated into a Messages request (`POST {base path}/messages`) for the target's model,
 /// with the cluster's credential, `anthropic-version` and `anthropic-beta` (the cluster's, else
-/// the client's own). No other client header goes: they are OpenAI's. A request the Messages
-/// API cannot express is the client's to fix: 400.
+/// the client's own). The client's other headers go as on the OpenAI path, less those that
+/// describe the old body or another API (`content-type`, `accept-encoding` — the translators
+/// read plain JSON — and `openai-*`). A request the Messages API cannot express is the
+/// client's to fix: 400.
 pub(crate) fn build_anthropic_request(
     out: &mut Vec<u8>,
     request: &Request<'_>,
@@ -144,17 +149,24 @@ pub(crate) fn build_anthropic_request(
         out.extend_from_slice(&c.header_line);
     }
     out.extend_from_slice(&settings.version_line);
-    match &settings.beta_line {
-        Some(line) => out.extend_from_slice(line),
-        None => {
-            for h in request.head.headers.iter() {
-                if h.name(buf).eq_ignore_ascii_case(b"anthropic-beta") {
-                    out.extend_from_slice(b"anthropic-beta: ");
-                    out.extend_from_slice(h.value(buf));
-                    out.extend_from_slice(b"\r\n");
-                }
-            }
+    if let Some(line) = &settings.beta_line {
+        out.extend_from_slice(line);
+    }
+    let credential_name = target.credential.map(|(_, c)| c.header_name.as_str());
+    for h in request.head.headers.iter() {
+        let name = h.name(buf);
+        let replaced = [&b"content-type"[..], b"anthropic-version"]
+            .iter()
+            .any(|n| n.eq_ignore_ascii_case(name))
+            || (settings.beta_line.is_some() && name.eq_ignore_ascii_case(b"anthropic-beta"))
+            || name.len() >= 7 && name[..7].eq_ignore_ascii_case(b"openai-");
+        if replaced || is_withheld(name, credential_name) {
+            continue;
         }
+        out.extend_from_slice(name);
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(h.value(buf));
+        out.extend_from_slice(b"\r\n");
     }
     let _ = write!(
         out,
