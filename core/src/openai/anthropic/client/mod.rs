@@ -22,11 +22,13 @@
 
 mod request;
 mod response;
+mod stream;
 
 pub(crate) use request::{
     inspect_count_tokens, inspect_messages, messages_to_chat, MessagesRequest,
 };
 pub(crate) use response::{chat_to_message, count_tokens_body, error_to_anthropic};
+pub(crate) use stream::ChatStreamToMessages;
 
 /// Why a body can't be translated, in words for the client.
 #[derive(Debug)]
