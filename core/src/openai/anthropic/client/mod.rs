@@ -23,12 +23,14 @@
 mod request;
 mod response;
 mod stream;
+mod usage;
 
 pub(crate) use request::{
     inspect_count_tokens, inspect_messages, messages_to_chat, MessagesRequest,
 };
 pub(crate) use response::{chat_to_message, count_tokens_body, error_to_anthropic};
 pub(crate) use stream::ChatStreamToMessages;
+pub(crate) use usage::{message_usage, AnthropicStreamMeter, MeteredUsage};
 
 /// Why a body can't be translated, in words for the client.
 #[derive(Debug)]
