@@ -32,6 +32,9 @@ pub(crate) use response::{chat_to_message, count_tokens_body, error_to_anthropic
 pub(crate) use stream::ChatStreamToMessages;
 pub(crate) use usage::{message_usage, AnthropicStreamMeter, MeteredUsage};
 
+#[cfg(test)]
+mod fixtures;
+
 /// Why a body can't be translated, in words for the client.
 #[derive(Debug)]
 pub(crate) struct TranslateError {
