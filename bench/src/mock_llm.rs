@@ -50,7 +50,7 @@ OPTIONS:
                              [default: by status]
     --reject-key KEY         answer 401 invalid_api_key to requests carrying KEY (as
                              `Authorization: Bearer KEY`, `x-api-key` or `api-key`; on
-                             /v1/messages only `x-api-key` counts); repeatable
+                             /v1/messages Anthropic's 401); repeatable
     --max-running N          answer at most N requests at once; the others wait in a FIFO
                              queue (vllm:num_requests_waiting) [default: 0, unlimited]
     --idle-close-ms N        silently close a connection that sends no request bytes for N ms
@@ -89,8 +89,9 @@ FAULTS (SPEC):
 
 ENDPOINTS:
     POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings
-    POST /v1/messages        Anthropic's Messages API (streamed or not): needs x-api-key and
-                             anthropic-version (Authorization: Bearer is refused, 401); the
+    POST /v1/messages        Anthropic's Messages API (streamed or not): needs x-api-key (or
+                             Authorization: Bearer with an anthropic-version after 2023-06-01,
+                             as the SDKs 2.x send it; else 401) and anthropic-version; the
                              body is checked as strictly as the real API checks it (400
                              invalid_request_error); errors in Anthropic's shape
     GET  /v1/models

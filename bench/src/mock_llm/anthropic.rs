@@ -12,8 +12,6 @@
 
 use serde_json::{Map, Value};
 
-/// The `anthropic-version` values the API knows.
-pub const VERSIONS: &[&str] = &["2023-06-01", "2023-01-01"];
 /// `thinking_delta` events of a thinking block (each one output token).
 pub const THINKING_DELTAS: u64 = 3;
 /// `input_json_delta` events of a `tool_use` block: an empty one first (as the API sends), then
@@ -55,39 +53,70 @@ type Check<T = ()> = Result<T, Reject>;
 pub struct Headers<'a> {
     /// `x-api-key`.
     pub api_key: Option<&'a [u8]>,
-    /// An `Authorization: Bearer …` was sent.
-    pub bearer: bool,
+    /// The token of an `Authorization: Bearer …`.
+    pub bearer: Option<&'a [u8]>,
     /// `anthropic-version`.
     pub version: Option<&'a [u8]>,
+    /// `anthropic-beta` (comma-separated; repeated headers are joined).
+    pub beta: Vec<&'a [u8]>,
 }
 
-/// Credentials first (401), then the version (400), in the order the API checks them.
-/// `Authorization: Bearer` is not an API key: without `x-api-key` the API answers, as it does
-/// for OAuth tokens sent without their beta header, "OAuth authentication is currently not
-/// supported.". A key in `reject_keys` (`--reject-key`) is answered as a revoked key.
+/// The version whose clients send their key in `x-api-key` (and for which a bearer token is
+/// an OAuth token, refused without its beta header).
+pub const KEY_HEADER_VERSION: &[u8] = b"2023-06-01";
+
+/// A header value that is there and not blank.
+fn present(v: Option<&[u8]>) -> Option<&[u8]> {
+    v.map(<[u8]>::trim_ascii).filter(|v| !v.is_empty())
+}
+
+/// `YYYY-MM-DD`.
+fn is_date(v: &[u8]) -> bool {
+    v.len() == 10
+        && v.iter().enumerate().all(|(i, &b)| match i {
+            4 | 7 => b == b'-',
+            _ => b.is_ascii_digit(),
+        })
+}
+
+/// Credentials first (401), then the version (400). The credential is `x-api-key` (a bearer
+/// beside it is ignored), or `Authorization: Bearer` where the API takes one: with an
+/// `anthropic-version` later than 2023-06-01 (the official SDKs 2.x send their API key so, with
+/// `anthropic-version: 2026-10-21`), or with an `oauth-…` beta. Otherwise a bearer token alone is
+/// answered as the API answers an OAuth token sent without its beta header: 401 "OAuth
+/// authentication is currently not supported.". A credential in `reject_keys` (`--reject-key`)
+/// is answered as a revoked key. Any well-formed version date is taken (the API knows a closed
+/// list the mock does not keep).
 pub fn check_headers(h: &Headers, reject_keys: &[String]) -> Check {
-    match h.api_key.map(<[u8]>::trim_ascii) {
-        Some(key) if !key.is_empty() => {
-            if reject_keys.iter().any(|k| k.as_bytes() == key) {
-                return Err(unauthorized("invalid x-api-key"));
+    let version = present(h.version).unwrap_or_default();
+    let oauth_beta = h.beta.iter().any(|b| {
+        b.split(|&c| c == b',')
+            .any(|t| t.trim_ascii().starts_with(b"oauth-"))
+    });
+    let bearer_ok = oauth_beta || (is_date(version) && version > KEY_HEADER_VERSION);
+    let revoked = |c: &[u8]| reject_keys.iter().any(|k| k.as_bytes() == c);
+    match (present(h.api_key), present(h.bearer)) {
+        (Some(key), _) if revoked(key) => return Err(unauthorized("invalid x-api-key")),
+        (Some(_), _) => {}
+        (None, Some(token)) if bearer_ok => {
+            if revoked(token) {
+                return Err(unauthorized("Invalid bearer token"));
             }
         }
-        _ if h.bearer => {
+        (None, Some(_)) => {
             return Err(unauthorized(
                 "OAuth authentication is currently not supported.",
             ))
         }
-        _ => return Err(unauthorized("x-api-key header is required")),
+        (None, None) => return Err(unauthorized("x-api-key header is required")),
     }
-    let version = h.version.map(<[u8]>::trim_ascii).unwrap_or_default();
     if version.is_empty() {
         return Err(invalid("anthropic-version: header is required"));
     }
-    if !VERSIONS.iter().any(|v| v.as_bytes() == version) {
+    if !is_date(version) {
         return Err(invalid(format!(
-            "anthropic-version: unknown version {:?} (known: {})",
-            String::from_utf8_lossy(version),
-            VERSIONS.join(", ")
+            "anthropic-version: invalid version {:?} (a date, such as 2023-06-01)",
+            String::from_utf8_lossy(version)
         )));
     }
     Ok(())
@@ -1097,39 +1126,49 @@ mod tests {
 
     #[test]
     fn headers_key_then_version() {
-        let ok = Headers {
-            api_key: Some(b"k"),
-            bearer: false,
-            version: Some(b"2023-06-01"),
+        let h = |key: Option<&'static str>,
+                 bearer: Option<&'static str>,
+                 version: Option<&'static str>| Headers {
+            api_key: key.map(str::as_bytes),
+            bearer: bearer.map(str::as_bytes),
+            version: version.map(str::as_bytes),
+            beta: Vec::new(),
         };
-        assert_eq!(check_headers(&ok, &[]), Ok(()));
-        let r = check_headers(&ok, &["k".to_owned()]).unwrap_err();
+        let old = Some("2023-06-01");
+        let new = Some("2026-10-21");
+        let revoked = ["k".to_owned()];
+        assert_eq!(check_headers(&h(Some("k"), None, old), &[]), Ok(()));
+        let r = check_headers(&h(Some("k"), None, old), &revoked).unwrap_err();
         assert_eq!((r.status, r.message.as_str()), (401, "invalid x-api-key"));
-        let bearer = Headers {
-            bearer: true,
-            version: Some(b"2023-06-01"),
-            ..Headers::default()
-        };
-        let r = check_headers(&bearer, &[]).unwrap_err();
+        // A bearer: refused as an OAuth token under 2023-06-01, taken by later versions.
+        let r = check_headers(&h(None, Some("t"), old), &[]).unwrap_err();
         assert_eq!(r.kind, "authentication_error");
         assert!(r.message.starts_with("OAuth authentication"));
-        let none = check_headers(&Headers::default(), &[]).unwrap_err();
+        assert_eq!(check_headers(&h(None, Some("t"), new), &[]), Ok(()));
+        assert_eq!(
+            check_headers(&h(None, Some("k"), new), &revoked)
+                .unwrap_err()
+                .status,
+            401
+        );
+        let mut beta = h(None, Some("t"), old);
+        beta.beta.push(b"foo, oauth-2025-04-20");
+        assert_eq!(check_headers(&beta, &[]), Ok(()));
+        // The key wins over a bearer beside it.
+        assert_eq!(check_headers(&h(Some("k"), Some("t"), old), &[]), Ok(()));
+        let none = check_headers(&h(None, Some(" "), None), &[]).unwrap_err();
         assert_eq!(none.message, "x-api-key header is required");
-        let no_version = Headers {
-            api_key: Some(b"k"),
-            ..Headers::default()
-        };
-        let r = check_headers(&no_version, &[]).unwrap_err();
+        let r = check_headers(&h(Some("k"), None, None), &[]).unwrap_err();
         assert_eq!(
             (r.status, r.message.as_str()),
             (400, "anthropic-version: header is required")
         );
-        let odd = Headers {
-            api_key: Some(b"k"),
-            bearer: false,
-            version: Some(b"2099-01-01"),
-        };
-        assert_eq!(check_headers(&odd, &[]).unwrap_err().status, 400);
+        assert_eq!(
+            check_headers(&h(Some("k"), None, Some("v1")), &[])
+                .unwrap_err()
+                .status,
+            400
+        );
     }
 
     #[test]

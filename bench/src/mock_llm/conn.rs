@@ -660,9 +660,13 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 anthropic_headers.api_key = Some(value);
             } else if name.eq_ignore_ascii_case(b"anthropic-version") {
                 anthropic_headers.version = Some(value);
+            } else if name.eq_ignore_ascii_case(b"anthropic-beta") {
+                anthropic_headers.beta.push(value);
             } else if name.eq_ignore_ascii_case(b"authorization") {
                 let v = value.trim_ascii();
-                anthropic_headers.bearer |= v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ");
+                if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") {
+                    anthropic_headers.bearer = Some(&v[7..]);
+                }
             }
             if name.len() < 7 || !name[..7].eq_ignore_ascii_case(b"x-mock-") {
                 continue;
