@@ -1,9 +1,13 @@
-//! mock-llm: an OpenAI-compatible upstream for tests, the demo and benchmarks, which can
-//! misbehave on demand. Contract: `bench/MOCK_LLM.md`.
+//! mock-llm: an OpenAI- and Anthropic-compatible upstream for tests, the demo and benchmarks,
+//! which can misbehave on demand. Contract: `bench/MOCK_LLM.md`.
 //!
 //! One monoio thread, HTTP/1.1 keep-alive on raw `TcpStream`s (or TLS over them), httparse for
 //! requests, preformatted bytes for responses.
 
+#[path = "mock_llm/anthropic.rs"]
+mod anthropic;
+#[path = "mock_llm/anthropic_wire.rs"]
+mod anthropic_wire;
 #[path = "mock_llm/body.rs"]
 mod body;
 #[path = "mock_llm/conn.rs"]
@@ -28,7 +32,7 @@ use monoio::net::{ListenerOpts, TcpListener};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const HELP: &str = "\
-mock-llm: an OpenAI-compatible mock upstream (see bench/MOCK_LLM.md)
+mock-llm: an OpenAI- and Anthropic-compatible mock upstream (see bench/MOCK_LLM.md)
 
 USAGE:
     mock-llm [OPTIONS]
@@ -45,7 +49,8 @@ OPTIONS:
     --error-code CODE        error.code of injected error bodies (as x-mock-error-code)
                              [default: by status]
     --reject-key KEY         answer 401 invalid_api_key to requests carrying KEY (as
-                             `Authorization: Bearer KEY`, `x-api-key` or `api-key`); repeatable
+                             `Authorization: Bearer KEY`, `x-api-key` or `api-key`; on
+                             /v1/messages Anthropic's 401); repeatable
     --max-running N          answer at most N requests at once; the others wait in a FIFO
                              queue (vllm:num_requests_waiting) [default: 0, unlimited]
     --idle-close-ms N        silently close a connection that sends no request bytes for N ms
@@ -61,8 +66,11 @@ On start it prints `mock-llm listening on IP:PORT` to stdout.
 
 FAULTS (SPEC):
     status=N                 answer status N with an OpenAI-shaped error (429, 503 and 529
-                             carry Retry-After; 529 is an overload error)
-    quota                    429 insufficient_quota (a spend limit, not a rate limit)
+                             carry Retry-After; 529 is an overload error); on /v1/messages
+                             Anthropic's shape, its type by status (rate_limit_error,
+                             overloaded_error, api_error, authentication_error, ...)
+    quota                    429 insufficient_quota (a spend limit, not a rate limit); on
+                             /v1/messages Anthropic's 400 \"credit balance is too low\"
     drop-before-response     read the request, then close without sending a byte
     stall                    never send the response head; hold the connection until the
                              client closes it
@@ -72,6 +80,7 @@ FAULTS (SPEC):
                              complete on the wire)
     drop-mid-stream          stream half the content events, then close
     error-event[=N]          stream N content events (default 0), then an SSE error event
+                             (on /v1/messages: event: error, overloaded_error)
     malformed-chunk          after the first content event, an invalid chunk size, then close
     chunk-ext                chunk extensions and a trailer on streams
     close-delimited          no Content-Length or chunked framing; close to end the body
@@ -80,6 +89,11 @@ FAULTS (SPEC):
 
 ENDPOINTS:
     POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings
+    POST /v1/messages        Anthropic's Messages API (streamed or not): needs x-api-key (or
+                             Authorization: Bearer with an anthropic-version after 2023-06-01,
+                             as the SDKs 2.x send it; else 401) and anthropic-version; the
+                             body is checked as strictly as the real API checks it (400
+                             invalid_request_error); errors in Anthropic's shape
     GET  /v1/models
     GET  /metrics            vllm:num_requests_running, vllm:num_requests_waiting,
                              vllm:kv_cache_usage_perc, sglang:num_running_reqs,
@@ -98,6 +112,9 @@ REQUEST HEADERS:
     x-mock-fault: SPEC (replaces --fault), x-mock-status: N, x-mock-error-code: CODE,
     x-mock-retry-after: S, x-mock-ttft-ms: N, x-mock-inter-token-ms: N, x-mock-tokens: N,
     x-mock-delay-ms: N
+    /v1/messages only: x-mock-tool-calls: N (N tool_use blocks when the request has tools),
+    x-mock-cache-read: N, x-mock-cache-write: N (usage cache_read_input_tokens,
+    cache_creation_input_tokens)
 ";
 
 /// A misbehaviour, per request (`x-mock-fault`) or per process (`--fault`, `POST /_mock/fault`).
@@ -111,7 +128,8 @@ pub enum Fault {
     ChunkExt,
     CloseAfter,
     Status(u16),
-    /// 429 with OpenAI's `insufficient_quota` body: a spend limit, which retrying won't cure.
+    /// 429 with OpenAI's `insufficient_quota` body: a spend limit, which retrying won't cure
+    /// (on `/v1/messages`: Anthropic's 400 "credit balance is too low").
     Quota,
     /// Read the request, then close without a byte of answer.
     DropBeforeResponse,
@@ -250,6 +268,14 @@ pub struct Stats {
     pub streams_cut: Cell<u64>,
     /// Streams that carried an injected SSE error event (`error-event`).
     pub error_events: Cell<u64>,
+    /// Requests to `POST /v1/messages` (also counted in `requests`).
+    pub messages_requests: Cell<u64>,
+    /// `/v1/messages` requests refused by its own checks (credentials 401, version and body 400).
+    pub invalid_requests: Cell<u64>,
+    /// Sums of the cache usage the mock reported on `/v1/messages` (also counted in
+    /// `usage_prompt_tokens`).
+    pub usage_cache_read_tokens: Cell<u64>,
+    pub usage_cache_creation_tokens: Cell<u64>,
 }
 
 impl Stats {
@@ -268,6 +294,8 @@ impl Stats {
              \"usage_completion_tokens\":{},\"include_usage_requests\":{},\
              \"usage_chunks\":{},\"errors_injected\":{},\"dropped_before_response\":{},\
              \"stalled\":{},\"streams_cut\":{},\"error_events\":{},\
+             \"messages_requests\":{},\"invalid_requests\":{},\
+             \"usage_cache_read_tokens\":{},\"usage_cache_creation_tokens\":{},\
              \"requests_running\":{},\"requests_waiting\":{},\"requests_queued\":{}}}",
             self.connections_accepted.get(),
             self.connections_open.get(),
@@ -288,6 +316,10 @@ impl Stats {
             self.stalled.get(),
             self.streams_cut.get(),
             self.error_events.get(),
+            self.messages_requests.get(),
+            self.invalid_requests.get(),
+            self.usage_cache_read_tokens.get(),
+            self.usage_cache_creation_tokens.get(),
             queue.running,
             queue.waiting,
             queue.queued
@@ -314,6 +346,15 @@ impl Stats {
         p.set(p.get().saturating_add(prompt));
         let c = &self.usage_completion_tokens;
         c.set(c.get().saturating_add(completion));
+    }
+
+    /// Cache usage the mock put in a Messages body or stream (its prompt part is counted by
+    /// [`Stats::reported_usage`]).
+    pub fn reported_cache(&self, read: u64, write: u64) {
+        let r = &self.usage_cache_read_tokens;
+        r.set(r.get().saturating_add(read));
+        let w = &self.usage_cache_creation_tokens;
+        w.set(w.get().saturating_add(write));
     }
 
     /// One more of a per-fault counter.

@@ -13,6 +13,8 @@ use monoio::net::TcpStream;
 use monoio::time::Instant;
 use monoio::BufResult;
 
+use super::anthropic::{self, Answer, Block, Reject};
+use super::anthropic_wire::{self, Msg};
 use super::body::{self, Gen};
 use super::control::{self, Endpoint};
 use super::http::{self, Chunked, Head, HeadParse};
@@ -91,6 +93,8 @@ enum Route {
     Responses,
     Embeddings,
     Models,
+    /// Anthropic's Messages API.
+    Messages,
     /// `/_mock/*` and `/metrics`: the mock's own endpoints, which ignore faults and controls,
     /// are not counted and never queue.
     Control(Endpoint),
@@ -133,6 +137,28 @@ enum Next {
 /// The peer went away.
 struct Gone;
 
+/// Where a stream's fault strikes, in content events sent before it.
+#[derive(Clone, Copy)]
+struct FaultPoints {
+    /// `die-after`, `drop-mid-stream`: drop the connection.
+    cut_at: Option<u64>,
+    /// `error-event`: an error event in place of the next content event.
+    error_at: Option<u64>,
+    /// `end-after`: end the body, properly framed, there.
+    end_at: Option<u64>,
+}
+
+/// One event of a `/v1/messages` stream after `message_start` (block index, block, delta).
+#[derive(Clone, Copy)]
+enum Step {
+    Start(usize, Block),
+    Ping,
+    /// A content delta: what the timing and the faults count.
+    Delta(usize, Block, u64),
+    Signature(usize),
+    Stop(usize),
+}
+
 /// Everything a response needs, taken out of the request before any I/O.
 struct Plan {
     route: Route,
@@ -163,6 +189,14 @@ struct Plan {
     http10: bool,
     /// `METHOD path` for the 404 message.
     what: String,
+    /// `/v1/messages`: the answer to a request that passed its checks.
+    messages: Option<Box<Answer>>,
+    /// `/v1/messages`: why its checks refused the request.
+    reject: Option<Reject>,
+    /// `x-mock-tool-calls`, `x-mock-cache-read`, `x-mock-cache-write` (`/v1/messages`).
+    tool_calls: u64,
+    cache_read: u64,
+    cache_write: u64,
 }
 
 struct Conn<S> {
@@ -504,7 +538,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         match plan.fault {
             Some(Fault::Stall) => self.stall().await,
             Some(Fault::DropBeforeResponse) => self.drop_before_response(plan).await,
-            _ if plan.stream && plan.status.is_none() => self.stream(plan).await,
+            _ if plan.stream && plan.status.is_none() && plan.reject.is_none() => {
+                self.stream(plan).await
+            }
             _ => self.plain(plan).await,
         }
     }
@@ -529,6 +565,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             (b"POST", b"/v1/responses") => Route::Responses,
             (b"POST", b"/v1/embeddings") => Route::Embeddings,
             (b"GET", b"/v1/models") => Route::Models,
+            (b"POST", b"/v1/messages") => Route::Messages,
             _ => match Endpoint::route(method, path) {
                 Some(ep) => Route::Control(ep),
                 None => Route::NotFound,
@@ -557,6 +594,11 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             close: head.wants_close,
             http10: head.minor == 0,
             what: String::new(),
+            messages: None,
+            reject: None,
+            tool_calls: 0,
+            cache_read: 0,
+            cache_write: 0,
         };
         if let Route::Control(ep) = route {
             // The control endpoints ignore faults and controls.
@@ -581,8 +623,14 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                     .unwrap_or(false);
             }
         }
-        if !matches!(route, Route::Chat | Route::Completions | Route::Responses) {
+        if !matches!(
+            route,
+            Route::Chat | Route::Completions | Route::Responses | Route::Messages
+        ) {
             plan.stream = false;
+        }
+        if route == Route::Messages {
+            Stats::bump(&st.stats.messages_requests);
         }
         if plan.stream && plan.include_usage && matches!(route, Route::Chat | Route::Completions) {
             let n = &st.stats.include_usage_requests;
@@ -590,6 +638,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         }
 
         // Per-request controls, and the echo object.
+        let mut anthropic_headers = anthropic::Headers::default();
         let echo = &mut self.echo;
         echo.clear();
         echo.extend_from_slice(b"{\"method\":");
@@ -607,6 +656,18 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             echo.push(b',');
             http::json_bytes(echo, value);
             echo.push(b']');
+            if name.eq_ignore_ascii_case(b"x-api-key") {
+                anthropic_headers.api_key = Some(value);
+            } else if name.eq_ignore_ascii_case(b"anthropic-version") {
+                anthropic_headers.version = Some(value);
+            } else if name.eq_ignore_ascii_case(b"anthropic-beta") {
+                anthropic_headers.beta.push(value);
+            } else if name.eq_ignore_ascii_case(b"authorization") {
+                let v = value.trim_ascii();
+                if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") {
+                    anthropic_headers.bearer = Some(&v[7..]);
+                }
+            }
             if name.len() < 7 || !name[..7].eq_ignore_ascii_case(b"x-mock-") {
                 continue;
             }
@@ -635,6 +696,12 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 plan.tokens = parse_num(value).unwrap_or(plan.tokens);
             } else if ctl.eq_ignore_ascii_case(b"delay-ms") {
                 plan.delay_ms = parse_num(value).unwrap_or(0);
+            } else if ctl.eq_ignore_ascii_case(b"tool-calls") {
+                plan.tool_calls = parse_num(value).unwrap_or(0);
+            } else if ctl.eq_ignore_ascii_case(b"cache-read") {
+                plan.cache_read = parse_num(value).unwrap_or(0);
+            } else if ctl.eq_ignore_ascii_case(b"cache-write") {
+                plan.cache_write = parse_num(value).unwrap_or(0);
             } else if ctl.eq_ignore_ascii_case(b"fault") {
                 // An unknown SPEC leaves the process fault in place.
                 if let Some(f) = std::str::from_utf8(value)
@@ -659,13 +726,39 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 plan.status = plan.status.or(Some(s));
             }
             Some(Fault::Quota) => {
-                plan.status = plan.status.or(Some(429));
+                // Anthropic answers an account out of credit with a 400, OpenAI with a 429.
+                let status = if route == Route::Messages {
+                    anthropic_wire::CREDIT_STATUS
+                } else {
+                    429
+                };
+                plan.status = plan.status.or(Some(status));
                 plan.error_code = Some(body::QUOTA_CODE.to_owned());
             }
             _ => {}
         }
-        // A revoked key (`--reject-key`): 401, as a provider answers it.
-        if !cfg.reject_keys.is_empty() && plan.status.is_none() {
+        if route == Route::Messages {
+            // An injected status wins over the checks, as it wins over `--reject-key`.
+            if plan.status.is_none() {
+                let checked = anthropic::check_headers(&anthropic_headers, &cfg.reject_keys)
+                    .and_then(|()| anthropic::validate(body));
+                match checked {
+                    Ok(req) => {
+                        plan.stream = req.stream;
+                        let sizes = anthropic::Sizes {
+                            tokens: plan.tokens,
+                            tool_calls: plan.tool_calls,
+                            input_tokens: plan.prompt_tokens,
+                            cache_read: plan.cache_read,
+                            cache_write: plan.cache_write,
+                        };
+                        plan.messages = Some(Box::new(Answer::plan(&req, &sizes)));
+                    }
+                    Err(reject) => plan.reject = Some(reject),
+                }
+            }
+        } else if !cfg.reject_keys.is_empty() && plan.status.is_none() {
+            // A revoked key (`--reject-key`): 401, as a provider answers it.
             let rejected = self.hdrs.iter().any(|(n, v)| {
                 let (name, value) = (&rbuf[n.clone()], rbuf[v.clone()].trim_ascii());
                 let key = if name.eq_ignore_ascii_case(b"authorization") {
@@ -734,6 +827,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             w.extend_from_slice(&p.model_header);
             w.extend_from_slice(b"\r\n");
         }
+        if p.route == Route::Messages {
+            // Anthropic names each request; error bodies carry the same id.
+            let _ = write!(w, "request-id: req_mock_{}\r\n", p.seq);
+        }
         if let (429 | 503 | 529, Some(after)) = (status, &p.retry_after) {
             w.extend_from_slice(b"retry-after: ");
             w.extend_from_slice(after);
@@ -765,6 +862,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 Some((p.prompt_tokens, p.tokens))
             }
             (None, Route::Embeddings) => Some((p.prompt_tokens, 0)),
+            (None, Route::Messages) => p
+                .messages
+                .as_ref()
+                .map(|a| (a.prompt_tokens(), a.output_tokens())),
             _ => None,
         };
         let mut ctype = "application/json";
@@ -778,12 +879,37 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 ctype = answer.ctype;
                 answer.status
             }
+            (Some(s), Route::Messages) => {
+                anthropic_wire::injected_error(&mut body, s, p.error_code.as_deref(), p.seq);
+                Stats::bump(&self.st.stats.errors_injected);
+                s
+            }
             (Some(s), _) => {
                 // Like a real provider, an injected error echoes nothing (no request headers).
                 body::injected_error(&mut body, s, p.error_code.as_deref());
                 Stats::bump(&self.st.stats.errors_injected);
                 s
             }
+            (None, Route::Messages) => match (&p.reject, &p.messages) {
+                (Some(r), _) => {
+                    // Refused by the checks: Anthropic's error, with the echo (what was sent
+                    // is what a test wants to see next to why it was refused).
+                    anthropic_wire::error(&mut body, r.kind, &r.message, p.seq, Some(echo));
+                    Stats::bump(&self.st.stats.invalid_requests);
+                    r.status
+                }
+                (None, Some(answer)) => {
+                    let m = Msg {
+                        seq: p.seq,
+                        model_json: &p.model_json,
+                        answer,
+                    };
+                    anthropic_wire::message(&mut body, &m, echo);
+                    200
+                }
+                // plan() sets one of the two for every Messages request it does not fail.
+                (None, None) => return Next::Drop,
+            },
             (None, Route::NotFound) => {
                 let msg = format!("Unknown request URL: {}", p.what);
                 body::error(&mut body, 404, &msg, Some(echo));
@@ -831,6 +957,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         let sent = self.flush_wbuf().await;
         if let (Ok(()), Some((prompt, completion)), false) = (&sent, usage, no_body) {
             self.st.stats.reported_usage(prompt, completion);
+            if let Some(a) = &p.messages {
+                self.st.stats.reported_cache(a.cache_read, a.cache_write);
+            }
         }
         match sent {
             Ok(()) if close => Next::Close,
@@ -885,10 +1014,16 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         body::ev_echo(&mut self.ev, &self.echo);
         frame_into(&mut self.wbuf, &self.ev, framing);
         self.flush_wbuf().await?;
+        // Content events: one per token; on /v1/messages one per content delta (thinking,
+        // text and tool input alike).
+        let content_total = match &p.messages {
+            Some(a) => a.output_tokens(),
+            None => p.tokens,
+        };
         // Cut the stream (drop the connection) before content event N, or put an error event
         // in its place.
         let cut_at = match fault {
-            Some(Fault::DropMidStream) => Some(p.tokens.div_ceil(2)),
+            Some(Fault::DropMidStream) => Some(content_total.div_ceil(2)),
             Some(Fault::DieAfter(n)) => Some(n),
             _ => None,
         };
@@ -900,6 +1035,14 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             Some(Fault::EndAfter(n)) => Some(n),
             _ => None,
         };
+        if let Some(answer) = &p.messages {
+            let at = FaultPoints {
+                cut_at,
+                error_at,
+                end_at,
+            };
+            return self.messages_events(p, answer, framing, close, at).await;
+        }
         let prelude = match p.route {
             Route::Chat => Some(body::ev_chat_role as fn(&mut Vec<u8>, &Gen)),
             Route::Responses => Some(body::ev_response_created as fn(&mut Vec<u8>, &Gen)),
@@ -991,6 +1134,109 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         Ok(if close { Next::Close } else { Next::KeepAlive })
     }
 
+    /// The events of a `/v1/messages` stream after its head and `: echo` comment (see
+    /// [`anthropic_wire`]): `message_start`, the blocks with their deltas, `message_delta`,
+    /// `message_stop`. The content deltas are the content events the timing and the faults
+    /// count; the other events go out at once, each in a chunk of its own, before the delta that
+    /// follows them (or, after the last delta, before the cut or the end a fault makes).
+    async fn messages_events(
+        &mut self,
+        p: &Plan,
+        answer: &Answer,
+        framing: Framing,
+        close: bool,
+        at: FaultPoints,
+    ) -> Result<Next, Gone> {
+        let m = Msg {
+            seq: p.seq,
+            model_json: &p.model_json,
+            answer,
+        };
+        // `error-event` with N = 0: the error is the first data event (no `message_start`).
+        let quiet = at.error_at == Some(0);
+        let mut steps = Vec::new();
+        for (i, block) in answer.blocks().into_iter().enumerate() {
+            steps.push(Step::Start(i, block));
+            if i == 0 {
+                steps.push(Step::Ping);
+            }
+            steps.extend((0..answer.deltas(block)).map(|j| Step::Delta(i, block, j)));
+            if block == Block::Thinking {
+                steps.push(Step::Signature(i));
+            }
+            steps.push(Step::Stop(i));
+        }
+        if !quiet {
+            self.ev.clear();
+            anthropic_wire::ev_message_start(&mut self.ev, &m);
+            self.send_ev(framing, b"").await?;
+        }
+        let t0 = Instant::now();
+        let mut sent = 0u64;
+        for step in steps {
+            self.ev.clear();
+            match step {
+                Step::Delta(i, block, j) => {
+                    if at.cut_at == Some(sent) {
+                        Stats::bump(&self.st.stats.streams_cut);
+                        return Ok(Next::Drop);
+                    }
+                    if at.end_at == Some(sent) {
+                        return self.end_without_finish(framing, close).await;
+                    }
+                    let due = p.ttft_ms.saturating_add(sent.saturating_mul(p.itl_ms));
+                    self.pause_until(t0 + Duration::from_millis(due)).await?;
+                    if at.error_at == Some(sent) {
+                        return self.error_event(p, framing, sent, close).await;
+                    }
+                    anthropic_wire::ev_delta(&mut self.ev, i, block, j);
+                    self.send_ev(framing, b"").await?;
+                    sent += 1;
+                    if p.fault == Some(Fault::MalformedChunk) {
+                        break;
+                    }
+                    continue;
+                }
+                _ if quiet => continue,
+                Step::Start(i, block) => anthropic_wire::ev_block_start(&mut self.ev, &m, i, block),
+                Step::Ping => anthropic_wire::ev_ping(&mut self.ev),
+                Step::Signature(i) => anthropic_wire::ev_signature(&mut self.ev, &m, i),
+                Step::Stop(i) => anthropic_wire::ev_block_stop(&mut self.ev, i),
+            }
+            self.send_ev(framing, b"").await?;
+        }
+        // A cut or an error event set past the last content delta comes before the
+        // `message_delta`.
+        if at.cut_at.is_some() {
+            Stats::bump(&self.st.stats.streams_cut);
+            return Ok(Next::Drop);
+        }
+        if at.error_at.is_some() {
+            return self.error_event(p, framing, sent, close).await;
+        }
+        if at.end_at.is_some() {
+            return self.end_without_finish(framing, close).await;
+        }
+        if p.fault == Some(Fault::MalformedChunk) {
+            self.wbuf.clear();
+            self.wbuf.extend_from_slice(b"zz\r\ngarbage\r\n");
+            self.flush_wbuf().await?;
+            Stats::bump(&self.st.stats.streams_cut);
+            return Ok(Next::Drop);
+        }
+        // `message_delta` carries the whole usage: counted once it is sent.
+        self.ev.clear();
+        anthropic_wire::ev_message_delta(&mut self.ev, &m);
+        self.send_ev(framing, b"").await?;
+        let stats = &self.st.stats;
+        stats.reported_usage(answer.prompt_tokens(), answer.output_tokens());
+        stats.reported_cache(answer.cache_read, answer.cache_write);
+        self.ev.clear();
+        anthropic_wire::ev_message_stop(&mut self.ev);
+        self.send_ev(framing, terminator(framing)).await?;
+        Ok(if close { Next::Close } else { Next::KeepAlive })
+    }
+
     /// Ends a stream's body as a complete one would end on the wire (the terminating chunk, or
     /// the close of an unframed body) but with no finish chunk, usage or `[DONE]` before it:
     /// the `end-after` fault, a truncation only the event content shows.
@@ -1019,7 +1265,11 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         Stats::bump(&self.st.stats.error_events);
         let code = p.error_code.as_deref();
         self.ev.clear();
-        if p.route == Route::Responses {
+        if p.route == Route::Messages {
+            // Anthropic's streams have no `[DONE]` either.
+            anthropic_wire::ev_error(&mut self.ev, code);
+            self.send_ev(framing, terminator(framing)).await?;
+        } else if p.route == Route::Responses {
             // `response.created` was event 0 and the deltas 1..=sent (none when sent is 0:
             // then the error is the first event).
             let seq = if sent == 0 { 0 } else { sent + 1 };
