@@ -989,6 +989,10 @@ fn mock_help_and_contract_name_every_fault_flag_and_endpoint() {
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "sglang:num_queue_reqs",
+        "/v1/messages",
+        "x-mock-tool-calls",
+        "x-mock-cache-read",
+        "x-mock-cache-write",
     ] {
         assert!(help.contains(name), "--help does not mention {name}");
         assert!(
@@ -1005,10 +1009,681 @@ fn mock_help_and_contract_name_every_fault_flag_and_endpoint() {
         "requests_running",
         "requests_waiting",
         "requests_queued",
+        "messages_requests",
+        "invalid_requests",
+        "usage_cache_read_tokens",
+        "usage_cache_creation_tokens",
     ] {
         assert!(
             contract.contains(counter),
             "MOCK_LLM.md does not mention {counter}"
         );
     }
+}
+
+// ---- Anthropic's Messages API (`POST /v1/messages`) ----
+
+/// The headers every Messages request needs.
+const ANTHROPIC: [(&str, &str); 2] = [
+    ("x-api-key", "sk-ant-mock"),
+    ("anthropic-version", "2023-06-01"),
+];
+
+/// A valid Messages body with `extra`'s fields added (or replaced).
+fn messages_body(extra: Value) -> String {
+    let mut v = json!({
+        "model": "claude-mock",
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": "hello"}]
+    });
+    if let (Some(o), Value::Object(e)) = (v.as_object_mut(), extra) {
+        o.extend(e);
+    }
+    v.to_string()
+}
+
+/// A `/v1/messages` request with the Anthropic headers and `headers`.
+fn messages(mock: &Mock, body: &str, headers: &[(&str, &str)]) -> Response {
+    let mut all = ANTHROPIC.to_vec();
+    all.extend_from_slice(headers);
+    ask(mock, "/v1/messages", body, &all)
+}
+
+/// Asserts Anthropic's error shape, `{"type":"error","error":{"type","message"},"request_id"}`,
+/// with `status` and `kind`; returns the inner error.
+fn assert_anthropic_error(r: &Response, status: u16, kind: &str) -> Value {
+    assert_eq!(r.status, status, "{}", r.dump());
+    assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+    assert!(
+        r.header("content-type")
+            .is_some_and(|c| c.starts_with("application/json")),
+        "{}",
+        r.dump()
+    );
+    let v = r.json();
+    assert_eq!(v["type"], "error", "{}", r.dump());
+    assert_eq!(v["error"]["type"], kind, "{}", r.dump());
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{}",
+        r.dump()
+    );
+    assert!(
+        v["request_id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("req_")),
+        "{}",
+        r.dump()
+    );
+    v["error"].clone()
+}
+
+/// The data events of an Anthropic stream as (event name, data), checking that each one's
+/// `event:` line names its data's `type`.
+fn anthropic_events(r: &Response) -> Vec<(String, Value)> {
+    data_events(r)
+        .iter()
+        .map(|e| {
+            let v = e.json().unwrap_or_else(|| panic!("not JSON: {e:?}"));
+            let name = e.event.clone().expect("an event: line");
+            assert_eq!(v["type"], name.as_str(), "{e:?}");
+            (name, v)
+        })
+        .collect()
+}
+
+fn names(events: &[(String, Value)]) -> Vec<&str> {
+    events.iter().map(|(n, _)| n.as_str()).collect()
+}
+
+/// The `delta` objects of an Anthropic stream's `content_block_delta` events for block `index`.
+fn deltas_of(events: &[(String, Value)], index: u64) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|(n, v)| n == "content_block_delta" && v["index"] == index)
+        .map(|(_, v)| v["delta"].clone())
+        .collect()
+}
+
+#[test]
+fn mock_messages_answers_a_message_with_anthropic_usage() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let body = messages_body(json!({}));
+    let r = messages(&mock, &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.header("x-mock-model"), Some("claude-mock"));
+    assert!(r
+        .header("request-id")
+        .is_some_and(|id| id.starts_with("req_mock_")));
+    let v = r.json();
+    assert!(v["id"].as_str().unwrap().starts_with("msg_"), "{v}");
+    assert_eq!(
+        (&v["type"], &v["role"], &v["model"]),
+        (
+            &json!("message"),
+            &json!("assistant"),
+            &json!("claude-mock")
+        )
+    );
+    assert_eq!(
+        v["content"],
+        json!([{"type": "text", "text": "tok0 tok1 tok2"}])
+    );
+    assert_eq!(v["stop_reason"], "end_turn");
+    assert_eq!(v["stop_sequence"], Value::Null);
+    let input = (body.len() as u64 / 4).max(1);
+    assert_eq!(
+        v["usage"],
+        json!({"input_tokens": input, "cache_creation_input_tokens": 0,
+               "cache_read_input_tokens": 0, "output_tokens": 3})
+    );
+    assert_eq!(echo_of(&r)["model"], "claude-mock");
+
+    // Cache usage as asked, beside the input; --tokens overridden per request.
+    let r = messages(
+        &mock,
+        &body,
+        &[
+            ("x-mock-cache-read", "100"),
+            ("x-mock-cache-write", "20"),
+            ("x-mock-tokens", "2"),
+        ],
+    );
+    let u = &r.json()["usage"];
+    assert_eq!(
+        (
+            &u["input_tokens"],
+            &u["cache_read_input_tokens"],
+            &u["cache_creation_input_tokens"],
+            &u["output_tokens"]
+        ),
+        (&json!(input), &json!(100), &json!(20), &json!(2)),
+        "{}",
+        r.dump()
+    );
+
+    // Thinking enabled: a thinking block first, its tokens in the output.
+    let thinking = messages_body(json!({
+        "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}
+    }));
+    let r = messages(&mock, &thinking, &[]);
+    let v = r.json();
+    assert_eq!(v["content"][0]["type"], "thinking", "{v}");
+    assert_eq!(v["content"][0]["thinking"], "think0 think1 think2");
+    assert!(v["content"][0]["signature"]
+        .as_str()
+        .is_some_and(|s| !s.is_empty()));
+    assert_eq!(v["content"][1]["text"], "tok0 tok1 tok2");
+    assert_eq!(v["usage"]["output_tokens"], 6);
+
+    // max_tokens cuts the answer.
+    let r = messages(&mock, &messages_body(json!({"max_tokens": 2})), &[]);
+    let v = r.json();
+    assert_eq!(v["content"][0]["text"], "tok0 tok1");
+    assert_eq!(v["stop_reason"], "max_tokens");
+
+    let s = mock.stats();
+    assert_eq!(s["requests"], 4, "{s}");
+    assert_eq!(s["messages_requests"], 4, "{s}");
+    let thinking_input = (thinking.len() as u64 / 4).max(1);
+    let short_input = (messages_body(json!({"max_tokens": 2})).len() as u64 / 4).max(1);
+    assert_eq!(
+        s["usage_prompt_tokens"],
+        input + (input + 120) + thinking_input + short_input,
+        "{s}"
+    );
+    assert_eq!(s["usage_completion_tokens"], 3 + 2 + 6 + 2, "{s}");
+    assert_eq!(s["usage_cache_read_tokens"], 100, "{s}");
+    assert_eq!(s["usage_cache_creation_tokens"], 20, "{s}");
+    assert_eq!(s["invalid_requests"], 0, "{s}");
+}
+
+#[test]
+fn mock_messages_refuses_what_the_real_api_refuses() {
+    let mock = Mock::start(&["--reject-key", "sk-revoked"]);
+    let body = messages_body(json!({}));
+    let post = |headers: &[(&str, &str)]| ask(&mock, "/v1/messages", &body, headers);
+    // Credentials: Anthropic's header, not OpenAI's.
+    let e = assert_anthropic_error(
+        &post(&[("anthropic-version", "2023-06-01")]),
+        401,
+        "authentication_error",
+    );
+    assert_eq!(e["message"], "x-api-key header is required");
+    let e = assert_anthropic_error(
+        &post(&[
+            ("authorization", "Bearer sk-ant-mock"),
+            ("anthropic-version", "2023-06-01"),
+        ]),
+        401,
+        "authentication_error",
+    );
+    assert_eq!(
+        e["message"],
+        "OAuth authentication is currently not supported."
+    );
+    // A later version takes the key as a bearer, as the official SDKs 2.x send it.
+    let r = post(&[
+        ("authorization", "Bearer sk-ant-mock"),
+        ("anthropic-version", "2026-10-21"),
+    ]);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let e = assert_anthropic_error(
+        &post(&[
+            ("authorization", "Bearer sk-revoked"),
+            ("anthropic-version", "2026-10-21"),
+        ]),
+        401,
+        "authentication_error",
+    );
+    assert_eq!(e["message"], "Invalid bearer token");
+    let e = assert_anthropic_error(
+        &post(&[
+            ("x-api-key", "sk-revoked"),
+            ("anthropic-version", "2023-06-01"),
+        ]),
+        401,
+        "authentication_error",
+    );
+    assert_eq!(e["message"], "invalid x-api-key");
+    let e = assert_anthropic_error(&post(&[("x-api-key", "k")]), 400, "invalid_request_error");
+    assert_eq!(e["message"], "anthropic-version: header is required");
+
+    // Bodies, each refused with the field named.
+    let tools = json!([{"name": "get_weather", "input_schema": {"type": "object"}}]);
+    let cases = [
+        (
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string(),
+            "max_tokens: Field required",
+        ),
+        (
+            messages_body(json!({"stream": true, "stream_options": {"include_usage": true}})),
+            "stream_options: Extra inputs are not permitted",
+        ),
+        (
+            messages_body(json!({"messages": []})),
+            "messages: at least one message is required",
+        ),
+        (
+            messages_body(json!({"messages": [
+                {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}
+            ]})),
+            "messages.0.role: Input should be 'user' or 'assistant'",
+        ),
+        (
+            messages_body(json!({"messages": [{"role": "assistant", "content": "hi"}]})),
+            "first message must use the \"user\" role",
+        ),
+        (
+            messages_body(json!({"messages": [
+                {"role": "user", "content": "a"}, {"role": "user", "content": "b"}
+            ]})),
+            "roles must alternate",
+        ),
+        (
+            messages_body(json!({"messages": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "toolu_a", "name": "get_weather", "input": {}}
+                ]},
+                {"role": "user", "content": "and?"}
+            ], "tools": tools})),
+            "messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_a",
+        ),
+        (
+            messages_body(json!({"messages": [
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_x", "content": "sunny"}
+                ]}
+            ]})),
+            "unexpected `tool_use_id` found in `tool_result` blocks: toolu_x",
+        ),
+        (
+            messages_body(json!({"tools": tools, "tool_choice": {"type": "required"}})),
+            "tool_choice: Input tag 'required'",
+        ),
+        (
+            messages_body(json!({"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "https://x/a.png"}}
+            ]}]})),
+            "messages.0.content.0: Input tag 'image_url'",
+        ),
+        (
+            messages_body(json!({"messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGVsbG8="}}
+            ]}]})),
+            "Image does not match the provided media type image/png",
+        ),
+        (
+            messages_body(json!({"thinking": {"type": "enabled", "budget_tokens": 1024}})),
+            "`max_tokens` must be greater than `thinking.budget_tokens`",
+        ),
+        ("{not json".to_owned(), "not valid JSON"),
+    ];
+    for (body, needle) in &cases {
+        let r = messages(&mock, body, &[]);
+        let e = assert_anthropic_error(&r, 400, "invalid_request_error");
+        let msg = e["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
+        // What was refused is echoed beside why.
+        assert_eq!(echo_of(&r)["body"].as_str().unwrap(), body.as_str());
+    }
+
+    // A full conversation the API takes: system blocks, an image, tools, a tool round trip.
+    const PNG: &str = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+    let ok = messages_body(json!({
+        "system": [{"type": "text", "text": "be brief", "cache_control": {"type": "ephemeral"}}],
+        "tools": tools,
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": false},
+        "metadata": {"user_id": "u-1"},
+        "stop_sequences": ["END"],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "what is this, and the weather?"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+            ]},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "a pixel; checking"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "a"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "b"}}
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": true,
+                 "content": [{"type": "text", "text": "no data"}]}
+            ]}
+        ]
+    }));
+    let r = messages(&mock, &ok, &[]);
+    assert_eq!(r.status, 200, "{}", r.dump());
+
+    let s = mock.stats();
+    assert_eq!(s["invalid_requests"], 5 + cases.len() as u64, "{s}");
+    assert_eq!(s["errors_injected"], 0, "{s}");
+    assert_eq!(s["messages_requests"], 7 + cases.len() as u64, "{s}");
+}
+
+#[test]
+fn mock_messages_stream_sends_the_published_events_in_order_and_on_time() {
+    let mock = Mock::start(&[
+        "--tokens",
+        "4",
+        "--ttft-ms",
+        "150",
+        "--inter-token-ms",
+        "100",
+    ]);
+    let body = messages_body(json!({
+        "stream": true, "max_tokens": 2048,
+        "thinking": {"type": "enabled", "budget_tokens": 1024}
+    }));
+    let sent = std::time::Instant::now();
+    let r = messages(&mock, &body, &[("x-mock-cache-read", "7")]);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.framing, Framing::Chunked);
+    assert_eq!(r.end, BodyEnd::Complete);
+    assert!(r
+        .header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream")));
+    assert_eq!(echo_of(&r)["model"], "claude-mock");
+    let ev = anthropic_events(&r);
+    let mut want = vec!["message_start", "content_block_start", "ping"];
+    want.extend(["content_block_delta"; 4]); // 3 thinking deltas, 1 signature
+    want.extend(["content_block_stop", "content_block_start"]);
+    want.extend(["content_block_delta"; 4]);
+    want.extend(["content_block_stop", "message_delta", "message_stop"]);
+    assert_eq!(names(&ev), want, "{}", r.dump());
+    assert!(!r.sse_events().iter().any(SseEvent::is_done));
+
+    let start = &ev[0].1["message"];
+    assert!(start["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(start["content"], json!([]));
+    assert_eq!(start["stop_reason"], Value::Null);
+    let input = (body.len() as u64 / 4).max(1);
+    assert_eq!(start["usage"]["input_tokens"], input);
+    assert_eq!(start["usage"]["cache_read_input_tokens"], 7);
+    assert_eq!(start["usage"]["output_tokens"], 1);
+    assert_eq!(
+        ev[1].1["content_block"],
+        json!({"type": "thinking", "thinking": "", "signature": ""})
+    );
+    let thinking = deltas_of(&ev, 0);
+    assert_eq!(
+        thinking
+            .iter()
+            .map(|d| d["type"].as_str().unwrap())
+            .collect::<Vec<_>>(),
+        [
+            "thinking_delta",
+            "thinking_delta",
+            "thinking_delta",
+            "signature_delta"
+        ]
+    );
+    assert_eq!(
+        ev[8].1["content_block"],
+        json!({"type": "text", "text": ""})
+    );
+    let text: String = deltas_of(&ev, 1)
+        .iter()
+        .map(|d| {
+            assert_eq!(d["type"], "text_delta");
+            d["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(text, "tok0 tok1 tok2 tok3");
+    let delta = &ev[14].1;
+    assert_eq!(
+        delta["delta"],
+        json!({"stop_reason": "end_turn", "stop_sequence": null})
+    );
+    // Cumulative: the whole output (4 text + 3 thinking), and the input again.
+    assert_eq!(delta["usage"]["output_tokens"], 7);
+    assert_eq!(delta["usage"]["input_tokens"], input);
+
+    // Timing: the first content delta after ttft, then one every inter-token interval.
+    let events = data_events(&r);
+    let first = events
+        .iter()
+        .position(|e| e.data.contains("thinking_delta"))
+        .unwrap();
+    let ttft = events[first].at.duration_since(sent);
+    assert!(ttft >= Duration::from_millis(150), "{ttft:?}");
+    let content: Vec<_> = events
+        .iter()
+        .filter(|e| {
+            e.event.as_deref() == Some("content_block_delta") && !e.data.contains("signature_delta")
+        })
+        .collect();
+    assert_eq!(content.len(), 7);
+    for w in content.windows(2) {
+        let gap = w[1].at.duration_since(w[0].at);
+        assert!(gap >= Duration::from_millis(80), "{gap:?}");
+    }
+    let s = mock.stats();
+    assert_eq!(s["streams_completed"], 1, "{s}");
+    assert_eq!(s["usage_prompt_tokens"], input + 7, "{s}");
+    assert_eq!(s["usage_completion_tokens"], 7, "{s}");
+    assert_eq!(s["usage_cache_read_tokens"], 7, "{s}");
+}
+
+#[test]
+fn mock_messages_answers_tool_use_blocks_for_parallel_calls() {
+    let mock = Mock::start(&["--tokens", "2"]);
+    let tools = json!([
+        {"name": "get_weather", "description": "weather", "input_schema": {"type": "object"}},
+        {"name": "get_time", "input_schema": {"type": "object"}}
+    ]);
+    let ask_tools = |extra: Value, headers: &[(&str, &str)]| {
+        let mut fields = json!({"tools": tools});
+        if let (Some(o), Value::Object(e)) = (fields.as_object_mut(), extra) {
+            o.extend(e);
+        }
+        messages(&mock, &messages_body(fields), headers)
+    };
+    let r = ask_tools(json!({}), &[("x-mock-tool-calls", "2")]);
+    let v = r.json();
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    let content = v["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3, "{v}");
+    assert_eq!(content[0], json!({"type": "text", "text": "tok0 tok1"}));
+    let calls = &content[1..];
+    for (call, name) in calls.iter().zip(["get_weather", "get_time"]) {
+        assert_eq!(call["type"], "tool_use");
+        assert!(call["id"].as_str().unwrap().starts_with("toolu_"), "{call}");
+        assert_eq!(call["name"], name);
+        assert!(call["input"].is_object(), "{call}");
+    }
+    assert_ne!(calls[0]["id"], calls[1]["id"]);
+    assert_eq!(v["usage"]["output_tokens"], 2 + 2 * 5);
+
+    // The mock takes its own answer back with the results: a whole tool round trip.
+    let results: Vec<Value> = calls
+        .iter()
+        .map(|c| json!({"type": "tool_result", "tool_use_id": c["id"], "content": "ok"}))
+        .collect();
+    let follow = json!({"messages": [
+        {"role": "user", "content": "weather and time?"},
+        {"role": "assistant", "content": content},
+        {"role": "user", "content": results}
+    ]});
+    let r = ask_tools(follow, &[]);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.json()["stop_reason"], "end_turn");
+
+    // Streamed: each call's input arrives as input_json_delta pieces to be joined.
+    let r = ask_tools(json!({"stream": true}), &[("x-mock-tool-calls", "2")]);
+    assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+    let ev = anthropic_events(&r);
+    for (index, call) in [(1u64, &calls[0]), (2, &calls[1])] {
+        let start = ev
+            .iter()
+            .find(|(n, v)| n == "content_block_start" && v["index"] == index)
+            .expect("block start");
+        let block = &start.1["content_block"];
+        assert_eq!(block["type"], "tool_use");
+        assert_eq!(block["name"], call["name"]);
+        assert_eq!(block["input"], json!({}));
+        assert!(block["id"].as_str().unwrap().starts_with("toolu_"));
+        let pieces: Vec<String> = deltas_of(&ev, index)
+            .iter()
+            .map(|d| {
+                assert_eq!(d["type"], "input_json_delta");
+                d["partial_json"].as_str().unwrap().to_owned()
+            })
+            .collect();
+        assert!(
+            pieces.iter().filter(|p| !p.is_empty()).count() >= 3,
+            "{pieces:?}"
+        );
+        let input: Value = serde_json::from_str(&pieces.concat()).unwrap();
+        assert_eq!(&input, &call["input"]);
+    }
+    let delta = ev.iter().find(|(n, _)| n == "message_delta").unwrap();
+    assert_eq!(delta.1["delta"]["stop_reason"], "tool_use");
+    assert_eq!(names(&ev).last(), Some(&"message_stop"));
+
+    // No tools, no calls; `none` forbids them; one at a time when parallel calls are off;
+    // `tool` names the tool and forces a call.
+    let r = messages(
+        &mock,
+        &messages_body(json!({})),
+        &[("x-mock-tool-calls", "2")],
+    );
+    assert_eq!(r.json()["stop_reason"], "end_turn");
+    let r = ask_tools(
+        json!({"tool_choice": {"type": "none"}}),
+        &[("x-mock-tool-calls", "2")],
+    );
+    assert_eq!(r.json()["stop_reason"], "end_turn");
+    let r = ask_tools(
+        json!({"tool_choice": {"type": "auto", "disable_parallel_tool_use": true}}),
+        &[("x-mock-tool-calls", "3")],
+    );
+    let kinds = r.json()["content"].as_array().unwrap().len();
+    assert_eq!(kinds, 2, "{}", r.dump());
+    let r = ask_tools(
+        json!({"tool_choice": {"type": "tool", "name": "get_time"}}),
+        &[],
+    );
+    let v = r.json();
+    assert_eq!(v["stop_reason"], "tool_use");
+    assert_eq!(v["content"][1]["name"], "get_time", "{v}");
+}
+
+#[test]
+fn mock_messages_faults_answer_in_anthropic_shapes() {
+    let mock = Mock::start(&["--tokens", "4"]);
+    let body = messages_body(json!({}));
+    let stream = messages_body(json!({"stream": true}));
+    // Injected statuses, typed as Anthropic types them, streamed requests included.
+    for (status, kind) in [
+        ("429", "rate_limit_error"),
+        ("529", "overloaded_error"),
+        ("500", "api_error"),
+        ("401", "authentication_error"),
+        ("402", "billing_error"),
+    ] {
+        for b in [&body, &stream] {
+            let r = messages(&mock, b, &[("x-mock-status", status)]);
+            assert_anthropic_error(&r, status.parse().unwrap(), kind);
+        }
+    }
+    let r = messages(&mock, &body, &[("x-mock-fault", "status=429")]);
+    assert_anthropic_error(&r, 429, "rate_limit_error");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let r = messages(&mock, &body, &[("x-mock-status", "529")]);
+    assert_eq!(r.json()["error"]["message"], "Overloaded");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    // An injected status wins over the checks.
+    let r = ask(&mock, "/v1/messages", "{}", &[("x-mock-status", "503")]);
+    assert_anthropic_error(&r, 503, "api_error");
+    // Out of credit: Anthropic's 400, never a retryable 429.
+    let r = messages(&mock, &body, &[("x-mock-fault", "quota")]);
+    let e = assert_anthropic_error(&r, 400, "invalid_request_error");
+    assert!(e["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("Your credit balance is too low"));
+    assert!(r.header("retry-after").is_none(), "{}", r.dump());
+
+    // An error event after N deltas, or as the first data event.
+    let r = messages(&mock, &stream, &[("x-mock-fault", "error-event=2")]);
+    assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+    let ev = anthropic_events(&r);
+    assert_eq!(
+        names(&ev),
+        [
+            "message_start",
+            "content_block_start",
+            "ping",
+            "content_block_delta",
+            "content_block_delta",
+            "error"
+        ],
+        "{}",
+        r.dump()
+    );
+    assert_eq!(
+        ev[5].1["error"],
+        json!({"type": "overloaded_error", "message": "Overloaded"})
+    );
+    let r = messages(
+        &mock,
+        &stream,
+        &[
+            ("x-mock-fault", "error-event"),
+            ("x-mock-error-code", "api_error"),
+        ],
+    );
+    let ev = anthropic_events(&r);
+    assert_eq!(names(&ev), ["error"], "{}", r.dump());
+    assert_eq!(ev[0].1["error"]["type"], "api_error");
+
+    // Cut after N deltas: no message_delta, no message_stop.
+    let r = messages(&mock, &stream, &[("x-mock-fault", "die-after=2")]);
+    assert!(
+        matches!(r.end, BodyEnd::Truncated | BodyEnd::Reset),
+        "{:?}",
+        r.end
+    );
+    let ev = anthropic_events(&r);
+    assert_eq!(deltas_of(&ev, 0).len(), 2, "{}", r.dump());
+    assert!(!names(&ev).contains(&"message_delta"));
+    // Ended cleanly on the wire, but short.
+    let r = messages(&mock, &stream, &[("x-mock-fault", "end-after=1")]);
+    assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+    let ev = anthropic_events(&r);
+    assert_eq!(deltas_of(&ev, 0).len(), 1);
+    assert!(!names(&ev).contains(&"message_stop"));
+    // Past the last delta: the block is closed, the message is not.
+    let r = messages(&mock, &stream, &[("x-mock-fault", "end-after=9")]);
+    let ev = anthropic_events(&r);
+    assert_eq!(
+        names(&ev).last(),
+        Some(&"content_block_stop"),
+        "{}",
+        r.dump()
+    );
+    // Nothing at all.
+    let mut c = Conn::open(mock.addr);
+    let mut req = Req::post("/v1/messages", &stream).header("x-mock-fault", "drop-before-response");
+    for (k, v) in ANTHROPIC {
+        req = req.header(k, v);
+    }
+    c.send(&req.build());
+    let got = c.read_head();
+    assert!(
+        matches!(got, Err(ReadError::Closed | ReadError::Reset)),
+        "{got:?}"
+    );
+
+    let s = mock.stats();
+    assert_eq!(s["errors_injected"], 10 + 4, "{s}");
+    assert_eq!(s["error_events"], 2, "{s}");
+    assert_eq!(s["streams_cut"], 3, "{s}");
+    assert_eq!(s["dropped_before_response"], 1, "{s}");
+    assert_eq!(s["invalid_requests"], 0, "{s}");
 }
