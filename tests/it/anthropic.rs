@@ -226,14 +226,11 @@ fn parallel_tool_calls_stream_under_openai_indexes_with_whole_arguments() {
         let parsed: Value = serde_json::from_str(args).expect("arguments are whole JSON");
         assert!(parsed.is_object(), "{args}");
     }
-    let finish = chunks
-        .iter()
-        .filter_map(|c| {
-            c["choices"]
-                .get(0)
-                .and_then(|ch| ch["finish_reason"].as_str())
-        })
-        .last();
+    let finish = chunks.iter().rev().find_map(|c| {
+        c["choices"]
+            .get(0)
+            .and_then(|ch| ch["finish_reason"].as_str())
+    });
     assert_eq!(finish, Some("tool_calls"));
 }
 
