@@ -1,6 +1,6 @@
 //! Run one hot path N times (for instruction counts under callgrind; see perf/callgrind.sh).
 //!
-//!   hotpath <inspect|sse|estimate|admit|route|pipeline> <iterations>
+//!   hotpath <inspect|sse|estimate|admit|route|pipeline|anthropic_request|anthropic_response|anthropic_stream> <iterations>
 //!
 //! The fixture is the criterion benchmarks' (`core/benches/fixture/mod.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -13,7 +13,7 @@ fn main() {
         args.first(),
         args.get(1).and_then(|n| n.parse::<u64>().ok()),
     ) else {
-        eprintln!("usage: hotpath <inspect|sse|estimate|admit|route|pipeline> <iterations>");
+        eprintln!("usage: hotpath <inspect|sse|estimate|admit|route|pipeline|anthropic_request|anthropic_response|anthropic_stream> <iterations>");
         std::process::exit(2);
     };
     let mut f = sluice::hotpath::Fixture::new();
@@ -26,6 +26,9 @@ fn main() {
             "admit" => u64::from(f.admit_settle()),
             "route" => f.route() as u64,
             "pipeline" => f.pipeline() as u64,
+            "anthropic_request" => f.anthropic_request() as u64,
+            "anthropic_response" => f.anthropic_response() as u64,
+            "anthropic_stream" => f.anthropic_stream() as u64,
             other => {
                 eprintln!("unknown path {other}");
                 std::process::exit(2);
