@@ -20,7 +20,9 @@ use crate::gateway::relay::{ClientSide, RelayEnd, Relayed};
 use crate::gateway::route::Candidates;
 use crate::gateway::{admit, auth, fallback, forward, observe, relay, route, sticky};
 use crate::limits::shard::Permit;
+use crate::openai::anthropic::client as anthropic_client;
 use crate::openai::anthropic::upstream as anthropic_upstream;
+use crate::openai::endpoint::{ClientDialect, Endpoint};
 use crate::openai::inspect::Inspection;
 use crate::upstream::health::AttemptResult;
 
@@ -70,6 +72,23 @@ pub(crate) fn refused_before_body(core: PerCore<'_>, request: &Request<'_>, erro
         &caller,
     );
     core.observations.give(obs);
+}
+
+/// Answer `/v1/messages/count_tokens` for a caller whose head was authenticated: the body read
+/// (strictly, as a Messages request without `max_tokens`), the model authorized for the key,
+/// and the prompt's tokens estimated as admission estimates them — nothing goes upstream.
+pub(crate) fn count_tokens(
+    request: &Request<'_>,
+    authenticated: Authenticated<'_>,
+) -> Result<u64, GatewayError> {
+    let read = anthropic_client::inspect_count_tokens(request.body)
+        .map_err(|e| GatewayError::invalid_request(e.message, None))?;
+    auth::authorize(
+        authenticated.principal,
+        &read.model,
+        request.peer.map(|p| p.ip()),
+    )?;
+    Ok(crate::openai::tokens::estimate_tokens(request.body))
 }
 
 /// Serve one request whose head was authenticated and whose body is in.
@@ -191,10 +210,25 @@ pub(crate) async fn admit_request<'s>(
     let limits = &*core.snapshot.limits;
     let principal = caller.principal;
 
-    // Inspect: the top-level model and friends, exactly as the upstream will read them.
+    // Inspect: the top-level model and friends, exactly as the upstream will read them. A
+    // Messages request is read by Anthropic's rules too (`max_tokens` required), which decide
+    // model, stream and cap.
+    let messages = match request.dialect() {
+        ClientDialect::OpenAi => None,
+        ClientDialect::Anthropic => Some(
+            anthropic_client::inspect_messages(request.body)
+                .map_err(|e| GatewayError::invalid_request(e.message, None))?,
+        ),
+    };
     core.inspector
         .borrow_mut()
         .inspect_for(request.body, &core.snapshot.body_wants, inspection)?;
+    if let Some(m) = messages {
+        inspection.model = m.model;
+        inspection.model_span = m.model_span;
+        inspection.stream = m.stream;
+        inspection.max_tokens = Some(m.max_tokens);
+    }
 
     // Authorize: may this key use this model, from this address.
     auth::authorize(principal, &inspection.model, request.peer.map(|p| p.ip()))
@@ -279,12 +313,17 @@ async fn serve<'s>(
     // the soonest a provider over its limits takes requests again.
     let mut estimate: Option<u64> = None;
     let mut over_limits: Option<u64> = None;
-    // An Anthropic-dialect cluster answers chat completions only (what translates).
-    let chat = crate::openai::endpoint::Endpoint::from_path(request.head.path(request.buf))
-        == Some(crate::openai::endpoint::Endpoint::ChatCompletions);
+    // An Anthropic-dialect cluster answers chat completions (translated) and Messages
+    // (passed through) only.
+    let endpoint = Endpoint::from_path(request.head.path(request.buf));
+    let translatable = matches!(
+        endpoint,
+        Some(Endpoint::ChatCompletions | Endpoint::Messages)
+    );
+    let dialect = request.dialect();
     loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
-        if !chat && matches!(target.cluster.dialect, Dialect::Anthropic(_)) {
+        if !translatable && matches!(target.cluster.dialect, Dialect::Anthropic(_)) {
             match candidates.next_fallback(model, None) {
                 Some(next) => {
                     target = next;
@@ -372,8 +411,33 @@ async fn serve<'s>(
             Dialect::Anthropic(settings) => Some(settings),
             Dialect::OpenAi => None,
         };
-        let usage_requested = match anthropic {
-            Some(settings) => {
+        let usage_requested = match (dialect, anthropic) {
+            (ClientDialect::Anthropic, Some(settings)) => {
+                forward::build_messages_passthrough(
+                    &mut upstream_request,
+                    request,
+                    inspection,
+                    &target,
+                    settings,
+                );
+                false
+            }
+            (ClientDialect::Anthropic, None) => {
+                let built = forward::build_chat_from_messages(
+                    &mut upstream_request,
+                    request,
+                    inspection,
+                    &target,
+                );
+                if let Err(e) = built {
+                    // Never sent: the request is the client's to fix, wherever it goes.
+                    core.bufs.give(upstream_request);
+                    core.limiter.borrow_mut().release(provider);
+                    return (Err(e), target.mapped_model);
+                }
+                false
+            }
+            (ClientDialect::OpenAi, Some(settings)) => {
                 let built = forward::build_anthropic_request(
                     &mut upstream_request,
                     request,
@@ -389,7 +453,7 @@ async fn serve<'s>(
                 }
                 inspection.include_usage != Some(true)
             }
-            None => forward::build_request(
+            (ClientDialect::OpenAi, None) => forward::build_request(
                 &mut upstream_request,
                 request,
                 inspection,
@@ -483,15 +547,54 @@ async fn serve<'s>(
             minor_version: request.head.minor_version,
             keep_alive: request.head.keep_alive,
             strip_usage: usage_requested,
+            dialect,
         };
-        let relayed = match anthropic {
+        // An Anthropic answer passed through is metered in Anthropic's terms.
+        obs.meter_anthropic(dialect == ClientDialect::Anthropic && anthropic.is_some());
+        let client_stream =
+            response.head.event_stream && (200..300).contains(&response.head.status);
+        let relayed = match (dialect, anthropic) {
+            (ClientDialect::Anthropic, Some(_)) => {
+                relay::relay(core.io(), client, response, side, obs, None).await
+            }
+            // An OpenAI-dialect answer for an Anthropic client: metered as the upstream sent
+            // it, translated on the way out.
+            (ClientDialect::Anthropic, None) if client_stream => {
+                let translate = StreamTranslate::to_messages(model);
+                relay::relay(core.io(), client, response, side, obs, Some(translate)).await
+            }
+            (ClientDialect::Anthropic, None) => {
+                let translate = |status: u16, body: &[u8], out: &mut Vec<u8>| {
+                    if (200..300).contains(&status) {
+                        anthropic_client::chat_to_message(body, model, out).map_err(|e| {
+                            GatewayError::bad_gateway(
+                                UpstreamFault::Protocol,
+                                format!("the upstream's answer could not be read: {}", e.message),
+                            )
+                        })?;
+                        Ok(status)
+                    } else {
+                        Ok(anthropic_client::error_to_anthropic(status, body, out))
+                    }
+                };
+                relay::relay_translated_whole(
+                    core.io(),
+                    client,
+                    response,
+                    side,
+                    obs,
+                    true,
+                    translate,
+                )
+                .await
+            }
             // Streamed: translated event by event. Anything else (an answer, an error): read
             // whole and translated.
-            Some(_) if response.head.event_stream && (200..300).contains(&response.head.status) => {
+            (ClientDialect::OpenAi, Some(_)) if client_stream => {
                 let translate = StreamTranslate::anthropic(model);
                 relay::relay(core.io(), client, response, side, obs, Some(translate)).await
             }
-            Some(_) => {
+            (ClientDialect::OpenAi, Some(_)) => {
                 let translate = |status: u16, body: &[u8], out: &mut Vec<u8>| {
                     if (200..300).contains(&status) {
                         anthropic_upstream::message_to_chat(body, out).map_err(|e| {
@@ -508,10 +611,20 @@ async fn serve<'s>(
                         Ok(anthropic_upstream::error_to_openai(status, body, out))
                     }
                 };
-                relay::relay_translated_whole(core.io(), client, response, side, obs, translate)
-                    .await
+                relay::relay_translated_whole(
+                    core.io(),
+                    client,
+                    response,
+                    side,
+                    obs,
+                    false,
+                    translate,
+                )
+                .await
             }
-            None => relay::relay(core.io(), client, response, side, obs, None).await,
+            (ClientDialect::OpenAi, None) => {
+                relay::relay(core.io(), client, response, side, obs, None).await
+            }
         };
         if let Some(attempt) = attempt.as_mut().filter(|a| !a.recorded()) {
             let result = match &relayed {
