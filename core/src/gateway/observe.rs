@@ -711,3 +711,82 @@ fn set_str(field: &mut String, value: &str) {
     field.clear();
     field.push_str(value);
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    //! Metering by dialect: an Anthropic answer passed through is read by Anthropic's rules.
+    use super::*;
+    use crate::gateway::context::testing::OwnedCore;
+
+    const TEXT: &[u8] = include_bytes!("../openai/anthropic/testdata/anthropic_text.sse");
+
+    fn core() -> OwnedCore {
+        OwnedCore::new(
+            r#"
+            [clusters.main]
+            backends = [{ base_url = "http://127.0.0.1:9/v1" }]
+            [[routes]]
+            model = "claude-x"
+            cluster = "main"
+            "#,
+        )
+    }
+
+    /// An observation of a 200 whose body arrives in `reads`, metered as Anthropic's or not.
+    fn observe(anthropic: bool, stream: bool, reads: &[&[u8]]) -> Box<Observation> {
+        let mut obs = Box::<Observation>::default();
+        obs.start(Instant::now(), 100);
+        obs.meter_anthropic(anthropic);
+        obs.response_started(200, stream, true);
+        for read in reads {
+            obs.body(read, Instant::now());
+        }
+        obs
+    }
+
+    #[test]
+    fn an_anthropic_stream_is_metered_in_openai_terms_across_any_split() {
+        let core = core();
+        for split in [1, 7, TEXT.len()] {
+            let reads: Vec<&[u8]> = TEXT.chunks(split).collect();
+            let mut obs = observe(true, true, &reads);
+            assert!(!obs.stream_unfinished(), "message_stop ends it");
+            let outcome = obs.outcome(&core.snapshot, "claude-x", None, b"{}", Estimator::Bytes);
+            assert_eq!(outcome.usage_source, UsageSource::Reported);
+            assert_eq!(outcome.usage.prompt_tokens, 25);
+            assert_eq!(outcome.usage.completion_tokens, 15);
+            assert_eq!(outcome.usage.total_tokens, 40);
+            assert!(outcome.ttft.is_some(), "timed at the first content delta");
+        }
+    }
+
+    #[test]
+    fn an_anthropic_stream_without_message_stop_is_unfinished_and_reused_state_is_clean() {
+        let cut = &TEXT[..TEXT.len() - 40];
+        let obs = observe(true, true, &[cut]);
+        assert!(obs.stream_unfinished());
+        // The same observation, reused for an OpenAI request, meters OpenAI's way again.
+        let mut obs = obs;
+        obs.start(Instant::now(), 10);
+        obs.meter_anthropic(false);
+        obs.response_started(200, true, true);
+        obs.body(b"data: [DONE]\n\n", Instant::now());
+        assert!(!obs.stream_unfinished());
+        // An OpenAI meter never takes Anthropic's end for its own.
+        let obs = observe(false, true, &[TEXT]);
+        assert!(obs.stream_unfinished());
+    }
+
+    #[test]
+    fn a_whole_anthropic_message_reports_its_usage_cache_included() {
+        let core = core();
+        let body = br#"{"type":"message","content":[{"type":"text","text":"hi"}],"usage":{"input_tokens":10,"cache_read_input_tokens":30,"cache_creation_input_tokens":5,"output_tokens":7}}"#;
+        let mut obs = observe(true, false, &[body]);
+        let outcome = obs.outcome(&core.snapshot, "claude-x", None, b"{}", Estimator::Bytes);
+        assert_eq!(outcome.usage_source, UsageSource::Reported);
+        assert_eq!(outcome.usage.prompt_tokens, 45);
+        assert_eq!(outcome.usage.cached_tokens, 30);
+        assert_eq!(outcome.usage.completion_tokens, 7);
+    }
+}

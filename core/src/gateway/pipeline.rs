@@ -895,6 +895,151 @@ mod tests {
         assert!(decide(&core, &raw(Some(KEY), CHAT)).result.is_ok());
     }
 
+    /// The request the primary target of a `/v1/messages` request would be sent.
+    fn built_for_messages(core: &OwnedCore, headers: &str, body: &str) -> String {
+        let raw = format!(
+            "POST /v1/messages HTTP/1.1\r\nHost: gw\r\n{headers}Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let raw = raw.as_bytes();
+        let head = core.head(raw);
+        let request = request(raw, &head);
+        let per_core = core.per_core();
+        let mut inspection = Inspection::default();
+        let mut caller = Caller::default();
+        let mut obs = Observation::default();
+        let (candidates, admission) = runtime()
+            .block_on(async {
+                let sync = crate::limits::run_sync(
+                    per_core.limiter,
+                    &core.snapshot.limits.sync,
+                    0,
+                    |_, _| {},
+                    InProcessLedger::new(),
+                    std::future::pending(),
+                );
+                let decide =
+                    admit_request(per_core, &request, &mut inspection, &mut caller, &mut obs);
+                monoio::select! {
+                    decided = decide => decided,
+                    () = sync => unreachable!("the sync task runs for the worker's life"),
+                }
+            })
+            .unwrap();
+        let target = candidates.primary();
+        let mut out = Vec::new();
+        match &target.cluster.dialect {
+            Dialect::Anthropic(settings) => {
+                forward::build_messages_passthrough(
+                    &mut out,
+                    &request,
+                    &inspection,
+                    &target,
+                    settings,
+                );
+            }
+            Dialect::OpenAi => {
+                forward::build_chat_from_messages(&mut out, &request, &inspection, &target)
+                    .unwrap();
+            }
+        }
+        admission.settle(per_core.limiter, 0);
+        String::from_utf8(out).unwrap()
+    }
+
+    fn messages_core() -> OwnedCore {
+        OwnedCore::new(
+            r#"
+            [clusters.claude]
+            dialect = "anthropic"
+            backends = [{ base_url = "http://127.0.0.1:9/v1" }]
+            model_map = { "claude" = "claude-sonnet-4-5" }
+            anthropic = { beta = "cluster-beta" }
+            [clusters.gpt]
+            backends = [{ base_url = "http://127.0.0.1:9/api/v1" }]
+            model_map = { "gpt" = "gpt-4o" }
+            [[routes]]
+            model = "claude*"
+            cluster = "claude"
+            [[routes]]
+            model = "gpt"
+            cluster = "gpt"
+            "#,
+        )
+    }
+
+    #[test]
+    fn messages_pass_through_to_an_anthropic_cluster_with_only_the_model_changed() {
+        let core = messages_core();
+        let body = r#"{"model":"claude","max_tokens":8,"stream":true,"messages":[{"role":"user","content":"hi"}],"top_k":3}"#;
+        let sent = built_for_messages(
+            &core,
+            "x-api-key: sk-client\r\nanthropic-beta: client-beta\r\nanthropic-version: 2024-01-01\r\n",
+            body,
+        );
+        let (head, upstream_body) = sent.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("POST /v1/messages HTTP/1.1\r\n"), "{head}");
+        assert_eq!(
+            upstream_body,
+            body.replace("\"claude\"", "\"claude-sonnet-4-5\""),
+            "byte for byte but the model; no stream_options"
+        );
+        assert!(
+            head.contains(&format!("content-length: {}", upstream_body.len())),
+            "{head}"
+        );
+        assert!(
+            !head.contains("sk-client"),
+            "the client's key is withheld: {head}"
+        );
+        assert!(head.contains("anthropic-beta: cluster-beta"), "{head}");
+        assert!(!head.contains("client-beta"), "{head}");
+        assert!(
+            head.contains("anthropic-version: 2024-01-01"),
+            "the client's: {head}"
+        );
+        assert_eq!(head.matches("anthropic-version").count(), 1, "{head}");
+
+        // No version from the client: the cluster's.
+        let sent = built_for_messages(&core, "", body);
+        assert!(sent.contains("anthropic-version: 2023-06-01\r\n"), "{sent}");
+    }
+
+    #[test]
+    fn messages_to_an_openai_cluster_become_a_chat_completion_asking_for_usage() {
+        let core = messages_core();
+        let body = r#"{"model":"gpt","max_tokens":8,"stream":true,"system":"be brief","messages":[{"role":"user","content":"hi"}]}"#;
+        let sent = built_for_messages(
+            &core,
+            "x-api-key: sk-client\r\nanthropic-version: 2023-06-01\r\ncontent-type: application/json\r\n",
+            body,
+        );
+        let (head, upstream_body) = sent.split_once("\r\n\r\n").unwrap();
+        assert!(
+            head.starts_with("POST /api/v1/chat/completions HTTP/1.1\r\n"),
+            "{head}"
+        );
+        assert!(
+            !head.contains("sk-client") && !head.contains("anthropic-"),
+            "{head}"
+        );
+        assert_eq!(head.matches("content-type").count(), 1, "{head}");
+        let chat: serde_json::Value = serde_json::from_str(upstream_body).unwrap();
+        assert_eq!(chat["model"], "gpt-4o");
+        assert_eq!(chat["max_tokens"], 8);
+        assert_eq!(chat["stream_options"]["include_usage"], true);
+        assert_eq!(chat["messages"][0]["role"], "system");
+    }
+
+    #[test]
+    fn a_messages_request_without_max_tokens_is_refused_before_routing() {
+        let core = messages_core();
+        let raw = b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\nContent-Length: 46\r\n\r\n{\"model\":\"claude\",\"messages\":[],\"stream\":true}";
+        let d = decide(&core, raw);
+        assert_eq!(d.result.unwrap_err(), (400, None));
+        assert_eq!(d.routed, None);
+    }
+
     #[test]
     fn a_source_outside_the_keys_subnets_is_refused() {
         let core = core();
