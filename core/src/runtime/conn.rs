@@ -5,7 +5,10 @@
 //! client closes, a keep-alive idle or read timeout fires, or a request leaves the connection
 //! unusable. Raises, as responses: the HTTP layer's 400 / 413 / 414 / 417 / 431 (then closes),
 //! 408 when a head or body is not received in time (then closes), 404 for unknown paths and 405
-//! for a wrong method. Everything behind a routed path is [`crate::gateway::pipeline::proxy`]'s.
+//! for a wrong method — in Anthropic's error shape on `/v1/messages` paths ([`ClientDialect`]).
+//! Everything behind a routed path is [`crate::gateway::pipeline::proxy`]'s, but
+//! `/v1/messages/count_tokens`, answered here from Sluice's estimate
+//! ([`crate::gateway::pipeline::count_tokens`]).
 //!
 //! While the worker drains for a stop, a connection closes instead of waiting for another
 //! request (unless one is already on its way), and the responses written here say
