@@ -213,21 +213,11 @@ pub(crate) async fn admit_request<'s>(
     // Inspect: the top-level model and friends, exactly as the upstream will read them. A
     // Messages request is read by Anthropic's rules too (`max_tokens` required), which decide
     // model, stream and cap.
-    let messages = match request.dialect() {
-        ClientDialect::OpenAi => None,
-        ClientDialect::Anthropic => Some(
-            anthropic_client::inspect_messages(request.body)
-                .map_err(|e| GatewayError::invalid_request(e.message, None))?,
-        ),
-    };
     core.inspector
         .borrow_mut()
         .inspect_for(request.body, &core.snapshot.body_wants, inspection)?;
-    if let Some(m) = messages {
-        inspection.model = m.model;
-        inspection.model_span = m.model_span;
-        inspection.stream = m.stream;
-        inspection.max_tokens = Some(m.max_tokens);
+    if request.dialect() == ClientDialect::Anthropic {
+        inspect_messages(request.body, inspection)?;
     }
 
     // Authorize: may this key use this model, from this address.
@@ -286,6 +276,21 @@ pub(crate) async fn admit_request<'s>(
             Err(error)
         }
     }
+}
+
+/// A Messages request read by Anthropic's rules over what the inspector found: model (and its
+/// span), stream and the required `max_tokens`; 400 when they are broken. Out of line: the
+/// OpenAI endpoints' path never runs it.
+#[inline(never)]
+fn inspect_messages(body: &[u8], inspection: &mut Inspection) -> Result<(), GatewayError> {
+    let m = anthropic_client::inspect_messages(body)
+        .map_err(|e| GatewayError::invalid_request(e.message, None))?;
+    inspection.model.clear();
+    inspection.model.push_str(&m.model);
+    inspection.model_span = m.model_span;
+    inspection.stream = m.stream;
+    inspection.max_tokens = Some(m.max_tokens);
+    Ok(())
 }
 
 /// Forward the request to the candidates in turn and relay the first response that is not a
