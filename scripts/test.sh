@@ -31,6 +31,10 @@ if ! python3 -c 'import openai' >/dev/null 2>&1; then
   log "installing openai (the README's Python example runs in tests/it/readme.rs)"
   pip_install openai
 fi
+if ! python3 -c 'import anthropic' >/dev/null 2>&1; then
+  log "installing anthropic (tests/it/anthropic_endpoint.rs runs the official SDK through Sluice)"
+  pip_install anthropic
+fi
 if ! command -v curl >/dev/null 2>&1; then
   log "installing curl (the README's and the demo's requests)"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends curl >/dev/null

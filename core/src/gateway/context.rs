@@ -201,6 +201,13 @@ pub(crate) struct Request<'a> {
     pub(crate) body: &'a [u8],
 }
 
+impl Request<'_> {
+    /// The API the client speaks, by the path it called.
+    pub(crate) fn dialect(&self) -> crate::openai::endpoint::ClientDialect {
+        crate::openai::endpoint::ClientDialect::of_path(self.head.path(self.buf))
+    }
+}
+
 /// Buffers handed out for one request and given back after, so the steady state allocates
 /// nothing per request and idle connections hold no large buffers.
 pub(crate) struct BufPool {

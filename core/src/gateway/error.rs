@@ -2,11 +2,14 @@
 //!
 //! Raised by any phase; turned into bytes only here, by [`GatewayError::write_response`], as an
 //! OpenAI-shaped body `{"error":{"message","type","param","code"}}` with the status and headers
-//! that OpenAI SDKs map to the right exception. Messages never carry upstream credentials or
+//! that OpenAI SDKs map to the right exception — or, for a client of Anthropic's Messages API
+//! ([`ClientDialect::Anthropic`]), Anthropic's `{"type":"error","error":{"type","message"}}`
+//! with the same status and headers, the type picked by the status as Anthropic's SDKs read it. Messages never carry upstream credentials or
 //! request bodies.
 
 use std::fmt;
 
+use crate::openai::endpoint::ClientDialect;
 use crate::openai::json::{truncate, write_json_string};
 pub(crate) use crate::upstream::UpstreamFault;
 
@@ -426,20 +429,29 @@ impl GatewayError {
         keep_alive && !self.kind.close()
     }
 
-    /// The error object as JSON: `{"error":{…}}`.
-    pub(crate) fn body(&self) -> String {
-        let mut s = String::with_capacity(self.body_len());
-        let _ = self.write_body(&mut s);
+    /// The error object as JSON: `{"error":{…}}` (OpenAI), or `{"type":"error","error":{…}}`
+    /// (Anthropic).
+    pub(crate) fn body(&self, dialect: ClientDialect) -> String {
+        let mut s = String::with_capacity(self.body_len(dialect));
+        let _ = self.write_body(&mut s, dialect);
         s
     }
 
-    fn body_len(&self) -> usize {
+    fn body_len(&self, dialect: ClientDialect) -> usize {
         let mut n = Count(0);
-        let _ = self.write_body(&mut n);
+        let _ = self.write_body(&mut n, dialect);
         n.0
     }
 
-    fn write_body<W: fmt::Write>(&self, out: &mut W) -> fmt::Result {
+    fn write_body<W: fmt::Write>(&self, out: &mut W, dialect: ClientDialect) -> fmt::Result {
+        if dialect == ClientDialect::Anthropic {
+            out.write_str("{\"type\":\"error\",\"error\":{\"type\":")?;
+            let kind = crate::openai::anthropic::client::error_type_for_status(self.status());
+            write_json_string(out, kind)?;
+            out.write_str(",\"message\":")?;
+            write_json_string(out, &self.message)?;
+            return out.write_str("}}");
+        }
         out.write_str("{\"error\":{\"message\":")?;
         write_json_string(out, &self.message)?;
         out.write_str(",\"type\":")?;
@@ -460,9 +472,15 @@ impl GatewayError {
     /// The whole HTTP response (head and body); `head_only` for HEAD requests. The one place
     /// the response is laid out: [`Self::write_response`] writes it, [`Self::response_len`]
     /// counts it.
-    fn render<W: fmt::Write>(&self, out: &mut W, keep_alive: bool, head_only: bool) -> fmt::Result {
+    fn render<W: fmt::Write>(
+        &self,
+        out: &mut W,
+        keep_alive: bool,
+        head_only: bool,
+        dialect: ClientDialect,
+    ) -> fmt::Result {
         let status = self.status();
-        crate::http::write_head_start(out, status, "application/json", self.body_len())?;
+        crate::http::write_head_start(out, status, "application/json", self.body_len(dialect))?;
         if let Some(methods) = self.allow {
             write!(out, "allow: {methods}\r\n")?;
         }
@@ -477,28 +495,39 @@ impl GatewayError {
         }
         out.write_str("\r\n")?;
         if !head_only {
-            self.write_body(out)?;
+            self.write_body(out, dialect)?;
         }
         Ok(())
     }
 
-    /// Append the whole HTTP response (head and body) to `out`. `head_only` for HEAD requests.
-    /// Returns the bytes appended.
+    /// Append the whole HTTP response (head and body, in the client's `dialect`) to `out`.
+    /// `head_only` for HEAD requests. Returns the bytes appended.
     pub(crate) fn write_response(
         &self,
         out: &mut Vec<u8>,
         keep_alive: bool,
         head_only: bool,
+        dialect: ClientDialect,
     ) -> usize {
         let before = out.len();
-        let _ = self.render(&mut crate::http::VecText(out), keep_alive, head_only);
+        let _ = self.render(
+            &mut crate::http::VecText(out),
+            keep_alive,
+            head_only,
+            dialect,
+        );
         out.len() - before
     }
 
     /// How many bytes [`Self::write_response`] appends, counted without writing them.
-    pub(crate) fn response_len(&self, keep_alive: bool, head_only: bool) -> usize {
+    pub(crate) fn response_len(
+        &self,
+        keep_alive: bool,
+        head_only: bool,
+        dialect: ClientDialect,
+    ) -> usize {
         let mut n = Count(0);
-        let _ = self.render(&mut n, keep_alive, head_only);
+        let _ = self.render(&mut n, keep_alive, head_only, dialect);
         n.0
     }
 
@@ -511,9 +540,13 @@ impl GatewayError {
         }
     }
 
-    /// The error as one SSE event, for a stream that already started.
-    pub(crate) fn sse_event(&self) -> String {
-        format!("data: {}\n\n", self.body())
+    /// The error as one SSE event, for a stream that already started: a `data:` event
+    /// (OpenAI), or Anthropic's `event: error`.
+    pub(crate) fn sse_event(&self, dialect: ClientDialect) -> String {
+        match dialect {
+            ClientDialect::OpenAi => format!("data: {}\n\n", self.body(dialect)),
+            ClientDialect::Anthropic => format!("event: error\ndata: {}\n\n", self.body(dialect)),
+        }
     }
 }
 
@@ -585,6 +618,8 @@ impl fmt::Display for GatewayError {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    const OPENAI: ClientDialect = ClientDialect::OpenAi;
 
     #[test]
     fn catalogue_table() {
@@ -658,7 +693,7 @@ mod tests {
     fn every_body_is_openai_shaped_json() {
         for kind in ErrorKind::ALL {
             for e in [GatewayError::new(kind, "plain"), full(kind)] {
-                let v: serde_json::Value = serde_json::from_str(&e.body()).unwrap();
+                let v: serde_json::Value = serde_json::from_str(&e.body(OPENAI)).unwrap();
                 let top = v.as_object().unwrap();
                 assert_eq!(top.keys().collect::<Vec<_>>(), ["error"], "{kind:?}");
                 let inner = top["error"].as_object().unwrap();
@@ -681,10 +716,14 @@ mod tests {
             for e in [GatewayError::new(kind, ""), full(kind)] {
                 for keep_alive in [true, false] {
                     for head_only in [true, false] {
-                        let mut out = b"already there".to_vec();
-                        let written = e.write_response(&mut out, keep_alive, head_only);
-                        assert_eq!(written, out.len() - 13, "{kind:?}");
-                        assert_eq!(e.response_len(keep_alive, head_only), written, "{kind:?}");
+                        for dialect in [OPENAI, ClientDialect::Anthropic] {
+                            let mut out = b"already there".to_vec();
+                            let written =
+                                e.write_response(&mut out, keep_alive, head_only, dialect);
+                            assert_eq!(written, out.len() - 13, "{kind:?}");
+                            let counted = e.response_len(keep_alive, head_only, dialect);
+                            assert_eq!(counted, written, "{kind:?}");
+                        }
                     }
                 }
             }
@@ -695,7 +734,7 @@ mod tests {
     fn response_head_and_connection() {
         let e = full(ErrorKind::MethodNotAllowed);
         let mut out = Vec::new();
-        e.write_response(&mut out, true, false);
+        e.write_response(&mut out, true, false, OPENAI);
         let text = String::from_utf8(out).unwrap();
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
         assert_eq!(
@@ -707,14 +746,14 @@ mod tests {
                 body.len()
             )
         );
-        assert_eq!(body, e.body());
+        assert_eq!(body, e.body(OPENAI));
         assert!(e.keeps_connection(true));
         assert!(!e.keeps_connection(false));
 
         // A closing kind says so even when the client asked to keep the connection.
         let mut out = Vec::new();
         let e = GatewayError::bad_http("x");
-        e.write_response(&mut out, true, true);
+        e.write_response(&mut out, true, true, OPENAI);
         let text = String::from_utf8(out).unwrap();
         assert!(text.starts_with("HTTP/1.1 400 Bad Request\r\n"));
         assert!(text.ends_with("connection: close\r\n\r\n"));
@@ -725,10 +764,78 @@ mod tests {
     fn body_is_openai_shaped_and_escaped() {
         let e = GatewayError::model_not_found("a\"b");
         assert_eq!(
-            e.body(),
+            e.body(OPENAI),
             r#"{"error":{"message":"The model `a\"b` does not exist or you do not have access to it.","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#
         );
-        assert_eq!(e.sse_event(), format!("data: {}\n\n", e.body()),);
+        assert_eq!(e.sse_event(OPENAI), format!("data: {}\n\n", e.body(OPENAI)),);
+    }
+
+    #[test]
+    fn anthropic_clients_get_anthropic_shapes_with_the_same_status() {
+        let anthropic = ClientDialect::Anthropic;
+        for kind in ErrorKind::ALL {
+            let e = full(kind);
+            let v: serde_json::Value = serde_json::from_str(&e.body(anthropic)).unwrap();
+            assert_eq!(v["type"], "error", "{kind:?}");
+            let inner = v["error"].as_object().unwrap();
+            let mut keys: Vec<_> = inner.keys().map(String::as_str).collect();
+            keys.sort_unstable();
+            assert_eq!(keys, ["message", "type"], "{kind:?}");
+            assert_eq!(inner["message"].as_str(), Some(e.message.as_str()));
+        }
+        let kind_of = |e: GatewayError| {
+            let v: serde_json::Value = serde_json::from_str(&e.body(anthropic)).unwrap();
+            v["error"]["type"].as_str().unwrap().to_owned()
+        };
+        for (e, kind) in [
+            (
+                GatewayError::new(ErrorKind::InvalidApiKey, "k"),
+                "authentication_error",
+            ),
+            (GatewayError::model_not_found("m"), "not_found_error"),
+            (
+                GatewayError::new(ErrorKind::RateLimited, "r"),
+                "rate_limit_error",
+            ),
+            (
+                GatewayError::upstream_unavailable("m", 1),
+                "overloaded_error",
+            ),
+            (
+                GatewayError::new(ErrorKind::BodyTooLarge, "b"),
+                "request_too_large",
+            ),
+            (
+                GatewayError::invalid_request("x", None),
+                "invalid_request_error",
+            ),
+            (
+                GatewayError::new(ErrorKind::ModelNotAllowed, "p"),
+                "permission_error",
+            ),
+            (GatewayError::gateway_timeout("t"), "timeout_error"),
+        ] {
+            assert_eq!(kind_of(e), kind);
+        }
+        // The head is the same as an OpenAI client's: status, Retry-After, rate headers.
+        let e = full(ErrorKind::RateLimited);
+        let (mut a, mut o) = (Vec::new(), Vec::new());
+        e.write_response(&mut a, true, false, anthropic);
+        e.write_response(&mut o, true, false, OPENAI);
+        let head = |b: &[u8]| {
+            let t = String::from_utf8(b.to_vec()).unwrap();
+            let h = t.split_once("\r\n\r\n").unwrap().0.to_owned();
+            h.lines()
+                .filter(|l| !l.starts_with("content-length"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        assert_eq!(head(&a), head(&o));
+        let event = GatewayError::bad_gateway(UpstreamFault::Io, "cut").sse_event(anthropic);
+        assert_eq!(
+            event,
+            "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",\"message\":\"cut\"}}\n\n"
+        );
     }
 
     #[test]

@@ -177,6 +177,126 @@ pub(crate) fn build_anthropic_request(
     Ok(())
 }
 
+/// Build the upstream request for an Anthropic client's Messages request to an
+/// Anthropic-dialect cluster into `out`: passed through byte for byte but for the mapped model
+/// (spliced in as [`build_request`] does; nothing else of the body changes, no `stream_options`),
+/// to `{base path}/messages` by the same suffix rule. The client's credentials are withheld and
+/// the cluster's sent; `anthropic-version` is the client's (the cluster's when it sent none),
+/// `anthropic-beta` the cluster's when configured, else the client's.
+pub(crate) fn build_messages_passthrough(
+    out: &mut Vec<u8>,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    target: &Target<'_>,
+    settings: &AnthropicSettings,
+) {
+    let buf = request.buf;
+    let head = request.head;
+    let backend = target.backend;
+    let target_path = head.target(buf);
+    let suffix = target_path.strip_prefix(b"/v1").unwrap_or(target_path);
+    let body = request.body;
+    let mut mapped_literal = String::new();
+    if let Some(model) = target.mapped_model {
+        crate::openai::json::push_json_string(&mut mapped_literal, model);
+    }
+    let edits = body_edits(
+        inspection,
+        target.mapped_model.map(|_| mapped_literal.as_bytes()),
+        false,
+    );
+    let body_len = edits
+        .iter()
+        .flatten()
+        .fold(body.len(), |len, (start, end, with, _)| {
+            len - (end - start) + with.len()
+        });
+
+    out.clear();
+    out.extend_from_slice(b"POST ");
+    out.extend_from_slice(backend.base_path.as_bytes());
+    out.extend_from_slice(suffix);
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(backend.host_header.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let credential = target.credential.map(|(_, c)| c);
+    if let Some(c) = credential {
+        out.extend_from_slice(&c.header_line);
+    }
+    if let Some(line) = &settings.beta_line {
+        out.extend_from_slice(line);
+    }
+    let credential_name = credential.map(|c| c.header_name.as_str());
+    let mut version_sent = false;
+    for h in &head.headers {
+        let name = h.name(buf);
+        if is_withheld(name, credential_name)
+            || (settings.beta_line.is_some() && name.eq_ignore_ascii_case(b"anthropic-beta"))
+        {
+            continue;
+        }
+        version_sent |= name.eq_ignore_ascii_case(b"anthropic-version");
+        out.extend_from_slice(name);
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(h.value(buf));
+        out.extend_from_slice(b"\r\n");
+    }
+    if !version_sent {
+        out.extend_from_slice(&settings.version_line);
+    }
+    let _ = write!(out, "content-length: {body_len}\r\n\r\n");
+    splice(out, body, edits.iter().flatten().copied());
+}
+
+/// Build the upstream request for an Anthropic client's Messages request to an OpenAI-dialect
+/// cluster into `out`: translated into a chat completion (`POST {base path}/chat/completions`,
+/// a stream asking for usage) for the target's model, with the cluster's credential. The
+/// client's other headers go as on the OpenAI path, less those that describe the old body or
+/// another API (`content-type`, `anthropic-*`). A request chat completions cannot express is
+/// the client's to fix: 400.
+pub(crate) fn build_chat_from_messages(
+    out: &mut Vec<u8>,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    target: &Target<'_>,
+) -> Result<(), GatewayError> {
+    let buf = request.buf;
+    let backend = target.backend;
+    let model = target.mapped_model.unwrap_or(&inspection.model);
+    let mut body = Vec::with_capacity(request.body.len() + 128);
+    crate::openai::anthropic::client::messages_to_chat(request.body, model, &mut body)
+        .map_err(|e| GatewayError::invalid_request(e.message, None))?;
+    out.clear();
+    out.extend_from_slice(b"POST ");
+    out.extend_from_slice(backend.base_path.as_bytes());
+    out.extend_from_slice(b"/chat/completions HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(backend.host_header.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    if let Some((_, c)) = target.credential {
+        out.extend_from_slice(&c.header_line);
+    }
+    let credential_name = target.credential.map(|(_, c)| c.header_name.as_str());
+    for h in request.head.headers.iter() {
+        let name = h.name(buf);
+        let replaced = name.eq_ignore_ascii_case(b"content-type")
+            || name.len() >= 10 && name[..10].eq_ignore_ascii_case(b"anthropic-");
+        if replaced || is_withheld(name, credential_name) {
+            continue;
+        }
+        out.extend_from_slice(name);
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(h.value(buf));
+        out.extend_from_slice(b"\r\n");
+    }
+    let _ = write!(
+        out,
+        "content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    out.extend_from_slice(&body);
+    Ok(())
+}
+
 /// A replacement of `body[start..end]` (empty for an insertion) by the bytes given, and whether
 /// it is the `include_usage` one.
 type Edit<'a> = (usize, usize, &'a [u8], bool);

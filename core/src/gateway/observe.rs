@@ -17,9 +17,10 @@ use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError, Origin, UpstreamFault};
 use crate::gateway::forward::ForwardTimings;
 use crate::gateway::relay::RelayEnd;
+use crate::openai::anthropic::client::{message_usage, AnthropicStreamMeter};
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
-use crate::openai::meter::{SseMeter, Usage};
+use crate::openai::meter::{event_data, MeterSummary, SseMeter, SseSplitter, Usage};
 use crate::telemetry::accesslog::UsageSource as LogUsageSource;
 use crate::telemetry::accesslog::{AccessLog, AccessRecord};
 use crate::telemetry::metrics::MetricsView;
@@ -82,6 +83,60 @@ enum Metering {
     Stream,
     /// A JSON body, copied aside (bounded) and read whole at the end.
     Json { truncated: bool },
+    /// An Anthropic event stream passed through ([`Observation::meter_anthropic`]).
+    AnthropicStream,
+}
+
+/// An Anthropic Messages stream's metering: its events split as they pass, usage and the end
+/// read by [`AnthropicStreamMeter`], content deltas timed (TTFT, TPOT) and counted (the
+/// estimate when no usage came).
+#[derive(Default)]
+struct AnthropicMetering {
+    splitter: SseSplitter,
+    data: Vec<u8>,
+    meter: AnthropicStreamMeter,
+    first_content_at: Option<Instant>,
+    last_content_at: Option<Instant>,
+    content_bytes: u64,
+}
+
+impl AnthropicMetering {
+    fn reset(&mut self) {
+        self.splitter.reset();
+        self.data.clear();
+        self.meter.reset();
+        self.first_content_at = None;
+        self.last_content_at = None;
+        self.content_bytes = 0;
+    }
+
+    fn feed(&mut self, input: &[u8], now: Instant) {
+        let AnthropicMetering {
+            splitter,
+            data,
+            meter,
+            first_content_at,
+            last_content_at,
+            content_bytes,
+        } = self;
+        splitter.feed(input, |event| {
+            let name = crate::gateway::relay::translate::event_name(event).unwrap_or_default();
+            let Some(payload) = event_data(event, data) else {
+                return;
+            };
+            if name.trim_ascii() == b"content_block_delta" {
+                first_content_at.get_or_insert(now);
+                *last_content_at = Some(now);
+                *content_bytes += payload.len() as u64;
+            }
+            meter.on_event(name, payload);
+        });
+    }
+
+    /// Ended as Anthropic streams end (`message_stop`), or with the upstream's error event.
+    fn ended(&self) -> bool {
+        self.meter.stopped() || self.meter.error().is_some()
+    }
 }
 
 /// One request's observations. Reused per connection; [`Observation::start`] resets it.
@@ -111,6 +166,10 @@ pub(crate) struct Observation {
     metering: Metering,
     meter: SseMeter,
     json: Vec<u8>,
+    /// The response is Anthropic's own (passed through to an Anthropic client): metered in
+    /// Anthropic's terms.
+    anthropic: bool,
+    anthropic_meter: AnthropicMetering,
 }
 
 impl Default for Observation {
@@ -132,6 +191,8 @@ impl Default for Observation {
             metering: Metering::Off,
             meter: SseMeter::new(),
             json: Vec::new(),
+            anthropic: false,
+            anthropic_meter: AnthropicMetering::default(),
         }
     }
 }
@@ -176,6 +237,9 @@ impl Observation {
         self.sticky_id_hash = 0;
         self.rate_headers.clear();
         self.metering = Metering::Off;
+        if std::mem::take(&mut self.anthropic) {
+            self.anthropic_meter.reset();
+        }
         self.meter.reset();
         self.json.clear();
         if self.json.capacity() > 64 * 1024 {
@@ -183,11 +247,21 @@ impl Observation {
         }
     }
 
+    /// The response to come is an Anthropic answer passed through as it is (`on`): its usage,
+    /// first token and end are read in Anthropic's terms.
+    pub(crate) fn meter_anthropic(&mut self, on: bool) {
+        if self.anthropic && !on {
+            self.anthropic_meter.reset();
+        }
+        self.anthropic = on;
+    }
+
     /// The response head arrived: decide how its body is metered.
     pub(crate) fn response_started(&mut self, status: u16, event_stream: bool, has_body: bool) {
         self.status = status;
         self.metering = match (has_body, event_stream) {
             (false, _) => Metering::Off,
+            (true, true) if self.anthropic => Metering::AnthropicStream,
             (true, true) => Metering::Stream,
             (true, false) => Metering::Json { truncated: false },
         };
@@ -198,6 +272,7 @@ impl Observation {
         match &mut self.metering {
             Metering::Off => {}
             Metering::Stream => self.meter.feed(data, now),
+            Metering::AnthropicStream => self.anthropic_meter.feed(data, now),
             Metering::Json { truncated } => {
                 if self.json.len() + data.len() <= MAX_METERED_JSON {
                     self.json.extend_from_slice(data);
@@ -212,9 +287,13 @@ impl Observation {
     /// Responses API's terminal event sets one), no error event of the upstream's, and no event
     /// too long to read that might have been the end ([`SseMeter::events_ended`]).
     pub(crate) fn stream_unfinished(&self) -> bool {
-        matches!(self.metering, Metering::Stream)
-            && (200..300).contains(&self.status)
-            && !self.meter.events_ended()
+        let ended = match self.metering {
+            Metering::Stream => self.meter.events_ended(),
+            // Anthropic's streams end with `message_stop` (or an error event).
+            Metering::AnthropicStream => self.anthropic_meter.ended(),
+            Metering::Off | Metering::Json { .. } => return false,
+        };
+        (200..300).contains(&self.status) && !ended
     }
 
     /// Whether `event` (one whole SSE event of the response) is the usage-only chunk that
@@ -249,10 +328,34 @@ impl Observation {
         estimate: Estimator,
     ) -> Outcome<'m> {
         let finished = self.finished_at.unwrap_or_else(Instant::now);
-        if let Metering::Json { truncated: false } = self.metering {
-            self.meter.on_json_body(&self.json);
-        }
-        let summary = self.meter.summary();
+        let (summary, captured) = match (&self.metering, self.anthropic) {
+            (Metering::Json { truncated: false }, false) => {
+                self.meter.on_json_body(&self.json);
+                (self.meter.summary(), self.meter.captured())
+            }
+            (Metering::Json { truncated: false }, true) => {
+                let usage = message_usage(&self.json).map(|m| m.usage);
+                (
+                    MeterSummary {
+                        usage,
+                        ..MeterSummary::default()
+                    },
+                    &[][..],
+                )
+            }
+            (Metering::AnthropicStream, _) => {
+                let a = &self.anthropic_meter;
+                let summary = MeterSummary {
+                    usage: a.meter.usage().map(|m| m.usage),
+                    first_content_at: a.first_content_at,
+                    last_content_at: a.last_content_at,
+                    content_bytes: a.content_bytes,
+                    ..MeterSummary::default()
+                };
+                (summary, &[][..])
+            }
+            _ => (self.meter.summary(), self.meter.captured()),
+        };
         let (usage, usage_source) = match summary.usage {
             Some(u) => (u, UsageSource::Reported),
             None if self.status == 0 || !(200..300).contains(&self.status) => {
@@ -263,7 +366,6 @@ impl Observation {
                 // the prompt, and the generated text the meter kept (scaled up by bytes when
                 // there was more than it keeps).
                 let prompt = estimate.count(prompt_body).max(1);
-                let captured = self.meter.captured();
                 let mut completion = estimate.count(captured);
                 if summary.content_bytes > captured.len() as u64 && !captured.is_empty() {
                     completion = (completion as u128 * summary.content_bytes as u128
@@ -543,7 +645,7 @@ pub(crate) fn emit(
     rec.bytes_in = obs.bytes_in;
     rec.bytes_out = match error {
         // Sluice's own answer is written after this record: count what it will be.
-        Some(e) => e.response_len(request.head.keep_alive, false) as u64,
+        Some(e) => e.response_len(request.head.keep_alive, false, request.dialect()) as u64,
         None => obs.bytes_out,
     };
     set_str(&mut rec.error_class, error_class(obs, error));
@@ -608,4 +710,83 @@ fn fault_kind(fault: UpstreamFault) -> UpstreamErrorKind {
 fn set_str(field: &mut String, value: &str) {
     field.clear();
     field.push_str(value);
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    //! Metering by dialect: an Anthropic answer passed through is read by Anthropic's rules.
+    use super::*;
+    use crate::gateway::context::testing::OwnedCore;
+
+    const TEXT: &[u8] = include_bytes!("../openai/anthropic/testdata/anthropic_text.sse");
+
+    fn core() -> OwnedCore {
+        OwnedCore::new(
+            r#"
+            [clusters.main]
+            backends = [{ base_url = "http://127.0.0.1:9/v1" }]
+            [[routes]]
+            model = "claude-x"
+            cluster = "main"
+            "#,
+        )
+    }
+
+    /// An observation of a 200 whose body arrives in `reads`, metered as Anthropic's or not.
+    fn observe(anthropic: bool, stream: bool, reads: &[&[u8]]) -> Box<Observation> {
+        let mut obs = Box::<Observation>::default();
+        obs.start(Instant::now(), 100);
+        obs.meter_anthropic(anthropic);
+        obs.response_started(200, stream, true);
+        for read in reads {
+            obs.body(read, Instant::now());
+        }
+        obs
+    }
+
+    #[test]
+    fn an_anthropic_stream_is_metered_in_openai_terms_across_any_split() {
+        let core = core();
+        for split in [1, 7, TEXT.len()] {
+            let reads: Vec<&[u8]> = TEXT.chunks(split).collect();
+            let mut obs = observe(true, true, &reads);
+            assert!(!obs.stream_unfinished(), "message_stop ends it");
+            let outcome = obs.outcome(&core.snapshot, "claude-x", None, b"{}", Estimator::Bytes);
+            assert_eq!(outcome.usage_source, UsageSource::Reported);
+            assert_eq!(outcome.usage.prompt_tokens, 25);
+            assert_eq!(outcome.usage.completion_tokens, 15);
+            assert_eq!(outcome.usage.total_tokens, 40);
+            assert!(outcome.ttft.is_some(), "timed at the first content delta");
+        }
+    }
+
+    #[test]
+    fn an_anthropic_stream_without_message_stop_is_unfinished_and_reused_state_is_clean() {
+        let cut = &TEXT[..TEXT.len() - 40];
+        let obs = observe(true, true, &[cut]);
+        assert!(obs.stream_unfinished());
+        // The same observation, reused for an OpenAI request, meters OpenAI's way again.
+        let mut obs = obs;
+        obs.start(Instant::now(), 10);
+        obs.meter_anthropic(false);
+        obs.response_started(200, true, true);
+        obs.body(b"data: [DONE]\n\n", Instant::now());
+        assert!(!obs.stream_unfinished());
+        // An OpenAI meter never takes Anthropic's end for its own.
+        let obs = observe(false, true, &[TEXT]);
+        assert!(obs.stream_unfinished());
+    }
+
+    #[test]
+    fn a_whole_anthropic_message_reports_its_usage_cache_included() {
+        let core = core();
+        let body = br#"{"type":"message","content":[{"type":"text","text":"hi"}],"usage":{"input_tokens":10,"cache_read_input_tokens":30,"cache_creation_input_tokens":5,"output_tokens":7}}"#;
+        let mut obs = observe(true, false, &[body]);
+        let outcome = obs.outcome(&core.snapshot, "claude-x", None, b"{}", Estimator::Bytes);
+        assert_eq!(outcome.usage_source, UsageSource::Reported);
+        assert_eq!(outcome.usage.prompt_tokens, 45);
+        assert_eq!(outcome.usage.cached_tokens, 30);
+        assert_eq!(outcome.usage.completion_tokens, 7);
+    }
 }

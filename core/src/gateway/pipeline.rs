@@ -20,7 +20,9 @@ use crate::gateway::relay::{ClientSide, RelayEnd, Relayed};
 use crate::gateway::route::Candidates;
 use crate::gateway::{admit, auth, fallback, forward, observe, relay, route, sticky};
 use crate::limits::shard::Permit;
+use crate::openai::anthropic::client as anthropic_client;
 use crate::openai::anthropic::upstream as anthropic_upstream;
+use crate::openai::endpoint::{ClientDialect, Endpoint};
 use crate::openai::inspect::Inspection;
 use crate::upstream::health::AttemptResult;
 
@@ -70,6 +72,23 @@ pub(crate) fn refused_before_body(core: PerCore<'_>, request: &Request<'_>, erro
         &caller,
     );
     core.observations.give(obs);
+}
+
+/// Answer `/v1/messages/count_tokens` for a caller whose head was authenticated: the body read
+/// (strictly, as a Messages request without `max_tokens`), the model authorized for the key,
+/// and the prompt's tokens estimated as admission estimates them — nothing goes upstream.
+pub(crate) fn count_tokens(
+    request: &Request<'_>,
+    authenticated: Authenticated<'_>,
+) -> Result<u64, GatewayError> {
+    let read = anthropic_client::inspect_count_tokens(request.body)
+        .map_err(|e| GatewayError::invalid_request(e.message, None))?;
+    auth::authorize(
+        authenticated.principal,
+        &read.model,
+        request.peer.map(|p| p.ip()),
+    )?;
+    Ok(crate::openai::tokens::estimate_tokens(request.body))
 }
 
 /// Serve one request whose head was authenticated and whose body is in.
@@ -191,10 +210,15 @@ pub(crate) async fn admit_request<'s>(
     let limits = &*core.snapshot.limits;
     let principal = caller.principal;
 
-    // Inspect: the top-level model and friends, exactly as the upstream will read them.
+    // Inspect: the top-level model and friends, exactly as the upstream will read them. A
+    // Messages request is read by Anthropic's rules too (`max_tokens` required), which decide
+    // model, stream and cap.
     core.inspector
         .borrow_mut()
         .inspect_for(request.body, &core.snapshot.body_wants, inspection)?;
+    if request.dialect() == ClientDialect::Anthropic {
+        inspect_messages(request.body, inspection)?;
+    }
 
     // Authorize: may this key use this model, from this address.
     auth::authorize(principal, &inspection.model, request.peer.map(|p| p.ip()))
@@ -254,6 +278,21 @@ pub(crate) async fn admit_request<'s>(
     }
 }
 
+/// A Messages request read by Anthropic's rules over what the inspector found: model (and its
+/// span), stream and the required `max_tokens`; 400 when they are broken. Out of line: the
+/// OpenAI endpoints' path never runs it.
+#[inline(never)]
+fn inspect_messages(body: &[u8], inspection: &mut Inspection) -> Result<(), GatewayError> {
+    let m = anthropic_client::inspect_messages(body)
+        .map_err(|e| GatewayError::invalid_request(e.message, None))?;
+    inspection.model.clear();
+    inspection.model.push_str(&m.model);
+    inspection.model_span = m.model_span;
+    inspection.stream = m.stream;
+    inspection.max_tokens = Some(m.max_tokens);
+    Ok(())
+}
+
 /// Forward the request to the candidates in turn and relay the first response that is not a
 /// failure another backend could do better than: how the relay ended, or the error to answer
 /// with when nothing reached the client; and the model name the last attempt's upstream saw.
@@ -279,12 +318,17 @@ async fn serve<'s>(
     // the soonest a provider over its limits takes requests again.
     let mut estimate: Option<u64> = None;
     let mut over_limits: Option<u64> = None;
-    // An Anthropic-dialect cluster answers chat completions only (what translates).
-    let chat = crate::openai::endpoint::Endpoint::from_path(request.head.path(request.buf))
-        == Some(crate::openai::endpoint::Endpoint::ChatCompletions);
+    // An Anthropic-dialect cluster answers chat completions (translated) and Messages
+    // (passed through) only.
+    let endpoint = Endpoint::from_path(request.head.path(request.buf));
+    let translatable = matches!(
+        endpoint,
+        Some(Endpoint::ChatCompletions | Endpoint::Messages)
+    );
+    let dialect = request.dialect();
     loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
-        if !chat && matches!(target.cluster.dialect, Dialect::Anthropic(_)) {
+        if !translatable && matches!(target.cluster.dialect, Dialect::Anthropic(_)) {
             match candidates.next_fallback(model, None) {
                 Some(next) => {
                     target = next;
@@ -372,8 +416,33 @@ async fn serve<'s>(
             Dialect::Anthropic(settings) => Some(settings),
             Dialect::OpenAi => None,
         };
-        let usage_requested = match anthropic {
-            Some(settings) => {
+        let usage_requested = match (dialect, anthropic) {
+            (ClientDialect::Anthropic, Some(settings)) => {
+                forward::build_messages_passthrough(
+                    &mut upstream_request,
+                    request,
+                    inspection,
+                    &target,
+                    settings,
+                );
+                false
+            }
+            (ClientDialect::Anthropic, None) => {
+                let built = forward::build_chat_from_messages(
+                    &mut upstream_request,
+                    request,
+                    inspection,
+                    &target,
+                );
+                if let Err(e) = built {
+                    // Never sent: the request is the client's to fix, wherever it goes.
+                    core.bufs.give(upstream_request);
+                    core.limiter.borrow_mut().release(provider);
+                    return (Err(e), target.mapped_model);
+                }
+                false
+            }
+            (ClientDialect::OpenAi, Some(settings)) => {
                 let built = forward::build_anthropic_request(
                     &mut upstream_request,
                     request,
@@ -389,7 +458,7 @@ async fn serve<'s>(
                 }
                 inspection.include_usage != Some(true)
             }
-            None => forward::build_request(
+            (ClientDialect::OpenAi, None) => forward::build_request(
                 &mut upstream_request,
                 request,
                 inspection,
@@ -483,15 +552,54 @@ async fn serve<'s>(
             minor_version: request.head.minor_version,
             keep_alive: request.head.keep_alive,
             strip_usage: usage_requested,
+            dialect,
         };
-        let relayed = match anthropic {
+        // An Anthropic answer passed through is metered in Anthropic's terms.
+        obs.meter_anthropic(dialect == ClientDialect::Anthropic && anthropic.is_some());
+        let client_stream =
+            response.head.event_stream && (200..300).contains(&response.head.status);
+        let relayed = match (dialect, anthropic) {
+            (ClientDialect::Anthropic, Some(_)) => {
+                relay::relay(core.io(), client, response, side, obs, None).await
+            }
+            // An OpenAI-dialect answer for an Anthropic client: metered as the upstream sent
+            // it, translated on the way out.
+            (ClientDialect::Anthropic, None) if client_stream => {
+                let translate = StreamTranslate::to_messages(model);
+                relay::relay(core.io(), client, response, side, obs, Some(translate)).await
+            }
+            (ClientDialect::Anthropic, None) => {
+                let translate = |status: u16, body: &[u8], out: &mut Vec<u8>| {
+                    if (200..300).contains(&status) {
+                        anthropic_client::chat_to_message(body, model, out).map_err(|e| {
+                            GatewayError::bad_gateway(
+                                UpstreamFault::Protocol,
+                                format!("the upstream's answer could not be read: {}", e.message),
+                            )
+                        })?;
+                        Ok(status)
+                    } else {
+                        Ok(anthropic_client::error_to_anthropic(status, body, out))
+                    }
+                };
+                relay::relay_translated_whole(
+                    core.io(),
+                    client,
+                    response,
+                    side,
+                    obs,
+                    true,
+                    translate,
+                )
+                .await
+            }
             // Streamed: translated event by event. Anything else (an answer, an error): read
             // whole and translated.
-            Some(_) if response.head.event_stream && (200..300).contains(&response.head.status) => {
+            (ClientDialect::OpenAi, Some(_)) if client_stream => {
                 let translate = StreamTranslate::anthropic(model);
                 relay::relay(core.io(), client, response, side, obs, Some(translate)).await
             }
-            Some(_) => {
+            (ClientDialect::OpenAi, Some(_)) => {
                 let translate = |status: u16, body: &[u8], out: &mut Vec<u8>| {
                     if (200..300).contains(&status) {
                         anthropic_upstream::message_to_chat(body, out).map_err(|e| {
@@ -508,10 +616,20 @@ async fn serve<'s>(
                         Ok(anthropic_upstream::error_to_openai(status, body, out))
                     }
                 };
-                relay::relay_translated_whole(core.io(), client, response, side, obs, translate)
-                    .await
+                relay::relay_translated_whole(
+                    core.io(),
+                    client,
+                    response,
+                    side,
+                    obs,
+                    false,
+                    translate,
+                )
+                .await
             }
-            None => relay::relay(core.io(), client, response, side, obs, None).await,
+            (ClientDialect::OpenAi, None) => {
+                relay::relay(core.io(), client, response, side, obs, None).await
+            }
         };
         if let Some(attempt) = attempt.as_mut().filter(|a| !a.recorded()) {
             let result = match &relayed {
@@ -780,6 +898,151 @@ mod tests {
         }
         // None of them used the key's one request.
         assert!(decide(&core, &raw(Some(KEY), CHAT)).result.is_ok());
+    }
+
+    /// The request the primary target of a `/v1/messages` request would be sent.
+    fn built_for_messages(core: &OwnedCore, headers: &str, body: &str) -> String {
+        let raw = format!(
+            "POST /v1/messages HTTP/1.1\r\nHost: gw\r\n{headers}Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let raw = raw.as_bytes();
+        let head = core.head(raw);
+        let request = request(raw, &head);
+        let per_core = core.per_core();
+        let mut inspection = Inspection::default();
+        let mut caller = Caller::default();
+        let mut obs = Observation::default();
+        let (candidates, admission) = runtime()
+            .block_on(async {
+                let sync = crate::limits::run_sync(
+                    per_core.limiter,
+                    &core.snapshot.limits.sync,
+                    0,
+                    |_, _| {},
+                    InProcessLedger::new(),
+                    std::future::pending(),
+                );
+                let decide =
+                    admit_request(per_core, &request, &mut inspection, &mut caller, &mut obs);
+                monoio::select! {
+                    decided = decide => decided,
+                    () = sync => unreachable!("the sync task runs for the worker's life"),
+                }
+            })
+            .unwrap();
+        let target = candidates.primary();
+        let mut out = Vec::new();
+        match &target.cluster.dialect {
+            Dialect::Anthropic(settings) => {
+                forward::build_messages_passthrough(
+                    &mut out,
+                    &request,
+                    &inspection,
+                    &target,
+                    settings,
+                );
+            }
+            Dialect::OpenAi => {
+                forward::build_chat_from_messages(&mut out, &request, &inspection, &target)
+                    .unwrap();
+            }
+        }
+        admission.settle(per_core.limiter, 0);
+        String::from_utf8(out).unwrap()
+    }
+
+    fn messages_core() -> OwnedCore {
+        OwnedCore::new(
+            r#"
+            [clusters.claude]
+            dialect = "anthropic"
+            backends = [{ base_url = "http://127.0.0.1:9/v1" }]
+            model_map = { "claude" = "claude-sonnet-4-5" }
+            anthropic = { beta = "cluster-beta" }
+            [clusters.gpt]
+            backends = [{ base_url = "http://127.0.0.1:9/api/v1" }]
+            model_map = { "gpt" = "gpt-4o" }
+            [[routes]]
+            model = "claude*"
+            cluster = "claude"
+            [[routes]]
+            model = "gpt"
+            cluster = "gpt"
+            "#,
+        )
+    }
+
+    #[test]
+    fn messages_pass_through_to_an_anthropic_cluster_with_only_the_model_changed() {
+        let core = messages_core();
+        let body = r#"{"model":"claude","max_tokens":8,"stream":true,"messages":[{"role":"user","content":"hi"}],"top_k":3}"#;
+        let sent = built_for_messages(
+            &core,
+            "x-api-key: sk-client\r\nanthropic-beta: client-beta\r\nanthropic-version: 2024-01-01\r\n",
+            body,
+        );
+        let (head, upstream_body) = sent.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("POST /v1/messages HTTP/1.1\r\n"), "{head}");
+        assert_eq!(
+            upstream_body,
+            body.replace("\"claude\"", "\"claude-sonnet-4-5\""),
+            "byte for byte but the model; no stream_options"
+        );
+        assert!(
+            head.contains(&format!("content-length: {}", upstream_body.len())),
+            "{head}"
+        );
+        assert!(
+            !head.contains("sk-client"),
+            "the client's key is withheld: {head}"
+        );
+        assert!(head.contains("anthropic-beta: cluster-beta"), "{head}");
+        assert!(!head.contains("client-beta"), "{head}");
+        assert!(
+            head.contains("anthropic-version: 2024-01-01"),
+            "the client's: {head}"
+        );
+        assert_eq!(head.matches("anthropic-version").count(), 1, "{head}");
+
+        // No version from the client: the cluster's.
+        let sent = built_for_messages(&core, "", body);
+        assert!(sent.contains("anthropic-version: 2023-06-01\r\n"), "{sent}");
+    }
+
+    #[test]
+    fn messages_to_an_openai_cluster_become_a_chat_completion_asking_for_usage() {
+        let core = messages_core();
+        let body = r#"{"model":"gpt","max_tokens":8,"stream":true,"system":"be brief","messages":[{"role":"user","content":"hi"}]}"#;
+        let sent = built_for_messages(
+            &core,
+            "x-api-key: sk-client\r\nanthropic-version: 2023-06-01\r\ncontent-type: application/json\r\n",
+            body,
+        );
+        let (head, upstream_body) = sent.split_once("\r\n\r\n").unwrap();
+        assert!(
+            head.starts_with("POST /api/v1/chat/completions HTTP/1.1\r\n"),
+            "{head}"
+        );
+        assert!(
+            !head.contains("sk-client") && !head.contains("anthropic-"),
+            "{head}"
+        );
+        assert_eq!(head.matches("content-type").count(), 1, "{head}");
+        let chat: serde_json::Value = serde_json::from_str(upstream_body).unwrap();
+        assert_eq!(chat["model"], "gpt-4o");
+        assert_eq!(chat["max_tokens"], 8);
+        assert_eq!(chat["stream_options"]["include_usage"], true);
+        assert_eq!(chat["messages"][0]["role"], "system");
+    }
+
+    #[test]
+    fn a_messages_request_without_max_tokens_is_refused_before_routing() {
+        let core = messages_core();
+        let raw = b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\nContent-Length: 46\r\n\r\n{\"model\":\"claude\",\"messages\":[],\"stream\":true}";
+        let d = decide(&core, raw);
+        assert_eq!(d.result.unwrap_err(), (400, None));
+        assert_eq!(d.routed, None);
     }
 
     #[test]

@@ -35,6 +35,7 @@ use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::reason;
 use crate::http::response::ResponseHead;
 use crate::http::{is_hop_by_hop, BodyFraming};
+use crate::openai::endpoint::ClientDialect;
 use crate::openai::meter::DEFAULT_MAX_EVENT;
 use crate::sys::stream::{self, ReadOutcome};
 use crate::upstream::UpstreamConn;
@@ -58,6 +59,8 @@ pub(crate) struct ClientSide {
     /// Usage was requested from the upstream for this client, which did not ask for it: an
     /// event stream's usage-only chunk goes to the meter but not to the client.
     pub(crate) strip_usage: bool,
+    /// The API the client speaks: the shape of an error event that ends its stream early.
+    pub(crate) dialect: ClientDialect,
 }
 
 /// How a relayed response ended.
@@ -195,14 +198,16 @@ const MAX_TRANSLATED_BODY: usize = 16 << 20;
 /// Relay a non-streamed answer (or any error) of an upstream that speaks another dialect: the
 /// whole body is read (within `timeouts.stream_idle` per read, at most 16 MiB), translated —
 /// `translate(status, body, out)` returns the status for the client — and sent with its own
-/// `Content-Length`, metered like a non-streamed OpenAI answer. A body that cannot be read
-/// whole, or a 2xx the translator cannot read, is a 502 (nothing was sent yet).
+/// `Content-Length`, metered like a non-streamed OpenAI answer: the translated body, or with
+/// `meter_upstream` (the upstream speaks OpenAI, the client not) the upstream's. A body that
+/// cannot be read whole, or a 2xx the translator cannot read, is a 502 (nothing was sent yet).
 pub(crate) async fn relay_translated_whole(
     io: Io<'_>,
     client: &mut ClientSocket,
     response: UpstreamResponse<'_>,
     side: ClientSide,
     obs: &mut Observation,
+    meter_upstream: bool,
     translate: impl FnOnce(u16, &[u8], &mut Vec<u8>) -> Result<u16, GatewayError>,
 ) -> Result<Relayed, GatewayError> {
     let UpstreamResponse {
@@ -262,12 +267,12 @@ pub(crate) async fn relay_translated_whole(
     }
     let mut translated = io.bufs.take();
     let status = ended.and_then(|()| translate(head.status, &body, &mut translated));
-    io.bufs.give(body);
     io.bufs.give(ubuf);
     let status = match status {
         Ok(status) => status,
         Err(e) => {
             conn.abort();
+            io.bufs.give(body);
             io.bufs.give(translated);
             return Err(e);
         }
@@ -298,9 +303,10 @@ pub(crate) async fn relay_translated_whole(
     );
     if !side.head_only {
         let now = Instant::now();
-        obs.body(&translated, now);
+        obs.body(if meter_upstream { &body } else { &translated }, now);
         out.extend_from_slice(&translated);
     }
+    io.bufs.give(body);
     io.bufs.give(translated);
     obs.bytes_out += out.len() as u64;
     let (res, returned) = client
@@ -328,6 +334,7 @@ struct Plan {
     strip_usage: bool,
     /// The client connection may serve another request (as far as framing allows).
     keep_client: bool,
+    dialect: ClientDialect,
 }
 
 impl Plan {
@@ -358,6 +365,7 @@ impl Plan {
             event_stream: head.event_stream,
             strip_usage,
             keep_client,
+            dialect: side.dialect,
         }
     }
 
@@ -688,7 +696,7 @@ impl Relay<'_, '_> {
         if plan.event_stream && plan.framing == ClientFraming::Chunked {
             // What was held back goes first, as it would have without stripping.
             self.flush_strip();
-            encode_chunk(error.sse_event().as_bytes(), &mut self.out);
+            encode_chunk(error.sse_event(plan.dialect).as_bytes(), &mut self.out);
             self.out.extend_from_slice(LAST_CHUNK);
             let sent = self.send_out(Instant::now()).await.is_none();
             plan.keep_client && sent
@@ -759,30 +767,44 @@ fn feed(
     now: Instant,
 ) -> Result<bool, GatewayError> {
     let Filters {
-        mut translate,
+        translate,
         mut strip,
     } = filters;
+    // A translation into the client's dialect comes after the meter (which reads the
+    // upstream's); one from the upstream's dialect before it.
+    let (mut before, mut after) = match translate {
+        Some(t) if t.after_meter() => (None, Some(t)),
+        t => (t, None),
+    };
     let mut pass = |data: &[u8]| {
         // The meter looks at the decoded (and translated) bytes, all of them; it never holds
         // them back.
         obs.body(data, now);
-        match strip.as_deref_mut() {
-            Some(strip) => strip.feed(
+        match (after.as_deref_mut(), strip.as_deref_mut()) {
+            (Some(after), _) => after.feed(data, |data| frame(framing, data, out)),
+            (None, Some(strip)) => strip.feed(
                 data,
                 |event| obs.is_usage_only_event(event),
                 |data| frame(framing, data, out),
             ),
-            None => frame(framing, data, out),
+            (None, None) => frame(framing, data, out),
         }
     };
-    let mut emit = |data: &[u8]| match translate.as_deref_mut() {
+    let mut emit = |data: &[u8]| match before.as_deref_mut() {
         Some(translate) => translate.feed(data, &mut pass),
         None => pass(data),
     };
     let extra = emit_body(body, input, &mut emit)?;
-    if let (UpstreamBody::Done, Some(strip)) = (body, strip) {
-        // The body ended: an unfinished event held back goes out as it came.
-        strip.finish(|data| frame(framing, data, out));
+    if matches!(body, UpstreamBody::Done) {
+        if let Some(strip) = strip {
+            // The body ended: an unfinished event held back goes out as it came.
+            strip.finish(|data| frame(framing, data, out));
+        }
+        if let Some(after) = after.filter(|_| !obs.stream_unfinished()) {
+            // Ended whole: the translated stream gets its own end (a cut one gets the relay's
+            // error event instead).
+            after.finish(|data| frame(framing, data, out));
+        }
     }
     Ok(extra)
 }

@@ -5,7 +5,10 @@
 //! client closes, a keep-alive idle or read timeout fires, or a request leaves the connection
 //! unusable. Raises, as responses: the HTTP layer's 400 / 413 / 414 / 417 / 431 (then closes),
 //! 408 when a head or body is not received in time (then closes), 404 for unknown paths and 405
-//! for a wrong method. Everything behind a routed path is [`crate::gateway::pipeline::proxy`]'s.
+//! for a wrong method — in Anthropic's error shape on `/v1/messages` paths ([`ClientDialect`]).
+//! Everything behind a routed path is [`crate::gateway::pipeline::proxy`]'s, but
+//! `/v1/messages/count_tokens`, answered here from Sluice's estimate
+//! ([`crate::gateway::pipeline::count_tokens`]).
 //!
 //! While the worker drains for a stop, a connection closes instead of waiting for another
 //! request (unless one is already on its way), and the responses written here say
@@ -25,7 +28,7 @@ use crate::gateway::pipeline;
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, RequestHead};
 use crate::http::BodyFraming;
-use crate::openai::endpoint::Endpoint;
+use crate::openai::endpoint::{ClientDialect, Endpoint, COUNT_TOKENS_PATH};
 use crate::openai::inspect::Inspection;
 use crate::runtime::worker::{Generation, Worker};
 use crate::sys::stream::{self, ReadOutcome};
@@ -87,7 +90,15 @@ pub(crate) async fn serve_tls(worker: Rc<Worker>, stream: TcpStream, peer: std::
             );
             // The request is unread.
             let mut rbuf = Vec::new();
-            answer_unread(&worker, &mut client, &snapshot.timeouts, &e, &mut rbuf).await;
+            answer_unread(
+                &worker,
+                &mut client,
+                &snapshot.timeouts,
+                &e,
+                ClientDialect::OpenAi,
+                &mut rbuf,
+            )
+            .await;
             return;
         }
         None => return,
@@ -244,7 +255,16 @@ async fn serve_request(
         Ok(true) => {}
         Ok(false) => return false,
         Err(e) => {
-            let _ = write_error(worker, client, timeouts, &e, false, false).await;
+            let _ = write_error(
+                worker,
+                client,
+                timeouts,
+                &e,
+                ClientDialect::OpenAi,
+                false,
+                false,
+            )
+            .await;
             return false;
         }
     }
@@ -294,7 +314,10 @@ async fn read_body_and_dispatch(
 ) -> Option<usize> {
     let snapshot = &generation.snapshot;
     let server = &snapshot.server;
-    let proxied = head.method == Method::Post && Endpoint::from_path(head.path(rbuf)).is_some();
+    let path = head.path(rbuf);
+    let dialect = ClientDialect::of_path(path);
+    let proxied = head.method == Method::Post
+        && (Endpoint::from_path(path).is_some() || path == COUNT_TOKENS_PATH);
     let head_only = Request {
         buf: rbuf,
         received_at: Instant::now(),
@@ -332,7 +355,7 @@ async fn read_body_and_dispatch(
     let authenticated = match authenticated {
         Ok(authenticated) => authenticated,
         Err(e) => {
-            answer_unread(worker, client, &snapshot.timeouts, &e, rbuf).await;
+            answer_unread(worker, client, &snapshot.timeouts, &e, dialect, rbuf).await;
             return None;
         }
     };
@@ -350,7 +373,8 @@ async fn read_body_and_dispatch(
         Ok(consumed) => consumed,
         Err(e) => {
             let head_only = head.method == Method::Head;
-            let _ = write_error(worker, client, &snapshot.timeouts, &e, false, head_only).await;
+            let timeouts = &snapshot.timeouts;
+            let _ = write_error(worker, client, timeouts, &e, dialect, false, head_only).await;
             return None;
         }
     };
@@ -392,7 +416,38 @@ async fn dispatch(
     let head_only = head.method == Method::Head;
     let timeouts = &generation.snapshot.timeouts;
     let path = head.path(request.buf);
+    let dialect = ClientDialect::of_path(path);
     let result = match path {
+        COUNT_TOKENS_PATH => {
+            // Answered here, from Sluice's own estimate, once the key (from the head) and the
+            // model are allowed.
+            if let (Method::Post, Some(authenticated)) = (head.method, authenticated) {
+                match pipeline::count_tokens(request, authenticated) {
+                    Ok(tokens) => {
+                        let mut body = worker.bufs.take();
+                        crate::openai::anthropic::client::count_tokens_body(tokens, &mut body);
+                        let keep = write_json(
+                            worker,
+                            client,
+                            timeouts,
+                            200,
+                            &body,
+                            head.keep_alive,
+                            head_only,
+                        )
+                        .await;
+                        worker.bufs.give(body);
+                        return keep;
+                    }
+                    Err(e) => Err(e),
+                }
+            } else {
+                Err(GatewayError::method_not_allowed(
+                    "/v1/messages/count_tokens only accepts POST",
+                    "POST",
+                ))
+            }
+        }
         _ if Endpoint::from_path(path).is_some() => {
             // A POST here was authenticated from its head (`read_body_and_dispatch`).
             if let (Method::Post, Some(authenticated)) = (head.method, authenticated) {
@@ -447,7 +502,10 @@ async fn dispatch(
             )
             .await
         }
-        Err(e) => write_error(worker, client, timeouts, &e, head.keep_alive, head_only).await,
+        Err(e) => {
+            let keep_alive = head.keep_alive;
+            write_error(worker, client, timeouts, &e, dialect, keep_alive, head_only).await
+        }
     }
 }
 
@@ -459,12 +517,13 @@ pub(crate) async fn write_error(
     client: &mut ClientSocket,
     timeouts: &Timeouts,
     error: &GatewayError,
+    dialect: ClientDialect,
     keep_alive: bool,
     head_only: bool,
 ) -> bool {
     let keep_alive = keep_alive && !worker.drain.draining();
     let mut out = worker.bufs.take();
-    error.write_response(&mut out, keep_alive, head_only);
+    error.write_response(&mut out, keep_alive, head_only, dialect);
     send_own(worker, client, timeouts, out).await && error.keeps_connection(keep_alive)
 }
 
@@ -679,9 +738,10 @@ async fn answer_unread(
     client: &mut ClientSocket,
     timeouts: &Timeouts,
     error: &GatewayError,
+    dialect: ClientDialect,
     rbuf: &mut Vec<u8>,
 ) {
-    let _ = write_error(worker, client, timeouts, error, false, false).await;
+    let _ = write_error(worker, client, timeouts, error, dialect, false, false).await;
     linger_close(client, rbuf, timeouts.body_read).await;
 }
 
@@ -711,5 +771,14 @@ pub(crate) async fn refuse_overloaded(worker: Rc<Worker>, stream: TcpStream) {
     let e = GatewayError::overloaded("too many connections; retry shortly");
     // No request runs here: the answer is written on the current snapshot's limits.
     let timeouts = worker.snapshot().timeouts;
-    let _ = write_error(&worker, &mut client, &timeouts, &e, false, false).await;
+    let _ = write_error(
+        &worker,
+        &mut client,
+        &timeouts,
+        &e,
+        ClientDialect::OpenAi,
+        false,
+        false,
+    )
+    .await;
 }

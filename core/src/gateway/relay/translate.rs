@@ -1,38 +1,71 @@
 //! An upstream's event stream in another dialect, translated for the client as it arrives.
 //!
-//! Sits where the decoded upstream bytes enter the relay, before the meter and the usage strip:
-//! a [`StreamTranslate`] splits the Anthropic stream into events (across any read boundary, an
+//! Anthropic upstream → OpenAI client ([`StreamTranslate::anthropic`]): sits where the decoded
+//! upstream bytes enter the relay, before the meter and the usage strip, so the meter, the usage
+//! strip and the client's framing see an OpenAI stream, exactly as if the upstream had sent one.
+//!
+//! OpenAI upstream → Anthropic client ([`StreamTranslate::to_messages`]): sits after the meter
+//! (which reads the upstream's own chat completion chunks, usage chunk included) and instead of
+//! the usage strip: the translator needs the usage chunk for `message_delta`'s usage.
+//!
+//! Either way a [`StreamTranslate`] splits the stream into events (across any read boundary, an
 //! unfinished event held up to the meter's event limit), hands each to the translator, and
-//! passes on the OpenAI events it writes — so the meter, the usage strip and the client's
-//! framing see an OpenAI stream, exactly as if the upstream had sent one. Nothing is held back
-//! beyond the unfinished event at the end of a read.
+//! passes on the events it writes. Nothing is held back beyond the unfinished event at the end
+//! of a read.
 
+use crate::openai::anthropic::client::ChatStreamToMessages;
 use crate::openai::anthropic::upstream::StreamTranslator;
 use crate::openai::meter::{event_data, SseSplitter};
 
-/// An Anthropic Messages stream on its way to an OpenAI client.
+/// A stream on its way to a client of the other dialect.
 pub(crate) struct StreamTranslate {
     splitter: SseSplitter,
-    translator: StreamTranslator,
+    translator: Translator,
     /// An event's `data`, joined when it spans lines.
     data: Vec<u8>,
     /// What the translator wrote for this read's events.
     out: Vec<u8>,
 }
 
+enum Translator {
+    /// Anthropic events → OpenAI chunks (before the meter).
+    FromAnthropic(StreamTranslator),
+    /// OpenAI chunks → Anthropic events (after the meter).
+    ToMessages(Box<ChatStreamToMessages>),
+}
+
 impl StreamTranslate {
-    /// For a client that asked for `model` (its chunks name it).
+    /// An Anthropic stream for an OpenAI client that asked for `model` (its chunks name it).
     pub(crate) fn anthropic(model: &str) -> StreamTranslate {
+        StreamTranslate::with(Translator::FromAnthropic(StreamTranslator::new(
+            model,
+            crate::sys::time::unix_secs(),
+        )))
+    }
+
+    /// A chat completions stream for an Anthropic client that asked for `model`.
+    pub(crate) fn to_messages(model: &str) -> StreamTranslate {
+        StreamTranslate::with(Translator::ToMessages(Box::new(ChatStreamToMessages::new(
+            model,
+        ))))
+    }
+
+    fn with(translator: Translator) -> StreamTranslate {
         StreamTranslate {
             splitter: SseSplitter::new(),
-            translator: StreamTranslator::new(model, crate::sys::time::unix_secs()),
+            translator,
             data: Vec::new(),
             out: Vec::new(),
         }
     }
 
+    /// Whether it translates what the meter saw (the meter reads the upstream's dialect).
+    pub(super) fn after_meter(&self) -> bool {
+        matches!(self.translator, Translator::ToMessages(_))
+    }
+
     /// Take the next decoded bytes of the upstream body; `emit` gets the translated events
-    /// that end in them (whole OpenAI events), once per call when there are any.
+    /// that end in them (whole events), once per call when there are any.
     pub(super) fn feed(&mut self, input: &[u8], mut emit: impl FnMut(&[u8])) {
         let StreamTranslate {
             splitter,
@@ -43,7 +76,10 @@ impl StreamTranslate {
         splitter.feed(input, |event| {
             let name = event_name(event);
             if let Some(payload) = event_data(event, data) {
-                translator.event(name, payload, out);
+                match translator {
+                    Translator::FromAnthropic(t) => t.event(name, payload, out),
+                    Translator::ToMessages(t) => t.event(payload, out),
+                }
             }
         });
         if !out.is_empty() {
@@ -51,10 +87,22 @@ impl StreamTranslate {
             out.clear();
         }
     }
+
+    /// The upstream body ended whole (the meter saw its stream end): a chat completions stream
+    /// that finished without `[DONE]` gets its `message_delta` and `message_stop` now.
+    pub(super) fn finish(&mut self, mut emit: impl FnMut(&[u8])) {
+        if let Translator::ToMessages(t) = &mut self.translator {
+            t.upstream_closed(&mut self.out);
+        }
+        if !self.out.is_empty() {
+            emit(&self.out);
+            self.out.clear();
+        }
+    }
 }
 
 /// The `event:` field of an event (its first such line), without the optional space.
-fn event_name(event: &[u8]) -> Option<&[u8]> {
+pub(crate) fn event_name(event: &[u8]) -> Option<&[u8]> {
     event
         .split(|&b| b == b'\n' || b == b'\r')
         .find_map(|line| line.strip_prefix(b"event:"))

@@ -17,20 +17,21 @@
 //! Every error here is a [`TranslateError`]: on a request, the client's fault (answer 400
 //! `invalid_request_error`, [`TranslateError::write_body`]); on an upstream answer, the
 //! upstream's (answer 502 `api_error`: the client asked nothing wrong).
-// The gateway wires these in (issue #14, the routing part); until then only the tests call them.
-#![cfg_attr(not(test), allow(dead_code, unused_imports))]
 
 mod request;
 mod response;
 mod stream;
 mod usage;
 
-pub(crate) use request::{
-    inspect_count_tokens, inspect_messages, messages_to_chat, MessagesRequest,
+pub(crate) use request::{inspect_count_tokens, inspect_messages, messages_to_chat};
+pub(crate) use response::{
+    chat_to_message, count_tokens_body, error_to_anthropic,
+    type_for_status as error_type_for_status,
 };
-pub(crate) use response::{chat_to_message, count_tokens_body, error_to_anthropic};
 pub(crate) use stream::ChatStreamToMessages;
-pub(crate) use usage::{message_usage, AnthropicStreamMeter, MeteredUsage};
+pub(crate) use usage::{message_usage, AnthropicStreamMeter};
+#[cfg(test)]
+use {request::MessagesRequest, usage::MeteredUsage};
 
 #[cfg(test)]
 mod fixtures;
@@ -49,7 +50,9 @@ impl TranslateError {
     }
 
     /// The Anthropic error body for a request the client got wrong (status 400):
-    /// `{"type":"error","error":{"type":"invalid_request_error","message":…}}`.
+    /// `{"type":"error","error":{"type":"invalid_request_error","message":…}}`. (The gateway
+    /// answers through its own error catalogue, which renders the same shape.)
+    #[cfg(test)]
     pub(crate) fn write_body(&self, out: &mut Vec<u8>) {
         response::write_error_body("invalid_request_error", &self.message, out);
     }

@@ -376,7 +376,8 @@ pub(super) fn anthropic_error(
     (500, "api_error")
 }
 
-fn type_for_status(status: u16) -> &'static str {
+/// Anthropic's error `type` for an HTTP status (what its SDKs raise by).
+pub(crate) fn type_for_status(status: u16) -> &'static str {
     match status {
         401 => "authentication_error",
         402 => "billing_error",

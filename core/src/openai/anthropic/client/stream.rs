@@ -131,6 +131,7 @@ impl ChatStreamToMessages {
     }
 
     /// `message_stop` or an `error` event has been written: nothing more will be.
+    #[cfg(test)]
     pub(crate) fn ended(&self) -> bool {
         self.ended
     }

@@ -101,6 +101,7 @@ pub(crate) struct AnthropicStreamMeter {
 const MAX_STOP_REASON: usize = 128;
 
 impl AnthropicStreamMeter {
+    #[cfg(test)]
     pub(crate) fn new() -> Self {
         Self::default()
     }
@@ -177,6 +178,7 @@ impl AnthropicStreamMeter {
     }
 
     /// The last `message_delta`'s `stop_reason`.
+    #[cfg(test)]
     pub(crate) fn stop_reason(&self) -> Option<&str> {
         self.stop_reason.as_deref()
     }
