@@ -84,6 +84,7 @@ fn records() -> Vec<AccessRecord> {
             } else {
                 "status_429".into()
             },
+            cache_write_tokens: 64 * (i % 2),
         });
     }
     v
@@ -132,6 +133,7 @@ fn expected_json(r: &AccessRecord) -> Value {
         "sticky_id_hash": r.sticky_id_hash,
         "worker_id": r.worker_id,
         "fallback_reason": r.fallback_reason,
+        "cache_write_tokens": r.cache_write_tokens,
     })
 }
 

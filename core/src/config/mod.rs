@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
+use crate::openai::meter::Usage;
 
 /// One problem found in a config file, with the dotted path of the key it concerns (`server.listen`,
 /// `clusters.a.backends[0].weight`, `pricing."gpt-4.1"`) and, where that key is in the file, its
@@ -176,6 +177,7 @@ struct RawPrice {
     input: f64,
     output: f64,
     cached_input: Option<f64>,
+    cache_write_input: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -457,21 +459,24 @@ pub(crate) struct Price {
     pub(crate) output: f64,
     /// For prompt tokens served from the provider's cache (defaults to `input`).
     pub(crate) cached_input: f64,
+    /// For prompt tokens written to the provider's cache (defaults to `input`): Anthropic bills
+    /// them at 1.25× input (5-minute cache) or 2× (1-hour).
+    pub(crate) cache_write_input: f64,
 }
 
 impl Price {
-    /// Cost of one request. Cached tokens are part of `prompt_tokens` and priced apart.
-    pub(crate) fn cost(
-        &self,
-        prompt_tokens: u64,
-        completion_tokens: u64,
-        cached_tokens: u64,
-    ) -> f64 {
-        let cached = cached_tokens.min(prompt_tokens);
-        let uncached = prompt_tokens - cached;
-        (uncached as f64 * self.input
+    /// Cost of one request. Cache reads and writes are parts of `prompt_tokens`, priced apart;
+    /// whatever the dialect the usage came in, it is in these terms by now.
+    pub(crate) fn cost(&self, usage: &Usage) -> f64 {
+        let cached = usage.cached_tokens.min(usage.prompt_tokens);
+        let written = usage
+            .cache_write_tokens
+            .min(usage.prompt_tokens - cached);
+        let plain = usage.prompt_tokens - cached - written;
+        (plain as f64 * self.input
             + cached as f64 * self.cached_input
-            + completion_tokens as f64 * self.output)
+            + written as f64 * self.cache_write_input
+            + usage.completion_tokens as f64 * self.output)
             / 1_000_000.0
     }
 }
@@ -1944,7 +1949,8 @@ fn resolve_pricing(
             continue;
         };
         let cached_input = p.cached_input.unwrap_or(p.input);
-        if [p.input, p.output, cached_input]
+        let cache_write_input = p.cache_write_input.unwrap_or(p.input);
+        if [p.input, p.output, cached_input, cache_write_input]
             .iter()
             .any(|v| !v.is_finite() || *v < 0.0)
         {
@@ -1957,6 +1963,7 @@ fn resolve_pricing(
             input: p.input,
             output: p.output,
             cached_input,
+            cache_write_input,
         };
         prices.insert(model.clone(), price);
     }

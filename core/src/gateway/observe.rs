@@ -334,7 +334,7 @@ impl Observation {
                 (self.meter.summary(), self.meter.captured())
             }
             (Metering::Json { truncated: false }, true) => {
-                let usage = message_usage(&self.json).map(|m| m.usage);
+                let usage = message_usage(&self.json);
                 (
                     MeterSummary {
                         usage,
@@ -346,7 +346,7 @@ impl Observation {
             (Metering::AnthropicStream, _) => {
                 let a = &self.anthropic_meter;
                 let summary = MeterSummary {
-                    usage: a.meter.usage().map(|m| m.usage),
+                    usage: a.meter.usage(),
                     first_content_at: a.first_content_at,
                     last_content_at: a.last_content_at,
                     content_bytes: a.content_bytes,
@@ -379,6 +379,7 @@ impl Observation {
                         completion_tokens: completion,
                         total_tokens: prompt + completion,
                         cached_tokens: 0,
+                        cache_write_tokens: 0,
                         reasoning_tokens: 0,
                     },
                     UsageSource::Estimated,
@@ -388,13 +389,7 @@ impl Observation {
         let price = mapped_model
             .and_then(|m| snapshot.prices.get(m))
             .or_else(|| snapshot.prices.get(requested_model));
-        let cost = price.map(|p| {
-            p.cost(
-                usage.prompt_tokens,
-                usage.completion_tokens,
-                usage.cached_tokens,
-            )
-        });
+        let cost = price.map(|p| p.cost(&usage));
         let ttft = summary
             .first_content_at
             .map(|t| t.saturating_duration_since(self.received_at));
@@ -518,6 +513,7 @@ pub(crate) fn emit(
             u.prompt_tokens,
             u.completion_tokens,
             u.cached_tokens,
+            u.cache_write_tokens,
         );
     }
     if let Some(cost) = outcome.cost {
@@ -629,6 +625,7 @@ pub(crate) fn emit(
     rec.prompt_tokens = u.prompt_tokens;
     rec.completion_tokens = u.completion_tokens;
     rec.cached_tokens = u.cached_tokens;
+    rec.cache_write_tokens = u.cache_write_tokens;
     rec.total_tokens = u.total_tokens;
     rec.usage_source = match outcome.usage_source {
         UsageSource::Reported => LogUsageSource::Reported,

@@ -675,6 +675,7 @@ struct JsonRecord<'a> {
     sticky_id_hash: u64,
     worker_id: u32,
     fallback_reason: &'a str,
+    cache_write_tokens: u64,
 }
 
 /// An enum as its proto name, or its number when this build does not know it.
@@ -726,6 +727,7 @@ pub(crate) fn write_json_line<W: Write>(rec: &AccessRecord, out: &mut W) -> io::
         sticky_id_hash,
         worker_id,
         fallback_reason,
+        cache_write_tokens,
     } = rec;
     let view = JsonRecord {
         time_unix_us: *time_unix_us,
@@ -766,6 +768,7 @@ pub(crate) fn write_json_line<W: Write>(rec: &AccessRecord, out: &mut W) -> io::
         sticky_id_hash: *sticky_id_hash,
         worker_id: *worker_id,
         fallback_reason,
+        cache_write_tokens: *cache_write_tokens,
     };
     serde_json::to_writer(&mut *out, &view).map_err(io::Error::from)?;
     out.write_all(b"\n")
@@ -1089,6 +1092,7 @@ mod tests {
             sticky_id_hash: u64::MAX - i,
             worker_id: 3,
             fallback_reason: String::new(),
+            cache_write_tokens: 256,
         }
     }
 
@@ -1166,11 +1170,11 @@ mod tests {
         );
         assert!(
             line.trim_end()
-                .ends_with(r#""worker_id":3,"fallback_reason":""}"#),
+                .ends_with(r#""worker_id":3,"fallback_reason":"","cache_write_tokens":256}"#),
             "{line}"
         );
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(v.as_object().unwrap().len(), 35);
+        assert_eq!(v.as_object().unwrap().len(), 36);
         assert_eq!(v["tags"], serde_json::json!(["a\"b"]));
         assert_eq!(v["cost"].as_f64(), Some(0.00725));
         // Defaults are written too, and an enum number this build does not know stays a number.
@@ -1181,7 +1185,7 @@ mod tests {
         };
         write_json_line(&unknown, &mut out).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v.as_object().unwrap().len(), 35);
+        assert_eq!(v.as_object().unwrap().len(), 36);
         assert_eq!(v["usage_source"], 9);
         assert_eq!(v["path"], "");
         assert_eq!(v["tags"], serde_json::json!([]));

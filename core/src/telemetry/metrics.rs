@@ -611,7 +611,7 @@ impl UpstreamErrorKind {
     }
 }
 
-const TOKEN_TYPES: [&str; 3] = ["prompt", "completion", "cached"];
+const TOKEN_TYPES: [&str; 4] = ["prompt", "completion", "cached", "cache_write"];
 const HIST_TOKEN_TYPES: [&str; 2] = ["prompt", "completion"];
 const SYNC_RESULTS: [&str; 2] = ["ok", "error"];
 /// `outcome` of a config reload.
@@ -822,8 +822,9 @@ impl MetricsShard {
 
     /// One request's settled usage: `sluice_tokens_total` and the `sluice_request_tokens`
     /// histogram. Call once per request with its totals. `cached` is the part of `prompt` served
-    /// from the upstream's prompt cache (OpenAI's `prompt_tokens_details.cached_tokens`), so it
-    /// is a subset of `prompt`, not an addition to it.
+    /// from the upstream's prompt cache (OpenAI's `prompt_tokens_details.cached_tokens`) and
+    /// `cache_write` the part written to it (Anthropic's `cache_creation_input_tokens`), so both
+    /// are subsets of `prompt`, not additions to it.
     pub(crate) fn tokens(
         &self,
         model: ModelIdx,
@@ -831,11 +832,13 @@ impl MetricsShard {
         prompt: u64,
         completion: u64,
         cached: u64,
+        cache_write: u64,
     ) {
         let at = self.layout.tokens + self.model_entity(model, entity) * TOKEN_TYPES.len();
         self.add(at, prompt);
         self.add(at + 1, completion);
         self.add(at + 2, cached);
+        self.add(at + 3, cache_write);
         let m = self.names.models.clamp(model.0);
         let h = self.layout.request_tokens;
         self.observe(&h, m * HIST_TOKEN_TYPES.len(), prompt);
@@ -1197,7 +1200,7 @@ enum Label {
     Policy,
     /// `status_class`: [`StatusClass`], `1xx` … `5xx`.
     StatusClass,
-    /// `type` of `sluice_tokens_total`: prompt, completion, cached.
+    /// `type` of `sluice_tokens_total`: prompt, completion, cached, cache_write.
     TokenType,
     /// `type` of `sluice_request_tokens`: prompt, completion.
     HistTokenType,
@@ -1334,7 +1337,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         name: "sluice_tokens_total",
         kind: Kind::Counter,
-        help: "Tokens settled, by model, entity and type (cached is the part of prompt served from cache).",
+        help: "Tokens settled, by model, entity and type (cached and cache_write are the parts of prompt read from and written to the provider's cache).",
         labels: &[Label::Model, Label::Entity, Label::TokenType],
         source: Source::Counter(|l| l.tokens),
     },
@@ -2072,8 +2075,8 @@ pub(crate) mod tests {
             StatusClass::ClientError,
         );
 
-        a.tokens(gpt, team, 100, 20, 64);
-        b.tokens(gpt, team, 50, 5000, 0);
+        a.tokens(gpt, team, 100, 20, 64, 16);
+        b.tokens(gpt, team, 50, 5000, 0, 0);
         a.cost(gpt, team, 1_500);
         b.cost(gpt, team, 2_000);
 
@@ -2152,6 +2155,7 @@ pub(crate) mod tests {
         assert_eq!(tok("prompt"), Some(150.0));
         assert_eq!(tok("completion"), Some(5020.0));
         assert_eq!(tok("cached"), Some(64.0));
+        assert_eq!(tok("cache_write"), Some(16.0));
         assert_eq!(
             e.get(
                 "sluice_cost_total",
@@ -2384,8 +2388,8 @@ pub(crate) mod tests {
             EntityIdx::OTHER,
             StatusClass::Redirect,
         );
-        a.tokens(llama, weird, 7, 0, 0);
-        b.tokens(ModelIdx::OTHER, EntityIdx::OTHER, 1, 2, 1);
+        a.tokens(llama, weird, 7, 0, 0, 0);
+        b.tokens(ModelIdx::OTHER, EntityIdx::OTHER, 1, 2, 1, 0);
         a.cost(llama, weird, 1);
         b.cost(gpt, EntityIdx::OTHER, 123_456_789);
         b.observe_ttft(llama, Duration::from_secs(12));
@@ -2655,7 +2659,7 @@ pub(crate) mod tests {
             n.entity("sk-proj-raw-key-value"),
             StatusClass::from_status(404),
         );
-        s.tokens(n.model("unlisted"), n.entity_at(2), 3, 4, 0);
+        s.tokens(n.model("unlisted"), n.entity_at(2), 3, 4, 0, 0);
         s.upstream_error(BackendIdx::OTHER, UpstreamErrorKind::Timeout);
         s.limiter_hit(PolicyIdx::OTHER, LimitDimension::Concurrency);
         s.observe_ttft(n.model("whatever"), Duration::from_millis(5));

@@ -17,15 +17,18 @@ use std::time::Instant;
 
 use simd_json::{Buffers, Node, StaticNode, Tape, INPUT_PADDING};
 
-/// Token counts as the upstream reported them. `cached_tokens` is part of `prompt_tokens` and
-/// `reasoning_tokens` part of `completion_tokens`; a count the upstream left out is 0 (an
-/// embeddings response has no completion tokens), except `total_tokens`, which is then the sum.
+/// Token counts as the upstream reported them. `cached_tokens` (prompt-cache reads) and
+/// `cache_write_tokens` (prompt tokens written to the cache, which Anthropic bills above plain
+/// input) are parts of `prompt_tokens`, and `reasoning_tokens` part of `completion_tokens`; a
+/// count the upstream left out is 0 (an embeddings response has no completion tokens), except
+/// `total_tokens`, which is then the sum.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
     pub(crate) prompt_tokens: u64,
     pub(crate) completion_tokens: u64,
     pub(crate) total_tokens: u64,
     pub(crate) cached_tokens: u64,
+    pub(crate) cache_write_tokens: u64,
     pub(crate) reasoning_tokens: u64,
 }
 
@@ -505,6 +508,13 @@ fn read_usage(nodes: &[Node<'_>], idx: usize) -> Option<Usage> {
             "prompt_tokens_details" | "input_tokens_details" => {
                 if let Some(n) = detail(nodes, v, "cached_tokens") {
                     u.cached_tokens = n;
+                }
+                // Cache writes: OpenAI's SDK names them `cache_write_tokens`; Sluice's own
+                // translation of an Anthropic answer writes both names.
+                if let Some(n) = detail(nodes, v, "cache_write_tokens")
+                    .or_else(|| detail(nodes, v, "cache_creation_tokens"))
+                {
+                    u.cache_write_tokens = n;
                 }
             }
             "completion_tokens_details" | "output_tokens_details" => {

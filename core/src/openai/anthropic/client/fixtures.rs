@@ -696,14 +696,14 @@ fn anthropic_stream_usage_matches_the_openai_meter() {
         let got = anthropic.usage();
         match want {
             None => assert!(
-                got.is_none_or(|g| g.usage.prompt_tokens == 0 && g.usage.completion_tokens == 0),
+                got.is_none_or(|g| g.prompt_tokens == 0 && g.completion_tokens == 0),
                 "{name}: {got:?}"
             ),
             Some(w) => {
-                let g = got.unwrap().usage;
+                let g = got.unwrap();
                 assert_eq!(
-                    (g.prompt_tokens, g.completion_tokens, g.cached_tokens),
-                    (w.prompt_tokens, w.completion_tokens, w.cached_tokens),
+                    (g.prompt_tokens, g.completion_tokens, g.cached_tokens, g.cache_write_tokens),
+                    (w.prompt_tokens, w.completion_tokens, w.cached_tokens, w.cache_write_tokens),
                     "{name}"
                 );
             }
@@ -1058,22 +1058,20 @@ fn anthropic_body_usage_matches_the_openai_meter() {
         let want = openai.summary().usage.unwrap();
         let mut out = Vec::new();
         chat_to_message(body.as_bytes(), "c", &mut out).unwrap();
-        let got: MeteredUsage = message_usage(&out).unwrap();
+        let got: Usage = message_usage(&out).unwrap();
         assert_eq!(
             (
-                got.usage.prompt_tokens,
-                got.usage.completion_tokens,
-                got.usage.cached_tokens
+                got.prompt_tokens,
+                got.completion_tokens,
+                got.cached_tokens,
+                got.cache_write_tokens
             ),
             (
                 want.prompt_tokens,
                 want.completion_tokens,
-                want.cached_tokens
+                want.cached_tokens,
+                want.cache_write_tokens
             )
-        );
-        assert_eq!(
-            got.cache_creation_tokens, 0,
-            "OpenAI reports no cache writes"
         );
     }
 }

@@ -31,7 +31,7 @@ pub(crate) use response::{
 pub(crate) use stream::ChatStreamToMessages;
 pub(crate) use usage::{message_usage, AnthropicStreamMeter};
 #[cfg(test)]
-use {request::MessagesRequest, usage::MeteredUsage};
+use {crate::openai::meter::Usage, request::MessagesRequest};
 
 #[cfg(test)]
 mod fixtures;

@@ -201,42 +201,50 @@ pub(super) fn stop_reason(
     }
 }
 
-/// A chat completion's usage, as Anthropic counts it: `prompt_tokens` includes the cache hits,
-/// which Anthropic reports apart (`input_tokens` = prompt − cached). OpenAI reports no cache
-/// writes, so `cache_creation_input_tokens` is 0.
+/// A chat completion's usage, as Anthropic counts it: `prompt_tokens` includes the cache hits
+/// and writes, which Anthropic reports apart (`input_tokens` = prompt − cached − written).
+/// OpenAI itself reports no cache writes; an OpenAI-compatible upstream that does (Sluice in
+/// front of Claude, among others) names them `prompt_tokens_details.cache_write_tokens`.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(super) struct ChatUsage {
     pub(super) prompt: u64,
     pub(super) completion: u64,
     pub(super) cached: u64,
+    pub(super) written: u64,
 }
 
 impl ChatUsage {
     /// A `usage` object; zeros for what it lacks. The cache hits are
     /// `prompt_tokens_details.cached_tokens`, else DeepSeek's `prompt_cache_hit_tokens`.
     pub(super) fn from_value(v: &Value) -> ChatUsage {
-        let cached = v
-            .get("prompt_tokens_details")
-            .and_then(|d| d.get("cached_tokens"))
-            .and_then(count)
+        let details = v.get("prompt_tokens_details");
+        let detail = |name: &str| details.and_then(|d| d.get(name)).and_then(count);
+        let cached = detail("cached_tokens")
             .or_else(|| v.get("prompt_cache_hit_tokens").and_then(count))
             .unwrap_or(0);
+        let written = detail("cache_write_tokens")
+            .or_else(|| detail("cache_creation_tokens"))
+            .unwrap_or(0);
         let prompt = v.get("prompt_tokens").and_then(count).unwrap_or(0);
+        let cached = cached.min(prompt);
         ChatUsage {
             prompt,
             completion: v.get("completion_tokens").and_then(count).unwrap_or(0),
-            cached: cached.min(prompt),
+            cached,
+            written: written.min(prompt.saturating_sub(cached)),
         }
     }
 
     fn input(&self) -> u64 {
-        self.prompt.saturating_sub(self.cached)
+        self.prompt
+            .saturating_sub(self.cached)
+            .saturating_sub(self.written)
     }
 
     fn to_json(self) -> Value {
         json!({
             "input_tokens": self.input(),
-            "cache_creation_input_tokens": 0,
+            "cache_creation_input_tokens": self.written,
             "cache_read_input_tokens": self.cached,
             "output_tokens": self.completion,
         })
@@ -246,8 +254,9 @@ impl ChatUsage {
     pub(super) fn write_json(&self, out: &mut Vec<u8>) {
         let _ = write!(
             out,
-            "{{\"input_tokens\":{},\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":{},\"output_tokens\":{}}}",
+            "{{\"input_tokens\":{},\"cache_creation_input_tokens\":{},\"cache_read_input_tokens\":{},\"output_tokens\":{}}}",
             self.input(),
+            self.written,
             self.cached,
             self.completion
         );

@@ -2,8 +2,8 @@
 //! cluster), in OpenAI's terms, so limits, quotas, cost and the access log see the same numbers
 //! whatever the dialect: `prompt_tokens` = `input_tokens` + `cache_read_input_tokens` +
 //! `cache_creation_input_tokens`, `cached_tokens` = `cache_read_input_tokens`,
-//! `completion_tokens` = `output_tokens`. The meter's [`Usage`] has no field for cache writes,
-//! so they ride beside it in [`MeteredUsage`] for cost.
+//! `cache_write_tokens` = `cache_creation_input_tokens` (priced apart), `completion_tokens` =
+//! `output_tokens`.
 //!
 //! Nothing here fails: what is not JSON or not shaped as expected is skipped.
 
@@ -14,16 +14,8 @@ use crate::openai::json::truncate;
 use crate::openai::meter::usage::{UpstreamError, MAX_ERROR_MESSAGE};
 use crate::openai::meter::Usage;
 
-/// Usage in OpenAI's terms, and the cache writes that are part of its `prompt_tokens`.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct MeteredUsage {
-    pub(crate) usage: Usage,
-    /// `cache_creation_input_tokens`: included in `usage.prompt_tokens`, priced apart.
-    pub(crate) cache_creation_tokens: u64,
-}
-
 /// The usage of a whole Messages response body; `None` when it reports none (an error body).
-pub(crate) fn message_usage(body: &[u8]) -> Option<MeteredUsage> {
+pub(crate) fn message_usage(body: &[u8]) -> Option<Usage> {
     let v: Value = serde_json::from_slice(body).ok()?;
     Counts::read(v.get("usage")?).metered()
 }
@@ -61,7 +53,7 @@ impl Counts {
         keep(&mut self.cache_creation, newer.cache_creation);
     }
 
-    fn metered(&self) -> Option<MeteredUsage> {
+    fn metered(&self) -> Option<Usage> {
         if *self == Counts::default() {
             return None;
         }
@@ -73,15 +65,13 @@ impl Counts {
             .saturating_add(cache_read)
             .saturating_add(cache_creation);
         let completion = self.output.unwrap_or(0);
-        Some(MeteredUsage {
-            usage: Usage {
-                prompt_tokens: prompt,
-                completion_tokens: completion,
-                total_tokens: prompt.saturating_add(completion),
-                cached_tokens: cache_read,
-                reasoning_tokens: 0,
-            },
-            cache_creation_tokens: cache_creation,
+        Some(Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt.saturating_add(completion),
+            cached_tokens: cache_read,
+            cache_write_tokens: cache_creation,
+            reasoning_tokens: 0,
         })
     }
 }
@@ -168,7 +158,7 @@ impl AnthropicStreamMeter {
     }
 
     /// The usage so far; `None` before any was reported.
-    pub(crate) fn usage(&self) -> Option<MeteredUsage> {
+    pub(crate) fn usage(&self) -> Option<Usage> {
         self.counts.metered()
     }
 
@@ -193,12 +183,13 @@ impl AnthropicStreamMeter {
 mod tests {
     use super::*;
 
-    fn usage(prompt: u64, completion: u64, cached: u64) -> Usage {
+    fn usage(prompt: u64, completion: u64, cached: u64, written: u64) -> Usage {
         Usage {
             prompt_tokens: prompt,
             completion_tokens: completion,
             total_tokens: prompt + completion,
             cached_tokens: cached,
+            cache_write_tokens: written,
             reasoning_tokens: 0,
         }
     }
@@ -208,17 +199,11 @@ mod tests {
         let body = br#"{"id":"msg_01","type":"message","role":"assistant","content":[{"type":"text","text":"Hi"}],"stop_reason":"end_turn","usage":{"input_tokens":21,"cache_creation_input_tokens":188086,"cache_read_input_tokens":3000,"cache_creation":{"ephemeral_5m_input_tokens":188086,"ephemeral_1h_input_tokens":0},"output_tokens":393,"service_tier":"standard"}}"#;
         assert_eq!(
             message_usage(body),
-            Some(MeteredUsage {
-                usage: usage(21 + 188_086 + 3000, 393, 3000),
-                cache_creation_tokens: 188_086,
-            })
+            Some(usage(21 + 188_086 + 3000, 393, 3000, 188_086))
         );
         assert_eq!(
             message_usage(br#"{"usage":{"input_tokens":5,"output_tokens":1}}"#),
-            Some(MeteredUsage {
-                usage: usage(5, 1, 0),
-                cache_creation_tokens: 0
-            })
+            Some(usage(5, 1, 0, 0))
         );
         assert_eq!(
             message_usage(
@@ -260,7 +245,7 @@ mod tests {
         for (name, data) in events {
             m.on_event(name.as_bytes(), data.as_bytes());
         }
-        assert_eq!(m.usage().map(|u| u.usage), Some(usage(2572, 10, 2000)));
+        assert_eq!(m.usage(), Some(usage(2572, 10, 2000, 100)));
         assert!(!m.stopped());
         assert_eq!(m.stop_reason(), None);
         // Newer versions repeat every count; null is not a count.
@@ -269,9 +254,7 @@ mod tests {
             br#"{"type":"message_delta","delta":{"stop_reason":"tool_use","stop_sequence":null},"usage":{"input_tokens":472,"cache_creation_input_tokens":null,"cache_read_input_tokens":2000,"output_tokens":89}}"#,
         );
         m.on_event(b"message_stop", br#"{"type":"message_stop"}"#);
-        let metered = m.usage().unwrap();
-        assert_eq!(metered.usage, usage(2572, 89, 2000));
-        assert_eq!(metered.cache_creation_tokens, 100);
+        assert_eq!(m.usage(), Some(usage(2572, 89, 2000, 100)));
         assert!(m.stopped());
         assert_eq!(m.stop_reason(), Some("tool_use"));
         assert_eq!(m.error(), None);
@@ -292,7 +275,7 @@ mod tests {
             br#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
         );
         m.on_event(b"message_delta", b"{not json");
-        assert_eq!(m.usage().map(|u| u.usage), Some(usage(7, 1, 0)));
+        assert_eq!(m.usage(), Some(usage(7, 1, 0, 0)));
         let e = m.error().unwrap();
         assert_eq!(
             (e.message.as_str(), e.kind.as_deref()),
