@@ -32,8 +32,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Deserialize;
 use crate::openai::meter::Usage;
+use serde::Deserialize;
 
 /// One problem found in a config file, with the dotted path of the key it concerns (`server.listen`,
 /// `clusters.a.backends[0].weight`, `pricing."gpt-4.1"`) and, where that key is in the file, its
@@ -469,9 +469,7 @@ impl Price {
     /// whatever the dialect the usage came in, it is in these terms by now.
     pub(crate) fn cost(&self, usage: &Usage) -> f64 {
         let cached = usage.cached_tokens.min(usage.prompt_tokens);
-        let written = usage
-            .cache_write_tokens
-            .min(usage.prompt_tokens - cached);
+        let written = usage.cache_write_tokens.min(usage.prompt_tokens - cached);
         let plain = usage.prompt_tokens - cached - written;
         (plain as f64 * self.input
             + cached as f64 * self.cached_input

@@ -197,6 +197,7 @@ mod tests {
                 completion_tokens: 10,
                 total_tokens: 29,
                 cached_tokens: 0,
+                cache_write_tokens: 0,
                 reasoning_tokens: 0,
             })
         );
@@ -278,6 +279,7 @@ mod tests {
                 completion_tokens: 20,
                 total_tokens: 70,
                 cached_tokens: 32,
+                cache_write_tokens: 0,
                 reasoning_tokens: 0,
             })
         );
@@ -306,6 +308,7 @@ mod tests {
                 completion_tokens: 2,
                 total_tokens: 7,
                 cached_tokens: 0,
+                cache_write_tokens: 0,
                 reasoning_tokens: 1,
             })
         );
@@ -349,6 +352,7 @@ mod tests {
                 completion_tokens: 87,
                 total_tokens: 123,
                 cached_tokens: 4,
+                cache_write_tokens: 0,
                 reasoning_tokens: 64,
             })
         );
@@ -469,6 +473,7 @@ mod tests {
                 completion_tokens: 12,
                 total_tokens: 21,
                 cached_tokens: 2,
+                cache_write_tokens: 0,
                 reasoning_tokens: 3,
             })
         );

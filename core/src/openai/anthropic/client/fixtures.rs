@@ -702,8 +702,18 @@ fn anthropic_stream_usage_matches_the_openai_meter() {
             Some(w) => {
                 let g = got.unwrap();
                 assert_eq!(
-                    (g.prompt_tokens, g.completion_tokens, g.cached_tokens, g.cache_write_tokens),
-                    (w.prompt_tokens, w.completion_tokens, w.cached_tokens, w.cache_write_tokens),
+                    (
+                        g.prompt_tokens,
+                        g.completion_tokens,
+                        g.cached_tokens,
+                        g.cache_write_tokens
+                    ),
+                    (
+                        w.prompt_tokens,
+                        w.completion_tokens,
+                        w.cached_tokens,
+                        w.cache_write_tokens
+                    ),
                     "{name}"
                 );
             }

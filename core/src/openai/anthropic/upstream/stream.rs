@@ -583,6 +583,7 @@ mod tests {
                 completion_tokens: 15,
                 total_tokens: 40,
                 cached_tokens: 0,
+                cache_write_tokens: 0,
                 reasoning_tokens: 0
             })
         );
@@ -655,6 +656,7 @@ mod tests {
                 completion_tokens: 89,
                 total_tokens: 5061,
                 cached_tokens: 3000,
+                cache_write_tokens: 1500,
                 reasoning_tokens: 0
             })
         );
