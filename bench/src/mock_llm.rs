@@ -10,6 +10,8 @@ mod anthropic;
 mod anthropic_wire;
 #[path = "mock_llm/body.rs"]
 mod body;
+#[path = "mock_llm/chat_tools.rs"]
+mod chat_tools;
 #[path = "mock_llm/conn.rs"]
 mod conn;
 #[path = "mock_llm/control.rs"]
@@ -112,9 +114,19 @@ REQUEST HEADERS:
     x-mock-fault: SPEC (replaces --fault), x-mock-status: N, x-mock-error-code: CODE,
     x-mock-retry-after: S, x-mock-ttft-ms: N, x-mock-inter-token-ms: N, x-mock-tokens: N,
     x-mock-delay-ms: N
-    /v1/messages only: x-mock-tool-calls: N (N tool_use blocks when the request has tools),
-    x-mock-cache-read: N, x-mock-cache-write: N (usage cache_read_input_tokens,
-    cache_creation_input_tokens)
+    /v1/messages and /v1/chat/completions only:
+    x-mock-tool-calls: N     when the request has tools, answer with N tool calls: on
+                             /v1/messages N tool_use blocks; on /v1/chat/completions
+                             message.tool_calls (content null, finish_reason tool_calls; each
+                             call to the next of tools[].function.name, arguments
+                             {\"city\":\"Paris\",\"n\":I}), streamed as OpenAI streams them
+                             (a first chunk with index, id and name, then the arguments in 4
+                             chunks, each a content event); completion_tokens stay --tokens
+    x-mock-cache-read: R, x-mock-cache-write: W
+                             cache usage: on /v1/messages cache_read_input_tokens and
+                             cache_creation_input_tokens; on /v1/chat/completions
+                             prompt_tokens + R + W, with prompt_tokens_details
+                             {\"cached_tokens\": R, \"cache_write_tokens\": W}
 ";
 
 /// A misbehaviour, per request (`x-mock-fault`) or per process (`--fault`, `POST /_mock/fault`).
@@ -272,8 +284,8 @@ pub struct Stats {
     pub messages_requests: Cell<u64>,
     /// `/v1/messages` requests refused by its own checks (credentials 401, version and body 400).
     pub invalid_requests: Cell<u64>,
-    /// Sums of the cache usage the mock reported on `/v1/messages` (also counted in
-    /// `usage_prompt_tokens`).
+    /// Sums of the cache usage the mock reported on `/v1/messages` and `/v1/chat/completions`
+    /// (also counted in `usage_prompt_tokens`).
     pub usage_cache_read_tokens: Cell<u64>,
     pub usage_cache_creation_tokens: Cell<u64>,
 }
@@ -348,8 +360,8 @@ impl Stats {
         c.set(c.get().saturating_add(completion));
     }
 
-    /// Cache usage the mock put in a Messages body or stream (its prompt part is counted by
-    /// [`Stats::reported_usage`]).
+    /// Cache usage the mock put in a Messages or chat completion body or stream (its prompt
+    /// part is counted by [`Stats::reported_usage`]).
     pub fn reported_cache(&self, read: u64, write: u64) {
         let r = &self.usage_cache_read_tokens;
         r.set(r.get().saturating_add(read));

@@ -3,6 +3,8 @@
 
 use std::io::Write as _;
 
+use super::chat_tools;
+
 /// What a response body is about: the request's identity and sizes.
 pub struct Gen<'a> {
     /// Request sequence number, used in ids.
@@ -11,8 +13,16 @@ pub struct Gen<'a> {
     pub created: u64,
     /// The model as a JSON string literal (already quoted and escaped).
     pub model_json: &'a [u8],
+    /// The prompt tokens reported (on chat completions, cache reads and writes included).
     pub prompt_tokens: u64,
     pub tokens: u64,
+    /// Chat completions: `x-mock-cache-read` / `x-mock-cache-write` as (read, write), reported in
+    /// `usage.prompt_tokens_details`; None: no details.
+    pub cache: Option<(u64, u64)>,
+    /// Chat completions: the names tool calls go to, in turn (see [`chat_tools::Offer`]).
+    pub tool_names: &'a [String],
+    /// Chat completions: tool calls answered instead of text (0: a text answer).
+    pub tool_calls: u64,
 }
 
 /// Appends the output text `tok0 tok1 …` (no quotes; it never needs escaping).
@@ -34,14 +44,23 @@ pub fn token_json(out: &mut Vec<u8>, i: u64) {
     }
 }
 
+/// `{"prompt_tokens", "completion_tokens", "total_tokens"}`, and `prompt_tokens_details`
+/// (`cached_tokens`: cache reads, `cache_write_tokens`: cache writes) when [`Gen::cache`] is set.
 fn usage(out: &mut Vec<u8>, g: &Gen) {
     let _ = write!(
         out,
-        "{{\"prompt_tokens\":{},\"completion_tokens\":{},\"total_tokens\":{}}}",
+        "{{\"prompt_tokens\":{},\"completion_tokens\":{},\"total_tokens\":{}",
         g.prompt_tokens,
         g.tokens,
-        g.prompt_tokens + g.tokens
+        g.prompt_tokens.saturating_add(g.tokens)
     );
+    if let Some((read, write)) = g.cache {
+        let _ = write!(
+            out,
+            ",\"prompt_tokens_details\":{{\"cached_tokens\":{read},\"cache_write_tokens\":{write}}}"
+        );
+    }
+    out.push(b'}');
 }
 
 /// Responses-API usage; carries the Chat-style names too, with the same values.
@@ -69,11 +88,27 @@ pub fn chat_completion(out: &mut Vec<u8>, g: &Gen, echo: &[u8]) {
         g.seq, g.created
     );
     out.extend_from_slice(g.model_json);
-    out.extend_from_slice(
-        b",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"",
-    );
-    text(out, g.tokens);
-    out.extend_from_slice(b"\"},\"finish_reason\":\"stop\"}],\"usage\":");
+    out.extend_from_slice(b",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",");
+    if g.tool_calls > 0 {
+        out.extend_from_slice(b"\"content\":null,\"tool_calls\":[");
+        for i in 0..g.tool_calls {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(b"{\"id\":");
+            chat_tools::id_json(out, g.seq, i);
+            out.extend_from_slice(b",\"type\":\"function\",\"function\":{\"name\":");
+            super::http::json_str(out, chat_tools::name(g.tool_names, i));
+            out.extend_from_slice(b",\"arguments\":");
+            super::http::json_str(out, &chat_tools::arguments(i));
+            out.extend_from_slice(b"}}");
+        }
+        out.extend_from_slice(b"]},\"finish_reason\":\"tool_calls\"}],\"usage\":");
+    } else {
+        out.extend_from_slice(b"\"content\":\"");
+        text(out, g.tokens);
+        out.extend_from_slice(b"\"},\"finish_reason\":\"stop\"}],\"usage\":");
+    }
     usage(out, g);
     echo_tail(out, echo);
 }
@@ -286,10 +321,43 @@ pub fn ev_chat_content(out: &mut Vec<u8>, g: &Gen, i: u64) {
     out.extend_from_slice(b"},\"finish_reason\":null}]}\n\n");
 }
 
+/// The first chunk of tool call `i`: its index, id, type and name, and empty arguments.
+pub fn ev_chat_tool_start(out: &mut Vec<u8>, g: &Gen, i: u64) {
+    chat_chunk_head(out, g);
+    let _ = write!(
+        out,
+        ",\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":{i},\"id\":"
+    );
+    chat_tools::id_json(out, g.seq, i);
+    out.extend_from_slice(b",\"type\":\"function\",\"function\":{\"name\":");
+    super::http::json_str(out, chat_tools::name(g.tool_names, i));
+    out.extend_from_slice(b",\"arguments\":\"\"}}]},\"finish_reason\":null}]}\n\n");
+}
+
+/// Fragment `j` of tool call `i`'s arguments (only the index and the fragment, as OpenAI sends
+/// them).
+pub fn ev_chat_tool_args(out: &mut Vec<u8>, g: &Gen, i: u64, j: u64) {
+    chat_chunk_head(out, g);
+    let _ = write!(
+        out,
+        ",\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":{i},\
+         \"function\":{{\"arguments\":"
+    );
+    super::http::json_str(out, &chat_tools::argument_piece(i, j));
+    out.extend_from_slice(b"}}]},\"finish_reason\":null}]}\n\n");
+}
+
+/// The finish chunk: `finish_reason` `tool_calls` when the answer calls tools, else `stop`.
 pub fn ev_chat_finish(out: &mut Vec<u8>, g: &Gen) {
     chat_chunk_head(out, g);
-    out.extend_from_slice(
-        b",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+    let reason = if g.tool_calls > 0 {
+        "tool_calls"
+    } else {
+        "stop"
+    };
+    let _ = write!(
+        out,
+        ",\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"{reason}\"}}]}}\n\n"
     );
 }
 
@@ -371,6 +439,9 @@ mod tests {
             model_json: b"\"m\\\"x\"",
             prompt_tokens: 3,
             tokens: 3,
+            cache: None,
+            tool_names: &[],
+            tool_calls: 0,
         }
     }
 
@@ -476,5 +547,115 @@ mod tests {
         ev_response_error(&mut out, Some("c"), 2);
         assert!(out.starts_with(b"event: error\n"));
         assert_eq!(data_of(&out)["code"], "c");
+    }
+
+    /// Three calls over two tools, with cache usage: 10 prompt tokens, 7 of them cache reads
+    /// and 2 cache writes.
+    fn tools_gen(names: &[String]) -> Gen<'_> {
+        Gen {
+            prompt_tokens: 10,
+            cache: Some((7, 2)),
+            tool_names: names,
+            tool_calls: 3,
+            ..g()
+        }
+    }
+
+    fn tool_names() -> Vec<String> {
+        vec!["get_weather".into(), "get_\"time".into()]
+    }
+
+    #[test]
+    fn chat_tool_calls_body() {
+        let names = tool_names();
+        let mut out = Vec::new();
+        chat_completion(&mut out, &tools_gen(&names), b"{}");
+        let v = parse(&out);
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        let message = &choice["message"];
+        assert_eq!(message["role"], "assistant");
+        assert_eq!(message["content"], serde_json::Value::Null);
+        let calls = message["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 3);
+        for (i, call) in calls.iter().enumerate() {
+            assert_eq!(call["id"], format!("call_mock_7_{i}"));
+            assert_eq!(call["type"], "function");
+            assert_eq!(call["function"]["name"], names[i % 2].as_str());
+            let args = call["function"]["arguments"].as_str().unwrap();
+            assert_eq!(
+                parse(args.as_bytes()),
+                serde_json::json!({"city": "Paris", "n": i})
+            );
+            assert!(call.get("index").is_none(), "{call}");
+        }
+        // Usage: as the text answer reports it, the cache parts in the details.
+        let u = &v["usage"];
+        assert_eq!(
+            (
+                &u["prompt_tokens"],
+                &u["completion_tokens"],
+                &u["total_tokens"]
+            ),
+            (&10.into(), &3.into(), &13.into())
+        );
+        assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 7);
+        assert_eq!(u["prompt_tokens_details"]["cache_write_tokens"], 2);
+        // No cache headers: no details, as before.
+        out.clear();
+        chat_completion(&mut out, &g(), b"{}");
+        assert!(parse(&out)["usage"].get("prompt_tokens_details").is_none());
+    }
+
+    #[test]
+    fn chat_tool_call_events() {
+        let names = tool_names();
+        let g = tools_gen(&names);
+        let mut out = Vec::new();
+        for i in 0..g.tool_calls {
+            out.clear();
+            ev_chat_tool_start(&mut out, &g, i);
+            assert!(out.ends_with(b"\n\n"));
+            let v = data_of(&out);
+            assert_eq!(v["object"], "chat.completion.chunk");
+            assert_eq!(v["choices"][0]["finish_reason"], serde_json::Value::Null);
+            let tc = &v["choices"][0]["delta"]["tool_calls"];
+            assert_eq!(tc.as_array().map(Vec::len), Some(1));
+            let tc = &tc[0];
+            assert_eq!(tc["index"], i);
+            assert_eq!(tc["id"], format!("call_mock_7_{i}"));
+            assert_eq!(tc["type"], "function");
+            assert_eq!(tc["function"]["name"], names[i as usize % 2].as_str());
+            assert_eq!(tc["function"]["arguments"], "");
+            let mut joined = String::new();
+            for j in 0..chat_tools::ARG_PIECES {
+                out.clear();
+                ev_chat_tool_args(&mut out, &g, i, j);
+                let v = data_of(&out);
+                let tc = &v["choices"][0]["delta"]["tool_calls"][0];
+                assert_eq!(tc["index"], i);
+                assert!(tc.get("id").is_none() && tc.get("type").is_none(), "{tc}");
+                assert!(tc["function"].get("name").is_none(), "{tc}");
+                joined.push_str(tc["function"]["arguments"].as_str().unwrap());
+            }
+            assert_eq!(
+                parse(joined.as_bytes()),
+                serde_json::json!({"city": "Paris", "n": i})
+            );
+        }
+        out.clear();
+        ev_chat_finish(&mut out, &g);
+        assert_eq!(data_of(&out)["choices"][0]["finish_reason"], "tool_calls");
+        out.clear();
+        ev_chat_usage(&mut out, &g);
+        let v = data_of(&out);
+        assert_eq!(v["choices"], serde_json::json!([]));
+        assert_eq!(v["usage"]["prompt_tokens"], 10);
+        assert_eq!(v["usage"]["total_tokens"], 13);
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 7);
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cache_write_tokens"], 2);
+        out.clear();
+        ev_chat_finish(&mut out, &super::tests::g());
+        assert_eq!(data_of(&out)["choices"][0]["finish_reason"], "stop");
     }
 }

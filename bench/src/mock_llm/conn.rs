@@ -16,6 +16,7 @@ use monoio::BufResult;
 use super::anthropic::{self, Answer, Block, Reject};
 use super::anthropic_wire::{self, Msg};
 use super::body::{self, Gen};
+use super::chat_tools::{self, Offer};
 use super::control::{self, Endpoint};
 use super::http::{self, Chunked, Head, HeadParse};
 use super::{Fault, State, Stats};
@@ -159,6 +160,17 @@ enum Step {
     Stop(usize),
 }
 
+/// A content event of a chat / completions / Responses stream: what the timing and the faults
+/// count.
+#[derive(Clone, Copy)]
+enum Content {
+    /// Token `i` (chat delta, completion text, Responses text delta).
+    Token(u64),
+    /// Arguments fragment `j` of chat tool call `i`; fragment 0 goes out right after the call's
+    /// first chunk (index, id, name, empty arguments), which is not a content event of its own.
+    ToolArgs(u64, u64),
+}
+
 /// Everything a response needs, taken out of the request before any I/O.
 struct Plan {
     route: Route,
@@ -193,10 +205,41 @@ struct Plan {
     messages: Option<Box<Answer>>,
     /// `/v1/messages`: why its checks refused the request.
     reject: Option<Reject>,
-    /// `x-mock-tool-calls`, `x-mock-cache-read`, `x-mock-cache-write` (`/v1/messages`).
+    /// `x-mock-tool-calls`, `x-mock-cache-read`, `x-mock-cache-write` (`/v1/messages` and
+    /// `/v1/chat/completions`).
     tool_calls: u64,
     cache_read: u64,
     cache_write: u64,
+    /// `x-mock-cache-read` or `x-mock-cache-write` was sent: chat completions then report
+    /// `usage.prompt_tokens_details`.
+    cache_headers: bool,
+    /// `/v1/chat/completions`: the names its tool calls go to, in turn (from the request's
+    /// `tools`, see [`Offer`]).
+    chat_tool_names: Vec<String>,
+    /// `/v1/chat/completions`: tool calls answered instead of text (0: a text answer).
+    chat_tool_calls: u64,
+}
+
+impl Plan {
+    /// The cache usage an OpenAI chat answer reports, when asked for (`x-mock-cache-read`,
+    /// `x-mock-cache-write`): (read, write). `/v1/messages` reports its own, always.
+    fn chat_cache(&self) -> Option<(u64, u64)> {
+        (self.route == Route::Chat && self.cache_headers)
+            .then_some((self.cache_read, self.cache_write))
+    }
+
+    /// `usage.prompt_tokens` of an OpenAI-dialect answer: on chat completions the prompt
+    /// includes the cache reads and writes, as OpenAI's does (and as `/v1/messages` sums its
+    /// `input_tokens` and cache fields in the stats).
+    fn openai_prompt_tokens(&self) -> u64 {
+        match self.chat_cache() {
+            Some((read, write)) => self
+                .prompt_tokens
+                .saturating_add(read)
+                .saturating_add(write),
+            None => self.prompt_tokens,
+        }
+    }
 }
 
 struct Conn<S> {
@@ -599,6 +642,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             tool_calls: 0,
             cache_read: 0,
             cache_write: 0,
+            cache_headers: false,
+            chat_tool_names: Vec::new(),
+            chat_tool_calls: 0,
         };
         if let Route::Control(ep) = route {
             // The control endpoints ignore faults and controls.
@@ -613,6 +659,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
 
         // Top-level fields of a JSON body.
         let mut model: Option<String> = None;
+        let mut offer = Offer::default();
         if !body.is_empty() {
             if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
                 model = v.get("model").and_then(|m| m.as_str()).map(str::to_owned);
@@ -621,6 +668,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                     .pointer("/stream_options/include_usage")
                     .and_then(|s| s.as_bool())
                     .unwrap_or(false);
+                if route == Route::Chat {
+                    offer = Offer::read(&v);
+                }
             }
         }
         if !matches!(
@@ -700,8 +750,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 plan.tool_calls = parse_num(value).unwrap_or(0);
             } else if ctl.eq_ignore_ascii_case(b"cache-read") {
                 plan.cache_read = parse_num(value).unwrap_or(0);
+                plan.cache_headers = true;
             } else if ctl.eq_ignore_ascii_case(b"cache-write") {
                 plan.cache_write = parse_num(value).unwrap_or(0);
+                plan.cache_headers = true;
             } else if ctl.eq_ignore_ascii_case(b"fault") {
                 // An unknown SPEC leaves the process fault in place.
                 if let Some(f) = std::str::from_utf8(value)
@@ -711,6 +763,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                     plan.fault = f;
                 }
             }
+        }
+        if route == Route::Chat {
+            plan.chat_tool_calls = offer.calls(plan.tool_calls);
+            plan.chat_tool_names = offer.names;
         }
         echo.extend_from_slice(b"],\"body\":");
         http::json_bytes(echo, body);
@@ -798,8 +854,11 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             seq: p.seq,
             created: p.created,
             model_json: &p.model_json,
-            prompt_tokens: p.prompt_tokens,
+            prompt_tokens: p.openai_prompt_tokens(),
             tokens: p.tokens,
+            cache: p.chat_cache(),
+            tool_names: &p.chat_tool_names,
+            tool_calls: p.chat_tool_calls,
         }
     }
 
@@ -859,7 +918,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         // The usage this body reports, counted once it is sent.
         let usage = match (p.status, p.route) {
             (None, Route::Chat | Route::Completions | Route::Responses) => {
-                Some((p.prompt_tokens, p.tokens))
+                Some((p.openai_prompt_tokens(), p.tokens))
             }
             (None, Route::Embeddings) => Some((p.prompt_tokens, 0)),
             (None, Route::Messages) => p
@@ -959,6 +1018,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             self.st.stats.reported_usage(prompt, completion);
             if let Some(a) = &p.messages {
                 self.st.stats.reported_cache(a.cache_read, a.cache_write);
+            } else if let Some((read, write)) = p.chat_cache() {
+                self.st.stats.reported_cache(read, write);
             }
         }
         match sent {
@@ -1015,9 +1076,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         frame_into(&mut self.wbuf, &self.ev, framing);
         self.flush_wbuf().await?;
         // Content events: one per token; on /v1/messages one per content delta (thinking,
-        // text and tool input alike).
+        // text and tool input alike); for chat tool calls one per arguments fragment.
         let content_total = match &p.messages {
             Some(a) => a.output_tokens(),
+            None if g.tool_calls > 0 => g.tool_calls.saturating_mul(chat_tools::ARG_PIECES),
             None => p.tokens,
         };
         // Cut the stream (drop the connection) before content event N, or put an error event
@@ -1056,28 +1118,48 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             self.send_ev(framing, b"").await?;
         }
 
-        // Content events.
+        // Content events: the tokens, or the chat tool calls' arguments fragments (each call's
+        // first chunk goes out, at the same time, just before its fragment 0: so a cut, an
+        // error event or an end in place of that fragment leaves the call out whole).
+        let contents: Box<dyn Iterator<Item = Content>> =
+            if g.tool_calls > 0 {
+                Box::new((0..g.tool_calls).flat_map(|i| {
+                    (0..chat_tools::ARG_PIECES).map(move |j| Content::ToolArgs(i, j))
+                }))
+            } else {
+                Box::new((0..p.tokens).map(Content::Token))
+            };
         let t0 = Instant::now();
-        for i in 0..p.tokens {
-            if cut_at == Some(i) {
+        let mut sent = 0u64;
+        for content in contents {
+            if cut_at == Some(sent) {
                 Stats::bump(&self.st.stats.streams_cut);
                 return Ok(Next::Drop);
             }
-            if end_at == Some(i) {
+            if end_at == Some(sent) {
                 return self.end_without_finish(framing, close).await;
             }
-            let at = p.ttft_ms.saturating_add(i.saturating_mul(p.itl_ms));
+            let at = p.ttft_ms.saturating_add(sent.saturating_mul(p.itl_ms));
             self.pause_until(t0 + Duration::from_millis(at)).await?;
-            if error_at == Some(i) {
-                return self.error_event(p, framing, i, close).await;
+            if error_at == Some(sent) {
+                return self.error_event(p, framing, sent, close).await;
+            }
+            if let Content::ToolArgs(i, 0) = content {
+                self.ev.clear();
+                body::ev_chat_tool_start(&mut self.ev, &g, i);
+                self.send_ev(framing, b"").await?;
             }
             self.ev.clear();
-            match p.route {
-                Route::Chat => body::ev_chat_content(&mut self.ev, &g, i),
-                Route::Completions => body::ev_completion_content(&mut self.ev, &g, i),
-                _ => body::ev_response_delta(&mut self.ev, &g, i),
+            match (content, p.route) {
+                (Content::ToolArgs(i, j), _) => body::ev_chat_tool_args(&mut self.ev, &g, i, j),
+                (Content::Token(i), Route::Chat) => body::ev_chat_content(&mut self.ev, &g, i),
+                (Content::Token(i), Route::Completions) => {
+                    body::ev_completion_content(&mut self.ev, &g, i)
+                }
+                (Content::Token(i), _) => body::ev_response_delta(&mut self.ev, &g, i),
             }
             self.send_ev(framing, b"").await?;
+            sent += 1;
             if fault == Some(Fault::MalformedChunk) {
                 break;
             }
@@ -1088,7 +1170,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             return Ok(Next::Drop);
         }
         if error_at.is_some() {
-            return self.error_event(p, framing, p.tokens, close).await;
+            return self.error_event(p, framing, sent, close).await;
         }
         if end_at.is_some() {
             return self.end_without_finish(framing, close).await;
@@ -1113,7 +1195,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         if p.route == Route::Responses {
             self.send_ev(framing, terminator(framing)).await?;
             // `response.completed` carries the usage.
-            stats.reported_usage(p.prompt_tokens, p.tokens);
+            stats.reported_usage(g.prompt_tokens, p.tokens);
         } else {
             self.send_ev(framing, b"").await?;
             if p.include_usage {
@@ -1124,7 +1206,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                     body::ev_completion_usage(&mut self.ev, &g);
                 }
                 self.send_ev(framing, b"").await?;
-                stats.reported_usage(p.prompt_tokens, p.tokens);
+                stats.reported_usage(g.prompt_tokens, p.tokens);
+                if let Some((read, write)) = g.cache {
+                    stats.reported_cache(read, write);
+                }
                 stats.usage_chunks.set(stats.usage_chunks.get() + 1);
             }
             self.ev.clear();
@@ -1283,5 +1368,507 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             self.send_ev(framing, terminator(framing)).await?;
         }
         Ok(if close { Next::Close } else { Next::KeepAlive })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Whole requests against a connection task, over a real socket: a client thread sends one
+    //! request (`Connection: close`) and reads the answer to EOF, noting when each read came.
+
+    use std::io::{Read as _, Write as _};
+    use std::time::Instant as StdInstant;
+
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::{queue, Config};
+
+    fn config() -> Config {
+        Config {
+            ttft_ms: 0,
+            inter_token_ms: 0,
+            tokens: 4,
+            fault: None,
+            retry_after: Some("1".to_owned()),
+            error_code: None,
+            reject_keys: Vec::new(),
+            max_running: None,
+            idle_close: None,
+        }
+    }
+
+    /// An answer as the client saw it.
+    struct Got {
+        head: String,
+        /// The body, de-chunked.
+        body: Vec<u8>,
+        /// The chunked body ended with its terminating chunk.
+        complete: bool,
+        /// (time since the request was sent, bytes) per read.
+        reads: Vec<(Duration, Vec<u8>)>,
+        stats: Value,
+    }
+
+    impl Got {
+        fn json(&self) -> Value {
+            match serde_json::from_slice(&self.body) {
+                Ok(v) => v,
+                Err(e) => panic!("{e}: {}", String::from_utf8_lossy(&self.body)),
+            }
+        }
+
+        /// The `data:` payloads of the SSE events (comments left out).
+        fn data(&self) -> Vec<String> {
+            String::from_utf8_lossy(&self.body)
+                .split("\n\n")
+                .filter_map(|ev| ev.lines().find_map(|l| l.strip_prefix("data: ")))
+                .map(str::to_owned)
+                .collect()
+        }
+
+        /// The data events before `[DONE]`, parsed (each must be JSON).
+        fn chunks(&self) -> Vec<Value> {
+            self.data()
+                .iter()
+                .filter(|d| d.as_str() != "[DONE]")
+                .map(|d| match serde_json::from_str(d) {
+                    Ok(v) => v,
+                    Err(e) => panic!("{e}: {d}"),
+                })
+                .collect()
+        }
+
+        /// When the client first had `needle` in what it had read.
+        fn first_seen(&self, needle: &str) -> Option<Duration> {
+            let mut seen = Vec::new();
+            for (at, bytes) in &self.reads {
+                seen.extend_from_slice(bytes);
+                if memchr::memmem::find(&seen, needle.as_bytes()).is_some() {
+                    return Some(*at);
+                }
+            }
+            None
+        }
+    }
+
+    /// A lenient chunked decoder: what arrived, and whether the terminating chunk did.
+    fn dechunk(mut b: &[u8]) -> (Vec<u8>, bool) {
+        let mut out = Vec::new();
+        loop {
+            let Some(eol) = memchr::memmem::find(b, b"\r\n") else {
+                return (out, false);
+            };
+            let size = std::str::from_utf8(&b[..eol])
+                .ok()
+                .and_then(|l| usize::from_str_radix(l.split(';').next()?.trim(), 16).ok());
+            let Some(size) = size else {
+                return (out, false);
+            };
+            if size == 0 {
+                return (out, true);
+            }
+            let data = &b[eol + 2..];
+            if data.len() < size + 2 {
+                out.extend_from_slice(&data[..size.min(data.len())]);
+                return (out, false);
+            }
+            out.extend_from_slice(&data[..size]);
+            b = &data[size + 2..];
+        }
+    }
+
+    fn exchange(path: &str, headers: &[(&str, &str)], body: &Value) -> Got {
+        exchange_with(config(), path, headers, body)
+    }
+
+    fn exchange_with(cfg: Config, path: &str, headers: &[(&str, &str)], body: &Value) -> Got {
+        let body = body.to_string();
+        let mut req = format!(
+            "POST {path} HTTP/1.1\r\nhost: mock\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n",
+            body.len()
+        );
+        for (n, v) in headers {
+            req.push_str(&format!("{n}: {v}\r\n"));
+        }
+        req.push_str("\r\n");
+        req.push_str(&body);
+        let st = Rc::new(State {
+            fault: std::cell::Cell::new(cfg.fault),
+            slots: queue::Slots::new(cfg.max_running),
+            cfg,
+            stats: Stats::default(),
+            seq: std::cell::Cell::new(0),
+        });
+        let mut rt = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        let client = rt.block_on({
+            let st = st.clone();
+            async move {
+                let listener = monoio::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                let addr = listener.local_addr().unwrap();
+                let client = std::thread::spawn(move || {
+                    let mut c = std::net::TcpStream::connect(addr).unwrap();
+                    c.write_all(req.as_bytes()).unwrap();
+                    let t0 = StdInstant::now();
+                    let mut reads = Vec::new();
+                    let mut buf = [0u8; 16384];
+                    loop {
+                        match c.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => reads.push((t0.elapsed(), buf[..n].to_vec())),
+                        }
+                    }
+                    reads
+                });
+                let (tcp, _) = listener.accept().await.unwrap();
+                run(tcp, st, None).await;
+                client
+            }
+        });
+        let reads = client.join().unwrap();
+        let all: Vec<u8> = reads.iter().flat_map(|(_, b)| b.iter().copied()).collect();
+        let split = memchr::memmem::find(&all, b"\r\n\r\n").unwrap() + 4;
+        let head = String::from_utf8_lossy(&all[..split]).into_owned();
+        let (body, complete) = if head.contains("transfer-encoding: chunked") {
+            dechunk(&all[split..])
+        } else {
+            (all[split..].to_vec(), true)
+        };
+        let mut stats = Vec::new();
+        st.stats.write_json(&mut stats, st.slots.counts());
+        Got {
+            head,
+            body,
+            complete,
+            reads,
+            stats: serde_json::from_slice(&stats).unwrap(),
+        }
+    }
+
+    fn chat(stream: bool) -> Value {
+        json!({
+            "model": "gpt-mock",
+            "stream": stream,
+            "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [
+                {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+                {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+            ]
+        })
+    }
+
+    /// What the mock counts as the request's own prompt: the body length / 4.
+    fn base_prompt(body: &Value) -> u64 {
+        (body.to_string().len() as u64 / 4).max(1)
+    }
+
+    /// The calls of a streamed chat answer, reassembled by index as the OpenAI SDK does:
+    /// (id, name, arguments, argument chunks). Checks each chunk's shape on the way.
+    fn reassemble(chunks: &[Value]) -> Vec<(String, String, String, usize)> {
+        let mut calls: Vec<(String, String, String, usize)> = Vec::new();
+        for c in chunks {
+            let Some(tcs) = c["choices"][0]["delta"]["tool_calls"].as_array() else {
+                continue;
+            };
+            assert_eq!(tcs.len(), 1, "{c}");
+            let tc = &tcs[0];
+            let i = tc["index"].as_u64().unwrap() as usize;
+            if let Some(id) = tc["id"].as_str() {
+                // A call's first chunk: the next index, with its id, type and name.
+                assert_eq!(i, calls.len(), "indexes are dense from 0: {c}");
+                assert_eq!(tc["type"], "function", "{c}");
+                assert_eq!(tc["function"]["arguments"], "", "{c}");
+                let name = tc["function"]["name"].as_str().unwrap();
+                calls.push((id.to_owned(), name.to_owned(), String::new(), 0));
+            } else {
+                // Then its fragments: the same index, no id, type or name.
+                assert_eq!(
+                    i + 1,
+                    calls.len(),
+                    "fragments follow their call's start: {c}"
+                );
+                assert!(tc.get("type").is_none(), "{c}");
+                assert!(tc["function"].get("name").is_none(), "{c}");
+                calls[i]
+                    .2
+                    .push_str(tc["function"]["arguments"].as_str().unwrap());
+                calls[i].3 += 1;
+            }
+        }
+        calls
+    }
+
+    #[test]
+    fn streamed_tool_calls_are_shaped_as_openai_streams_them() {
+        let body = chat(true);
+        let got = exchange(
+            "/v1/chat/completions",
+            &[
+                ("x-mock-tool-calls", "3"),
+                ("x-mock-tokens", "5"),
+                ("x-mock-cache-read", "7"),
+                ("x-mock-cache-write", "3"),
+            ],
+            &body,
+        );
+        assert!(got.head.starts_with("HTTP/1.1 200"), "{}", got.head);
+        assert!(got.complete);
+        let data = got.data();
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+        let chunks = got.chunks();
+        assert_eq!(chunks.len() + 1, data.len(), "one [DONE], at the end");
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        let calls = reassemble(&chunks);
+        assert_eq!(calls.len(), 3);
+        let mut ids = Vec::new();
+        for (i, (id, name, args, pieces)) in calls.iter().enumerate() {
+            assert!(id.starts_with("call_"), "{id}");
+            ids.push(id.clone());
+            assert_eq!(name, ["get_weather", "get_time"][i % 2]);
+            assert!(*pieces >= 3, "call {i}: {pieces} argument chunks");
+            let args: Value = serde_json::from_str(args).unwrap();
+            assert_eq!(args, json!({"city": "Paris", "n": i}));
+        }
+        ids.dedup();
+        assert_eq!(ids.len(), 3, "ids differ");
+        // No text anywhere; then the finish, the usage, [DONE].
+        assert!(chunks
+            .iter()
+            .all(|c| c["choices"][0]["delta"].get("content").is_none()));
+        let n = chunks.len();
+        let finish = &chunks[n - 2];
+        assert_eq!(finish["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(finish["choices"][0]["delta"], json!({}));
+        assert!(chunks[..n - 2]
+            .iter()
+            .all(|c| c["choices"][0]["finish_reason"].is_null()));
+        let usage = &chunks[n - 1];
+        assert_eq!(usage["choices"], json!([]));
+        let u = &usage["usage"];
+        let prompt = base_prompt(&body) + 7 + 3;
+        assert_eq!(u["prompt_tokens"], prompt);
+        assert_eq!(u["completion_tokens"], 5);
+        assert_eq!(u["total_tokens"], prompt + 5);
+        assert_eq!(
+            u["prompt_tokens_details"],
+            json!({"cached_tokens": 7, "cache_write_tokens": 3})
+        );
+        // The stats count what was reported, as for /v1/messages.
+        let s = &got.stats;
+        assert_eq!(s["usage_prompt_tokens"], prompt);
+        assert_eq!(s["usage_completion_tokens"], 5);
+        assert_eq!(s["usage_cache_read_tokens"], 7);
+        assert_eq!(s["usage_cache_creation_tokens"], 3);
+        assert_eq!(
+            (&s["usage_chunks"], &s["streams_completed"]),
+            (&json!(1), &json!(1))
+        );
+    }
+
+    #[test]
+    fn whole_tool_calls_answer() {
+        let body = chat(false);
+        let got = exchange(
+            "/v1/chat/completions",
+            &[("x-mock-tool-calls", "2"), ("x-mock-cache-read", "4")],
+            &body,
+        );
+        let v = got.json();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        assert_eq!(choice["message"]["content"], Value::Null);
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        let names: Vec<_> = calls.iter().map(|c| &c["function"]["name"]).collect();
+        assert_eq!(names, ["get_weather", "get_time"]);
+        assert_eq!(calls[1]["id"], "call_mock_1_1");
+        let args: Value =
+            serde_json::from_str(calls[1]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args, json!({"city": "Paris", "n": 1}));
+        let u = &v["usage"];
+        let prompt = base_prompt(&body) + 4;
+        assert_eq!(u["prompt_tokens"], prompt);
+        assert_eq!(u["completion_tokens"], 4, "--tokens, as a text answer");
+        assert_eq!(u["total_tokens"], prompt + 4);
+        assert_eq!(
+            u["prompt_tokens_details"],
+            json!({"cached_tokens": 4, "cache_write_tokens": 0})
+        );
+        let s = &got.stats;
+        assert_eq!(s["usage_prompt_tokens"], prompt);
+        assert_eq!(s["usage_cache_read_tokens"], 4);
+        assert_eq!(s["usage_cache_creation_tokens"], 0);
+    }
+
+    #[test]
+    fn without_tools_the_header_is_ignored() {
+        let mut plain = chat(false);
+        plain.as_object_mut().unwrap().remove("tools");
+        let mut empty = chat(true);
+        empty["tools"] = json!([]);
+        let mut none = chat(false);
+        none["tool_choice"] = json!("none");
+        for body in [plain, none] {
+            let got = exchange("/v1/chat/completions", &[("x-mock-tool-calls", "2")], &body);
+            let v = got.json();
+            assert_eq!(v["choices"][0]["message"]["content"], "tok0 tok1 tok2 tok3");
+            assert_eq!(v["choices"][0]["finish_reason"], "stop");
+            assert!(v["choices"][0]["message"].get("tool_calls").is_none());
+            // No cache headers: usage as before, no details.
+            assert_eq!(v["usage"]["prompt_tokens"], base_prompt(&body));
+            assert!(v["usage"].get("prompt_tokens_details").is_none());
+            assert_eq!(got.stats["usage_cache_read_tokens"], 0);
+        }
+        let got = exchange(
+            "/v1/chat/completions",
+            &[("x-mock-tool-calls", "2")],
+            &empty,
+        );
+        let chunks = got.chunks();
+        assert!(reassemble(&chunks).is_empty());
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, "tok0 tok1 tok2 tok3");
+        assert_eq!(
+            chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+            "stop"
+        );
+        // The header is for chat only: a text completion stays text.
+        let got = exchange(
+            "/v1/completions",
+            &[("x-mock-tool-calls", "2"), ("x-mock-cache-read", "5")],
+            &json!({"prompt": "x", "tools": chat(false)["tools"]}),
+        );
+        let v = got.json();
+        assert_eq!(v["choices"][0]["text"], "tok0 tok1 tok2 tok3");
+        assert!(v["usage"].get("prompt_tokens_details").is_none());
+        assert_eq!(got.stats["usage_cache_read_tokens"], 0);
+    }
+
+    #[test]
+    fn faults_count_argument_chunks_as_content_events() {
+        let body = chat(true);
+        let stream = |fault: &str| {
+            exchange(
+                "/v1/chat/completions",
+                &[("x-mock-tool-calls", "2"), ("x-mock-fault", fault)],
+                &body,
+            )
+        };
+        // Four fragments per call: die-after=5 cuts after call 1's first fragment.
+        let got = stream("die-after=5");
+        assert!(!got.complete);
+        let calls = reassemble(&got.chunks());
+        assert_eq!(calls.len(), 2);
+        assert_eq!((calls[0].3, calls[1].3), (4, 1));
+        assert!(!got.data().iter().any(|d| d == "[DONE]"));
+        assert_eq!(got.stats["streams_cut"], 1);
+        // A cut in place of a call's first fragment leaves the call out whole.
+        let calls = reassemble(&stream("die-after=4").chunks());
+        assert_eq!(calls.len(), 1);
+        // end-after: the body ends framed, with no finish and no [DONE].
+        let got = stream("end-after=6");
+        assert!(got.complete);
+        let chunks = got.chunks();
+        assert_eq!(reassemble(&chunks)[1].3, 2);
+        assert!(chunks
+            .iter()
+            .all(|c| c["choices"][0]["finish_reason"].is_null()));
+        assert!(!got.data().iter().any(|d| d == "[DONE]"));
+        // error-event=0: the error is the first data event.
+        let data = stream("error-event").data();
+        assert_eq!(data.len(), 2, "{data:?}");
+        assert!(data[0].starts_with("{\"error\":"), "{data:?}");
+        assert_eq!(data[1], "[DONE]");
+        // error-event=N: after N fragments, in place of the next.
+        let got = stream("error-event=4");
+        let chunks = got.chunks();
+        assert_eq!(reassemble(&chunks).len(), 1);
+        assert!(chunks.last().unwrap().get("error").is_some());
+        assert_eq!(got.stats["error_events"], 1);
+        // drop-mid-stream: half the fragments.
+        let calls = reassemble(&stream("drop-mid-stream").chunks());
+        assert_eq!((calls.len(), calls[0].3), (1, 4));
+        // malformed-chunk: after the first fragment.
+        let got = stream("malformed-chunk");
+        assert!(!got.complete);
+        let calls = reassemble(&got.chunks());
+        assert_eq!((calls.len(), calls[0].3), (1, 1));
+    }
+
+    #[test]
+    fn timing_applies_to_tool_call_chunks() {
+        let body = chat(true);
+        let got = exchange(
+            "/v1/chat/completions",
+            &[
+                ("x-mock-tool-calls", "2"),
+                ("x-mock-ttft-ms", "80"),
+                ("x-mock-inter-token-ms", "20"),
+            ],
+            &body,
+        );
+        assert!(got.complete);
+        // The role chunk at once; the first call's first chunk with its first fragment, after
+        // the TTFT; then one fragment every inter-token delay: 8 fragments in all.
+        let role = got.first_seen("\"role\":\"assistant\"").unwrap();
+        let first_call = got.first_seen("\"tool_calls\"").unwrap();
+        let done = got.first_seen("[DONE]").unwrap();
+        assert!(role <= first_call, "{role:?} {first_call:?}");
+        assert!(first_call >= Duration::from_millis(80), "{first_call:?}");
+        assert!(done >= Duration::from_millis(80 + 7 * 20), "{done:?}");
+        // The last fragment of the last call, 7 inter-token delays after the first.
+        let last = got.first_seen("\"index\":1,\"function\":{\"arguments\":\"\\\"n\\\":1}\"");
+        assert!(
+            last.is_some_and(|t| t >= Duration::from_millis(80 + 7 * 20)),
+            "{last:?}"
+        );
+    }
+
+    #[test]
+    fn cache_counters_match_the_messages_dialect() {
+        let cache = [("x-mock-cache-read", "7"), ("x-mock-cache-write", "3")];
+        let chat_body = chat(false);
+        let chat = exchange("/v1/chat/completions", &cache, &chat_body);
+        let messages_body = json!({
+            "model": "claude-mock",
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": "weather?"}]
+        });
+        let mut headers = cache.to_vec();
+        headers.extend([("x-api-key", "k"), ("anthropic-version", "2023-06-01")]);
+        let messages = exchange("/v1/messages", &headers, &messages_body);
+        assert_eq!(messages.json()["type"], "message", "{}", messages.json());
+        for (got, body) in [(&chat, &chat_body), (&messages, &messages_body)] {
+            let s = &got.stats;
+            assert_eq!(s["usage_cache_read_tokens"], 7);
+            assert_eq!(s["usage_cache_creation_tokens"], 3);
+            assert_eq!(s["usage_prompt_tokens"], base_prompt(body) + 10);
+        }
+    }
+
+    #[test]
+    fn streamed_cache_usage_is_counted_once_sent() {
+        let body = chat(true);
+        let cache = [("x-mock-cache-read", "2"), ("x-mock-cache-write", "1")];
+        // Without include_usage no usage chunk, so nothing is counted.
+        let mut quiet = body.clone();
+        quiet["stream_options"] = json!({"include_usage": false});
+        let got = exchange("/v1/chat/completions", &cache, &quiet);
+        assert!(got.chunks().iter().all(|c| c.get("usage").is_none()));
+        assert_eq!(got.stats["usage_cache_read_tokens"], 0);
+        let got = exchange("/v1/chat/completions", &cache, &body);
+        let chunks = got.chunks();
+        let u = &chunks.last().unwrap()["usage"];
+        assert_eq!(u["prompt_tokens"], base_prompt(&body) + 3);
+        assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 2);
+        assert_eq!(got.stats["usage_cache_read_tokens"], 2);
+        assert_eq!(got.stats["usage_prompt_tokens"], base_prompt(&body) + 3);
     }
 }
