@@ -744,6 +744,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 plan.itl_ms = parse_num(value).unwrap_or(plan.itl_ms);
             } else if ctl.eq_ignore_ascii_case(b"tokens") {
                 plan.tokens = parse_num(value).unwrap_or(plan.tokens);
+            } else if ctl.eq_ignore_ascii_case(b"prompt-tokens") {
+                // The uncached prompt (Anthropic's `input_tokens`), instead of body length / 4:
+                // two dialects' requests then report the same counts.
+                plan.prompt_tokens = parse_num(value).unwrap_or(plan.prompt_tokens);
             } else if ctl.eq_ignore_ascii_case(b"delay-ms") {
                 plan.delay_ms = parse_num(value).unwrap_or(0);
             } else if ctl.eq_ignore_ascii_case(b"tool-calls") {
