@@ -128,9 +128,9 @@ fn client_usage(client: Client, stream: bool, r: &Response) -> Value {
             assert!(events.last().is_some_and(|e| e.is_done()), "{}", r.dump());
             events
                 .iter()
+                .rev()
                 .filter_map(|e| e.json())
-                .filter(|v| v["usage"].is_object())
-                .last()
+                .find(|v| v["usage"].is_object())
                 .map(|v| v["usage"].clone())
                 .unwrap_or_else(|| panic!("no usage chunk: {}", r.dump()))
         }
@@ -176,7 +176,7 @@ fn the_same_token_counts_bill_the_same_in_every_dialect() {
     // Between two identical probes, the TPM remaining drops by the first probe's usage plus
     // what the request between them was charged (the probes' reservations cancel out).
     let mut done = 0.0;
-    let mut probe = || {
+    let probe = || {
         let r = gw.request(
             &Req::post(
                 "/v1/chat/completions",
