@@ -296,27 +296,33 @@ fn an_openai_primary_answering_503_fails_over_to_claude_and_the_client_gets_open
     }
 }
 
+/// The official `openai` SDK, unchanged, against Sluice, once on `claude` (translated to the
+/// Anthropic-dialect mock, which checks each Messages request as strictly as the real API) and
+/// once on `gpt-4o` (the OpenAI-dialect mock, passed through): system prompt and image, whole
+/// and streamed, parallel tool calls whole and streamed (arguments in many deltas, assembled by
+/// the SDK's own stream helper), and the turn that answers them with tool results.
 #[test]
-fn the_openai_python_sdk_reads_claudes_answers_through_sluice() {
+fn the_openai_python_sdk_reads_every_answer_from_either_dialect() {
     let claude = Mock::start(&["--tokens", "6"]);
-    let openai = Mock::start(&[]);
+    let openai = Mock::start(&["--tokens", "6"]);
     let log = TempDir::new("anthropic-sdk");
     let gw = Sluice::start(&config(&claude, &openai, &log));
     let script = r#"
 import json, sys
 from openai import OpenAI
 client = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0)
+model = sys.argv[2]
 image = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
 messages = [
     {"role": "system", "content": "Be terse."},
     {"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                  {"type": "image_url", "image_url": {"url": image}}]},
 ]
-whole = client.chat.completions.create(model="claude", messages=messages, max_tokens=50)
+whole = client.chat.completions.create(model=model, messages=messages, max_tokens=50)
 assert whole.choices[0].message.content, whole
 assert whole.usage.completion_tokens == 6, whole.usage
 text = ""
-with client.chat.completions.create(model="claude", messages=messages, stream=True,
+with client.chat.completions.create(model=model, messages=messages, stream=True,
                                     stream_options={"include_usage": True}) as stream:
     usage = None
     for chunk in stream:
@@ -328,32 +334,51 @@ assert text, "no streamed text"
 assert usage and usage.completion_tokens == 6, usage
 tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
+ask = [{"role": "user", "content": "weather?"}]
 calls = client.chat.completions.create(
-    model="claude", tools=tools, messages=[{"role": "user", "content": "weather?"}],
-    extra_headers={"x-mock-tool-calls": "2"})
+    model=model, tools=tools, messages=ask, extra_headers={"x-mock-tool-calls": "2"})
 made = calls.choices[0].message.tool_calls
 assert calls.choices[0].finish_reason == "tool_calls", calls
-assert len(made) == 2 and all(json.loads(c.function.arguments) is not None for c in made), made
+assert len(made) == 2 and all(isinstance(json.loads(c.function.arguments), dict) for c in made), made
+assert len({c.id for c in made}) == 2, made
 # Streamed parallel calls, put together by the SDK's own stream helper.
+fragments = 0
 with client.beta.chat.completions.stream(
-        model="claude", tools=tools, messages=[{"role": "user", "content": "weather?"}],
+        model=model, tools=tools, messages=ask,
         extra_headers={"x-mock-tool-calls": "2"}) as stream:
+    for event in stream:
+        if event.type == "tool_calls.function.arguments.delta":
+            fragments += 1
     final = stream.get_final_completion()
-made = final.choices[0].message.tool_calls
-assert len(made) == 2, final
-for call in made:
-    json.loads(call.function.arguments)
+streamed = final.choices[0].message.tool_calls
+assert final.choices[0].finish_reason == "tool_calls", final
+assert len(streamed) == 2, final
+for call in streamed:
+    assert isinstance(json.loads(call.function.arguments), dict), call
+assert fragments >= 4, f"arguments came in {fragments} deltas"
+# The next turn: the calls and their results go back (to Claude as tool_use / tool_result).
+turn = ask + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": c.id, "type": "function",
+         "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in made]},
+] + [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in made]
+answer = client.chat.completions.create(model=model, tools=tools, messages=turn)
+assert answer.choices[0].message.content and answer.choices[0].finish_reason == "stop", answer
 print("ok")
 "#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script, &format!("http://{}/v1", gw.addr)])
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
-        "stdout: {}\nstderr: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(claude.stat("invalid_requests"), 0);
+    for (model, mock) in [("claude", &claude), ("gpt-4o", &openai)] {
+        let out = std::process::Command::new("python3")
+            .args(["-c", script, &format!("http://{}/v1", gw.addr), model])
+            .output()
+            .expect("python3");
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
+            "{model}: stdout: {}\nstderr: {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(mock.stat("invalid_requests"), 0, "{model}");
+    }
+    assert_eq!(claude.stat("messages_requests"), 5);
+    assert_eq!(openai.stat("messages_requests"), 0);
 }

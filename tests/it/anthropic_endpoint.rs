@@ -1,10 +1,9 @@
 //! `POST /v1/messages` for Anthropic SDK clients (issue #14, item 3), served by an
-//! OpenAI-dialect upstream (today's mock-llm): answers, streams and every error in Anthropic's
-//! shapes, `/v1/messages/count_tokens` from Sluice's estimate, usage metered as on the OpenAI
-//! endpoints, a fallback from an Anthropic-dialect primary to an OpenAI-dialect cluster, and the
-//! official `anthropic` Python SDK through Sluice (`scripts/test.sh` installs it).
-//!
-//! Passthrough to an Anthropic-dialect upstream waits for mock-llm to speak Anthropic.
+//! OpenAI-dialect upstream (translated) or an Anthropic-dialect one (passed through; mock-llm's
+//! `/v1/messages` checks each request as strictly as the real API): answers, streams and every
+//! error in Anthropic's shapes, `/v1/messages/count_tokens` from Sluice's estimate, usage
+//! metered as on the OpenAI endpoints, fallbacks across the dialects both ways, and the official
+//! `anthropic` Python SDK through Sluice against both (`scripts/test.sh` installs it).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::{Command, Stdio};
@@ -393,55 +392,265 @@ fn an_anthropic_dialect_primary_falls_back_to_an_openai_cluster_in_the_clients_d
     }
 }
 
-/// The official `anthropic` SDK, unchanged, against Sluice: `messages.create` and
-/// `messages.stream` (which accumulates the events into a final message).
+/// `gpt-4o` on the mock as an OpenAI-dialect cluster (as [`gateway`]), and `gpt-claude` on the
+/// same mock as an Anthropic-dialect one (`claude-mock` upstream); `gpt-failover` tries
+/// `failing` (an OpenAI-dialect cluster answering 503) before that Anthropic-dialect one.
+fn two_dialects(mock: &Mock, failing: &Mock, log: &TempDir) -> Sluice {
+    Sluice::start(
+        &Config::one_cluster(mock)
+            .env("CLAUDE_KEY", "sk-ant-test")
+            .access_log(log.path())
+            .access_log_opt("flush_interval_ms", 20)
+            .raw(&keys())
+            .raw(&format!(
+                r#"
+[clusters.claude]
+backends = [{{ base_url = {url} }}]
+dialect = "anthropic"
+credential = {{ env = "CLAUDE_KEY", header = "x-api-key" }}
+
+[clusters.failing]
+backends = [{{ base_url = {failing} }}]
+
+[[routes]]
+model = "gpt-claude"
+groups = [{{ targets = [{{ cluster = "claude", model = "claude-mock" }}] }}]
+
+[[routes]]
+model = "gpt-failover"
+groups = [{{ targets = [{{ cluster = "failing" }}] }}, {{ targets = [{{ cluster = "claude", model = "claude-mock" }}] }}]
+
+[pricing."claude-mock"]
+input = 3.0
+output = 15.0
+cached_input = 0.3
+cache_write_input = 3.75
+"#,
+                url = toml_str(&mock.base_url()),
+                failing = toml_str(&failing.base_url()),
+            )),
+    )
+}
+
+/// Passthrough: an Anthropic client's Messages request to an Anthropic-dialect cluster goes out
+/// with only the model changed and the cluster's key, comes back untouched (the upstream's own
+/// `model`, ids and event names), and is metered from Anthropic's usage — cache reads and writes
+/// in the prompt, priced apart; a stream cut midway ends with an Anthropic error event and is
+/// billed; an OpenAI-dialect primary's 503 falls over to it.
 #[test]
-fn the_anthropic_python_sdk_reads_every_answer() {
+fn messages_pass_through_to_an_anthropic_cluster_metered_in_its_terms() {
     let mock = Mock::start(&["--tokens", "4"]);
+    let failing = Mock::start(&["--fault", "status=503"]);
+    let log = TempDir::new("anthropic-passthrough");
+    let gw = two_dialects(&mock, &failing, &log);
+    let cache = [
+        ("x-mock-prompt-tokens", "10"),
+        ("x-mock-cache-read", "100"),
+        ("x-mock-cache-write", "50"),
+    ];
+
+    // Whole.
+    let r = send(
+        &gw,
+        "/v1/messages",
+        Some(KEY),
+        &messages_body("gpt-claude", false),
+        &cache,
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let v = r.json();
+    assert_eq!(v["type"], "message", "{v}");
+    assert_eq!(
+        v["model"], "claude-mock",
+        "the upstream's answer, untouched: {v}"
+    );
+    assert_eq!(v["usage"]["input_tokens"], 10, "{v}");
+    assert_eq!(v["usage"]["cache_read_input_tokens"], 100, "{v}");
+    assert_eq!(v["usage"]["cache_creation_input_tokens"], 50, "{v}");
+    assert_eq!(v["usage"]["output_tokens"], 4, "{v}");
+    assert_eq!(mock.stat("messages_requests"), 1);
+    assert_eq!(mock.stat("invalid_requests"), 0);
+
+    // Streamed: Anthropic's events as the upstream sent them.
+    let r = send(
+        &gw,
+        "/v1/messages",
+        Some(KEY),
+        &messages_body("gpt-claude", true),
+        &cache,
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.end, BodyEnd::Complete, "{}", r.dump());
+    let events = r.sse_events();
+    let seen = names(&events);
+    assert_eq!(
+        seen.first().map(String::as_str),
+        Some("message_start"),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(
+        seen.last().map(String::as_str),
+        Some("message_stop"),
+        "{}",
+        r.dump()
+    );
+    assert!(
+        seen.iter().any(|n| n == "content_block_delta"),
+        "{}",
+        r.dump()
+    );
+    assert!(!r.text().contains("[DONE]"), "{}", r.dump());
+
+    // Cut midway: an Anthropic error event after what was relayed, never a clean end.
+    let r = send(
+        &gw,
+        "/v1/messages",
+        Some(KEY),
+        &messages_body("gpt-claude", true),
+        &[("x-mock-fault", "die-after=2"), ("x-mock-tokens", "6")],
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let events = r.sse_events();
+    let last = events.last().expect("events");
+    assert_eq!(last.event.as_deref(), Some("error"), "{}", r.dump());
+    assert_eq!(last.json().unwrap()["type"], "error", "{}", r.dump());
+    assert!(
+        !names(&events).iter().any(|n| n == "message_stop"),
+        "{}",
+        r.dump()
+    );
+
+    // An OpenAI-dialect primary answering 503: the Anthropic-dialect fallback's answer, passed
+    // through.
+    let r = send(
+        &gw,
+        "/v1/messages",
+        Some(KEY),
+        &messages_body("gpt-failover", false),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.json()["model"], "claude-mock", "{}", r.dump());
+    assert_eq!(failing.stat("requests"), 1);
+
+    let mut recs = wait_records(log.path(), 4, LOG_WAIT);
+    recs.sort_by_key(|r| r["time_unix_us"].as_u64());
+    // Cost: 10 uncached at 3, 100 reads at 0.3, 50 writes at 3.75, 4 out at 15 (per million).
+    let cost = (10.0 * 3.0 + 100.0 * 0.3 + 50.0 * 3.75 + 4.0 * 15.0) / 1e6;
+    for (rec, stream) in recs[..2].iter().zip([false, true]) {
+        assert_eq!(rec["cluster"], "claude", "{rec}");
+        assert_eq!(rec["path"], "/v1/messages", "{rec}");
+        assert_eq!(rec["stream"], stream, "{rec}");
+        assert_eq!(rec["usage_source"], "USAGE_SOURCE_REPORTED", "{rec}");
+        assert_eq!(rec["prompt_tokens"], 160, "{rec}");
+        assert_eq!(rec["cached_tokens"], 100, "{rec}");
+        assert_eq!(rec["cache_write_tokens"], 50, "{rec}");
+        assert_eq!(rec["completion_tokens"], 4, "{rec}");
+        assert_eq!(rec["total_tokens"], 164, "{rec}");
+        let c = rec["cost"].as_f64().unwrap();
+        assert!((c - cost).abs() < 1e-12, "cost {c}, want {cost}: {rec}");
+    }
+    assert!(recs[1]["ttft_us"].as_u64().unwrap() > 0, "{}", recs[1]);
+    let cut = &recs[2];
+    assert_eq!(cut["error_class"], "upstream_abort", "{cut}");
+    assert!(
+        cut["completion_tokens"].as_u64().unwrap() >= 1,
+        "billed what was sent: {cut}"
+    );
+    assert!(cut["prompt_tokens"].as_u64().unwrap() >= 1, "{cut}");
+    let failover = &recs[3];
+    assert_eq!(failover["fallback_attempts"], 1, "{failover}");
+    assert_eq!(failover["fallback_reason"], "status_5xx", "{failover}");
+    assert_eq!(failover["cluster"], "claude", "{failover}");
+    assert_eq!(mock.stat("invalid_requests"), 0);
+}
+
+/// The official `anthropic` SDK, unchanged, against Sluice, once on `gpt-4o` (translated to and
+/// from the OpenAI-dialect mock) and once on `gpt-claude` (passed through to the
+/// Anthropic-dialect mock): system prompt and image, `messages.create` and `messages.stream`
+/// (which accumulates the events into a final message), parallel tool calls whole and streamed
+/// (input JSON in many deltas), the turn that answers them with `tool_result`, `count_tokens`,
+/// and a bad key raised as the SDK's own `AuthenticationError`.
+#[test]
+fn the_anthropic_python_sdk_reads_every_answer_from_either_dialect() {
+    let mock = Mock::start(&["--tokens", "4"]);
+    let failing = Mock::start(&["--fault", "status=503"]);
     let log = TempDir::new("anthropic-sdk");
-    let gw = gateway(&mock, "", &log);
-    let script = format!(
-        r#"
-import json, anthropic
-client = anthropic.Anthropic(base_url="http://{addr}", api_key="{key}", max_retries=0)
-m = client.messages.create(model="gpt-4o", max_tokens=32, system="Be brief.",
-    messages=[{{"role": "user", "content": "hi"}}])
+    let gw = two_dialects(&mock, &failing, &log);
+    let script = r#"
+import json, sys, anthropic
+addr, key, model = sys.argv[1], sys.argv[2], sys.argv[3]
+client = anthropic.Anthropic(base_url=addr, api_key=key, max_retries=0)
+png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+look = [{"role": "user", "content": [
+    {"type": "text", "text": "what is this?"},
+    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}]
+m = client.messages.create(model=model, max_tokens=32, system="Be brief.", messages=look)
 assert m.type == "message" and m.role == "assistant", m
 assert m.content[0].type == "text" and m.content[0].text, m
-with client.messages.stream(model="gpt-4o", max_tokens=32,
-        messages=[{{"role": "user", "content": "hi"}}]) as s:
+with client.messages.stream(model=model, max_tokens=32, messages=look,
+        system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]) as s:
     text = "".join(s.text_stream)
     final = s.get_final_message()
 assert text and final.content[0].text == text, (text, final)
 assert final.stop_reason == "end_turn", final
-count = client.messages.count_tokens(model="gpt-4o", messages=[{{"role": "user", "content": "hi"}}])
+tools = [{"name": "get_weather", "description": "The weather in a city.",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+ask = [{"role": "user", "content": "weather?"}]
+calls = client.messages.create(model=model, max_tokens=64, tools=tools, messages=ask,
+                               extra_headers={"x-mock-tool-calls": "2"})
+uses = [b for b in calls.content if b.type == "tool_use"]
+assert calls.stop_reason == "tool_use" and len(uses) == 2, calls
+assert all(isinstance(u.input, dict) and u.input for u in uses), uses
+assert len({u.id for u in uses}) == 2, uses
+fragments = 0
+with client.messages.stream(model=model, max_tokens=64, tools=tools, messages=ask,
+                            extra_headers={"x-mock-tool-calls": "2"}) as s:
+    for event in s:
+        if event.type == "input_json":
+            fragments += 1
+    streamed = s.get_final_message()
+su = [b for b in streamed.content if b.type == "tool_use"]
+assert streamed.stop_reason == "tool_use" and len(su) == 2, streamed
+assert all(isinstance(u.input, dict) and u.input for u in su), su
+assert fragments >= 4, f"input JSON came in {fragments} deltas"
+turn = ask + [
+    {"role": "assistant", "content": [{"type": "tool_use", "id": u.id, "name": u.name, "input": u.input} for u in uses]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "sunny"} for u in uses]},
+]
+answer = client.messages.create(model=model, max_tokens=32, tools=tools, messages=turn)
+assert answer.content[0].type == "text" and answer.stop_reason == "end_turn", answer
+count = client.messages.count_tokens(model=model, messages=ask)
 try:
-    anthropic.Anthropic(base_url="http://{addr}", api_key="sk-nope", max_retries=0).messages.create(
-        model="gpt-4o", max_tokens=8, messages=[{{"role": "user", "content": "hi"}}])
+    anthropic.Anthropic(base_url=addr, api_key="sk-nope", max_retries=0).messages.create(
+        model=model, max_tokens=8, messages=ask)
     raise SystemExit("a bad key was accepted")
 except anthropic.AuthenticationError as e:
     kind = e.body["error"]["type"]
-print(json.dumps({{"whole": m.usage.output_tokens, "streamed": final.usage.output_tokens,
-    "input": final.usage.input_tokens, "count": count.input_tokens, "kind": kind}}))
-"#,
-        addr = gw.addr,
-        key = KEY
-    );
-    let out = Command::new("python3")
-        .args(["-c", &script])
-        .stdin(Stdio::null())
-        .output()
-        .expect("python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "the `anthropic` package must be installed (scripts/test.sh does):\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_str(stdout.trim()).unwrap();
-    assert_eq!(v["whole"], 4, "{v}");
-    assert_eq!(v["streamed"], 4, "{v}");
-    assert!(v["input"].as_u64().unwrap() > 0, "{v}");
-    assert!(v["count"].as_u64().unwrap() > 0, "{v}");
-    assert_eq!(v["kind"], "authentication_error", "{v}");
+print(json.dumps({"whole": m.usage.output_tokens, "streamed": final.usage.output_tokens,
+    "input": final.usage.input_tokens, "count": count.input_tokens, "kind": kind}))
+"#;
+    let addr = format!("http://{}", gw.addr);
+    for (model, messages_requests) in [("gpt-4o", 0), ("gpt-claude", 5)] {
+        let out = Command::new("python3")
+            .args(["-c", script, &addr, KEY, model])
+            .stdin(Stdio::null())
+            .output()
+            .expect("python3");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{model}: the `anthropic` package must be installed (scripts/test.sh does):\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(v["whole"], 4, "{model}: {v}");
+        assert_eq!(v["streamed"], 4, "{model}: {v}");
+        assert!(v["input"].as_u64().unwrap() > 0, "{model}: {v}");
+        assert!(v["count"].as_u64().unwrap() > 0, "{model}: {v}");
+        assert_eq!(v["kind"], "authentication_error", "{model}: {v}");
+        assert_eq!(mock.stat("messages_requests"), messages_requests, "{model}");
+        assert_eq!(mock.stat("invalid_requests"), 0, "{model}");
+    }
 }
