@@ -382,3 +382,74 @@ print("ok")
     assert_eq!(claude.stat("messages_requests"), 5);
     assert_eq!(openai.stat("messages_requests"), 0);
 }
+
+/// Claude first, GPT second: Anthropic's 529 (overloaded) and 429 (`rate_limit_error`, with its
+/// `Retry-After`) move the request to the fallback, and the 429 cools Claude for that long; an
+/// account out of credit (Anthropic's 400 "credit balance is too low", its spend limit) is
+/// answered as it is — never retried elsewhere.
+#[test]
+fn claudes_overload_and_rate_limit_fall_back_and_its_spend_limit_does_not() {
+    // No Retry-After unless a request asks for one: the 529 cools Claude for the 1 ms default.
+    let claude = Mock::start(&["--retry-after", "none"]);
+    let openai = Mock::start(&["--tokens", "2"]);
+    let log = TempDir::new("anthropic-claude-first");
+    let gw = Sluice::start(&config(&claude, &openai, &log).raw(
+        r#"
+[[routes]]
+model = "claude-first"
+groups = [{ targets = [{ cluster = "claude", model = "claude-mock" }] }, { targets = [{ cluster = "openai", model = "gpt-4o" }] }]
+"#,
+    ));
+    let chat = || gw.chat(&chat_body("claude-first"));
+
+    claude.set_fault(Some("status=529"));
+    let r = chat();
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.json()["object"], "chat.completion", "{}", r.dump());
+    assert_eq!(claude.stat("messages_requests"), 1);
+    assert_eq!(openai.stat("requests"), 1);
+
+    // A 429 with Retry-After: 30 → the fallback answers, and Claude is left alone after it.
+    claude.set_fault(Some("status=429"));
+    std::thread::sleep(Duration::from_millis(50)); // past the 529's 1 ms cool-down
+    let r = gw.request(
+        &Req::post("/v1/chat/completions", &chat_body("claude-first"))
+            .header("x-mock-retry-after", "30"),
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(claude.stat("messages_requests"), 2);
+    claude.set_fault(None);
+    for _ in 0..3 {
+        assert_eq!(chat().status, 200);
+    }
+    assert_eq!(
+        claude.stat("messages_requests"),
+        2,
+        "Claude was asked again inside its Retry-After"
+    );
+    assert_eq!(openai.stat("requests"), 5);
+
+    // Out of credit: Claude's 400 reaches the client in OpenAI's shape; GPT is never asked.
+    let gw2 = Sluice::start(&config(&claude, &openai, &log).raw(
+        r#"
+[[routes]]
+model = "claude-first"
+groups = [{ targets = [{ cluster = "claude", model = "claude-mock" }] }, { targets = [{ cluster = "openai", model = "gpt-4o" }] }]
+"#,
+    ));
+    claude.set_fault(Some("quota"));
+    let r = gw2.chat(&chat_body("claude-first"));
+    let e = assert_openai_error(&r, 400);
+    assert!(
+        e["message"].as_str().unwrap().contains("credit balance"),
+        "{e}"
+    );
+    assert_eq!(openai.stat("requests"), 5, "a spend limit was retried");
+
+    let recs = records(&log, 6);
+    let reasons: Vec<&str> = recs
+        .iter()
+        .map(|r| r["fallback_reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons[..2], ["status_529", "status_429"], "{reasons:?}");
+}
