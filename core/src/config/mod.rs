@@ -263,7 +263,10 @@ impl Default for RawTimeouts {
 #[serde(deny_unknown_fields, default)]
 struct RawUpstream {
     max_idle_per_backend: usize,
-    max_connections_per_backend: usize,
+    /// `None`: `server.max_connections_per_worker` (each client connection has at most one
+    /// request upstream, so the cap never binds before the client side's own).
+    max_connections_per_backend: Option<usize>,
+    pool_wait_ms: u64,
     idle_timeout_ms: u64,
     request_stream_usage: bool,
 }
@@ -272,7 +275,8 @@ impl Default for RawUpstream {
     fn default() -> Self {
         RawUpstream {
             max_idle_per_backend: 64,
-            max_connections_per_backend: 1024,
+            max_connections_per_backend: None,
+            pool_wait_ms: 100,
             idle_timeout_ms: 30_000,
             request_stream_usage: true,
         }
@@ -510,8 +514,13 @@ pub(crate) struct Timeouts {
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct UpstreamLimits {
+    /// Idle connections always kept per backend per worker; more while the last interval
+    /// (`idle_timeout`) had more busy at once, so steady load reuses instead of reconnecting.
     pub(crate) max_idle_per_backend: usize,
     pub(crate) max_connections_per_backend: usize,
+    /// How long a request waits for a connection when its backend is at the cap, before it
+    /// moves on to the next candidate (or gets the 503).
+    pub(crate) pool_wait: Duration,
     pub(crate) idle_timeout: Duration,
     /// Ask the upstream for usage on streamed chat completions and completions
     /// (`stream_options.include_usage`) even when the client did not, so limits settle on
@@ -1056,7 +1065,12 @@ fn validate(
         }
     }
     let timeouts = resolve_timeouts(&timeouts, &mut err);
-    let upstream = resolve_upstream(&upstream, &mut err);
+    let client_connections = server
+        .as_ref()
+        .map_or(RawServer::default().max_connections_per_worker, |s| {
+            s.max_connections_per_worker
+        });
+    let upstream = resolve_upstream(&upstream, client_connections, &mut err);
     let clusters = resolve_clusters(&clusters, env, &mut err, warnings);
     // Keys before routes: a route may be a key's or an entity's own.
     let limits_read = !failed.contains("limits");
@@ -1342,22 +1356,36 @@ fn resolve_timeouts(raw: &RawTimeouts, err: &mut dyn FnMut(String, String)) -> T
     }
 }
 
-fn resolve_upstream(raw: &RawUpstream, err: &mut dyn FnMut(String, String)) -> UpstreamLimits {
+/// `[upstream]`; `client_connections` is `server.max_connections_per_worker`, the default cap.
+fn resolve_upstream(
+    raw: &RawUpstream,
+    client_connections: usize,
+    err: &mut dyn FnMut(String, String),
+) -> UpstreamLimits {
     if raw.idle_timeout_ms == 0 {
         err(
             "upstream.idle_timeout_ms".into(),
             "must be at least 1 ms".into(),
         );
     }
-    if raw.max_connections_per_backend == 0 {
+    if raw.max_connections_per_backend == Some(0) {
         err(
             "upstream.max_connections_per_backend".into(),
             "must be at least 1".into(),
         );
     }
+    if raw.pool_wait_ms > 60_000 {
+        err(
+            "upstream.pool_wait_ms".into(),
+            "at most 60000 ms: a request waiting longer for a connection should be told".into(),
+        );
+    }
     UpstreamLimits {
         max_idle_per_backend: raw.max_idle_per_backend,
-        max_connections_per_backend: raw.max_connections_per_backend,
+        max_connections_per_backend: raw
+            .max_connections_per_backend
+            .unwrap_or(client_connections),
+        pool_wait: Duration::from_millis(raw.pool_wait_ms),
         idle_timeout: Duration::from_millis(raw.idle_timeout_ms),
         request_stream_usage: raw.request_stream_usage,
     }
@@ -2353,6 +2381,35 @@ mod tests {
         assert!(
             errs.iter()
                 .any(|e| e.message.contains("expected a boolean")),
+            "{errs:?}"
+        );
+    }
+
+    #[test]
+    fn the_upstream_cap_follows_the_client_side_and_the_pool_wait_is_bounded() {
+        let cluster = "[clusters.a]\nbackends = [{ base_url = \"http://127.0.0.1:1/v1\" }]\n\
+                       [[routes]]\nmodel = \"*\"\ncluster = \"a\"\n";
+        let upstream = |text: &str| load(&format!("{text}\n{cluster}"), &|_| None);
+        let s = upstream("").unwrap();
+        assert_eq!(
+            s.upstream.max_connections_per_backend,
+            s.server.max_connections_per_worker
+        );
+        assert_eq!(s.upstream.pool_wait, Duration::from_millis(100));
+        let s = upstream("[server]\nmax_connections_per_worker = 5000").unwrap();
+        assert_eq!(s.upstream.max_connections_per_backend, 5000);
+        let s = upstream("[upstream]\nmax_connections_per_backend = 7\npool_wait_ms = 0").unwrap();
+        assert_eq!(s.upstream.max_connections_per_backend, 7);
+        assert_eq!(s.upstream.pool_wait, Duration::ZERO);
+        let errs = upstream("[upstream]\nmax_connections_per_backend = 0\npool_wait_ms = 60001")
+            .unwrap_err();
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "upstream.max_connections_per_backend",
+                "upstream.pool_wait_ms"
+            ],
             "{errs:?}"
         );
     }

@@ -26,7 +26,7 @@ use crate::openai::anthropic::upstream::{chat_to_messages, RequestOptions};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
 use crate::sys::stream::{self, ReadOutcome};
 use crate::telemetry::metrics::InFlight;
-use crate::upstream::{connect, UpstreamConn};
+use crate::upstream::{connect, ConnectError, UpstreamConn};
 
 /// Client headers never forwarded: the client's credentials (the upstream gets the cluster's),
 /// and headers this hop sets itself.
@@ -411,6 +411,8 @@ pub(crate) async fn send<'w>(
     let timeouts = io.timeouts;
     let backend = io.metrics.labels.backend(target.backend.id);
     let mut fresh_only = false;
+    // When a wait for room on a capped backend must end (set by the first wait).
+    let mut pool_wait_until: Option<Instant> = None;
     let mut timings = ForwardTimings {
         started_at: Some(Instant::now()),
         ..ForwardTimings::default()
@@ -432,6 +434,20 @@ pub(crate) async fn send<'w>(
                     Ok(conn) => {
                         timings.connect = Some(started.elapsed());
                         conn
+                    }
+                    // The backend is at its cap on this worker: wait a little for one of its
+                    // connections to come back or close (`pool_wait`, in all), then try again;
+                    // past that, the next candidate or the 503.
+                    Err(ConnectError::PoolFull) => {
+                        let waited =
+                            *pool_wait_until.get_or_insert_with(|| started + io.pools.pool_wait());
+                        let left = waited.saturating_duration_since(Instant::now());
+                        if !left.is_zero() && io.pools.wait_for_room(target.backend.id, left).await
+                        {
+                            continue;
+                        }
+                        io.bufs.give(request);
+                        return (Err(ConnectError::PoolFull.into()), timings);
                     }
                     Err(e) => {
                         io.bufs.give(request);

@@ -111,7 +111,7 @@ pub fn run(
     let signals = block_control_signals()?;
     let (events_tx, events_rx) = mpsc::channel::<ControlEvent>();
     spawn_signal_thread(signals, events_tx.clone())?;
-    raise_fd_limit();
+    warn_if_fd_limit_low(raise_fd_limit(), &snapshot);
     if snapshot.limits.settle_tokenizer == crate::config::limits::SettleTokenizer::Tiktoken {
         // Building the BPE tables takes a while: do it before serving, not on a request.
         for encoding in [
@@ -1095,14 +1095,46 @@ fn pin_to_core(core: usize) {
     }
 }
 
-/// Each connection is a file descriptor: lift the soft limit to the hard one.
-fn raise_fd_limit() {
+/// Each connection is a file descriptor: lift the soft limit to the hard one. Returns the limit
+/// in force (`None`: unknown).
+fn raise_fd_limit() -> Option<u64> {
     // SAFETY: plain getrlimit / setrlimit on a local struct.
     unsafe {
         let mut lim: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return None;
         }
+        if lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                lim = raised;
+            }
+        }
+        Some(lim.rlim_cur)
+    }
+}
+
+/// Tell the operator, once at start, when the open-file limit is below what the configured
+/// connections need: each proxied request holds a client and an upstream socket, so a full
+/// worker needs about twice `max_connections_per_worker` (plus listeners, Redis, log files).
+/// Past the limit, accepts and connects fail with EMFILE (503s), which is hard to trace back.
+fn warn_if_fd_limit_low(limit: Option<u64>, snapshot: &Snapshot) {
+    let Some(limit) = limit else { return };
+    let server = &snapshot.server;
+    let per_worker = server.max_connections_per_worker as u64
+        + (snapshot.upstream.max_connections_per_backend as u64)
+            .min(server.max_connections_per_worker as u64);
+    let needed = (server.workers as u64) * per_worker + 256;
+    if limit < needed {
+        eprintln!(
+            "sluice: warning: the open-file limit ({limit}) is below the {needed} descriptors \
+             that {} workers x {} client connections and their upstream connections can hold; \
+             past it new connections fail. Raise LimitNOFILE (ulimit -n) or lower \
+             server.max_connections_per_worker",
+            server.workers, server.max_connections_per_worker
+        );
     }
 }

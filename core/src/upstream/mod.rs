@@ -4,8 +4,11 @@
 //! Used by the forward phase. [`Pools::checkout`] returns an idle connection to a backend or
 //! `None`; [`connect`] opens a new one within `timeouts.upstream_connect` (raising 504 on expiry,
 //! 502 when refused or when the TLS handshake fails, 503 when the backend's connection cap on
-//! this worker is reached); [`Pools::checkin`] keeps a connection whose last response ended
-//! cleanly, up to `max_idle_per_backend`. Pools are `!Send`, one per worker: no locks.
+//! this worker is reached); [`Pools::wait_for_room`] waits, bounded by `pool_wait`, for a capped
+//! backend to free a connection; [`Pools::checkin`] keeps a connection whose last response ended
+//! cleanly, up to `max_idle_per_backend` or, when more, as many as were busy at once in the last
+//! interval (`idle_timeout`): steady load reuses its connections instead of reopening them.
+//! Pools are `!Send`, one per worker: no locks.
 //! [`Pools::shut_down_all`] ends every connection the worker holds, idle or busy, for a stop
 //! whose grace ran out.
 
@@ -13,11 +16,13 @@ pub(crate) mod affinity;
 pub(crate) mod health;
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use monoio::buf::IoBufMut;
@@ -94,6 +99,52 @@ impl Drop for UpstreamConn {
         // Before the descriptor closes (the fields drop after this), so no closed number stays
         // in the set.
         self.pool.conns.remove(self.slot);
+        // Room under the cap: a request waiting for it may connect.
+        self.pool.waiters.wake_one();
+    }
+}
+
+/// Requests waiting for room on one capped backend, oldest first. Each waits under its own
+/// number, so one that gives up takes its entry out and a wake-up never goes to a request that
+/// left.
+#[derive(Default)]
+struct Waiters {
+    queue: RefCell<VecDeque<(u64, Waker)>>,
+    next: Cell<u64>,
+}
+
+impl Waiters {
+    fn wake_one(&self) {
+        // Popped before waking: the woken task may register again at once.
+        let first = self.queue.borrow_mut().pop_front();
+        if let Some((_, waker)) = first {
+            waker.wake();
+        }
+    }
+}
+
+/// One request's place in [`Waiters`]; leaving it (done or timed out) gives up the place, and a
+/// wake-up it was handed but did not use goes on to the next in line.
+struct WaitTicket<'p> {
+    pool: &'p BackendPool,
+    id: u64,
+    /// Woken and not yet polled: the wake-up is this ticket's to use or pass on.
+    woken: bool,
+}
+
+impl Drop for WaitTicket<'_> {
+    fn drop(&mut self) {
+        let mut queue = self.pool.waiters.queue.borrow_mut();
+        match queue.iter().position(|(id, _)| *id == self.id) {
+            Some(at) => {
+                queue.remove(at);
+            }
+            None if self.woken => {
+                drop(queue);
+                self.pool.waiters.wake_one();
+            }
+            None => {}
+        }
     }
 }
 
@@ -146,6 +197,15 @@ struct BackendPool {
     identity: BackendIdentity,
     idle: RefCell<Vec<UpstreamConn>>,
     open: Cell<usize>,
+    /// Most connections busy at once in the current interval and the one before: what the
+    /// idle pool keeps room for.
+    busy_peak: Cell<usize>,
+    busy_peak_before: Cell<usize>,
+    /// When the current interval began (intervals are `idle_timeout` long, turned over when a
+    /// connection is checked in).
+    interval_began: Cell<Instant>,
+    /// Requests waiting for room under the cap.
+    waiters: Waiters,
     /// How many [`Pools`] (one per live snapshot) include it. At 0 no request can check a
     /// connection out of it again: its idle connections are closed and none are kept.
     views: Cell<usize>,
@@ -201,6 +261,10 @@ impl Pools {
                         identity,
                         idle: RefCell::new(Vec::new()),
                         open: Cell::new(0),
+                        busy_peak: Cell::new(0),
+                        busy_peak_before: Cell::new(0),
+                        interval_began: Cell::new(Instant::now()),
+                        waiters: Waiters::default(),
                         views: Cell::new(0),
                         conns: Rc::clone(&conns),
                     }),
@@ -223,6 +287,9 @@ impl Pools {
         while let Some(mut conn) = idle.pop() {
             if conn.idle_since.elapsed() < self.limits.idle_timeout {
                 conn.reused = true;
+                let busy = pool.open.get().saturating_sub(idle.len());
+                drop(idle);
+                pool.note_busy(busy);
                 return Some(conn);
             }
             // Too old: the backend has likely closed it. Drop it (and everything older below).
@@ -231,13 +298,84 @@ impl Pools {
         None
     }
 
-    /// Keep `conn` for reuse, in its backend's pool, if that pool is still in use and has room.
+    /// Keep `conn` for reuse, in its backend's pool, if that pool is still in use and has room:
+    /// `max_idle_per_backend`, or as many as were busy at once lately when that was more.
     pub(crate) fn checkin(&self, mut conn: UpstreamConn) {
         let pool = Rc::clone(&conn.pool);
+        let now = Instant::now();
+        if now.saturating_duration_since(pool.interval_began.get()) >= self.limits.idle_timeout {
+            pool.busy_peak_before.set(pool.busy_peak.get());
+            pool.busy_peak
+                .set(pool.open.get().saturating_sub(pool.idle.borrow().len()));
+            pool.interval_began.set(now);
+        }
+        let keep = self
+            .limits
+            .max_idle_per_backend
+            .max(pool.busy_peak.get())
+            .max(pool.busy_peak_before.get());
         let mut idle = pool.idle.borrow_mut();
-        if pool.views.get() > 0 && idle.len() < self.limits.max_idle_per_backend {
-            conn.idle_since = Instant::now();
+        if pool.views.get() > 0 && idle.len() < keep {
+            conn.idle_since = now;
             idle.push(conn);
+            drop(idle);
+            // An idle connection: a request waiting on the cap may take it.
+            pool.waiters.wake_one();
+        }
+        // Else `conn` drops here, which wakes a waiter itself.
+    }
+
+    /// How long a request may wait for room on a capped backend (`upstream.pool_wait_ms`).
+    pub(crate) fn pool_wait(&self) -> Duration {
+        self.limits.pool_wait
+    }
+
+    /// Wait, at most `limit`, until `backend` has an idle connection or room under its cap (a
+    /// connection checked in or closed); false when the wait ran out. For a request whose
+    /// [`connect`] found the cap reached; waiters are woken oldest first.
+    pub(crate) async fn wait_for_room(&self, backend: usize, limit: Duration) -> bool {
+        let Some(pool) = self.backends.get(backend) else {
+            return false;
+        };
+        let cap = self.limits.max_connections_per_backend;
+        let room = || pool.open.get() < cap || !pool.idle.borrow().is_empty();
+        if room() {
+            return true;
+        }
+        let id = pool.waiters.next.get();
+        pool.waiters.next.set(id.wrapping_add(1));
+        let mut ticket = WaitTicket {
+            pool,
+            id,
+            woken: false,
+        };
+        let queued = || pool.waiters.queue.borrow().iter().any(|(i, _)| *i == id);
+        let waited = std::future::poll_fn(|cx| {
+            if room() {
+                return Poll::Ready(());
+            }
+            if !queued() {
+                // First poll, or woken and beaten to the room: back in line.
+                pool.waiters
+                    .queue
+                    .borrow_mut()
+                    .push_back((id, cx.waker().clone()));
+            }
+            Poll::Pending
+        });
+        let ok = monoio::time::timeout(limit, waited).await.is_ok();
+        // Out of line without having used the room: a wake-up that came as the wait ran out,
+        // which the ticket passes on.
+        ticket.woken = !ok && !queued();
+        ok
+    }
+}
+
+impl BackendPool {
+    /// `busy` connections are in use right now (one just taken or opened).
+    fn note_busy(&self, busy: usize) {
+        if busy > self.busy_peak.get() {
+            self.busy_peak.set(busy);
         }
     }
 }
@@ -300,6 +438,9 @@ pub(crate) async fn connect(
     if pool.open.get() >= pools.limits.max_connections_per_backend {
         return Err(ConnectError::PoolFull);
     }
+    // Counted from now, not from when the connect succeeds: requests connecting at once must
+    // not all pass the cap. Given back if the connect fails.
+    let slot = ConnectSlot::take(pool);
     // Errors carry which step failed: TCP (`Connect`) or the TLS handshake (`Tls`).
     let attempt = async {
         let stream = connect_tcp(&backend.addrs)
@@ -329,7 +470,9 @@ pub(crate) async fn connect(
     };
     match monoio::time::timeout(timeouts.upstream_connect, attempt).await {
         Ok(Ok((io, fd))) => {
-            pool.open.set(pool.open.get() + 1);
+            // The connection now holds the slot (its drop gives it back).
+            std::mem::forget(slot);
+            pool.note_busy(pool.open.get().saturating_sub(pool.idle.borrow().len()));
             Ok(UpstreamConn {
                 io,
                 pool: Rc::clone(pool),
@@ -347,6 +490,26 @@ pub(crate) async fn connect(
             ),
         }),
         Err(_) => Err(ConnectError::Timeout),
+    }
+}
+
+/// A place under a backend's cap, held while a connection is being opened: dropped (the
+/// connect failed or was abandoned), it gives the place back and wakes a waiter.
+struct ConnectSlot<'p> {
+    pool: &'p BackendPool,
+}
+
+impl<'p> ConnectSlot<'p> {
+    fn take(pool: &'p BackendPool) -> ConnectSlot<'p> {
+        pool.open.set(pool.open.get() + 1);
+        ConnectSlot { pool }
+    }
+}
+
+impl Drop for ConnectSlot<'_> {
+    fn drop(&mut self) {
+        self.pool.open.set(self.pool.open.get().saturating_sub(1));
+        self.pool.waiters.wake_one();
     }
 }
 
