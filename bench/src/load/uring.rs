@@ -1,0 +1,1060 @@
+//! The io_uring engine (the default): per thread, one ring and one event loop; every connection
+//! a hand-written state machine in one slab (`Vec<Conn>`), so 10,000 streams cost 10,000 slab
+//! entries, not 10,000 threads.
+//!
+//! - Ring: `SINGLE_ISSUER | DEFER_TASKRUN` (completions are processed only when the loop asks,
+//!   so no interrupting task work), falling back to `COOP_TASKRUN`, then to a plain ring.
+//! - Reads: one multishot receive per connection into a provided-buffer ring of 16 KiB
+//!   buffers (the thread engine's read size, so "one read" means the same for coalescing); a
+//!   buffer goes back to the ring as soon as its bytes are parsed. Writes: one `Send` per
+//!   request from the bytes built once per (model, key).
+//! - Open loop: intended times `t_k = t0 + k·10⁹/R` over all connections (thread `j` of `N`
+//!   takes `k ≡ j mod N`). A due request goes to an idle connection from a free list, else
+//!   waits in a FIFO keeping `t_k`, so queueing counts in its latency. One absolute io_uring
+//!   timeout wakes the loop for the next `t_k`.
+//! - One `submit_and_wait` per loop turn, however many requests the turn carries; the clock is
+//!   read once after it, and that stamp times everything the turn reaps.
+//! - Timeouts (`--timeout`, per connect, send and read as in the thread engine) are checked by
+//!   a sweep over the slab a few times per timeout, not by a timer per operation.
+//!
+//! Descriptors are plain (not registered): a connection that fails or is closed gets a fresh
+//! socket, and its stale completions are told apart by a generation number in `user_data`.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+
+use crate::http::{Fail, Fed, Kind};
+use crate::stats::Stats;
+use crate::{http::Response, join_measured, mono_ns, Plan, Window};
+
+pub(crate) enum Error {
+    /// The ring (or its buffer ring) could not be set up: the thread engine can run instead.
+    Setup(String),
+    Run(String),
+}
+
+/// Runs the whole test on `--threads` rings. The connections are opened first; the schedule
+/// starts 1 ms after the last thread is ready, so connecting is not part of any latency.
+pub(crate) fn run(plan: &Arc<Plan>) -> Result<(Stats, u64), Error> {
+    let n = plan.opts.threads;
+    let (ready_tx, ready_rx) = mpsc::channel::<Ready>();
+    let mut starts = Vec::new();
+    let mut handles = Vec::new();
+    for j in 0..n {
+        let (win_tx, win_rx) = mpsc::channel::<Window>();
+        starts.push(win_tx);
+        let p = Arc::clone(plan);
+        let ready = ready_tx.clone();
+        let h = std::thread::Builder::new()
+            .name(format!("load-uring-{j}"))
+            .spawn(move || thread_main(&p, j, &ready, &win_rx))
+            .map_err(|e| Error::Setup(format!("spawn thread: {e}")))?;
+        handles.push(h);
+    }
+    drop(ready_tx);
+    let mut failed = None;
+    for _ in 0..n {
+        match ready_rx.recv() {
+            Ok(Ready::Ok) => {}
+            Ok(Ready::SetupFailed(e)) => failed = failed.or(Some(Error::Setup(e))),
+            Ok(Ready::Failed(e)) => failed = failed.or(Some(Error::Run(e))),
+            Err(_) => failed = failed.or(Some(Error::Run("engine thread ended".into()))),
+        }
+    }
+    if let Some(e) = failed {
+        // Dropping the senders tells the waiting threads to end without running.
+        drop(starts);
+        for h in handles {
+            let _ = h.join();
+        }
+        return Err(e);
+    }
+    let win = Window::starting(mono_ns() + 1_000_000, &plan.opts);
+    for s in &starts {
+        let _ = s.send(win);
+    }
+    join_measured(handles, win.measure_from).map_err(Error::Run)
+}
+
+enum Ready {
+    Ok,
+    SetupFailed(String),
+    Failed(String),
+}
+
+fn thread_main(
+    plan: &Plan,
+    j: usize,
+    ready: &mpsc::Sender<Ready>,
+    start: &mpsc::Receiver<Window>,
+) -> Result<Stats, String> {
+    let mut e = match Engine::new(plan, j) {
+        Ok(e) => e,
+        Err(msg) => {
+            let _ = ready.send(Ready::SetupFailed(msg));
+            return Stats::new();
+        }
+    };
+    if let Err(msg) = e.preconnect() {
+        let _ = ready.send(Ready::Failed(msg));
+        return Stats::new();
+    }
+    let _ = ready.send(Ready::Ok);
+    match start.recv() {
+        Ok(win) => e.run(win),
+        Err(_) => Stats::new(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// user_data: conn index (32 bits) | generation (24 bits) | operation (8 bits)
+// ---------------------------------------------------------------------------------------------
+
+const OP_CONNECT: u64 = 1;
+const OP_SEND: u64 = 2;
+const OP_RECV: u64 = 3;
+const OP_TIMER: u64 = 4;
+const OP_CANCEL: u64 = 5;
+const GEN_MASK: u32 = 0xff_ffff;
+
+fn ud(conn: u32, gen: u32, op: u64) -> u64 {
+    (u64::from(conn) << 32) | (u64::from(gen & GEN_MASK) << 8) | op
+}
+
+// ---------------------------------------------------------------------------------------------
+// Provided-buffer ring
+// ---------------------------------------------------------------------------------------------
+
+const BUF_SIZE: usize = 16 * 1024;
+const BGID: u16 = 0;
+
+/// One entry of a provided-buffer ring, laid out as the kernel's `struct io_uring_buf`. The
+/// ring's tail is the `resv` field of entry 0.
+#[repr(C)]
+struct BufEntry {
+    addr: u64,
+    len: u32,
+    bid: u16,
+    resv: u16,
+}
+
+/// Anonymous memory that the kernel reads and writes on its own (ring entries, receive
+/// buffers): held as a raw pointer, never as a Rust reference to the whole.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Mapping {
+    fn new(len: usize) -> Result<Mapping, String> {
+        // SAFETY: an anonymous private mapping with no address hint touches no existing memory.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(format!(
+                "mmap {len} bytes: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly what mmap returned, and nothing uses them after this
+        // (the ring that could write into them is dropped first: see `Engine`'s field order).
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+struct BufRing {
+    entries: Mapping,
+    data: Mapping,
+    count: u16,
+    /// Our copy of the tail: buffers handed back but not yet published.
+    tail: u16,
+}
+
+impl BufRing {
+    fn new(ring: &IoUring, count: u16) -> Result<BufRing, String> {
+        let entries = Mapping::new(usize::from(count) * std::mem::size_of::<BufEntry>())?;
+        let data = Mapping::new(usize::from(count) * BUF_SIZE)?;
+        // SAFETY: `entries` is page-aligned memory of `count` entries that lives as long as the
+        // ring (dropped after it), as register_buf_ring requires.
+        unsafe {
+            ring.submitter()
+                .register_buf_ring(entries.ptr as u64, count, BGID)
+        }
+        .map_err(|e| format!("register buffer ring: {e}"))?;
+        let mut b = BufRing {
+            entries,
+            data,
+            count,
+            tail: 0,
+        };
+        for bid in 0..count {
+            b.give_back(bid);
+        }
+        b.publish();
+        Ok(b)
+    }
+
+    /// Puts buffer `bid` back at the tail (seen by the kernel at the next [`Self::publish`]).
+    fn give_back(&mut self, bid: u16) {
+        if bid >= self.count {
+            return;
+        }
+        let idx = usize::from(self.tail & (self.count - 1));
+        // SAFETY: idx < count, so the entry lies in the mapping. The kernel does not read
+        // entries past the published tail, and only the fields are written, never entry 0's
+        // `resv` (the tail), so nothing it reads is torn.
+        unsafe {
+            let e = self.entries.ptr.cast::<BufEntry>().add(idx);
+            std::ptr::addr_of_mut!((*e).addr)
+                .write(self.data.ptr as u64 + u64::from(bid) * BUF_SIZE as u64);
+            std::ptr::addr_of_mut!((*e).len).write(BUF_SIZE as u32);
+            std::ptr::addr_of_mut!((*e).bid).write(bid);
+        }
+        self.tail = self.tail.wrapping_add(1);
+    }
+
+    /// Makes the buffers given back so far available to the kernel.
+    fn publish(&self) {
+        // SAFETY: entry 0's `resv` (offset 14, 2-aligned) is the ring tail, which the kernel
+        // reads with an acquire load; this release store orders the entry writes before it.
+        let tail = unsafe {
+            &*(self
+                .entries
+                .ptr
+                .add(std::mem::offset_of!(BufEntry, resv))
+                .cast::<AtomicU16>())
+        };
+        tail.store(self.tail, Ordering::Release);
+    }
+
+    /// The first `len` bytes of buffer `bid`, which the kernel filled and handed to us.
+    fn get(&self, bid: u16, len: usize) -> &[u8] {
+        if bid >= self.count {
+            return &[];
+        }
+        // SAFETY: the buffer lies inside `data`; the kernel wrote `len` <= BUF_SIZE bytes into
+        // it and will not touch it again until it is given back (after this slice's last use).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.data.ptr.add(usize::from(bid) * BUF_SIZE),
+                len.min(BUF_SIZE),
+            )
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connections
+// ---------------------------------------------------------------------------------------------
+
+/// A request on a connection.
+#[derive(Clone, Copy)]
+struct Job {
+    /// Latency is measured from here: the intended time (open loop) or the dispatch (closed).
+    start: u64,
+    /// How long it waited in the FIFO for a free connection.
+    queued: u64,
+    seq: usize,
+    record: bool,
+    /// Request bytes submitted so far.
+    sent: usize,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Sock {
+    None,
+    Connecting,
+    Open,
+}
+
+struct Conn {
+    /// Global connection number (closed loop: its requests are `id`, `id + connections`, …).
+    id: usize,
+    fd: RawFd,
+    gen: u32,
+    sock: Sock,
+    recv_armed: bool,
+    send_inflight: bool,
+    job: Option<Job>,
+    /// When the current operation times out (0: nothing is waited for).
+    deadline: u64,
+    /// Closed loop: the next request number.
+    next_seq: usize,
+    /// After a connect error the connection rests until then (0: not resting).
+    cool_until: u64,
+    /// Closed loop: past the end of the window, it takes no more requests.
+    stopped: bool,
+    resp: Response,
+}
+
+/// A due request waiting for a free connection (open loop).
+#[derive(Clone, Copy)]
+struct Pending {
+    intended: u64,
+    /// The loop turn that found it due (and, if it queues, no connection free).
+    released: u64,
+    seq: usize,
+}
+
+fn sockaddr(a: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero bytes are a valid sockaddr_storage.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match a {
+        SocketAddr::V4(v4) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: v4.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(v4.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for any sockaddr type.
+            unsafe { std::ptr::write((&raw mut ss).cast::<libc::sockaddr_in>(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(v6) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: v6.port().to_be(),
+                sin6_flowinfo: v6.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: v6.ip().octets(),
+                },
+                sin6_scope_id: v6.scope_id(),
+            };
+            // SAFETY: as above.
+            unsafe { std::ptr::write((&raw mut ss).cast::<libc::sockaddr_in6>(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len as libc::socklen_t)
+}
+
+fn errno_fail(what: &str, res: i32) -> Fail {
+    let e = std::io::Error::from_raw_os_error(-res);
+    let kind = match -res {
+        libc::ETIMEDOUT | libc::EAGAIN => Kind::Timeout,
+        _ => Kind::Io,
+    };
+    Fail(kind, format!("{what}: {e}"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine
+// ---------------------------------------------------------------------------------------------
+
+/// Open-loop schedule of one thread: request numbers `k`, `k + step`, … while `t_k < end`.
+struct Schedule {
+    k: u64,
+    step: u64,
+    ns_per_req: f64,
+}
+
+impl Schedule {
+    fn at(&self, t0: u64) -> u64 {
+        // k·10⁹/R from k each time, not by adding up intervals: no drift over a long run.
+        t0 + (self.k as f64 * self.ns_per_req) as u64
+    }
+}
+
+struct Engine<'a> {
+    // Dropped first: the kernel must be done with the buffer memory before it is unmapped.
+    ring: IoUring,
+    bufs: BufRing,
+    plan: &'a Plan,
+    conns: Vec<Conn>,
+    /// Open loop: connections without a request, ready to take one (connected or not).
+    free: Vec<u32>,
+    queue: VecDeque<Pending>,
+    /// Connections resting after a connect error.
+    cooling: Vec<u32>,
+    sched: Option<Schedule>,
+    win: Window,
+    addr: (libc::sockaddr_storage, libc::socklen_t),
+    timeout_ns: u64,
+    sweep_ns: u64,
+    next_sweep: u64,
+    /// The armed timer: its time and sequence number (only the latest one counts).
+    timer: types::Timespec,
+    timer_at: Option<u64>,
+    timer_seq: u64,
+    /// Measured requests whose first bytes were queued for submission this turn:
+    /// (intended time, time spent in the FIFO).
+    to_stamp: Vec<(u64, u64)>,
+    /// Sockets shut down this turn, closed after the submit: their numbers must not be reused
+    /// by a new socket while an SQE naming them is still unsubmitted.
+    to_close: Vec<RawFd>,
+    cqes: Vec<(u64, i32, u32)>,
+    in_flight: u64,
+    /// Closed loop: connections not yet stopped.
+    active: usize,
+    st: Stats,
+    reported: bool,
+}
+
+impl<'a> Engine<'a> {
+    fn new(plan: &'a Plan, j: usize) -> Result<Engine<'a>, String> {
+        let o = &plan.opts;
+        let ids: Vec<usize> = (j..o.connections).step_by(o.threads).collect();
+        let n = ids.len().max(1);
+        let sq = n.next_power_of_two().clamp(256, 4096) as u32;
+        let ring = IoUring::builder()
+            .setup_cqsize(sq * 4)
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .build(sq)
+            .or_else(|_| {
+                IoUring::builder()
+                    .setup_cqsize(sq * 4)
+                    .setup_coop_taskrun()
+                    .build(sq)
+            })
+            .or_else(|_| IoUring::builder().setup_cqsize(sq * 4).build(sq))
+            .map_err(|e| format!("io_uring setup: {e}"))?;
+        // About one 16 KiB buffer per connection (up to 4,096: 64 MiB): a stream's reads are
+        // parsed and handed back within the turn that reaped them. When the kernel does run
+        // out, a receive ends with ENOBUFS and is simply armed again.
+        let count = n.next_power_of_two().clamp(64, 4096) as u16;
+        let bufs = BufRing::new(&ring, count)?;
+        let conns = ids
+            .iter()
+            .map(|&id| Conn {
+                id,
+                fd: -1,
+                gen: 0,
+                sock: Sock::None,
+                recv_armed: false,
+                send_inflight: false,
+                job: None,
+                deadline: 0,
+                next_seq: id,
+                cool_until: 0,
+                stopped: false,
+                resp: Response::default(),
+            })
+            .collect::<Vec<_>>();
+        let timeout_ns = u64::try_from(o.timeout.as_nanos()).unwrap_or(u64::MAX);
+        Ok(Engine {
+            ring,
+            bufs,
+            plan,
+            free: Vec::with_capacity(conns.len()),
+            queue: VecDeque::with_capacity(1024),
+            cooling: Vec::new(),
+            sched: o.rate.map(|r| Schedule {
+                k: j as u64,
+                step: o.threads as u64,
+                ns_per_req: 1e9 / r,
+            }),
+            win: Window {
+                t0: 0,
+                measure_from: 0,
+                end: 0,
+            },
+            addr: sockaddr(o.addr),
+            timeout_ns,
+            // A timeout is noticed within a tenth of it (at most 100 ms late).
+            sweep_ns: (timeout_ns / 10).clamp(1_000_000, 100_000_000),
+            next_sweep: 0,
+            timer: types::Timespec::new(),
+            timer_at: None,
+            timer_seq: 0,
+            to_stamp: Vec::with_capacity(1024),
+            to_close: Vec::new(),
+            cqes: Vec::with_capacity(4096),
+            in_flight: 0,
+            active: conns.len(),
+            conns,
+            st: Stats::new()?,
+            reported: false,
+        })
+    }
+
+    // -- submission ------------------------------------------------------------------------
+
+    /// Queues one SQE, submitting what is queued first if the queue is full.
+    fn push(&mut self, e: &squeue::Entry) -> Result<(), String> {
+        loop {
+            // SAFETY: every SQE built here points only at memory that outlives its operation:
+            // request bytes in the plan, the engine's socket address and timer (copied by the
+            // kernel when submitted, before either changes), and the buffer ring's memory.
+            if unsafe { self.ring.submission().push(e) }.is_ok() {
+                return Ok(());
+            }
+            self.ring
+                .submit()
+                .map_err(|e| format!("io_uring submit: {e}"))?;
+        }
+    }
+
+    fn arm_recv(&mut self, i: u32) -> Result<(), String> {
+        let c = &mut self.conns[i as usize];
+        c.recv_armed = true;
+        let e = opcode::RecvMulti::new(types::Fd(c.fd), BGID)
+            .build()
+            .user_data(ud(i, c.gen, OP_RECV));
+        self.push(&e)
+    }
+
+    fn push_send(&mut self, i: u32) -> Result<(), String> {
+        let c = &mut self.conns[i as usize];
+        let Some(job) = c.job else {
+            return Ok(());
+        };
+        let req = self.plan.request(job.seq);
+        let rest = &req[job.sent.min(req.len())..];
+        if job.sent == 0 && job.record {
+            self.to_stamp.push((job.start, job.queued));
+        }
+        c.send_inflight = true;
+        let e = opcode::Send::new(types::Fd(c.fd), rest.as_ptr(), rest.len() as u32)
+            .flags(libc::MSG_NOSIGNAL)
+            .build()
+            .user_data(ud(i, c.gen, OP_SEND));
+        self.push(&e)
+    }
+
+    /// Opens a socket for connection `i` and queues its connect.
+    fn connect(&mut self, i: u32, now: u64) -> Result<(), Fail> {
+        let family = match self.plan.opts.addr {
+            SocketAddr::V4(_) => libc::AF_INET,
+            SocketAddr::V6(_) => libc::AF_INET6,
+        };
+        // SAFETY: plain socket(2) call.
+        let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(Fail(Kind::Connect, format!("socket: {e}")));
+        }
+        let one: libc::c_int = 1;
+        // SAFETY: `one` is a valid c_int for the length given. A failure only costs Nagle.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_NODELAY,
+                (&raw const one).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        let c = &mut self.conns[i as usize];
+        c.fd = fd;
+        c.sock = Sock::Connecting;
+        c.deadline = now.saturating_add(self.timeout_ns);
+        let e = opcode::Connect::new(types::Fd(fd), (&raw const self.addr.0).cast(), self.addr.1)
+            .build()
+            .user_data(ud(i, c.gen, OP_CONNECT));
+        self.push(&e).map_err(|m| Fail(Kind::Connect, m))
+    }
+
+    /// Ends connection `i`'s socket (not its request): its pending operations complete with
+    /// errors or end of stream, seen as stale by the generation bump.
+    fn close(&mut self, i: u32) -> Result<(), String> {
+        let c = &mut self.conns[i as usize];
+        let (fd, gen, connecting) = (c.fd, c.gen, c.sock == Sock::Connecting);
+        c.gen = c.gen.wrapping_add(1) & GEN_MASK;
+        c.fd = -1;
+        c.sock = Sock::None;
+        c.recv_armed = false;
+        c.send_inflight = false;
+        c.deadline = 0;
+        if fd >= 0 {
+            // SAFETY: `fd` is this connection's socket; shutdown ends a pending receive (end of
+            // stream) or send (error) at once, so their operations let go of the socket.
+            unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+            self.to_close.push(fd);
+            if connecting {
+                let e = opcode::AsyncCancel::new(ud(i, gen, OP_CONNECT))
+                    .build()
+                    .user_data(OP_CANCEL);
+                self.push(&e)?;
+            }
+        }
+        Ok(())
+    }
+
+    // -- requests --------------------------------------------------------------------------
+
+    /// Gives connection `i` a request: sends it now if connected, else connects first.
+    fn dispatch(&mut self, i: u32, job: Job, now: u64) -> Result<(), String> {
+        let stream = self.plan.opts.stream;
+        let c = &mut self.conns[i as usize];
+        c.job = Some(job);
+        c.resp.begin(stream);
+        self.in_flight += 1;
+        if now >= self.win.measure_from {
+            self.st.max_in_flight = self.st.max_in_flight.max(self.in_flight);
+        }
+        match c.sock {
+            Sock::Open => {
+                c.deadline = now.saturating_add(self.timeout_ns);
+                self.push_send(i)
+            }
+            Sock::Connecting => Ok(()),
+            Sock::None => match self.connect(i, now) {
+                Ok(()) => Ok(()),
+                Err(f) => self.fail(i, f, now),
+            },
+        }
+    }
+
+    /// The request on connection `i` got its whole response.
+    fn finish(&mut self, i: u32, now: u64) -> Result<(), String> {
+        let c = &mut self.conns[i as usize];
+        let Some(job) = c.job.take() else {
+            return Ok(());
+        };
+        self.in_flight -= 1;
+        c.deadline = 0;
+        if job.record {
+            self.st.response(&c.resp, now.saturating_sub(job.start));
+        }
+        if !c.resp.keep_alive || c.send_inflight {
+            self.close(i)?;
+        }
+        self.next(i, now)
+    }
+
+    /// The request on connection `i` failed; the connection starts over with a fresh socket.
+    fn fail(&mut self, i: u32, Fail(kind, msg): Fail, now: u64) -> Result<(), String> {
+        self.close(i)?;
+        let c = &mut self.conns[i as usize];
+        let Some(job) = c.job.take() else {
+            return Ok(());
+        };
+        self.in_flight -= 1;
+        if job.record {
+            self.st.errors[kind as usize] += 1;
+        }
+        if !self.reported {
+            eprintln!(
+                "sluice-load: connection {}: {msg} (further errors only counted)",
+                c.id
+            );
+            self.reported = true;
+        }
+        if matches!(kind, Kind::Connect) {
+            // Don't spin on a refused port.
+            c.cool_until = now + 10_000_000;
+            self.cooling.push(i);
+            return Ok(());
+        }
+        self.next(i, now)
+    }
+
+    /// Connection `i` is free: closed loop, it sends its next request (until the window
+    /// ends); open loop, it joins the free list.
+    fn next(&mut self, i: u32, now: u64) -> Result<(), String> {
+        if self.sched.is_some() {
+            self.free.push(i);
+            return Ok(());
+        }
+        let c = &mut self.conns[i as usize];
+        if now >= self.win.end {
+            if !c.stopped {
+                c.stopped = true;
+                self.active -= 1;
+            }
+            return Ok(());
+        }
+        let seq = c.next_seq;
+        c.next_seq += self.plan.opts.connections;
+        let job = Job {
+            start: now,
+            queued: 0,
+            seq,
+            record: now >= self.win.measure_from,
+            sent: 0,
+        };
+        self.dispatch(i, job, now)
+    }
+
+    /// Open loop: moves every request due by `now` into the FIFO, then hands queued requests
+    /// to free connections, oldest first.
+    fn release(&mut self, now: u64) -> Result<(), String> {
+        let t0 = self.win.t0;
+        if let Some(s) = &mut self.sched {
+            loop {
+                let t = s.at(t0);
+                if t >= self.win.end || t > now {
+                    break;
+                }
+                self.queue.push_back(Pending {
+                    intended: t,
+                    released: now,
+                    seq: s.k as usize,
+                });
+                s.k += s.step;
+            }
+        }
+        while !self.queue.is_empty() {
+            let Some(i) = self.free.pop() else {
+                break;
+            };
+            let Some(p) = self.queue.pop_front() else {
+                break;
+            };
+            let job = Job {
+                start: p.intended,
+                queued: now - p.released,
+                seq: p.seq,
+                record: p.intended >= self.win.measure_from,
+                sent: 0,
+            };
+            self.dispatch(i, job, now)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the rest of connections whose connect error rest is over.
+    fn wake_cooled(&mut self, now: u64) -> Result<(), String> {
+        let mut k = 0;
+        while k < self.cooling.len() {
+            let i = self.cooling[k];
+            if self.conns[i as usize].cool_until <= now {
+                self.cooling.swap_remove(k);
+                self.conns[i as usize].cool_until = 0;
+                self.next(i, now)?;
+            } else {
+                k += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fails the operations that have waited longer than `--timeout`.
+    fn sweep(&mut self, now: u64) -> Result<(), String> {
+        for i in 0..self.conns.len() as u32 {
+            let c = &self.conns[i as usize];
+            if c.deadline == 0 || c.deadline > now {
+                continue;
+            }
+            if c.job.is_some() {
+                let what = if c.sock == Sock::Connecting {
+                    "connect timed out"
+                } else {
+                    "timed out"
+                };
+                self.fail(i, Fail(Kind::Timeout, what.into()), now)?;
+            } else {
+                // A connect made ahead of any request: the first request will try again.
+                self.close(i)?;
+                self.free_if_open_loop(i);
+            }
+        }
+        Ok(())
+    }
+
+    fn free_if_open_loop(&mut self, i: u32) {
+        if self.sched.is_some() && !self.free.contains(&i) {
+            self.free.push(i);
+        }
+    }
+
+    // -- completions -----------------------------------------------------------------------
+
+    fn on_connect(&mut self, i: u32, res: i32, now: u64) -> Result<(), String> {
+        if res < 0 {
+            let e = std::io::Error::from_raw_os_error(-res);
+            let kind = if res == -libc::ETIMEDOUT {
+                Kind::Timeout
+            } else {
+                Kind::Connect
+            };
+            let msg = format!("connect {}: {e}", self.plan.opts.addr);
+            if self.conns[i as usize].job.is_some() {
+                return self.fail(i, Fail(kind, msg), now);
+            }
+            self.close(i)?;
+            return Ok(());
+        }
+        let c = &mut self.conns[i as usize];
+        c.sock = Sock::Open;
+        c.deadline = 0;
+        self.arm_recv(i)?;
+        if self.conns[i as usize].job.is_some() {
+            self.conns[i as usize].deadline = now.saturating_add(self.timeout_ns);
+            self.push_send(i)?;
+        }
+        Ok(())
+    }
+
+    fn on_send(&mut self, i: u32, res: i32, now: u64) -> Result<(), String> {
+        let c = &mut self.conns[i as usize];
+        c.send_inflight = false;
+        let Some(job) = c.job.as_mut() else {
+            return Ok(());
+        };
+        if res <= 0 {
+            let f = if res == 0 {
+                Fail(Kind::Io, "send: nothing written".into())
+            } else {
+                errno_fail("send", res)
+            };
+            return self.fail(i, f, now);
+        }
+        job.sent += res as usize;
+        c.deadline = now.saturating_add(self.timeout_ns);
+        if job.sent < self.plan.request(job.seq).len() {
+            self.push_send(i)?;
+        }
+        Ok(())
+    }
+
+    fn on_recv(&mut self, i: u32, res: i32, flags: u32, now: u64) -> Result<(), String> {
+        let more = cqueue::more(flags);
+        if !more {
+            self.conns[i as usize].recv_armed = false;
+        }
+        if res == -libc::ENOBUFS {
+            // The buffer ring ran dry: the data waits in the socket; receive again once the
+            // buffers reaped this turn are back.
+            if !more {
+                self.arm_recv(i)?;
+            }
+            return Ok(());
+        }
+        if res < 0 {
+            return match self.conns[i as usize].job {
+                Some(_) => self.fail(i, errno_fail("recv", res), now),
+                None => {
+                    self.close(i)?;
+                    Ok(())
+                }
+            };
+        }
+        if res == 0 {
+            return match self.conns[i as usize].job {
+                Some(_) => {
+                    let f = self.conns[i as usize].resp.eof_fail();
+                    self.fail(i, f, now)
+                }
+                // An idle connection the server closed (keep-alive timeout): reconnect when
+                // it is next needed.
+                None => self.close(i),
+            };
+        }
+        let Some(bid) = cqueue::buffer_select(flags) else {
+            return self.fail(i, Fail(Kind::Io, "recv: no buffer".into()), now);
+        };
+        let c = &mut self.conns[i as usize];
+        let fed = match c.job {
+            Some(job) => {
+                c.deadline = now.saturating_add(self.timeout_ns);
+                let data = self.bufs.get(bid, res as usize);
+                Some(c.resp.feed(data, now, job.start))
+            }
+            None => None,
+        };
+        self.bufs.give_back(bid);
+        match fed {
+            Some(Ok(Fed::More)) => {}
+            Some(Ok(Fed::Done)) => self.finish(i, now)?,
+            Some(Err(f)) => return self.fail(i, f, now),
+            // Bytes nobody asked for, on an idle connection: it cannot be trusted any more.
+            None => return self.close(i),
+        }
+        let c = &self.conns[i as usize];
+        if c.sock == Sock::Open && !c.recv_armed {
+            self.arm_recv(i)?;
+        }
+        Ok(())
+    }
+
+    fn on_cqe(&mut self, user_data: u64, res: i32, flags: u32, now: u64) -> Result<(), String> {
+        let op = user_data & 0xff;
+        if op == OP_TIMER {
+            if user_data >> 8 == self.timer_seq {
+                self.timer_at = None;
+            }
+            return Ok(());
+        }
+        if op == OP_CANCEL {
+            return Ok(());
+        }
+        let i = (user_data >> 32) as u32;
+        let gen = ((user_data >> 8) as u32) & GEN_MASK;
+        let stale = self.conns.get(i as usize).is_none_or(|c| c.gen != gen);
+        if stale {
+            // An operation of a socket since closed: only its buffer matters.
+            if let Some(bid) = cqueue::buffer_select(flags) {
+                self.bufs.give_back(bid);
+            }
+            return Ok(());
+        }
+        match op {
+            OP_CONNECT => self.on_connect(i, res, now),
+            OP_SEND => self.on_send(i, res, now),
+            OP_RECV => self.on_recv(i, res, flags, now),
+            _ => Ok(()),
+        }
+    }
+
+    // -- the loop --------------------------------------------------------------------------
+
+    /// Arms the timer for `at` unless one already fires earlier.
+    fn arm_timer(&mut self, at: u64) -> Result<(), String> {
+        if self.timer_at.is_some_and(|t| t <= at) {
+            return Ok(());
+        }
+        self.timer_seq += 1;
+        self.timer_at = Some(at);
+        self.timer = types::Timespec::new()
+            .sec(at / 1_000_000_000)
+            .nsec((at % 1_000_000_000) as u32);
+        let e = opcode::Timeout::new(&raw const self.timer)
+            .flags(types::TimeoutFlags::ABS)
+            .build()
+            .user_data((self.timer_seq << 8) | OP_TIMER);
+        self.push(&e)
+    }
+
+    /// Submits what the turn queued and waits for at least one completion; returns the clock
+    /// read after the wait, the one stamp for everything reaped in this turn.
+    fn submit_and_reap(&mut self) -> Result<u64, String> {
+        let submit_at = mono_ns();
+        for &(intended, queued) in &self.to_stamp {
+            self.st.sent(queued, submit_at.saturating_sub(intended));
+        }
+        self.to_stamp.clear();
+        match self.ring.submit_and_wait(1) {
+            Ok(_) => {}
+            // Interrupted, or completions to reap first: nothing lost, reap and go on.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
+                ) => {}
+            Err(e) => return Err(format!("io_uring submit: {e}")),
+        }
+        for fd in self.to_close.drain(..) {
+            // SAFETY: `fd` was this engine's socket, shut down and no longer named by any
+            // connection; every SQE naming it has been submitted.
+            unsafe { libc::close(fd) };
+        }
+        let now = mono_ns();
+        let mut cqes = std::mem::take(&mut self.cqes);
+        cqes.clear();
+        cqes.extend(
+            self.ring
+                .completion()
+                .map(|c| (c.user_data(), c.result(), c.flags())),
+        );
+        for &(u, r, f) in &cqes {
+            if let Err(e) = self.on_cqe(u, r, f, now) {
+                self.cqes = cqes;
+                return Err(e);
+            }
+        }
+        self.cqes = cqes;
+        self.bufs.publish();
+        Ok(now)
+    }
+
+    /// Opens every connection before the schedule starts (batched connects, not staggered),
+    /// so that connecting is not in the first requests' latency. A connect that fails here
+    /// is tried again, and counted, by the first request on it.
+    fn preconnect(&mut self) -> Result<(), String> {
+        let now = mono_ns();
+        for i in 0..self.conns.len() as u32 {
+            if let Err(Fail(_, msg)) = self.connect(i, now) {
+                if !self.reported {
+                    eprintln!("sluice-load: {msg}");
+                    self.reported = true;
+                }
+                self.close(i)?;
+            }
+        }
+        self.reported = false;
+        let mut now = now;
+        while self.conns.iter().any(|c| c.sock == Sock::Connecting) {
+            if now >= self.next_sweep {
+                self.sweep(now)?;
+                self.next_sweep = now + self.sweep_ns;
+            }
+            self.arm_timer(self.next_sweep)?;
+            now = self.submit_and_reap()?;
+        }
+        self.free.clear();
+        Ok(())
+    }
+
+    fn run(&mut self, win: Window) -> Result<Stats, String> {
+        self.win = win;
+        let mut now = mono_ns();
+        if self.sched.is_some() {
+            // The free list is a stack: the first connection is taken first.
+            self.free.extend((0..self.conns.len() as u32).rev());
+        } else {
+            crate::sleep_until(win.t0);
+            now = mono_ns();
+            for i in 0..self.conns.len() as u32 {
+                self.next(i, now)?;
+            }
+        }
+        loop {
+            self.release(now)?;
+            self.wake_cooled(now)?;
+            if now >= self.next_sweep {
+                self.sweep(now)?;
+                self.next_sweep = now + self.sweep_ns;
+            }
+            let sched_next = match &self.sched {
+                Some(s) => Some(s.at(self.win.t0)).filter(|&t| t < self.win.end),
+                None => None,
+            };
+            let done = match &self.sched {
+                Some(_) => sched_next.is_none() && self.queue.is_empty() && self.in_flight == 0,
+                None => self.active == 0,
+            };
+            if done {
+                break;
+            }
+            let mut wake = self.next_sweep;
+            if let Some(t) = sched_next {
+                wake = wake.min(t);
+            }
+            for &i in &self.cooling {
+                wake = wake.min(self.conns[i as usize].cool_until);
+            }
+            self.arm_timer(wake)?;
+            now = self.submit_and_reap()?;
+            // Requests finished in this turn may have freed connections for queued ones.
+            self.release(now)?;
+            now = mono_ns();
+        }
+        for i in 0..self.conns.len() as u32 {
+            self.close(i)?;
+        }
+        for fd in self.to_close.drain(..) {
+            // SAFETY: as in submit_and_reap; the ring is not used again.
+            unsafe { libc::close(fd) };
+        }
+        let st = std::mem::replace(&mut self.st, Stats::new()?);
+        Ok(st)
+    }
+}
