@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Upstream pools under concurrency (issue #15, item 4), Sluice with one worker in front of
+# mock-llm, everything on loopback:
+#   A. CONNS (256) concurrent small requests, closed loop, DURATION s: req/s, and how many
+#      upstream connections Sluice opened (mock-llm's connections_accepted) — churn shows as
+#      thousands, steady reuse as about CONNS.
+#   B. STREAMS (1,100) concurrent streams of 64 events 20 ms apart: completed vs failed, and
+#      the 503s of a connection cap.
+#
+#   perf/pools.sh                          # the working tree's release build
+#   SLUICE_BIN=/path/to/old/sluice perf/pools.sh   # the same for another build
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONNS=${CONNS:-256}
+STREAMS=${STREAMS:-1100}
+DURATION=${DURATION:-10}
+cargo build --release -q -p sluice -p sluice-bench
+BIN=target/release
+SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+ulimit -n "$(ulimit -Hn)"
+CORE=1
+. scripts/bench-lib.sh
+
+stat() { curl -s "http://127.0.0.1:$MOCK/_mock/stats" | python3 -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
+
+start_mock
+write_sluice_config "$TMP/sluice.toml" 0 ""
+taskset -c 0 "$SLUICE_BIN" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
+PIDS+=($!)
+wait_line "$TMP/sluice.log" listening
+SLUICE=$(port_of "$TMP/sluice.log")
+URL="http://127.0.0.1:$SLUICE/v1/chat/completions"
+
+echo "sluice: $SLUICE_BIN ($("$SLUICE_BIN" --version 2>/dev/null || echo '?'))"
+before=$(stat connections_accepted)
+"$BIN/sluice-load" --url "$URL" --connections "$CONNS" --duration "${DURATION}s" --warmup 1s \
+  --json "$TMP/a.json" >/dev/null
+after=$(stat connections_accepted)
+python3 - "$TMP/a.json" "$CONNS" "$((after - before - 1))" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"A. {sys.argv[2]} concurrent small requests: {r['rps']:.0f} req/s, "
+      f"statuses {r['statuses']}, errors {r['errors']}, upstream connections opened: {sys.argv[3]}")
+PY
+
+"$BIN/sluice-load" --url "$URL" --connections "$STREAMS" --duration 6s --stream --timeout 30s \
+  --header 'x-mock-tokens: 64' --header 'x-mock-inter-token-ms: 20' --json "$TMP/b.json" >/dev/null
+python3 - "$TMP/b.json" "$STREAMS" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+ok = sum(n for s, n in r["statuses"].items() if s.startswith("2"))
+print(f"B. {sys.argv[2]} concurrent streams, 6 s: {ok} completed, statuses {r['statuses']}, "
+      f"errors {r['errors']}, content events {r['content_events']}")
+PY
