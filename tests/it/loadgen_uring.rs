@@ -298,3 +298,36 @@ fn thousand_concurrent_streams() {
         mock.stats()
     );
 }
+
+#[test]
+fn queued_requests_take_a_rested_connection_at_once() {
+    // A refused port, one connection, 100 requests due in 0.1 s: each connect error rests the
+    // connection 10 ms, so the queue drains in about a second, as under the thread engine.
+    // (The io_uring engine used to hand out queued requests before the rested connection was
+    // back on its free list, so each one waited for the next 100 ms sweep: about 9 s.)
+    let url = format!("http://127.0.0.1:{}/v1/chat/completions", dead_port());
+    for engine in ["uring", "threads"] {
+        let t = Instant::now();
+        let (stdout, stderr, v) = load(
+            &url,
+            &[
+                "--engine",
+                engine,
+                "--connections",
+                "1",
+                "--duration",
+                "100ms",
+                "--rate",
+                "1000",
+            ],
+        );
+        let took = t.elapsed();
+        assert_engine(&v, engine, &stderr);
+        assert!(
+            took < Duration::from_secs(3),
+            "{engine} ran {took:?}: {stdout}"
+        );
+        assert_eq!(v["requests"], 100, "{engine}: {stdout}");
+        assert_eq!(v["errors"]["connect"], 100, "{engine}: {stdout}");
+    }
+}

@@ -1019,12 +1019,14 @@ impl<'a> Engine<'a> {
             // One clock read per turn for the schedule (how late a due request is released
             // shows in its send_lag); the completions are timed by the stamp after the wait.
             let now = mono_ns();
-            self.release(now)?;
+            // Connections come back first (rested after a connect error, or freed by a
+            // timeout), so that the requests released next can have them in this very turn.
             self.wake_cooled(now)?;
             if now >= self.next_sweep {
                 self.sweep(now)?;
                 self.next_sweep = now + self.sweep_ns;
             }
+            self.release(now)?;
             let sched_next = match &self.sched {
                 Some(s) => Some(s.at(self.win.t0)).filter(|&t| t < self.win.end),
                 None => None,
@@ -1037,6 +1039,11 @@ impl<'a> Engine<'a> {
                 break;
             }
             let mut wake = self.next_sweep;
+            if !self.queue.is_empty() && !self.free.is_empty() {
+                // Work and a connection for it (not expected after `release`, which stops
+                // only when one of them runs out): don't sleep on it.
+                wake = now;
+            }
             if let Some(t) = sched_next {
                 wake = wake.min(t);
             }
