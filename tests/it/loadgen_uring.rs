@@ -331,3 +331,84 @@ fn queued_requests_take_a_rested_connection_at_once() {
         assert_eq!(v["errors"]["connect"], 100, "{engine}: {stdout}");
     }
 }
+
+#[test]
+fn a_hung_server_ends_at_the_grace_deadline() {
+    // Every request stalls (no response head, ever). 20 are scheduled over 1 s on 2
+    // connections; each stalled one takes --timeout (1 s) to fail, so draining them one after
+    // another would take about 10 s. The run stops at the grace deadline instead (the window's
+    // end + --timeout), and every request still queued or unanswered then is a timeout.
+    let mock = Mock::start(&[]);
+    for engine in ["uring", "threads"] {
+        let t = Instant::now();
+        let (stdout, stderr, v) = load(
+            &chat_url(&mock),
+            &[
+                "--engine",
+                engine,
+                "--connections",
+                "2",
+                "--rate",
+                "20",
+                "--duration",
+                "1s",
+                "--timeout",
+                "1s",
+                "--header",
+                "x-mock-fault: stall",
+            ],
+        );
+        let took = t.elapsed();
+        assert_engine(&v, engine, &stderr);
+        assert!(
+            took < Duration::from_secs(5),
+            "{engine} ran {took:?}: {stdout}"
+        );
+        assert!(
+            took >= Duration::from_millis(1900),
+            "{engine} ran {took:?}: {stdout}"
+        );
+        assert_eq!(v["requests"], 20, "{engine}: {stdout}");
+        assert_eq!(v["ok"], 0, "{engine}: {stdout}");
+        assert_eq!(v["errors"]["timeout"], 20, "{engine}: {stdout}");
+        assert_eq!(v["errors_total"], 20, "{engine}: {stdout}");
+        assert!(stderr.contains("grace deadline"), "{engine}: {stderr}");
+    }
+}
+
+#[test]
+fn a_trickling_server_ends_at_the_grace_deadline() {
+    // Each stream sends an event every 100 ms for 100 s: every read comes well within
+    // --timeout (300 ms), so only the grace deadline (0.5 s + 0.3 s) ends the run.
+    let mock = Mock::start(&[]);
+    for engine in ["uring", "threads"] {
+        let t = Instant::now();
+        let (stdout, stderr, v) = load(
+            &chat_url(&mock),
+            &[
+                "--engine",
+                engine,
+                "--connections",
+                "2",
+                "--duration",
+                "500ms",
+                "--timeout",
+                "300ms",
+                "--stream",
+                "--header",
+                "x-mock-tokens: 1000",
+                "--header",
+                "x-mock-inter-token-ms: 100",
+            ],
+        );
+        let took = t.elapsed();
+        assert_engine(&v, engine, &stderr);
+        assert!(
+            took < Duration::from_secs(5),
+            "{engine} ran {took:?}: {stdout}"
+        );
+        assert_eq!(v["ok"], 0, "{engine}: {stdout}");
+        assert_eq!(v["errors"]["timeout"], 2, "{engine}: {stdout}");
+        assert_eq!(v["errors_total"], 2, "{engine}: {stdout}");
+    }
+}

@@ -25,6 +25,9 @@ pub(crate) struct Stats {
     pub(crate) statuses: BTreeMap<u16, u64>,
     /// Most requests on connections at once, from the start of the measurement window.
     pub(crate) max_in_flight: u64,
+    /// Measured requests still queued or unanswered at the grace deadline (also counted as
+    /// timeouts).
+    pub(crate) abandoned: u64,
 }
 
 fn hist() -> Result<Histogram<u64>, String> {
@@ -53,6 +56,7 @@ impl Stats {
             coalesced_reads: 0,
             statuses: BTreeMap::new(),
             max_in_flight: 0,
+            abandoned: 0,
         })
     }
 
@@ -80,6 +84,7 @@ impl Stats {
             *self.statuses.entry(*s).or_default() += n;
         }
         self.max_in_flight += o.max_in_flight;
+        self.abandoned += o.abandoned;
     }
 
     /// A complete response to a measured request, `latency_ns` after its start.
@@ -103,6 +108,12 @@ impl Stats {
         } else {
             self.errors[Kind::Status4xx as usize] += 1;
         }
+    }
+
+    /// A measured request still queued or unanswered at the grace deadline: a timeout.
+    pub(crate) fn abandon(&mut self) {
+        self.errors[Kind::Timeout as usize] += 1;
+        self.abandoned += 1;
     }
 
     /// When a measured request went out: `queue_ns` waiting for a free connection, `lag_ns`

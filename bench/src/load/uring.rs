@@ -15,7 +15,9 @@
 //! - One `submit_and_wait` per loop turn, however many requests the turn carries; the clock is
 //!   read once after it, and that stamp times everything the turn reaps.
 //! - Timeouts (`--timeout`, per connect, send and read as in the thread engine) are checked by
-//!   a sweep over the slab a few times per timeout, not by a timer per operation.
+//!   a sweep over the slab a few times per timeout, not by a timer per operation. At the
+//!   grace deadline (`--timeout` after the window) whatever is still queued or unanswered is
+//!   counted as a timeout and the loop ends.
 //!
 //! Descriptors are plain (not registered): a connection that fails or is closed gets a fresh
 //! socket, and its stale completions are told apart by a generation number in `user_data`.
@@ -474,6 +476,7 @@ impl<'a> Engine<'a> {
                 t0: 0,
                 measure_from: 0,
                 end: 0,
+                grace: 0,
             },
             addr: sockaddr(o.addr),
             timeout_ns,
@@ -726,6 +729,52 @@ impl<'a> Engine<'a> {
                 sent: 0,
             };
             self.dispatch(i, job, now)?;
+        }
+        Ok(())
+    }
+
+    /// The grace deadline (`--timeout` after the window) has passed: every measured request
+    /// still scheduled, queued or on a connection is counted as a timeout, and nothing more
+    /// is sent.
+    fn abandon(&mut self) -> Result<(), String> {
+        let Window {
+            t0,
+            measure_from,
+            end,
+            ..
+        } = self.win;
+        if let Some(s) = &mut self.sched {
+            // Released only once due, and all are due by now: normally none is left here.
+            loop {
+                let t = s.at(t0);
+                if t >= end {
+                    break;
+                }
+                if t >= measure_from {
+                    self.st.abandon();
+                }
+                s.k += s.step;
+            }
+        }
+        for p in std::mem::take(&mut self.queue) {
+            if p.intended >= measure_from {
+                self.st.abandon();
+            }
+        }
+        for i in 0..self.conns.len() as u32 {
+            let c = &mut self.conns[i as usize];
+            if !c.stopped {
+                c.stopped = true;
+                self.active -= 1;
+            }
+            let Some(job) = c.job.take() else {
+                continue;
+            };
+            self.in_flight -= 1;
+            if job.record {
+                self.st.abandon();
+            }
+            self.close(i)?;
         }
         Ok(())
     }
@@ -1019,6 +1068,10 @@ impl<'a> Engine<'a> {
             // One clock read per turn for the schedule (how late a due request is released
             // shows in its send_lag); the completions are timed by the stamp after the wait.
             let now = mono_ns();
+            if now >= self.win.grace {
+                self.abandon()?;
+                break;
+            }
             // Connections come back first (rested after a connect error, or freed by a
             // timeout), so that the requests released next can have them in this very turn.
             self.wake_cooled(now)?;
@@ -1038,7 +1091,7 @@ impl<'a> Engine<'a> {
             if done {
                 break;
             }
-            let mut wake = self.next_sweep;
+            let mut wake = self.next_sweep.min(self.win.grace);
             if !self.queue.is_empty() && !self.free.is_empty() {
                 // Work and a connection for it (not expected after `release`, which stops
                 // only when one of them runs out): don't sleep on it.
