@@ -2,8 +2,9 @@
 //! a hand-written state machine in one slab (`Vec<Conn>`), so 10,000 streams cost 10,000 slab
 //! entries, not 10,000 threads.
 //!
-//! - Ring: `SINGLE_ISSUER | DEFER_TASKRUN` (completions are processed only when the loop asks,
-//!   so no interrupting task work), falling back to `COOP_TASKRUN`, then to a plain ring.
+//! - Ring: `SUBMIT_ALL | SINGLE_ISSUER | DEFER_TASKRUN` (completions are processed only when the
+//!   loop asks, so no interrupting task work), falling back to `COOP_TASKRUN`, then to no
+//!   task-work flag; and all of that again without `SUBMIT_ALL` if the kernel refuses it.
 //! - Reads: one multishot receive per connection into a provided-buffer ring of 16 KiB
 //!   buffers (the thread engine's read size, so "one read" means the same for coalescing); a
 //!   buffer goes back to the ring as soon as its bytes are parsed. Writes: one `Send` per
@@ -383,6 +384,46 @@ impl Schedule {
     }
 }
 
+/// How completions' task work runs, from the newest kernels' way to the oldest's.
+#[derive(Clone, Copy)]
+enum Taskrun {
+    /// `SINGLE_ISSUER | DEFER_TASKRUN` (6.1): only when the loop asks for completions.
+    Defer,
+    /// `COOP_TASKRUN` (5.19): no interrupting the loop to run it.
+    Coop,
+    Plain,
+}
+
+/// A ring of `sq` entries (and 4 × as many completions) with the best flags the kernel takes:
+/// `SUBMIT_ALL` (5.18: an SQE that fails prep does not stop the submission of the rest, see
+/// `Engine::submit_and_reap`), then the task-work flags, each dropped in turn if refused.
+fn new_ring(sq: u32) -> std::io::Result<IoUring> {
+    let mut last = None;
+    for submit_all in [true, false] {
+        for taskrun in [Taskrun::Defer, Taskrun::Coop, Taskrun::Plain] {
+            let mut b = IoUring::builder();
+            b.setup_cqsize(sq * 4);
+            if submit_all {
+                b.setup_submit_all();
+            }
+            match taskrun {
+                Taskrun::Defer => {
+                    b.setup_single_issuer().setup_defer_taskrun();
+                }
+                Taskrun::Coop => {
+                    b.setup_coop_taskrun();
+                }
+                Taskrun::Plain => {}
+            }
+            match b.build(sq) {
+                Ok(ring) => return Ok(ring),
+                Err(e) => last = Some(e),
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("no ring flags to try")))
+}
+
 struct Engine<'a> {
     // Dropped first: the kernel must be done with the buffer memory before it is unmapped.
     ring: IoUring,
@@ -407,8 +448,8 @@ struct Engine<'a> {
     /// Measured requests whose first bytes were queued for submission this turn:
     /// (intended time, time spent in the FIFO).
     to_stamp: Vec<(u64, u64)>,
-    /// Sockets shut down this turn, closed after the submit: their numbers must not be reused
-    /// by a new socket while an SQE naming them is still unsubmitted.
+    /// Sockets shut down, closed once a submit has left the submission queue empty: their
+    /// numbers must not be reused by a new socket while an SQE naming them is unsubmitted.
     to_close: Vec<RawFd>,
     cqes: Vec<(u64, i32, u32)>,
     in_flight: u64,
@@ -424,19 +465,7 @@ impl<'a> Engine<'a> {
         let ids: Vec<usize> = (j..o.connections).step_by(o.threads).collect();
         let n = ids.len().max(1);
         let sq = n.next_power_of_two().clamp(256, 4096) as u32;
-        let ring = IoUring::builder()
-            .setup_cqsize(sq * 4)
-            .setup_single_issuer()
-            .setup_defer_taskrun()
-            .build(sq)
-            .or_else(|_| {
-                IoUring::builder()
-                    .setup_cqsize(sq * 4)
-                    .setup_coop_taskrun()
-                    .build(sq)
-            })
-            .or_else(|_| IoUring::builder().setup_cqsize(sq * 4).build(sq))
-            .map_err(|e| format!("io_uring setup: {e}"))?;
+        let ring = new_ring(sq).map_err(|e| format!("io_uring setup: {e}"))?;
         // About one 16 KiB buffer per connection (up to 4,096: 64 MiB): a stream's reads are
         // parsed and handed back within the turn that reaped them. When the kernel does run
         // out, a receive ends with ENOBUFS and is simply armed again.
@@ -1000,10 +1029,15 @@ impl<'a> Engine<'a> {
                 ) => {}
             Err(e) => return Err(format!("io_uring submit: {e}")),
         }
-        for fd in self.to_close.drain(..) {
-            // SAFETY: `fd` was this engine's socket, shut down and no longer named by any
-            // connection; every SQE naming it has been submitted.
-            unsafe { libc::close(fd) };
+        // A submit may leave SQEs behind: all of them after EAGAIN/EBUSY/EINTR, and without
+        // SUBMIT_ALL (kernels before 5.18) those after one that failed prep. They may name a
+        // socket in `to_close`, so its number stays taken until a turn submits everything.
+        if self.ring.submission().is_empty() {
+            for fd in self.to_close.drain(..) {
+                // SAFETY: `fd` was this engine's socket, shut down and no longer named by any
+                // connection; every SQE naming it has been submitted (the queue is empty).
+                unsafe { libc::close(fd) };
+            }
         }
         let now = mono_ns();
         let mut cqes = std::mem::take(&mut self.cqes);
