@@ -113,6 +113,8 @@ fn new_keys_under_both_engines() {
         assert!(cpu > 0.0 && cpu < 100_000.0, "{engine}: cpu {cpu}");
         let max = v["max_in_flight"].as_u64().unwrap();
         assert!((1..=4).contains(&max), "{engine}: max_in_flight {max}");
+        // A buffer per connection at least: the ring never ran dry.
+        assert_eq!(v["recv_enobufs"], 0, "{engine}: {v}");
         assert!(stdout.contains(&format!("engine {engine}")), "{stdout}");
     }
 }

@@ -535,7 +535,7 @@ fn run() -> Result<(), String> {
         }
     ));
     out.push_str(&format!(
-        "  client       engine {}{}, {} CPU/ok request, max {} in flight\n",
+        "  client       engine {}{}, {} CPU/ok request, max {} in flight{}\n",
         engine.name(),
         if engine == Engine::Uring {
             format!(
@@ -547,7 +547,15 @@ fn run() -> Result<(), String> {
             String::new()
         },
         cpu_per_req.map_or("-".to_string(), |c| format!("{c:.2} µs")),
-        total.max_in_flight
+        total.max_in_flight,
+        if total.recv_enobufs > 0 {
+            format!(
+                ", {} receives re-armed for want of buffers",
+                total.recv_enobufs
+            )
+        } else {
+            String::new()
+        }
     ));
     print!("{out}");
 
@@ -583,6 +591,7 @@ fn run() -> Result<(), String> {
             "queue_wait": hist_json(&total.queue_wait),
             "client_cpu_us_per_req": cpu_per_req,
             "max_in_flight": total.max_in_flight,
+            "recv_enobufs": total.recv_enobufs,
             "engine": engine.name(),
             "threads": if engine == Engine::Uring { o.threads } else { o.connections },
         });

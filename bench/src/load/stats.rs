@@ -28,6 +28,9 @@ pub(crate) struct Stats {
     /// Measured requests still queued or unanswered at the grace deadline (also counted as
     /// timeouts).
     pub(crate) abandoned: u64,
+    /// io_uring engine: receives that found the provided-buffer ring empty and were armed
+    /// again (the thread engine has no such thing: 0).
+    pub(crate) recv_enobufs: u64,
 }
 
 fn hist() -> Result<Histogram<u64>, String> {
@@ -57,6 +60,7 @@ impl Stats {
             statuses: BTreeMap::new(),
             max_in_flight: 0,
             abandoned: 0,
+            recv_enobufs: 0,
         })
     }
 
@@ -85,6 +89,7 @@ impl Stats {
         }
         self.max_in_flight += o.max_in_flight;
         self.abandoned += o.abandoned;
+        self.recv_enobufs += o.recv_enobufs;
     }
 
     /// A complete response to a measured request, `latency_ns` after its start.

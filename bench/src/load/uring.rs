@@ -136,6 +136,10 @@ fn ud(conn: u32, gen: u32, op: u64) -> u64 {
 
 const BUF_SIZE: usize = 16 * 1024;
 const BGID: u16 = 0;
+/// Most buffers in a thread's ring (256 MiB), and the count tried when that many cannot be set
+/// up. (The kernel takes up to 32,768.)
+const BUF_MAX: usize = 16 * 1024;
+const BUF_FALLBACK: u16 = 4096;
 
 /// One entry of a provided-buffer ring, laid out as the kernel's `struct io_uring_buf`. The
 /// ring's tail is the `resv` field of entry 0.
@@ -466,11 +470,17 @@ impl<'a> Engine<'a> {
         let n = ids.len().max(1);
         let sq = n.next_power_of_two().clamp(256, 4096) as u32;
         let ring = new_ring(sq).map_err(|e| format!("io_uring setup: {e}"))?;
-        // About one 16 KiB buffer per connection (up to 4,096: 64 MiB): a stream's reads are
-        // parsed and handed back within the turn that reaped them. When the kernel does run
-        // out, a receive ends with ENOBUFS and is simply armed again.
-        let count = n.next_power_of_two().clamp(64, 4096) as u16;
-        let bufs = BufRing::new(&ring, count)?;
+        // At least one 16 KiB buffer per connection (a power of two, 64 to 16,384: up to
+        // 256 MiB, touched only as the kernel fills them): a stream's reads are parsed and
+        // handed back within the turn that reaped them, so even a turn in which every
+        // connection got bytes has buffers enough. Past 16,384 connections per thread, or
+        // where that much memory cannot be mapped (then 4,096), the kernel can run out: a
+        // receive ends with ENOBUFS, is armed again, and is counted (`recv_enobufs`).
+        let want = n.next_power_of_two().clamp(64, BUF_MAX) as u16;
+        let bufs = match BufRing::new(&ring, want) {
+            Err(_) if want > BUF_FALLBACK => BufRing::new(&ring, BUF_FALLBACK)?,
+            r => r?,
+        };
         let conns = ids
             .iter()
             .map(|&id| Conn {
@@ -910,7 +920,8 @@ impl<'a> Engine<'a> {
         }
         if res == -libc::ENOBUFS {
             // The buffer ring ran dry: the data waits in the socket; receive again once the
-            // buffers reaped this turn are back.
+            // buffers reaped this turn are back. Counted: it costs a turn's latency.
+            self.st.recv_enobufs += 1;
             if !more {
                 self.arm_recv(i)?;
             }
