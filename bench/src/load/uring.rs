@@ -124,6 +124,8 @@ const OP_SEND: u64 = 2;
 const OP_RECV: u64 = 3;
 const OP_TIMER: u64 = 4;
 const OP_CANCEL: u64 = 5;
+/// The multishot receive probe in [`Engine::new`] (no connection).
+const OP_PROBE: u64 = 6;
 const GEN_MASK: u32 = 0xff_ffff;
 
 fn ud(conn: u32, gen: u32, op: u64) -> u64 {
@@ -466,6 +468,7 @@ struct Engine<'a> {
 impl<'a> Engine<'a> {
     fn new(plan: &'a Plan, j: usize) -> Result<Engine<'a>, String> {
         let o = &plan.opts;
+        let st = Stats::new()?;
         let ids: Vec<usize> = (j..o.connections).step_by(o.threads).collect();
         let n = ids.len().max(1);
         let sq = n.next_power_of_two().clamp(256, 4096) as u32;
@@ -499,7 +502,7 @@ impl<'a> Engine<'a> {
             })
             .collect::<Vec<_>>();
         let timeout_ns = u64::try_from(o.timeout.as_nanos()).unwrap_or(u64::MAX);
-        Ok(Engine {
+        let mut e = Engine {
             ring,
             bufs,
             plan,
@@ -531,9 +534,99 @@ impl<'a> Engine<'a> {
             in_flight: 0,
             active: conns.len(),
             conns,
-            st: Stats::new()?,
+            st,
             reported: false,
-        })
+        };
+        // On an error the engine is dropped whole: the ring before the buffers it writes into.
+        e.probe_recv_multi()?;
+        Ok(e)
+    }
+
+    /// The loop reads with multishot receives (6.0), but a kernel can have buffer rings (5.19)
+    /// without them: one such receive on a socketpair tells, before any connection is made,
+    /// and a kernel that fails it gets the thread engine instead (a setup error).
+    fn probe_recv_multi(&mut self) -> Result<(), String> {
+        let mut sv: [libc::c_int; 2] = [-1, -1];
+        // SAFETY: `sv` is room for the two descriptors socketpair writes.
+        let r = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+                0,
+                sv.as_mut_ptr(),
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(format!("socketpair: {e}"));
+        }
+        let res = self.probe_on(sv[0], sv[1]);
+        for fd in sv {
+            // SAFETY: the socketpair is ours. After a good probe no operation names it; after
+            // a failed one the engine (and its ring, with whatever it had not submitted) is
+            // dropped without submitting again.
+            unsafe { libc::close(fd) };
+        }
+        res.map_err(|e| format!("multishot receive: {e}"))
+    }
+
+    /// Receives one byte written to `b` with a multishot receive on `a`, then ends it with a
+    /// shutdown (end of stream); waits at most a second for each completion.
+    fn probe_on(&mut self, a: RawFd, b: RawFd) -> Result<(), String> {
+        let byte = [b'p'];
+        // SAFETY: writes one byte from a valid buffer to our own socket.
+        if unsafe { libc::write(b, byte.as_ptr().cast(), 1) } != 1 {
+            let e = std::io::Error::last_os_error();
+            return Err(format!("socketpair write: {e}"));
+        }
+        let e = opcode::RecvMulti::new(types::Fd(a), BGID)
+            .build()
+            .user_data(OP_PROBE);
+        self.push(&e)?;
+        let limit = types::Timespec::new().sec(1);
+        let args = types::SubmitArgs::new().timespec(&limit);
+        let mut got = false;
+        loop {
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => {
+                    return Err("no completion within 1 s".into());
+                }
+                Err(e) => return Err(format!("io_uring submit: {e}")),
+            }
+            let cqes: Vec<(u64, i32, u32)> = self
+                .ring
+                .completion()
+                .map(|c| (c.user_data(), c.result(), c.flags()))
+                .collect();
+            for (u, res, flags) in cqes {
+                if u != OP_PROBE {
+                    continue;
+                }
+                if let Some(bid) = cqueue::buffer_select(flags) {
+                    self.bufs.give_back(bid);
+                }
+                if res > 0 && !got {
+                    got = true;
+                    if cqueue::more(flags) {
+                        // SAFETY: `a` is our socket; the receive on it ends (end of stream).
+                        unsafe { libc::shutdown(a, libc::SHUT_RDWR) };
+                    }
+                }
+                if !cqueue::more(flags) {
+                    // The receive is over: after the byte (and the shutdown), or with the
+                    // error of a kernel that has no multishot receive.
+                    self.bufs.publish();
+                    return match (got, res) {
+                        (true, _) => Ok(()),
+                        (false, 0) => Err("end of stream before the byte".into()),
+                        (false, r) => Err(std::io::Error::from_raw_os_error(-r).to_string()),
+                    };
+                }
+            }
+            self.bufs.publish();
+        }
     }
 
     // -- submission ------------------------------------------------------------------------
@@ -982,7 +1075,12 @@ impl<'a> Engine<'a> {
             }
             return Ok(());
         }
-        if op == OP_CANCEL {
+        if op == OP_CANCEL || op == OP_PROBE {
+            // (A probe's completions are all reaped in `probe_recv_multi`; in case one were
+            // not, its buffer goes back.)
+            if let Some(bid) = cqueue::buffer_select(flags) {
+                self.bufs.give_back(bid);
+            }
             return Ok(());
         }
         let i = (user_data >> 32) as u32;
