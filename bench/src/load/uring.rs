@@ -1249,14 +1249,84 @@ impl<'a> Engine<'a> {
             self.arm_timer(wake)?;
             self.submit_and_reap()?;
         }
+        // Shut every socket down; the descriptors are released when the engine is dropped.
         for i in 0..self.conns.len() as u32 {
             self.close(i)?;
         }
-        for fd in self.to_close.drain(..) {
-            // SAFETY: as in submit_and_reap; the ring is not used again.
-            unsafe { libc::close(fd) };
-        }
         let st = std::mem::replace(&mut self.st, Stats::new()?);
         Ok(st)
+    }
+}
+
+impl Drop for Engine<'_> {
+    /// Releases every descriptor still held: sockets shut down but not yet released, and those
+    /// of connections still open (an engine that never ran: another thread's setup failed
+    /// after this one had connected, and the run goes to the thread engine).
+    fn drop(&mut self) {
+        let open = self
+            .conns
+            .iter_mut()
+            .map(|c| std::mem::replace(&mut c.fd, -1));
+        for fd in open.chain(self.to_close.drain(..)).filter(|&fd| fd >= 0) {
+            // SAFETY: `fd` is this engine's socket and nothing else's. The ring is dropped
+            // right after this (a field), so no SQE still naming it is ever submitted; the
+            // operations already in the kernel hold their own reference to the socket.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::{Engine as EngineKind, Opts};
+    use std::time::Duration;
+
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").unwrap().count()
+    }
+
+    /// An engine that connected but never ran (another thread's setup failed, so the run
+    /// falls back to threads) gives its sockets back when dropped.
+    #[test]
+    fn dropped_engine_closes_its_sockets() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let opts = Opts {
+            host: addr.to_string(),
+            addr,
+            path: "/".into(),
+            connections: 16,
+            duration: Duration::from_secs(1),
+            warmup: Duration::ZERO,
+            rate: None,
+            stream: false,
+            body_bytes: 0,
+            models: vec!["m".into()],
+            keys: Vec::new(),
+            headers: Vec::new(),
+            timeout: Duration::from_secs(5),
+            json: None,
+            engine: EngineKind::Uring,
+            threads: 1,
+        };
+        let requests = crate::build_requests(&opts);
+        let plan = Plan { opts, requests };
+        let before = open_fds();
+        let mut e = match Engine::new(&plan, 0) {
+            Ok(e) => e,
+            // No io_uring here (the run would use the thread engine): nothing to check.
+            Err(msg) => return eprintln!("skipped: {msg}"),
+        };
+        e.preconnect().unwrap();
+        assert!(
+            e.conns.iter().all(|c| c.sock == Sock::Open),
+            "not all connected"
+        );
+        // 16 sockets and the ring (its buffer ring is memory, not a descriptor).
+        assert!(open_fds() >= before + 17, "{} -> {}", before, open_fds());
+        drop(e);
+        assert!(open_fds() <= before, "{} -> {}", before, open_fds());
     }
 }
