@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use hdrhistogram::serialization::{Serializer, V2Serializer};
 use hdrhistogram::Histogram;
 
-use crate::http::{Kind, Response};
+use crate::http::{Kind, Response, KINDS};
 
 pub(crate) struct Stats {
     pub(crate) latency: Histogram<u64>,
@@ -18,7 +18,7 @@ pub(crate) struct Stats {
     /// the thread engine: for its connection's previous exchange to end).
     pub(crate) queue_wait: Histogram<u64>,
     pub(crate) ok: u64,
-    pub(crate) errors: [u64; 6],
+    pub(crate) errors: [u64; KINDS.len()],
     pub(crate) content_events: u64,
     pub(crate) coalesced_events: u64,
     pub(crate) coalesced_reads: u64,
@@ -53,7 +53,7 @@ impl Stats {
             send_lag: hist()?,
             queue_wait: hist()?,
             ok: 0,
-            errors: [0; 6],
+            errors: [0; KINDS.len()],
             content_events: 0,
             coalesced_events: 0,
             coalesced_reads: 0,
@@ -108,10 +108,14 @@ impl Stats {
             self.content_events += r.content_events;
             self.coalesced_events += r.coalesced_events;
             self.coalesced_reads += r.coalesced_reads;
-        } else if r.status >= 500 {
-            self.errors[Kind::Status5xx as usize] += 1;
         } else {
-            self.errors[Kind::Status4xx as usize] += 1;
+            // (1xx heads are interim and skipped by the reader, so never end up here.)
+            let kind = match r.status {
+                300..=399 => Kind::Status3xx,
+                400..=499 => Kind::Status4xx,
+                _ => Kind::Status5xx,
+            };
+            self.errors[kind as usize] += 1;
         }
     }
 
