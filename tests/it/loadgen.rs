@@ -53,6 +53,7 @@ fn zero_errors(v: &Value) {
     assert_eq!(v["errors_total"], 0, "{v}");
     for k in [
         "connect",
+        "status_3xx",
         "status_4xx",
         "status_5xx",
         "timeout",
@@ -194,6 +195,24 @@ fn errors_by_kind() {
     let n = v["errors"]["status_4xx"].as_u64().unwrap();
     assert!(n > 0 && v["errors_total"] == n, "{v}");
     assert_eq!(v["statuses"]["429"], n);
+
+    // A 3xx (sluice-load follows no redirects) is an error of its own kind, not a 4xx.
+    let mock = Mock::start(&[]);
+    let (_, v) = load(
+        &chat_url(&mock),
+        &[
+            "--connections",
+            "1",
+            "--duration",
+            "300ms",
+            "--header",
+            "x-mock-status: 307",
+        ],
+    );
+    let n = v["errors"]["status_3xx"].as_u64().unwrap();
+    assert!(n > 0 && v["errors_total"] == n, "{v}");
+    assert_eq!(v["errors"]["status_4xx"], 0, "{v}");
+    assert_eq!(v["statuses"]["307"], n);
 
     let mock = Mock::start(&["--fault", "status=503"]);
     let (_, v) = load(

@@ -113,6 +113,8 @@ fn new_keys_under_both_engines() {
         assert!(cpu > 0.0 && cpu < 100_000.0, "{engine}: cpu {cpu}");
         let max = v["max_in_flight"].as_u64().unwrap();
         assert!((1..=4).contains(&max), "{engine}: max_in_flight {max}");
+        // A buffer per connection at least: the ring never ran dry.
+        assert_eq!(v["recv_enobufs"], 0, "{engine}: {v}");
         assert!(stdout.contains(&format!("engine {engine}")), "{stdout}");
     }
 }
@@ -297,4 +299,118 @@ fn thousand_concurrent_streams() {
         "{}",
         mock.stats()
     );
+}
+
+#[test]
+fn queued_requests_take_a_rested_connection_at_once() {
+    // A refused port, one connection, 100 requests due in 0.1 s: each connect error rests the
+    // connection 10 ms, so the queue drains in about a second, as under the thread engine.
+    // (The io_uring engine used to hand out queued requests before the rested connection was
+    // back on its free list, so each one waited for the next 100 ms sweep: about 9 s.)
+    let url = format!("http://127.0.0.1:{}/v1/chat/completions", dead_port());
+    for engine in ["uring", "threads"] {
+        let t = Instant::now();
+        let (stdout, stderr, v) = load(
+            &url,
+            &[
+                "--engine",
+                engine,
+                "--connections",
+                "1",
+                "--duration",
+                "100ms",
+                "--rate",
+                "1000",
+            ],
+        );
+        let took = t.elapsed();
+        assert_engine(&v, engine, &stderr);
+        assert!(
+            took < Duration::from_secs(3),
+            "{engine} ran {took:?}: {stdout}"
+        );
+        assert_eq!(v["requests"], 100, "{engine}: {stdout}");
+        assert_eq!(v["errors"]["connect"], 100, "{engine}: {stdout}");
+    }
+}
+
+#[test]
+fn a_hung_server_ends_at_the_grace_deadline() {
+    // Every request stalls (no response head, ever). 20 are scheduled over 1 s on 2
+    // connections; each stalled one takes --timeout (1 s) to fail, so draining them one after
+    // another would take about 10 s. The run stops at the grace deadline instead (the window's
+    // end + --timeout), and every request still queued or unanswered then is a timeout.
+    let mock = Mock::start(&[]);
+    for engine in ["uring", "threads"] {
+        let t = Instant::now();
+        let (stdout, stderr, v) = load(
+            &chat_url(&mock),
+            &[
+                "--engine",
+                engine,
+                "--connections",
+                "2",
+                "--rate",
+                "20",
+                "--duration",
+                "1s",
+                "--timeout",
+                "1s",
+                "--header",
+                "x-mock-fault: stall",
+            ],
+        );
+        let took = t.elapsed();
+        assert_engine(&v, engine, &stderr);
+        assert!(
+            took < Duration::from_secs(5),
+            "{engine} ran {took:?}: {stdout}"
+        );
+        assert!(
+            took >= Duration::from_millis(1900),
+            "{engine} ran {took:?}: {stdout}"
+        );
+        assert_eq!(v["requests"], 20, "{engine}: {stdout}");
+        assert_eq!(v["ok"], 0, "{engine}: {stdout}");
+        assert_eq!(v["errors"]["timeout"], 20, "{engine}: {stdout}");
+        assert_eq!(v["errors_total"], 20, "{engine}: {stdout}");
+        assert!(stderr.contains("grace deadline"), "{engine}: {stderr}");
+    }
+}
+
+#[test]
+fn a_trickling_server_ends_at_the_grace_deadline() {
+    // Each stream sends an event every 100 ms for 100 s: every read comes well within
+    // --timeout (300 ms), so only the grace deadline (0.5 s + 0.3 s) ends the run.
+    let mock = Mock::start(&[]);
+    for engine in ["uring", "threads"] {
+        let t = Instant::now();
+        let (stdout, stderr, v) = load(
+            &chat_url(&mock),
+            &[
+                "--engine",
+                engine,
+                "--connections",
+                "2",
+                "--duration",
+                "500ms",
+                "--timeout",
+                "300ms",
+                "--stream",
+                "--header",
+                "x-mock-tokens: 1000",
+                "--header",
+                "x-mock-inter-token-ms: 100",
+            ],
+        );
+        let took = t.elapsed();
+        assert_engine(&v, engine, &stderr);
+        assert!(
+            took < Duration::from_secs(5),
+            "{engine} ran {took:?}: {stdout}"
+        );
+        assert_eq!(v["ok"], 0, "{engine}: {stdout}");
+        assert_eq!(v["errors"]["timeout"], 2, "{engine}: {stdout}");
+        assert_eq!(v["errors_total"], 2, "{engine}: {stdout}");
+    }
 }

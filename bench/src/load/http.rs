@@ -11,16 +11,18 @@ use std::io;
 #[derive(Clone, Copy)]
 pub(crate) enum Kind {
     Connect = 0,
-    Status4xx = 1,
-    Status5xx = 2,
-    Timeout = 3,
-    Protocol = 4,
-    Io = 5,
+    Status3xx = 1,
+    Status4xx = 2,
+    Status5xx = 3,
+    Timeout = 4,
+    Protocol = 5,
+    Io = 6,
 }
 
 /// The JSON names of the error kinds, indexed by [`Kind`].
-pub(crate) const KINDS: [&str; 6] = [
+pub(crate) const KINDS: [&str; 7] = [
     "connect",
+    "status_3xx",
     "status_4xx",
     "status_5xx",
     "timeout",

@@ -338,21 +338,26 @@ impl Plan {
 
 /// The run's times, in [`mono_ns`] nanoseconds: the schedule starts at `t0`, requests intended
 /// from `measure_from` (after the warmup) up to `end` are recorded, none is started after it.
+/// At `grace` (`end` + `--timeout`) the run stops: every request still queued or unanswered
+/// then is counted as a timeout (a hung or trickling server cannot keep the run going).
 #[derive(Clone, Copy)]
 pub(crate) struct Window {
     t0: u64,
     measure_from: u64,
     end: u64,
+    grace: u64,
 }
 
 impl Window {
     fn starting(t0: u64, o: &Opts) -> Window {
         let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         let measure_from = t0.saturating_add(ns(o.warmup));
+        let end = measure_from.saturating_add(ns(o.duration));
         Window {
             t0,
             measure_from,
-            end: measure_from.saturating_add(ns(o.duration)),
+            end,
+            grace: end.saturating_add(ns(o.timeout)),
         }
     }
 }
@@ -464,6 +469,13 @@ fn run() -> Result<(), String> {
         },
     };
     let o = &plan.opts;
+    if total.abandoned > 0 {
+        eprintln!(
+            "sluice-load: note: {} requests still queued or unanswered at the grace deadline \
+             (--timeout, {:?}, after the window) were counted as timeouts",
+            total.abandoned, o.timeout
+        );
+    }
     let secs = o.duration.as_secs_f64().max(1e-9);
     let err_total: u64 = total.errors.iter().sum();
     let mode = match o.rate {
@@ -523,7 +535,7 @@ fn run() -> Result<(), String> {
         }
     ));
     out.push_str(&format!(
-        "  client       engine {}{}, {} CPU/ok request, max {} in flight\n",
+        "  client       engine {}{}, {} CPU/ok request, max {} in flight{}\n",
         engine.name(),
         if engine == Engine::Uring {
             format!(
@@ -535,7 +547,15 @@ fn run() -> Result<(), String> {
             String::new()
         },
         cpu_per_req.map_or("-".to_string(), |c| format!("{c:.2} µs")),
-        total.max_in_flight
+        total.max_in_flight,
+        if total.recv_enobufs > 0 {
+            format!(
+                ", {} receives re-armed for want of buffers",
+                total.recv_enobufs
+            )
+        } else {
+            String::new()
+        }
     ));
     print!("{out}");
 
@@ -571,6 +591,7 @@ fn run() -> Result<(), String> {
             "queue_wait": hist_json(&total.queue_wait),
             "client_cpu_us_per_req": cpu_per_req,
             "max_in_flight": total.max_in_flight,
+            "recv_enobufs": total.recv_enobufs,
             "engine": engine.name(),
             "threads": if engine == Engine::Uring { o.threads } else { o.connections },
         });

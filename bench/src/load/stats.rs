@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use hdrhistogram::serialization::{Serializer, V2Serializer};
 use hdrhistogram::Histogram;
 
-use crate::http::{Kind, Response};
+use crate::http::{Kind, Response, KINDS};
 
 pub(crate) struct Stats {
     pub(crate) latency: Histogram<u64>,
@@ -18,13 +18,19 @@ pub(crate) struct Stats {
     /// the thread engine: for its connection's previous exchange to end).
     pub(crate) queue_wait: Histogram<u64>,
     pub(crate) ok: u64,
-    pub(crate) errors: [u64; 6],
+    pub(crate) errors: [u64; KINDS.len()],
     pub(crate) content_events: u64,
     pub(crate) coalesced_events: u64,
     pub(crate) coalesced_reads: u64,
     pub(crate) statuses: BTreeMap<u16, u64>,
     /// Most requests on connections at once, from the start of the measurement window.
     pub(crate) max_in_flight: u64,
+    /// Measured requests still queued or unanswered at the grace deadline (also counted as
+    /// timeouts).
+    pub(crate) abandoned: u64,
+    /// io_uring engine: receives that found the provided-buffer ring empty and were armed
+    /// again (the thread engine has no such thing: 0).
+    pub(crate) recv_enobufs: u64,
 }
 
 fn hist() -> Result<Histogram<u64>, String> {
@@ -47,12 +53,14 @@ impl Stats {
             send_lag: hist()?,
             queue_wait: hist()?,
             ok: 0,
-            errors: [0; 6],
+            errors: [0; KINDS.len()],
             content_events: 0,
             coalesced_events: 0,
             coalesced_reads: 0,
             statuses: BTreeMap::new(),
             max_in_flight: 0,
+            abandoned: 0,
+            recv_enobufs: 0,
         })
     }
 
@@ -80,6 +88,8 @@ impl Stats {
             *self.statuses.entry(*s).or_default() += n;
         }
         self.max_in_flight += o.max_in_flight;
+        self.abandoned += o.abandoned;
+        self.recv_enobufs += o.recv_enobufs;
     }
 
     /// A complete response to a measured request, `latency_ns` after its start.
@@ -98,11 +108,21 @@ impl Stats {
             self.content_events += r.content_events;
             self.coalesced_events += r.coalesced_events;
             self.coalesced_reads += r.coalesced_reads;
-        } else if r.status >= 500 {
-            self.errors[Kind::Status5xx as usize] += 1;
         } else {
-            self.errors[Kind::Status4xx as usize] += 1;
+            // (1xx heads are interim and skipped by the reader, so never end up here.)
+            let kind = match r.status {
+                300..=399 => Kind::Status3xx,
+                400..=499 => Kind::Status4xx,
+                _ => Kind::Status5xx,
+            };
+            self.errors[kind as usize] += 1;
         }
+    }
+
+    /// A measured request still queued or unanswered at the grace deadline: a timeout.
+    pub(crate) fn abandon(&mut self) {
+        self.errors[Kind::Timeout as usize] += 1;
+        self.abandoned += 1;
     }
 
     /// When a measured request went out: `queue_ns` waiting for a free connection, `lag_ns`

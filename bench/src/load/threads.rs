@@ -17,11 +17,29 @@ struct Conn {
     sock: TcpStream,
     buf: Vec<u8>,
     resp: Response,
+    /// `--timeout`, and the read/write timeout the socket has now (shorter near `grace`).
+    timeout: Duration,
+    set: Duration,
+    /// The run's grace deadline ([`Window`]): no call blocks past it.
+    grace: u64,
+}
+
+/// The error of a request cut off by the grace deadline.
+fn past_grace() -> Fail {
+    Fail(
+        Kind::Timeout,
+        "still unanswered --timeout after the window ended".into(),
+    )
 }
 
 impl Conn {
-    fn open(addr: SocketAddr, timeout: Duration) -> Result<Conn, Fail> {
-        let sock = TcpStream::connect_timeout(&addr, timeout).map_err(|e| {
+    fn open(addr: SocketAddr, timeout: Duration, grace: u64) -> Result<Conn, Fail> {
+        let left = grace.saturating_sub(mono_ns());
+        if left == 0 {
+            return Err(past_grace());
+        }
+        let connect_timeout = timeout.min(Duration::from_nanos(left));
+        let sock = TcpStream::connect_timeout(&addr, connect_timeout).map_err(|e| {
             let kind = if e.kind() == io::ErrorKind::TimedOut {
                 Kind::Timeout
             } else {
@@ -39,11 +57,35 @@ impl Conn {
             sock,
             buf: vec![0; 16 * 1024],
             resp: Response::default(),
+            timeout,
+            set: timeout,
+            grace,
         })
+    }
+
+    /// Before each blocking call: past the grace deadline it fails; closer to it than
+    /// `--timeout`, the socket's timeouts shrink to what is left (so a server that trickles
+    /// bytes cannot hold the run either). In the window itself this costs nothing.
+    fn limit(&mut self) -> Result<(), Fail> {
+        let left = self.grace.saturating_sub(mono_ns());
+        if left == 0 {
+            return Err(past_grace());
+        }
+        let want = self.timeout.min(Duration::from_nanos(left));
+        if want < self.set {
+            let set = |s: &TcpStream| -> io::Result<()> {
+                s.set_read_timeout(Some(want))?;
+                s.set_write_timeout(Some(want))
+            };
+            set(&self.sock).map_err(|e| Fail(Kind::Io, format!("socket options: {e}")))?;
+            self.set = want;
+        }
+        Ok(())
     }
 
     /// One read() into the buffer; returns the byte count (0 = EOF).
     fn fill(&mut self) -> Result<usize, Fail> {
+        self.limit()?;
         loop {
             match self.sock.read(&mut self.buf) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -54,6 +96,7 @@ impl Conn {
 
     /// Send one request and read the whole response into `self.resp`, timing it from `start`.
     fn exchange(&mut self, req: &[u8], start: u64, stream: bool) -> Result<(), Fail> {
+        self.limit()?;
         self.sock.write_all(req).map_err(io_fail)?;
         self.resp.begin(stream);
         loop {
@@ -126,6 +169,13 @@ fn worker(plan: &Plan, win: Window, id: usize, in_flight: &InFlight) -> Result<S
         // keys[seq % k]: both lists rotate independently.
         let req = plan.request(seq);
         seq += o.connections;
+        if mono_ns() >= win.grace {
+            // Open loop, far behind schedule: what is still due is counted, not sent.
+            if record {
+                st.abandon();
+            }
+            continue;
+        }
 
         if record {
             let n = in_flight.now.fetch_add(1, Ordering::Relaxed) + 1;
@@ -133,7 +183,7 @@ fn worker(plan: &Plan, win: Window, id: usize, in_flight: &InFlight) -> Result<S
         }
         let c = match conn.as_mut() {
             Some(c) => Ok(c),
-            None => Conn::open(o.addr, o.timeout).map(|c| conn.insert(c)),
+            None => Conn::open(o.addr, o.timeout, win.grace).map(|c| conn.insert(c)),
         };
         let res = c.and_then(|c| {
             if record {
@@ -162,7 +212,11 @@ fn worker(plan: &Plan, win: Window, id: usize, in_flight: &InFlight) -> Result<S
             Err(Fail(kind, msg)) => {
                 conn = None;
                 if record {
-                    st.errors[kind as usize] += 1;
+                    if matches!(kind, Kind::Timeout) && done >= win.grace {
+                        st.abandon();
+                    } else {
+                        st.errors[kind as usize] += 1;
+                    }
                 }
                 if !reported {
                     eprintln!("sluice-load: connection {id}: {msg} (further errors only counted)");

@@ -2,8 +2,9 @@
 //! a hand-written state machine in one slab (`Vec<Conn>`), so 10,000 streams cost 10,000 slab
 //! entries, not 10,000 threads.
 //!
-//! - Ring: `SINGLE_ISSUER | DEFER_TASKRUN` (completions are processed only when the loop asks,
-//!   so no interrupting task work), falling back to `COOP_TASKRUN`, then to a plain ring.
+//! - Ring: `SUBMIT_ALL | SINGLE_ISSUER | DEFER_TASKRUN` (completions are processed only when the
+//!   loop asks, so no interrupting task work), falling back to `COOP_TASKRUN`, then to no
+//!   task-work flag; and all of that again without `SUBMIT_ALL` if the kernel refuses it.
 //! - Reads: one multishot receive per connection into a provided-buffer ring of 16 KiB
 //!   buffers (the thread engine's read size, so "one read" means the same for coalescing); a
 //!   buffer goes back to the ring as soon as its bytes are parsed. Writes: one `Send` per
@@ -15,7 +16,9 @@
 //! - One `submit_and_wait` per loop turn, however many requests the turn carries; the clock is
 //!   read once after it, and that stamp times everything the turn reaps.
 //! - Timeouts (`--timeout`, per connect, send and read as in the thread engine) are checked by
-//!   a sweep over the slab a few times per timeout, not by a timer per operation.
+//!   a sweep over the slab a few times per timeout, not by a timer per operation. At the
+//!   grace deadline (`--timeout` after the window) whatever is still queued or unanswered is
+//!   counted as a timeout and the loop ends.
 //!
 //! Descriptors are plain (not registered): a connection that fails or is closed gets a fresh
 //! socket, and its stale completions are told apart by a generation number in `user_data`.
@@ -121,6 +124,8 @@ const OP_SEND: u64 = 2;
 const OP_RECV: u64 = 3;
 const OP_TIMER: u64 = 4;
 const OP_CANCEL: u64 = 5;
+/// The multishot receive probe in [`Engine::new`] (no connection).
+const OP_PROBE: u64 = 6;
 const GEN_MASK: u32 = 0xff_ffff;
 
 fn ud(conn: u32, gen: u32, op: u64) -> u64 {
@@ -133,6 +138,10 @@ fn ud(conn: u32, gen: u32, op: u64) -> u64 {
 
 const BUF_SIZE: usize = 16 * 1024;
 const BGID: u16 = 0;
+/// Most buffers in a thread's ring (256 MiB), and the count tried when that many cannot be set
+/// up. (The kernel takes up to 32,768.)
+const BUF_MAX: usize = 16 * 1024;
+const BUF_FALLBACK: u16 = 4096;
 
 /// One entry of a provided-buffer ring, laid out as the kernel's `struct io_uring_buf`. The
 /// ring's tail is the `resv` field of entry 0.
@@ -381,6 +390,46 @@ impl Schedule {
     }
 }
 
+/// How completions' task work runs, from the newest kernels' way to the oldest's.
+#[derive(Clone, Copy)]
+enum Taskrun {
+    /// `SINGLE_ISSUER | DEFER_TASKRUN` (6.1): only when the loop asks for completions.
+    Defer,
+    /// `COOP_TASKRUN` (5.19): no interrupting the loop to run it.
+    Coop,
+    Plain,
+}
+
+/// A ring of `sq` entries (and 4 × as many completions) with the best flags the kernel takes:
+/// `SUBMIT_ALL` (5.18: an SQE that fails prep does not stop the submission of the rest, see
+/// `Engine::submit_and_reap`), then the task-work flags, each dropped in turn if refused.
+fn new_ring(sq: u32) -> std::io::Result<IoUring> {
+    let mut last = None;
+    for submit_all in [true, false] {
+        for taskrun in [Taskrun::Defer, Taskrun::Coop, Taskrun::Plain] {
+            let mut b = IoUring::builder();
+            b.setup_cqsize(sq * 4);
+            if submit_all {
+                b.setup_submit_all();
+            }
+            match taskrun {
+                Taskrun::Defer => {
+                    b.setup_single_issuer().setup_defer_taskrun();
+                }
+                Taskrun::Coop => {
+                    b.setup_coop_taskrun();
+                }
+                Taskrun::Plain => {}
+            }
+            match b.build(sq) {
+                Ok(ring) => return Ok(ring),
+                Err(e) => last = Some(e),
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("no ring flags to try")))
+}
+
 struct Engine<'a> {
     // Dropped first: the kernel must be done with the buffer memory before it is unmapped.
     ring: IoUring,
@@ -405,8 +454,8 @@ struct Engine<'a> {
     /// Measured requests whose first bytes were queued for submission this turn:
     /// (intended time, time spent in the FIFO).
     to_stamp: Vec<(u64, u64)>,
-    /// Sockets shut down this turn, closed after the submit: their numbers must not be reused
-    /// by a new socket while an SQE naming them is still unsubmitted.
+    /// Sockets shut down, closed once a submit has left the submission queue empty: their
+    /// numbers must not be reused by a new socket while an SQE naming them is unsubmitted.
     to_close: Vec<RawFd>,
     cqes: Vec<(u64, i32, u32)>,
     in_flight: u64,
@@ -419,27 +468,22 @@ struct Engine<'a> {
 impl<'a> Engine<'a> {
     fn new(plan: &'a Plan, j: usize) -> Result<Engine<'a>, String> {
         let o = &plan.opts;
+        let st = Stats::new()?;
         let ids: Vec<usize> = (j..o.connections).step_by(o.threads).collect();
         let n = ids.len().max(1);
         let sq = n.next_power_of_two().clamp(256, 4096) as u32;
-        let ring = IoUring::builder()
-            .setup_cqsize(sq * 4)
-            .setup_single_issuer()
-            .setup_defer_taskrun()
-            .build(sq)
-            .or_else(|_| {
-                IoUring::builder()
-                    .setup_cqsize(sq * 4)
-                    .setup_coop_taskrun()
-                    .build(sq)
-            })
-            .or_else(|_| IoUring::builder().setup_cqsize(sq * 4).build(sq))
-            .map_err(|e| format!("io_uring setup: {e}"))?;
-        // About one 16 KiB buffer per connection (up to 4,096: 64 MiB): a stream's reads are
-        // parsed and handed back within the turn that reaped them. When the kernel does run
-        // out, a receive ends with ENOBUFS and is simply armed again.
-        let count = n.next_power_of_two().clamp(64, 4096) as u16;
-        let bufs = BufRing::new(&ring, count)?;
+        let ring = new_ring(sq).map_err(|e| format!("io_uring setup: {e}"))?;
+        // At least one 16 KiB buffer per connection (a power of two, 64 to 16,384: up to
+        // 256 MiB, touched only as the kernel fills them): a stream's reads are parsed and
+        // handed back within the turn that reaped them, so even a turn in which every
+        // connection got bytes has buffers enough. Past 16,384 connections per thread, or
+        // where that much memory cannot be mapped (then 4,096), the kernel can run out: a
+        // receive ends with ENOBUFS, is armed again, and is counted (`recv_enobufs`).
+        let want = n.next_power_of_two().clamp(64, BUF_MAX) as u16;
+        let bufs = match BufRing::new(&ring, want) {
+            Err(_) if want > BUF_FALLBACK => BufRing::new(&ring, BUF_FALLBACK)?,
+            r => r?,
+        };
         let conns = ids
             .iter()
             .map(|&id| Conn {
@@ -458,7 +502,7 @@ impl<'a> Engine<'a> {
             })
             .collect::<Vec<_>>();
         let timeout_ns = u64::try_from(o.timeout.as_nanos()).unwrap_or(u64::MAX);
-        Ok(Engine {
+        let mut e = Engine {
             ring,
             bufs,
             plan,
@@ -474,6 +518,7 @@ impl<'a> Engine<'a> {
                 t0: 0,
                 measure_from: 0,
                 end: 0,
+                grace: 0,
             },
             addr: sockaddr(o.addr),
             timeout_ns,
@@ -489,9 +534,99 @@ impl<'a> Engine<'a> {
             in_flight: 0,
             active: conns.len(),
             conns,
-            st: Stats::new()?,
+            st,
             reported: false,
-        })
+        };
+        // On an error the engine is dropped whole: the ring before the buffers it writes into.
+        e.probe_recv_multi()?;
+        Ok(e)
+    }
+
+    /// The loop reads with multishot receives (6.0), but a kernel can have buffer rings (5.19)
+    /// without them: one such receive on a socketpair tells, before any connection is made,
+    /// and a kernel that fails it gets the thread engine instead (a setup error).
+    fn probe_recv_multi(&mut self) -> Result<(), String> {
+        let mut sv: [libc::c_int; 2] = [-1, -1];
+        // SAFETY: `sv` is room for the two descriptors socketpair writes.
+        let r = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+                0,
+                sv.as_mut_ptr(),
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(format!("socketpair: {e}"));
+        }
+        let res = self.probe_on(sv[0], sv[1]);
+        for fd in sv {
+            // SAFETY: the socketpair is ours. After a good probe no operation names it; after
+            // a failed one the engine (and its ring, with whatever it had not submitted) is
+            // dropped without submitting again.
+            unsafe { libc::close(fd) };
+        }
+        res.map_err(|e| format!("multishot receive: {e}"))
+    }
+
+    /// Receives one byte written to `b` with a multishot receive on `a`, then ends it with a
+    /// shutdown (end of stream); waits at most a second for each completion.
+    fn probe_on(&mut self, a: RawFd, b: RawFd) -> Result<(), String> {
+        let byte = [b'p'];
+        // SAFETY: writes one byte from a valid buffer to our own socket.
+        if unsafe { libc::write(b, byte.as_ptr().cast(), 1) } != 1 {
+            let e = std::io::Error::last_os_error();
+            return Err(format!("socketpair write: {e}"));
+        }
+        let e = opcode::RecvMulti::new(types::Fd(a), BGID)
+            .build()
+            .user_data(OP_PROBE);
+        self.push(&e)?;
+        let limit = types::Timespec::new().sec(1);
+        let args = types::SubmitArgs::new().timespec(&limit);
+        let mut got = false;
+        loop {
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => {
+                    return Err("no completion within 1 s".into());
+                }
+                Err(e) => return Err(format!("io_uring submit: {e}")),
+            }
+            let cqes: Vec<(u64, i32, u32)> = self
+                .ring
+                .completion()
+                .map(|c| (c.user_data(), c.result(), c.flags()))
+                .collect();
+            for (u, res, flags) in cqes {
+                if u != OP_PROBE {
+                    continue;
+                }
+                if let Some(bid) = cqueue::buffer_select(flags) {
+                    self.bufs.give_back(bid);
+                }
+                if res > 0 && !got {
+                    got = true;
+                    if cqueue::more(flags) {
+                        // SAFETY: `a` is our socket; the receive on it ends (end of stream).
+                        unsafe { libc::shutdown(a, libc::SHUT_RDWR) };
+                    }
+                }
+                if !cqueue::more(flags) {
+                    // The receive is over: after the byte (and the shutdown), or with the
+                    // error of a kernel that has no multishot receive.
+                    self.bufs.publish();
+                    return match (got, res) {
+                        (true, _) => Ok(()),
+                        (false, 0) => Err("end of stream before the byte".into()),
+                        (false, r) => Err(std::io::Error::from_raw_os_error(-r).to_string()),
+                    };
+                }
+            }
+            self.bufs.publish();
+        }
     }
 
     // -- submission ------------------------------------------------------------------------
@@ -730,6 +865,52 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
+    /// The grace deadline (`--timeout` after the window) has passed: every measured request
+    /// still scheduled, queued or on a connection is counted as a timeout, and nothing more
+    /// is sent.
+    fn abandon(&mut self) -> Result<(), String> {
+        let Window {
+            t0,
+            measure_from,
+            end,
+            ..
+        } = self.win;
+        if let Some(s) = &mut self.sched {
+            // Released only once due, and all are due by now: normally none is left here.
+            loop {
+                let t = s.at(t0);
+                if t >= end {
+                    break;
+                }
+                if t >= measure_from {
+                    self.st.abandon();
+                }
+                s.k += s.step;
+            }
+        }
+        for p in std::mem::take(&mut self.queue) {
+            if p.intended >= measure_from {
+                self.st.abandon();
+            }
+        }
+        for i in 0..self.conns.len() as u32 {
+            let c = &mut self.conns[i as usize];
+            if !c.stopped {
+                c.stopped = true;
+                self.active -= 1;
+            }
+            let Some(job) = c.job.take() else {
+                continue;
+            };
+            self.in_flight -= 1;
+            if job.record {
+                self.st.abandon();
+            }
+            self.close(i)?;
+        }
+        Ok(())
+    }
+
     /// Ends the rest of connections whose connect error rest is over.
     fn wake_cooled(&mut self, now: u64) -> Result<(), String> {
         let mut k = 0;
@@ -832,7 +1013,8 @@ impl<'a> Engine<'a> {
         }
         if res == -libc::ENOBUFS {
             // The buffer ring ran dry: the data waits in the socket; receive again once the
-            // buffers reaped this turn are back.
+            // buffers reaped this turn are back. Counted: it costs a turn's latency.
+            self.st.recv_enobufs += 1;
             if !more {
                 self.arm_recv(i)?;
             }
@@ -893,7 +1075,12 @@ impl<'a> Engine<'a> {
             }
             return Ok(());
         }
-        if op == OP_CANCEL {
+        if op == OP_CANCEL || op == OP_PROBE {
+            // (A probe's completions are all reaped in `probe_recv_multi`; in case one were
+            // not, its buffer goes back.)
+            if let Some(bid) = cqueue::buffer_select(flags) {
+                self.bufs.give_back(bid);
+            }
             return Ok(());
         }
         let i = (user_data >> 32) as u32;
@@ -951,10 +1138,15 @@ impl<'a> Engine<'a> {
                 ) => {}
             Err(e) => return Err(format!("io_uring submit: {e}")),
         }
-        for fd in self.to_close.drain(..) {
-            // SAFETY: `fd` was this engine's socket, shut down and no longer named by any
-            // connection; every SQE naming it has been submitted.
-            unsafe { libc::close(fd) };
+        // A submit may leave SQEs behind: all of them after EAGAIN/EBUSY/EINTR, and without
+        // SUBMIT_ALL (kernels before 5.18) those after one that failed prep. They may name a
+        // socket in `to_close`, so its number stays taken until a turn submits everything.
+        if self.ring.submission().is_empty() {
+            for fd in self.to_close.drain(..) {
+                // SAFETY: `fd` was this engine's socket, shut down and no longer named by any
+                // connection; every SQE naming it has been submitted (the queue is empty).
+                unsafe { libc::close(fd) };
+            }
         }
         let now = mono_ns();
         let mut cqes = std::mem::take(&mut self.cqes);
@@ -1019,12 +1211,18 @@ impl<'a> Engine<'a> {
             // One clock read per turn for the schedule (how late a due request is released
             // shows in its send_lag); the completions are timed by the stamp after the wait.
             let now = mono_ns();
-            self.release(now)?;
+            if now >= self.win.grace {
+                self.abandon()?;
+                break;
+            }
+            // Connections come back first (rested after a connect error, or freed by a
+            // timeout), so that the requests released next can have them in this very turn.
             self.wake_cooled(now)?;
             if now >= self.next_sweep {
                 self.sweep(now)?;
                 self.next_sweep = now + self.sweep_ns;
             }
+            self.release(now)?;
             let sched_next = match &self.sched {
                 Some(s) => Some(s.at(self.win.t0)).filter(|&t| t < self.win.end),
                 None => None,
@@ -1036,7 +1234,12 @@ impl<'a> Engine<'a> {
             if done {
                 break;
             }
-            let mut wake = self.next_sweep;
+            let mut wake = self.next_sweep.min(self.win.grace);
+            if !self.queue.is_empty() && !self.free.is_empty() {
+                // Work and a connection for it (not expected after `release`, which stops
+                // only when one of them runs out): don't sleep on it.
+                wake = now;
+            }
             if let Some(t) = sched_next {
                 wake = wake.min(t);
             }
@@ -1046,14 +1249,84 @@ impl<'a> Engine<'a> {
             self.arm_timer(wake)?;
             self.submit_and_reap()?;
         }
+        // Shut every socket down; the descriptors are released when the engine is dropped.
         for i in 0..self.conns.len() as u32 {
             self.close(i)?;
         }
-        for fd in self.to_close.drain(..) {
-            // SAFETY: as in submit_and_reap; the ring is not used again.
-            unsafe { libc::close(fd) };
-        }
         let st = std::mem::replace(&mut self.st, Stats::new()?);
         Ok(st)
+    }
+}
+
+impl Drop for Engine<'_> {
+    /// Releases every descriptor still held: sockets shut down but not yet released, and those
+    /// of connections still open (an engine that never ran: another thread's setup failed
+    /// after this one had connected, and the run goes to the thread engine).
+    fn drop(&mut self) {
+        let open = self
+            .conns
+            .iter_mut()
+            .map(|c| std::mem::replace(&mut c.fd, -1));
+        for fd in open.chain(self.to_close.drain(..)).filter(|&fd| fd >= 0) {
+            // SAFETY: `fd` is this engine's socket and nothing else's. The ring is dropped
+            // right after this (a field), so no SQE still naming it is ever submitted; the
+            // operations already in the kernel hold their own reference to the socket.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::{Engine as EngineKind, Opts};
+    use std::time::Duration;
+
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").unwrap().count()
+    }
+
+    /// An engine that connected but never ran (another thread's setup failed, so the run
+    /// falls back to threads) gives its sockets back when dropped.
+    #[test]
+    fn dropped_engine_closes_its_sockets() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let opts = Opts {
+            host: addr.to_string(),
+            addr,
+            path: "/".into(),
+            connections: 16,
+            duration: Duration::from_secs(1),
+            warmup: Duration::ZERO,
+            rate: None,
+            stream: false,
+            body_bytes: 0,
+            models: vec!["m".into()],
+            keys: Vec::new(),
+            headers: Vec::new(),
+            timeout: Duration::from_secs(5),
+            json: None,
+            engine: EngineKind::Uring,
+            threads: 1,
+        };
+        let requests = crate::build_requests(&opts);
+        let plan = Plan { opts, requests };
+        let before = open_fds();
+        let mut e = match Engine::new(&plan, 0) {
+            Ok(e) => e,
+            // No io_uring here (the run would use the thread engine): nothing to check.
+            Err(msg) => return eprintln!("skipped: {msg}"),
+        };
+        e.preconnect().unwrap();
+        assert!(
+            e.conns.iter().all(|c| c.sock == Sock::Open),
+            "not all connected"
+        );
+        // 16 sockets and the ring (its buffer ring is memory, not a descriptor).
+        assert!(open_fds() >= before + 17, "{} -> {}", before, open_fds());
+        drop(e);
+        assert!(open_fds() <= before, "{} -> {}", before, open_fds());
     }
 }
