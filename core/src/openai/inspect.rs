@@ -18,10 +18,11 @@
 //! every value below them is skipped whole, so a `"model"` inside messages or nested objects is
 //! never taken, in whatever order it appears.
 //!
-//! What sticky routing asks of the body, only when some route asks ([`Wants`]), is read in the
-//! same pass: the value at each dotted path of object keys (`metadata.conversation_id`: a string
-//! or an integer, else nothing — never an error; the first of duplicate nested keys), and the
-//! byte span of the start of the prompt (`messages`, else `input`, else `prompt`) for prefix
+//! What sticky routing asks of the body, only when some route asks ([`Wants`]), is read as the
+//! pass goes by: the value at each dotted path of object keys (`metadata.conversation_id`: a
+//! string or an integer, else nothing — never an error; the first of duplicate nested keys;
+//! below the top level, found by a second look into the member's value alone), and the byte
+//! span of the start of the prompt (`messages`, else `input`, else `prompt`) for prefix
 //! affinity. Nothing is copied but the ids' text, into a buffer the [`Inspection`] keeps, and
 //! the text of keys written with escapes.
 
