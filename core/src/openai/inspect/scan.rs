@@ -553,11 +553,19 @@ fn stops16(chunk: &[u8; 16]) -> u64 {
     u64::from(mask as u16)
 }
 
-/// The stops among sixteen bytes, elsewhere: a branch-free test of all of them (which the
-/// compiler vectorizes), and the mask built only when there is one.
+/// The stops among sixteen bytes, elsewhere.
 #[cfg(not(target_arch = "x86_64"))]
 #[inline]
 fn stops16(chunk: &[u8; 16]) -> u64 {
+    portable_stops16(chunk)
+}
+
+/// The stops among sixteen bytes without SSE2: a branch-free test of all of them (which the
+/// compiler vectorizes), and the mask built only when there is one. (Compiled for the tests on
+/// x86_64 too, which hold it to the SSE2 version.)
+#[cfg(any(test, not(target_arch = "x86_64")))]
+#[inline]
+fn portable_stops16(chunk: &[u8; 16]) -> u64 {
     // A byte is a stop when one of these is zero: c ^ '"', c ^ '\\', c - 0x1f (saturating).
     let any = chunk.iter().fold(false, |acc, &c| {
         acc | ((c ^ b'"').min(c ^ b'\\').min(c.saturating_sub(0x1f)) == 0)
@@ -609,4 +617,34 @@ pub(super) fn unescape(raw: &str, out: &mut String) {
         at += len;
     }
     out.push_str(raw.get(at..).unwrap_or_default());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_block_tests_find_the_same_stops() {
+        // Every byte value at every place among plain text, then blocks of random bytes.
+        for c in 0..=255u8 {
+            for i in 0..16 {
+                let mut chunk = [b'a'; 16];
+                chunk[i] = c;
+                let want = if is_stop(c) { 1 << i } else { 0 };
+                assert_eq!(stops16(&chunk), want, "{c:#x} at {i}");
+                assert_eq!(portable_stops16(&chunk), want, "{c:#x} at {i}");
+            }
+        }
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..10_000 {
+            let mut chunk = [0u8; 16];
+            for byte in &mut chunk {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *byte = (x >> 24) as u8;
+            }
+            assert_eq!(stops16(&chunk), portable_stops16(&chunk), "{chunk:?}");
+        }
+    }
 }
