@@ -1,5 +1,5 @@
 //! Criterion microbenchmarks of the request path's hot spots, one at a time, without I/O:
-//! model extraction (simd-json inspection of a 1 KB body), SSE splitting, limiter admission and
+//! model extraction (inspection of a 1 KB and a 64 KB body), SSE splitting, limiter admission and
 //! settlement, route choice, the prompt-token estimate, and one whole request through the
 //! in-process pipeline (head parse → authenticate → inspect → authorize → route → admit →
 //! build the upstream request → settle).
@@ -24,6 +24,8 @@ fn benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("inspect");
     g.throughput(Throughput::Bytes(f.body.len() as u64));
     g.bench_function("model_1kb", |b| b.iter(|| black_box(f.inspect())));
+    g.throughput(Throughput::Bytes(f.body_64k.len() as u64));
+    g.bench_function("model_64kb", |b| b.iter(|| black_box(f.inspect_64k())));
     g.finish();
 
     let mut g = c.benchmark_group("sse");

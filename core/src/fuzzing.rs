@@ -120,12 +120,34 @@ pub fn sse(data: &[u8]) {
     let _ = meter.summary();
 }
 
-/// A request body through the inspector the gateway runs on every proxied request.
+/// A request body through the inspector the gateway runs on every proxied request. Its
+/// verdict on whether the body is JSON at all is serde_json's, but for the limits the gateway
+/// keeps (integers beyond 64 bits) and serde_json's own (nesting past 128 levels, floats within
+/// an ulp of `f64::MAX`, which round to it).
 pub fn json_inspect(data: &[u8]) {
     let mut inspector = Inspector::default();
     let mut out = Inspection::default();
-    if inspector.inspect(data, &mut out).is_ok() {
+    let verdict = inspector.inspect(data, &mut out);
+    if verdict.is_ok() {
         assert!(out.model.len() <= data.len());
+    }
+    let refusal = verdict
+        .as_ref()
+        .err()
+        .map(|e| e.message.as_str())
+        .filter(|m| m.starts_with("We could not parse the JSON body"));
+    match (serde_json::from_slice::<serde_json::Value>(data), refusal) {
+        (Ok(_), Some(m)) => assert!(m.contains("a number is malformed or out of range"), "{m}"),
+        (Err(e), None) => {
+            let what = e.to_string();
+            assert!(
+                what.starts_with("recursion limit exceeded")
+                    || (what.starts_with("number out of range")
+                        && number_at(data, e.line(), e.column()).is_some_and(f64::is_finite)),
+                "{what}"
+            );
+        }
+        _ => {}
     }
     // The inspector is reused across requests: a second run on the same bytes agrees.
     let mut again = Inspection::default();
@@ -157,6 +179,26 @@ pub fn json_inspect(data: &[u8]) {
             assert!(start <= end && end <= data.len() && end - start <= wants.prefix_bytes);
         }
     }
+}
+
+/// The number that ends at serde_json's line and column in `data`, correctly rounded.
+fn number_at(data: &[u8], line: usize, column: usize) -> Option<f64> {
+    let line_start = match line {
+        0 | 1 => 0,
+        _ => memchr::memchr_iter(b'\n', data).nth(line - 2)? + 1,
+    };
+    let at = (line_start + column.saturating_sub(1)).min(data.len());
+    let is_number = |c: &u8| c.is_ascii_digit() || b".eE+-".contains(c);
+    let start = data
+        .get(..at)?
+        .iter()
+        .rposition(|c| !is_number(c))
+        .map_or(0, |i| i + 1);
+    let end = at + data.get(at..)?.iter().take_while(|c| is_number(c)).count();
+    std::str::from_utf8(data.get(start..end)?)
+        .ok()?
+        .parse()
+        .ok()
 }
 
 /// A config file: loading never panics, whatever it says (environment variables unset).

@@ -6,21 +6,34 @@
 //! `max_output_tokens`), `n`, and the byte span of the model's string literal so the forward phase
 //! can splice a mapped name in without touching any other byte; for a streaming request also
 //! where `stream_options` sits ([`StreamOptionsAt`]), so the forward phase can ask for usage the
-//! same way. The whole document is validated by simd-json (grammar and UTF-8). Raises 400
-//! `invalid_request_error` for invalid JSON or UTF-8, a body that is not an object, a duplicate
-//! top-level key or a duplicate `stream_options.include_usage` (the upstream might read the other
-//! copy), a missing or non-string `model`, or a wrongly typed field above.
+//! same way. The whole document is validated (UTF-8, then RFC 8259's grammar in one forward
+//! pass over the body where it lies: [`scan`]). Raises 400 `invalid_request_error` for invalid
+//! JSON or UTF-8, a body that is not an object, a duplicate top-level key or a duplicate
+//! `stream_options.include_usage` (the upstream might read the other copy), a missing or
+//! non-string `model`, or a wrongly typed field above. A body that is not valid JSON is refused
+//! for that alone, whatever else is wrong with it; otherwise the first wrong top-level member,
+//! in the body's order, names the error.
 //!
-//! Only top-level keys count: the tape is walked at depth one, so a `"model"` inside messages or
-//! nested objects is never taken, in whatever order it appears.
+//! Only top-level keys count: the members of the top-level object are read one by one and
+//! every value below them is skipped whole, so a `"model"` inside messages or nested objects is
+//! never taken, in whatever order it appears.
 //!
-//! What sticky routing asks of the body, only when some route asks ([`Wants`]), is read in the
-//! same pass: the value at each dotted path of object keys (`metadata.conversation_id`: a string
-//! or an integer, else nothing — never an error; the first of duplicate nested keys), and the
-//! byte span of the start of the prompt (`messages`, else `input`, else `prompt`) for prefix
-//! affinity. Nothing is copied but the ids' text, into a buffer the [`Inspection`] keeps.
+//! What sticky routing asks of the body, only when some route asks ([`Wants`]), is read as the
+//! pass goes by: the value at each dotted path of object keys (`metadata.conversation_id`: a
+//! string or an integer, else nothing — never an error; the first of duplicate nested keys;
+//! below the top level, found by a second look into the member's value alone), and the byte
+//! span of the start of the prompt (`messages`, else `input`, else `prompt`) for prefix
+//! affinity. Nothing is copied but the ids' text, into a buffer the [`Inspection`] keeps, and
+//! the text of keys written with escapes.
 
-use simd_json::{Buffers, Node, StaticNode};
+mod scan;
+
+#[cfg(test)]
+mod differential;
+#[cfg(test)]
+mod oracle;
+
+use scan::{Fault, Kind, Scanner, Value};
 
 use crate::openai::json::truncate;
 
@@ -79,20 +92,35 @@ impl BodyIds {
         self.spans.resize(slots, None);
     }
 
-    fn set(&mut self, slot: usize, value: Node<'_>) {
-        use std::fmt::Write as _;
+    /// Keep `value` (a string or an integer; anything else is no id) for `slot`.
+    fn set(&mut self, slot: usize, text: &str, value: Value, scratch: &mut String) {
         let start = self.text.len();
-        match value {
-            // A session id is short; a longer value is not one, and is not kept (the buffer
-            // lives as long as the connection).
-            Node::String(s) if s.len() > MAX_BODY_ID => return,
-            Node::String(s) => self.text.push_str(s),
-            Node::Static(StaticNode::U64(v)) => {
-                let _ = write!(self.text, "{v}");
+        match value.kind {
+            Kind::String { escaped } => {
+                let raw = text.get(value.start + 1..value.end - 1).unwrap_or_default();
+                // A session id is short; a longer value is not one, and is not kept (the
+                // buffer lives as long as the connection). An escape is at most six bytes for
+                // one, so a longer text is too long however it decodes.
+                if (!escaped && raw.len() > MAX_BODY_ID) || raw.len() > 6 * MAX_BODY_ID {
+                    return;
+                }
+                if escaped {
+                    scratch.clear();
+                    scan::unescape(raw, scratch);
+                    if scratch.len() > MAX_BODY_ID {
+                        return;
+                    }
+                    self.text.push_str(scratch);
+                } else {
+                    self.text.push_str(raw);
+                }
             }
-            Node::Static(StaticNode::I64(v)) => {
-                let _ = write!(self.text, "{v}");
-            }
+            // The number's text is its decimal form (no `+`, no leading zeros), but for `-0`,
+            // which is the integer 0.
+            Kind::Int { magnitude: 0, .. } => self.text.push('0'),
+            Kind::Int { .. } => self
+                .text
+                .push_str(text.get(value.start..value.end).unwrap_or_default()),
             _ => return,
         }
         if let (Some(span), Ok(start), Ok(end)) = (
@@ -137,6 +165,22 @@ pub(crate) struct InspectError {
     pub(crate) param: Option<&'static str>,
 }
 
+impl Inspection {
+    /// Empty again for the next body, its buffers (the model's, the ids') kept: no allocation
+    /// per request once they have grown.
+    fn clear(&mut self, slots: usize) {
+        let mut body_ids = std::mem::take(&mut self.body_ids);
+        body_ids.reset(slots);
+        let mut model = std::mem::take(&mut self.model);
+        model.clear();
+        *self = Inspection {
+            model,
+            body_ids,
+            ..Inspection::default()
+        };
+    }
+}
+
 impl InspectError {
     fn new(message: impl Into<String>, param: Option<&'static str>) -> InspectError {
         InspectError {
@@ -150,9 +194,23 @@ impl InspectError {
 /// steady state.
 #[derive(Default)]
 pub(crate) struct Inspector {
-    scratch: Vec<u8>,
-    buffers: Option<Buffers>,
-    tape: Option<simd_json::Tape<'static>>,
+    /// The body's top-level keys in order, for the duplicate check.
+    keys: Vec<KeyText>,
+    /// The text of the top-level keys written with escapes, decoded.
+    decoded: String,
+    /// Hashes of the keys, once a body has more than a few (see [`repeats`]).
+    hashed: std::collections::HashSet<u64>,
+    /// A nested key or a session id being decoded.
+    scratch: String,
+}
+
+/// Where a top-level key's text is: in the body between its quotes, or (a key written with
+/// escapes) decoded in [`Inspector::decoded`].
+#[derive(Debug, Clone, Copy)]
+struct KeyText {
+    decoded: bool,
+    start: usize,
+    end: usize,
 }
 
 impl Inspector {
@@ -174,44 +232,498 @@ impl Inspector {
         wants: &Wants,
         out: &mut Inspection,
     ) -> Result<(), InspectError> {
-        // simd-json parses in place (it unescapes strings into its input), so it gets a copy.
-        self.scratch.clear();
-        self.scratch.extend_from_slice(body);
-        let buffers = self
-            .buffers
-            .get_or_insert_with(|| Buffers::new(body.len().max(4096)));
-        let mut tape = match self.tape.take() {
-            Some(t) => t.reset(),
-            None => simd_json::Tape(Vec::with_capacity(256)),
+        // UTF-8 first, the whole body in one vectorized check: the scan then reads text, and
+        // any value it hands on is a `&str` already.
+        out.clear(wants.paths.len());
+        let Ok(text) = simdutf8::basic::from_utf8(body) else {
+            return Err(syntax_error(body, Fault::Syntax { at: 0 }));
         };
-        let result = match simd_json::fill_tape(&mut self.scratch, buffers, &mut tape) {
-            Ok(()) => read_top_level(&tape.0, body, buffers.structural_indexes(), wants, out),
-            Err(e) => Err(InspectError::new(json_syntax_message(body, &e), None)),
+        match self.read(text, wants, out) {
+            Ok(verdict) => verdict,
+            Err(fault) => {
+                // A body that is not JSON says nothing: no field of it is kept (logs and
+                // metrics read `out` whatever the verdict).
+                out.clear(wants.paths.len());
+                Err(syntax_error(body, fault))
+            }
+        }
+    }
+
+    /// The scan: a [`Fault`] when `text` is not JSON the gateway takes; else the verdict on
+    /// its fields. `out` (empty on entry) takes the members in order up to the first wrong
+    /// one, so a refused request is still logged with what it asked for before that.
+    fn read(
+        &mut self,
+        text: &str,
+        wants: &Wants,
+        out: &mut Inspection,
+    ) -> Result<Result<(), InspectError>, Fault> {
+        let Inspector {
+            keys,
+            decoded,
+            hashed,
+            scratch,
+        } = self;
+        let mut s = Scanner::new(text);
+        let Some(first) = s.skip_ws() else {
+            return Err(s.syntax());
         };
-        self.tape = Some(tape.reset());
-        result
+        if first != b'{' {
+            // Valid JSON first: a body that is neither is refused as not JSON.
+            s.value(0)?;
+            s.end()?;
+            return Ok(Err(InspectError::new(
+                "The request body must be a JSON object.",
+                None,
+            )));
+        }
+        s.pos += 1;
+        let insert_at = s.pos;
+        keys.clear();
+        decoded.clear();
+        hashed.clear();
+        let mut found = Found::default();
+        // The first wrong member (a duplicate key, or a wrong value): the error unless the body
+        // turns out not to be JSON. The members after it are only scanned.
+        let mut wrong: Option<InspectError> = None;
+        let mut more = s.skip_ws() != Some(b'}');
+        if !more {
+            s.pos += 1;
+        }
+        while more {
+            let key = s.key()?;
+            let name = match wrong {
+                Some(_) => None,
+                None => {
+                    let at = push_key(text, key, decoded, keys);
+                    let name = resolve(text, decoded, at);
+                    if repeats(text, decoded, keys, hashed) {
+                        wrong = Some(InspectError::new(
+                            format!(
+                                "Duplicate top-level key `{}` in the request body.",
+                                truncate(name, 64)
+                            ),
+                            None,
+                        ));
+                        None
+                    } else {
+                        Some(name)
+                    }
+                }
+            };
+            let field = name.map_or(Field::Other, Field::of);
+            // `stream_options`' own members are read as it is scanned; any other value is
+            // scanned whole and read afterwards, if at all.
+            let (value, options) = if field == Field::StreamOptions && s.skip_ws() == Some(b'{') {
+                let (value, options) = stream_options(&mut s, text, scratch)?;
+                (value, Some(options))
+            } else {
+                (s.value(1)?, None)
+            };
+            s.skip_ws();
+            let after = s.pos;
+            more = s.next_or_close(b'}')?;
+            if let Some(name) = name {
+                let member = Member {
+                    name,
+                    field,
+                    value,
+                    options,
+                    after,
+                };
+                if let Err(e) = member.read(text, wants, scratch, out, &mut found) {
+                    wrong = Some(e);
+                }
+            }
+        }
+        s.end()?;
+
+        if let Some(e) = wrong {
+            return Ok(Err(e));
+        }
+        let Some(model_span) = found.model else {
+            return Ok(Err(invalid("You must provide a model parameter.", "model")));
+        };
+        out.model_span = model_span;
+        if let Some((_, value, after)) = found.prompt {
+            out.prompt_prefix = Some(prompt_prefix(value, after, wants.prefix_bytes));
+        }
+        if out.stream {
+            out.stream_options = found
+                .stream_options
+                .unwrap_or(StreamOptionsAt::Absent { insert_at });
+        }
+        Ok(Ok(()))
     }
 }
 
-/// What is wrong with a body simd-json refused, and where, in words a client can act on.
+/// What the top-level members told, for after the scan.
+#[derive(Default)]
+struct Found {
+    /// The model's string literal.
+    model: Option<(usize, usize)>,
+    /// Where `stream_options` is, when it is there (an object or `null`).
+    stream_options: Option<StreamOptionsAt>,
+    /// The prompt's rank (`messages` 0, `input` 1, `prompt` 2), value, and where the `,` or
+    /// `}` after it is.
+    prompt: Option<(u8, Value, usize)>,
+}
+
+/// The top-level keys the inspector reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    Model,
+    Stream,
+    StreamOptions,
+    /// A token cap, by its name.
+    MaxTokens(&'static str),
+    N,
+    Other,
+}
+
+impl Field {
+    fn of(key: &str) -> Field {
+        match key {
+            "model" => Field::Model,
+            "stream" => Field::Stream,
+            "stream_options" => Field::StreamOptions,
+            "max_tokens" => Field::MaxTokens("max_tokens"),
+            "max_completion_tokens" => Field::MaxTokens("max_completion_tokens"),
+            "max_output_tokens" => Field::MaxTokens("max_output_tokens"),
+            "n" => Field::N,
+            _ => Field::Other,
+        }
+    }
+}
+
+/// One top-level member, scanned.
+struct Member<'t> {
+    name: &'t str,
+    field: Field,
+    value: Value,
+    /// For `stream_options` as an object: what its members said.
+    options: Option<Options>,
+    /// Where the `,` or `}` after the value is.
+    after: usize,
+}
+
+impl Member<'_> {
+    /// Take what this member says into `out` and `found`, or say why its value is wrong.
+    fn read(
+        self,
+        text: &str,
+        wants: &Wants,
+        scratch: &mut String,
+        out: &mut Inspection,
+        found: &mut Found,
+    ) -> Result<(), InspectError> {
+        let Member {
+            name,
+            field,
+            value,
+            options,
+            after,
+        } = self;
+        for (slot, path) in wants.paths.iter().enumerate() {
+            if let Some((first, rest)) = path.split_first() {
+                if first == name {
+                    if let Some(id) = find_path(text, value, rest, scratch) {
+                        out.body_ids.set(slot, text, id, scratch);
+                    }
+                }
+            }
+        }
+        if wants.prefix_bytes > 0 {
+            let rank = match name {
+                "messages" => 0,
+                "input" => 1,
+                "prompt" => 2,
+                _ => u8::MAX,
+            };
+            if rank != u8::MAX && found.prompt.is_none_or(|(r, _, _)| rank < r) {
+                found.prompt = Some((rank, value, after));
+            }
+        }
+        match field {
+            Field::Model => match value.kind {
+                Kind::String { escaped } => {
+                    let raw = text.get(value.start + 1..value.end - 1).unwrap_or_default();
+                    if escaped {
+                        scan::unescape(raw, &mut out.model);
+                    } else {
+                        out.model.push_str(raw);
+                    }
+                    found.model = Some(value.span());
+                }
+                _ => return Err(invalid("`model` must be a string.", "model")),
+            },
+            Field::Stream => {
+                out.stream = match value.kind {
+                    Kind::True => true,
+                    Kind::False | Kind::Null => false,
+                    _ => return Err(invalid("`stream` must be a boolean.", "stream")),
+                }
+            }
+            Field::StreamOptions => match (options, value.kind) {
+                (Some(options), _) => {
+                    if let Some(e) = options.wrong {
+                        return Err(e);
+                    }
+                    out.include_usage = options.include_usage;
+                    found.stream_options = Some(StreamOptionsAt::Object {
+                        inside: value.start + 1,
+                        empty: options.members == 0,
+                        include_usage: options.usage,
+                    });
+                }
+                (None, Kind::Null) => {
+                    found.stream_options = Some(StreamOptionsAt::Null { span: value.span() })
+                }
+                _ => {
+                    return Err(invalid(
+                        "`stream_options` must be an object.",
+                        "stream_options",
+                    ))
+                }
+            },
+            Field::MaxTokens(param) => {
+                if let Some(v) = non_negative_int(text, value, param)? {
+                    // When several are given, the tightest cap is the one that binds.
+                    out.max_tokens = Some(out.max_tokens.map_or(v, |m| m.min(v)));
+                }
+            }
+            Field::N => out.n = non_negative_int(text, value, "n")?,
+            Field::Other => {}
+        }
+        Ok(())
+    }
+}
+
+/// What a `stream_options` object's members said.
+#[derive(Default)]
+struct Options {
+    members: usize,
+    include_usage: Option<bool>,
+    /// `include_usage`'s value's span.
+    usage: Option<(usize, usize)>,
+    /// A second `include_usage` (upstreams differ on which copy they read, and whether the
+    /// client asked for usage decides what it is shown), or one that is not a boolean.
+    wrong: Option<InspectError>,
+}
+
+/// The `stream_options` object at `s.pos` (a top-level member's value), scanned and read.
+fn stream_options(
+    s: &mut Scanner<'_>,
+    text: &str,
+    scratch: &mut String,
+) -> Result<(Value, Options), Fault> {
+    let start = s.pos;
+    s.pos += 1;
+    let mut options = Options::default();
+    let mut more = s.skip_ws() != Some(b'}');
+    if !more {
+        s.pos += 1;
+    }
+    while more {
+        let key = s.key()?;
+        // Inside the body's object and this one.
+        let value = s.value(2)?;
+        if options.wrong.is_none() && key_is(text, key, "include_usage", scratch) {
+            if options.usage.replace(value.span()).is_some() {
+                options.wrong = Some(invalid(
+                    "Duplicate key `include_usage` in `stream_options`.",
+                    "stream_options",
+                ));
+            }
+            options.include_usage = match value.kind {
+                Kind::True => Some(true),
+                Kind::False => Some(false),
+                Kind::Null => None,
+                _ => {
+                    options.wrong.get_or_insert_with(|| {
+                        invalid(
+                            "`stream_options.include_usage` must be a boolean.",
+                            "stream_options",
+                        )
+                    });
+                    None
+                }
+            };
+        }
+        options.members += 1;
+        more = s.next_or_close(b'}')?;
+    }
+    let value = Value {
+        start,
+        end: s.pos,
+        kind: Kind::Object,
+    };
+    Ok((value, options))
+}
+
+/// Record the key `key` (a top-level member's) in `keys`, decoding it into `decoded` when it
+/// is written with escapes.
+fn push_key(text: &str, key: Value, decoded: &mut String, keys: &mut Vec<KeyText>) -> KeyText {
+    let (start, end) = (key.start + 1, key.end - 1);
+    let at = match key.kind {
+        Kind::String { escaped: true } => {
+            let from = decoded.len();
+            scan::unescape(text.get(start..end).unwrap_or_default(), decoded);
+            KeyText {
+                decoded: true,
+                start: from,
+                end: decoded.len(),
+            }
+        }
+        _ => KeyText {
+            decoded: false,
+            start,
+            end,
+        },
+    };
+    keys.push(at);
+    at
+}
+
+fn resolve<'a>(text: &'a str, decoded: &'a str, key: KeyText) -> &'a str {
+    let within = if key.decoded { decoded } else { text };
+    within.get(key.start..key.end).unwrap_or_default()
+}
+
+/// Whether the last of `keys` repeats an earlier one. A few keys compare pairwise, lengths
+/// first (most differ there); past [`PAIRWISE`], each key's hash goes into `hashed` (kept
+/// across requests, so nothing is allocated once it has grown) and only a hash seen before is
+/// compared, lest a body of many keys cost their square.
+fn repeats(
+    text: &str,
+    decoded: &str,
+    keys: &[KeyText],
+    hashed: &mut std::collections::HashSet<u64>,
+) -> bool {
+    use std::hash::BuildHasher as _;
+    let Some((last, before)) = keys.split_last() else {
+        return false;
+    };
+    let name = resolve(text, decoded, *last);
+    let equal = |k: &KeyText| {
+        k.end - k.start == last.end - last.start && resolve(text, decoded, *k) == name
+    };
+    if before.len() < PAIRWISE {
+        return before.iter().any(equal);
+    }
+    if before.len() == PAIRWISE {
+        for k in before {
+            let h = hashed.hasher().hash_one(resolve(text, decoded, *k));
+            hashed.insert(h);
+        }
+    }
+    let h = hashed.hasher().hash_one(name);
+    !hashed.insert(h) && before.iter().any(equal)
+}
+
+/// Keys compared pairwise for duplicates, at most.
+const PAIRWISE: usize = 32;
+
+/// Whether the object key `key` (a scanned string) says `want`.
+fn key_is(text: &str, key: Value, want: &str, scratch: &mut String) -> bool {
+    let raw = text.get(key.start + 1..key.end - 1).unwrap_or_default();
+    match key.kind {
+        Kind::String { escaped: true } => {
+            scratch.clear();
+            scan::unescape(raw, scratch);
+            scratch == want
+        }
+        _ => raw == want,
+    }
+}
+
+/// The value at `path` (object keys) below `value`, which the scan has validated; the first
+/// of duplicate keys.
+fn find_path(text: &str, mut value: Value, path: &[String], scratch: &mut String) -> Option<Value> {
+    for want in path {
+        if value.kind != Kind::Object {
+            return None;
+        }
+        let mut s = Scanner::at(text, value.start + 1);
+        if s.skip_ws() == Some(b'}') {
+            return None;
+        }
+        value = loop {
+            let key = s.key().ok()?;
+            let member = s.value(0).ok()?;
+            if key_is(text, key, want, scratch) {
+                break member;
+            }
+            if !s.next_or_close(b'}').ok()? {
+                return None;
+            }
+        };
+    }
+    Some(value)
+}
+
+/// The first (at most) `max` bytes of the prompt's value, as the structural walk before #15
+/// cut them: when the member's `,` or `}` (at `after`) is `max` or more bytes past the value's
+/// start, the first `max` bytes (whitespace past a shorter value included), else the value.
+fn prompt_prefix(value: Value, after: usize, max: usize) -> (usize, usize) {
+    if after - value.start >= max {
+        (value.start, value.start + max)
+    } else {
+        value.span()
+    }
+}
+
+fn non_negative_int(
+    text: &str,
+    value: Value,
+    param: &'static str,
+) -> Result<Option<u64>, InspectError> {
+    let wrong = || {
+        InspectError::new(
+            format!("`{param}` must be a non-negative integer."),
+            Some(param),
+        )
+    };
+    match value.kind {
+        Kind::Int {
+            negative: false,
+            magnitude,
+        } => Ok(Some(magnitude)),
+        // `-0` is 0.
+        Kind::Int { magnitude: 0, .. } => Ok(Some(0)),
+        // JSON has one number type: `1e2` or `100.0` is the integer 100 to most upstreams.
+        Kind::Float => match text.get(value.start..value.end).map(str::parse::<f64>) {
+            Some(Ok(v)) if v >= 0.0 && v.fract() == 0.0 && v < 1e18 => Ok(Some(v as u64)),
+            _ => Err(wrong()),
+        },
+        Kind::Null => Ok(None),
+        _ => Err(wrong()),
+    }
+}
+
+fn invalid(message: &str, param: &'static str) -> InspectError {
+    InspectError::new(message.to_string(), Some(param))
+}
+
+fn syntax_error(body: &[u8], fault: Fault) -> InspectError {
+    InspectError::new(json_syntax_message(body, fault), None)
+}
+
+const PREFIX: &str = "We could not parse the JSON body of your request";
+
+/// What is wrong with a body the scan refused, and where, in words a client can act on.
 ///
 /// Only on the error path: the body is parsed again by serde_json, whose errors say what was
-/// expected at which line and column (simd-json's say neither: `InternalError`, `Syntax`).
-/// The byte offset is added because request bodies are mostly one line.
-fn json_syntax_message(body: &[u8], simd_error: &simd_json::Error) -> String {
-    const PREFIX: &str = "We could not parse the JSON body of your request";
+/// expected at which line and column. The byte offset is added because request bodies are
+/// mostly one line. What serde_json takes and the scan does not (a number out of range, half a
+/// surrogate pair, too deep a nesting) the scan's [`Fault`] names.
+fn json_syntax_message(body: &[u8], fault: Fault) -> String {
     if body.iter().all(u8::is_ascii_whitespace) {
         return format!("{PREFIX}: the body is empty; expected a JSON object.");
     }
     // serde_json skips over strings it ignores without checking their UTF-8: check first.
     if let Err(e) = std::str::from_utf8(body) {
-        let offset = e.valid_up_to();
-        let line = 1 + memchr::memchr_iter(b'\n', &body[..offset]).count();
-        let line_start = memchr::memrchr(b'\n', &body[..offset]).map_or(0, |i| i + 1);
-        return format!(
-            "{PREFIX}: invalid UTF-8 at line {line}, column {} (byte {offset}).",
-            offset - line_start + 1
-        );
+        return located(body, e.valid_up_to(), "invalid UTF-8");
     }
     match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
         Err(e) => {
@@ -223,14 +735,33 @@ fn json_syntax_message(body: &[u8], simd_error: &simd_json::Error) -> String {
             let (line, column, offset) = position(body, e.line(), e.column());
             format!("{PREFIX}: {what} at line {line}, column {column} (byte {offset}).")
         }
-        // serde_json accepts what simd-json refused (a number simd-json can't hold, say):
-        // name simd-json's reason and where it stopped.
-        Ok(_) => format!(
-            "{PREFIX}: {} near byte {}.",
-            simd_reason(simd_error.error()),
-            simd_error.index()
-        ),
+        Ok(_) => match fault {
+            // As simd-json (the parser before #15) named it and the byte it gave.
+            Fault::Number { at } => {
+                format!("{PREFIX}: a number is malformed or out of range near byte {at}.")
+            }
+            Fault::Surrogate { at } => {
+                located(body, at, "a \\u escape is an unpaired UTF-16 surrogate")
+            }
+            Fault::Depth { at } => located(
+                body,
+                at,
+                &format!("objects and arrays nest more than {} deep", scan::MAX_DEPTH),
+            ),
+            Fault::Syntax { at } => format!("{PREFIX}: malformed JSON near byte {at}."),
+        },
     }
+}
+
+/// The message for `what` at byte `offset`, located by line and column.
+fn located(body: &[u8], offset: usize, what: &str) -> String {
+    let before = body.get(..offset).unwrap_or(body);
+    let line = 1 + memchr::memchr_iter(b'\n', before).count();
+    let line_start = memchr::memrchr(b'\n', before).map_or(0, |i| i + 1);
+    format!(
+        "{PREFIX}: {what} at line {line}, column {} (byte {offset}).",
+        offset - line_start + 1
+    )
 }
 
 /// serde_json's 1-based line and column as (line, column, 0-based byte offset). Its column 0
@@ -253,326 +784,6 @@ fn position(body: &[u8], line: usize, column: usize) -> (usize, usize, usize) {
         let offset = (line_start(line) + column.saturating_sub(1)).min(body.len());
         (line, column.max(1), offset)
     }
-}
-
-fn simd_reason(kind: &simd_json::ErrorType) -> String {
-    use simd_json::ErrorType as E;
-    match kind {
-        E::InvalidNumber | E::InvalidExponent => "a number is malformed or out of range".into(),
-        other => format!("the JSON parser refused it ({other:?})"),
-    }
-}
-
-fn invalid(message: &str, param: &'static str) -> InspectError {
-    InspectError::new(message.to_string(), Some(param))
-}
-
-fn read_top_level(
-    nodes: &[Node<'_>],
-    body: &[u8],
-    structurals: &[u32],
-    wants: &Wants,
-    out: &mut Inspection,
-) -> Result<(), InspectError> {
-    let Some(&Node::Object { len, .. }) = nodes.first() else {
-        return Err(InspectError::new(
-            "The request body must be a JSON object.",
-            None,
-        ));
-    };
-    // The ids' buffer is kept: no allocation per request once it has grown.
-    let mut body_ids = std::mem::take(&mut out.body_ids);
-    body_ids.reset(wants.paths.len());
-    *out = Inspection {
-        body_ids,
-        ..Inspection::default()
-    };
-    // The prompt's key index: `messages`, else `input`, else `prompt` (by rank).
-    let mut prompt_at: Option<(u8, usize)> = None;
-    let mut model_key_index = None;
-    // `stream_options`: its key index, how many keys it has, and which of them is
-    // `include_usage` (spans are found after the walk, for streaming requests only).
-    let mut options_at: Option<(usize, usize, Option<usize>)> = None;
-    let mut options_null_at = None;
-    // Keys seen so far, for the duplicate check: a stack array covers ordinary requests
-    // without allocating; a body with more top-level keys spills to a hash set.
-    let mut seen_small: [&str; 32] = [""; 32];
-    let mut seen_large: Option<std::collections::HashSet<&str>> = None;
-    let mut idx = 1;
-    for key_index in 0..len {
-        let Some(Node::String(key)) = nodes.get(idx) else {
-            return Err(InspectError::new("malformed JSON object", None));
-        };
-        let key: &str = key;
-        let duplicate = match &mut seen_large {
-            Some(set) => !set.insert(key),
-            None if key_index < seen_small.len() => {
-                let dup = seen_small[..key_index].contains(&key);
-                seen_small[key_index] = key;
-                dup
-            }
-            None => {
-                let mut set: std::collections::HashSet<&str> = seen_small.iter().copied().collect();
-                let dup = !set.insert(key);
-                seen_large = Some(set);
-                dup
-            }
-        };
-        if duplicate {
-            return Err(InspectError::new(
-                format!(
-                    "Duplicate top-level key `{}` in the request body.",
-                    truncate(key, 64)
-                ),
-                None,
-            ));
-        }
-        let value_idx = idx + 1;
-        let value = nodes.get(value_idx).copied();
-        idx = value_idx + value.map_or(1, node_span);
-        for (slot, path) in wants.paths.iter().enumerate() {
-            if path.first().is_some_and(|k| k == key) {
-                if let Some(found) = find_path(nodes, value_idx, &path[1..]) {
-                    out.body_ids.set(slot, found);
-                }
-            }
-        }
-        if wants.prefix_bytes > 0 {
-            let rank = match key {
-                "messages" => 0,
-                "input" => 1,
-                "prompt" => 2,
-                _ => u8::MAX,
-            };
-            if rank != u8::MAX && prompt_at.is_none_or(|(r, _)| rank < r) {
-                prompt_at = Some((rank, key_index));
-            }
-        }
-        match key {
-            "model" => match value {
-                Some(Node::String(m)) => {
-                    out.model.push_str(m);
-                    model_key_index = Some(key_index);
-                }
-                _ => return Err(invalid("`model` must be a string.", "model")),
-            },
-            "stream" => {
-                out.stream = match value {
-                    Some(Node::Static(StaticNode::Bool(b))) => b,
-                    Some(Node::Static(StaticNode::Null)) => false,
-                    _ => return Err(invalid("`stream` must be a boolean.", "stream")),
-                }
-            }
-            "stream_options" => match value {
-                Some(Node::Object { len, .. }) => {
-                    let (include_usage, usage_key) = find_include_usage(nodes, value_idx + 1, len)?;
-                    out.include_usage = include_usage;
-                    options_at = Some((key_index, len, usage_key));
-                }
-                Some(Node::Static(StaticNode::Null)) => options_null_at = Some(key_index),
-                _ => {
-                    return Err(invalid(
-                        "`stream_options` must be an object.",
-                        "stream_options",
-                    ))
-                }
-            },
-            "max_tokens" | "max_completion_tokens" | "max_output_tokens" => {
-                let param = match key {
-                    "max_tokens" => "max_tokens",
-                    "max_completion_tokens" => "max_completion_tokens",
-                    _ => "max_output_tokens",
-                };
-                if let Some(v) = non_negative_int(value, param)? {
-                    // When several are given, the tightest cap is the one that binds.
-                    out.max_tokens = Some(out.max_tokens.map_or(v, |m| m.min(v)));
-                }
-            }
-            "n" => out.n = non_negative_int(value, "n")?,
-            _ => {}
-        }
-    }
-    let Some(model_key_index) = model_key_index else {
-        return Err(invalid("You must provide a model parameter.", "model"));
-    };
-    let malformed = || InspectError::new("malformed JSON object", None);
-    out.model_span = member_value_span(body, structurals, model_key_index).ok_or_else(malformed)?;
-    if let Some((_, key_index)) = prompt_at {
-        out.prompt_prefix = member_value_prefix(body, structurals, key_index, wants.prefix_bytes);
-    }
-    if out.stream {
-        out.stream_options = match (options_at, options_null_at) {
-            (Some((key_index, len, usage_key)), _) => {
-                let (start, _) =
-                    member_value_span(body, structurals, key_index).ok_or_else(malformed)?;
-                let include_usage = match usage_key {
-                    Some(k) => {
-                        // The object's own structurals start at its `{`.
-                        let at = structurals
-                            .binary_search(&(start as u32))
-                            .map_err(|_| malformed())?;
-                        let inner = structurals.get(at..).ok_or_else(malformed)?;
-                        Some(member_value_span(body, inner, k).ok_or_else(malformed)?)
-                    }
-                    None => None,
-                };
-                StreamOptionsAt::Object {
-                    inside: start + 1,
-                    empty: len == 0,
-                    include_usage,
-                }
-            }
-            (None, Some(key_index)) => StreamOptionsAt::Null {
-                span: member_value_span(body, structurals, key_index).ok_or_else(malformed)?,
-            },
-            (None, None) => StreamOptionsAt::Absent {
-                insert_at: *structurals.first().ok_or_else(malformed)? as usize + 1,
-            },
-        };
-    }
-    Ok(())
-}
-
-/// The value at `path` (object keys) below the node at `nodes[idx]`; the first of duplicate
-/// keys.
-fn find_path<'t>(nodes: &[Node<'t>], mut idx: usize, path: &[String]) -> Option<Node<'t>> {
-    for key in path {
-        let Some(&Node::Object { len, .. }) = nodes.get(idx) else {
-            return None;
-        };
-        let mut at = idx + 1;
-        let mut found = None;
-        for _ in 0..len {
-            let value = nodes.get(at + 1).copied()?;
-            if matches!(nodes.get(at), Some(Node::String(k)) if *k == key.as_str()) {
-                found = Some(at + 1);
-                break;
-            }
-            at += 1 + node_span(value);
-        }
-        idx = found?;
-    }
-    nodes.get(idx).copied()
-}
-
-/// Nodes taken by the value starting at this node (itself included).
-fn node_span(node: Node<'_>) -> usize {
-    match node {
-        Node::Object { count, .. } | Node::Array { count, .. } => count + 1,
-        _ => 1,
-    }
-}
-
-/// `include_usage` among the `len` entries of the object whose first key is at `nodes[idx]`: its
-/// value, and which entry it is. A second `include_usage` is an error: upstreams differ on which
-/// copy they read, and whether the client asked for usage decides what it is shown.
-fn find_include_usage(
-    nodes: &[Node<'_>],
-    mut idx: usize,
-    len: usize,
-) -> Result<(Option<bool>, Option<usize>), InspectError> {
-    let mut found = None;
-    let mut key_index = None;
-    for i in 0..len {
-        let key = nodes.get(idx).copied();
-        let value = nodes.get(idx + 1).copied();
-        if let (Some(Node::String("include_usage")), Some(value)) = (key, value) {
-            if key_index.replace(i).is_some() {
-                return Err(invalid(
-                    "Duplicate key `include_usage` in `stream_options`.",
-                    "stream_options",
-                ));
-            }
-            found = match value {
-                Node::Static(StaticNode::Bool(b)) => Some(b),
-                Node::Static(StaticNode::Null) => None,
-                _ => {
-                    return Err(invalid(
-                        "`stream_options.include_usage` must be a boolean.",
-                        "stream_options",
-                    ))
-                }
-            };
-        }
-        idx += 1 + value.map_or(1, node_span);
-    }
-    Ok((found, key_index))
-}
-
-fn non_negative_int(
-    value: Option<Node<'_>>,
-    param: &'static str,
-) -> Result<Option<u64>, InspectError> {
-    match value {
-        Some(Node::Static(StaticNode::U64(v))) => Ok(Some(v)),
-        Some(Node::Static(StaticNode::I64(v))) if v >= 0 => Ok(Some(v as u64)),
-        // JSON has one number type: `1e2` or `100.0` is the integer 100 to most upstreams.
-        Some(Node::Static(StaticNode::F64(v))) if v >= 0.0 && v.fract() == 0.0 && v < 1e18 => {
-            Ok(Some(v as u64))
-        }
-        Some(Node::Static(StaticNode::Null)) => Ok(None),
-        _ => Err(InspectError::new(
-            format!("`{param}` must be a non-negative integer."),
-            Some(param),
-        )),
-    }
-}
-
-/// Byte span of the value of the `key_index`-th key of the object whose `{` is the first of
-/// `structurals` (simd-json's stage-1 structural indexes; the whole list for the top level): at
-/// depth one, the structural right after the k-th `:` starts the value, and the next depth-one
-/// structural (`,` or `}`) ends it, less trailing whitespace.
-fn member_value_span(body: &[u8], structurals: &[u32], key_index: usize) -> Option<(usize, usize)> {
-    member_value_prefix(body, structurals, key_index, usize::MAX)
-}
-
-/// As [`member_value_span`], cut to the value's first `max_len` bytes: the scan stops there, so
-/// a long value costs no more than its prefix.
-fn member_value_prefix(
-    body: &[u8],
-    structurals: &[u32],
-    key_index: usize,
-    max_len: usize,
-) -> Option<(usize, usize)> {
-    let mut depth = 0usize;
-    let mut colons = 0usize;
-    let mut value_next = false;
-    let mut start = None;
-    for &pos in structurals {
-        let pos = pos as usize;
-        let c = *body.get(pos)?;
-        if value_next {
-            value_next = false;
-            start = Some(pos);
-        } else if let Some(s) = start {
-            if pos - s >= max_len {
-                return Some((s, s + max_len));
-            }
-            if depth == 1 && (c == b',' || c == b'}') {
-                let mut end = pos;
-                while end > s && matches!(body[end - 1], b' ' | b'\t' | b'\n' | b'\r') {
-                    end -= 1;
-                }
-                return Some((s, end));
-            }
-        }
-        match c {
-            b'{' | b'[' => depth += 1,
-            b'}' | b']' => {
-                depth = depth.saturating_sub(1);
-                if depth == 0 {
-                    // Past the object's end: no such key in it.
-                    return None;
-                }
-            }
-            b':' if depth == 1 && start.is_none() => {
-                value_next = colons == key_index;
-                colons += 1;
-            }
-            _ => {}
-        }
-    }
-    None
 }
 
 #[cfg(test)]
@@ -628,6 +839,57 @@ mod tests {
             }
             assert!(m.contains("line 1, column"), "{bad:?} -> {m}");
         }
+    }
+
+    #[test]
+    fn refusals_serde_json_would_not_make_are_located() {
+        // simd-json's words and byte for a number out of range, as before #15.
+        let m = syntax_message(r#"{"model":"m","x":[18446744073709551616]}"#);
+        assert!(
+            m.ends_with("a number is malformed or out of range near byte 37."),
+            "{m}"
+        );
+        let m = syntax_message(r#"{"model":"m","x":-1e309}"#);
+        assert!(m.ends_with("out of range near byte 17."), "{m}");
+        // Half a surrogate pair, at its backslash in the body.
+        let m = syntax_message(r#"{"model":"m","x":"abc\ud800"}"#);
+        assert!(
+            m.ends_with(
+                "a \\u escape is an unpaired UTF-16 surrogate at line 1, column 22 (byte 21)."
+            ),
+            "{m}"
+        );
+        // As deep as simd-json went and no deeper, at the bracket past the limit.
+        let nest = |d: usize| format!(r#"{{"model":"m","x":{}{}}}"#, "[".repeat(d), "]".repeat(d));
+        assert_eq!(inspect(&nest(scan::MAX_DEPTH - 1)).unwrap().model, "m");
+        let m = syntax_message(&nest(scan::MAX_DEPTH));
+        assert!(
+            m.ends_with(
+                "objects and arrays nest more than 1024 deep at line 1, column 1041 (byte 1040)."
+            ),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn a_refused_body_keeps_what_came_before_its_fault() {
+        let mut i = Inspector::default();
+        let mut out = Inspection::default();
+        i.inspect(br#"{"model":"first","n":2}"#, &mut out).unwrap();
+        // JSON with a wrong member: the members before it are read (the log shows them).
+        let body = br#"{"model":"second","stream":true,"n":"2","max_tokens":5}"#;
+        assert!(i.inspect(body, &mut out).is_err());
+        assert_eq!(
+            (out.model.as_str(), out.stream, out.n),
+            ("second", true, None)
+        );
+        assert_eq!(out.max_tokens, None);
+        let body = br#"{"model":"third","model":"fourth"}"#;
+        assert!(i.inspect(body, &mut out).is_err());
+        assert_eq!(out.model, "third");
+        // Not JSON: nothing of it, and nothing left of the request before.
+        assert!(i.inspect(br#"{"model":"fifth","n":[}"#, &mut out).is_err());
+        assert_eq!(out, Inspection::default());
     }
 
     #[test]
