@@ -48,6 +48,31 @@ fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
         || credential_header.is_some_and(|c| c.as_bytes().eq_ignore_ascii_case(name))
 }
 
+/// How every upstream request begins: `POST {base path}{path} HTTP/1.1`, `host`, and the
+/// target's credential line. Returns the credential's header name, which the client's own
+/// headers must not repeat (see [`is_withheld`]).
+fn start_request<'t>(out: &mut Vec<u8>, target: &Target<'t>, path: &[u8]) -> Option<&'t str> {
+    let backend = target.backend;
+    out.clear();
+    out.extend_from_slice(b"POST ");
+    out.extend_from_slice(backend.base_path.as_bytes());
+    out.extend_from_slice(path);
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(backend.host_header.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let (_, credential) = target.credential?;
+    out.extend_from_slice(&credential.header_line);
+    Some(credential.header_name.as_str())
+}
+
+/// Copy one of the client's header lines into the upstream request.
+fn copy_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
 /// Build the upstream request into `out`. With `request_usage` (`upstream.request_stream_usage`),
 /// a streamed `/v1/chat/completions` or `/v1/completions` request whose client did not set
 /// `stream_options.include_usage: true` gets it spliced in; returns whether that happened (the
@@ -61,52 +86,24 @@ pub(crate) fn build_request(
 ) -> bool {
     let buf = request.buf;
     let head = request.head;
-    let backend = target.backend;
     // The client's path after `/v1` goes after the backend's base path.
     let target_path = head.target(buf);
     let suffix = target_path.strip_prefix(b"/v1").unwrap_or(target_path);
 
     let body = request.body;
-    let mut mapped_literal = String::new();
-    if let Some(model) = target.mapped_model {
-        crate::openai::json::push_json_string(&mut mapped_literal, model);
-    }
     let request_usage = request_usage
         && crate::openai::endpoint::Endpoint::from_path(head.path(buf))
             .is_some_and(|e| e.usage_on_request());
-    let edits = body_edits(
-        inspection,
-        target.mapped_model.map(|_| mapped_literal.as_bytes()),
-        request_usage,
-    );
-    let body_len = edits
-        .iter()
-        .flatten()
-        .fold(body.len(), |len, (start, end, with, _)| {
-            len - (end - start) + with.len()
-        });
+    let mut mapped_literal = String::new();
+    let (edits, body_len) =
+        target_body_edits(body, inspection, target, &mut mapped_literal, request_usage);
 
-    out.clear();
-    out.extend_from_slice(b"POST ");
-    out.extend_from_slice(backend.base_path.as_bytes());
-    out.extend_from_slice(suffix);
-    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
-    out.extend_from_slice(backend.host_header.as_bytes());
-    out.extend_from_slice(b"\r\n");
-    let credential = target.credential.map(|(_, c)| c);
-    if let Some(c) = credential {
-        out.extend_from_slice(&c.header_line);
-    }
-    let credential_name = credential.map(|c| c.header_name.as_str());
+    let credential_name = start_request(out, target, suffix);
     for h in &head.headers {
         let name = h.name(buf);
-        if is_withheld(name, credential_name) {
-            continue;
+        if !is_withheld(name, credential_name) {
+            copy_header(out, name, h.value(buf));
         }
-        out.extend_from_slice(name);
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(h.value(buf));
-        out.extend_from_slice(b"\r\n");
     }
     let _ = write!(out, "content-length: {body_len}\r\n\r\n");
     splice(out, body, edits.iter().flatten().copied());
@@ -128,7 +125,6 @@ pub(crate) fn build_anthropic_request(
     settings: &AnthropicSettings,
 ) -> Result<(), GatewayError> {
     let buf = request.buf;
-    let backend = target.backend;
     let options = RequestOptions {
         model: target.mapped_model.unwrap_or(&inspection.model),
         default_max_tokens: settings.default_max_tokens,
@@ -139,20 +135,11 @@ pub(crate) fn build_anthropic_request(
         error.param = e.param;
         error
     })?;
-    out.clear();
-    out.extend_from_slice(b"POST ");
-    out.extend_from_slice(backend.base_path.as_bytes());
-    out.extend_from_slice(b"/messages HTTP/1.1\r\nhost: ");
-    out.extend_from_slice(backend.host_header.as_bytes());
-    out.extend_from_slice(b"\r\n");
-    if let Some((_, c)) = target.credential {
-        out.extend_from_slice(&c.header_line);
-    }
+    let credential_name = start_request(out, target, b"/messages");
     out.extend_from_slice(&settings.version_line);
     if let Some(line) = &settings.beta_line {
         out.extend_from_slice(line);
     }
-    let credential_name = target.credential.map(|(_, c)| c.header_name.as_str());
     for h in request.head.headers.iter() {
         let name = h.name(buf);
         let replaced = [&b"content-type"[..], b"anthropic-version"]
@@ -163,10 +150,7 @@ pub(crate) fn build_anthropic_request(
         if replaced || is_withheld(name, credential_name) {
             continue;
         }
-        out.extend_from_slice(name);
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(h.value(buf));
-        out.extend_from_slice(b"\r\n");
+        copy_header(out, name, h.value(buf));
     }
     let _ = write!(
         out,
@@ -192,41 +176,16 @@ pub(crate) fn build_messages_passthrough(
 ) {
     let buf = request.buf;
     let head = request.head;
-    let backend = target.backend;
     let target_path = head.target(buf);
     let suffix = target_path.strip_prefix(b"/v1").unwrap_or(target_path);
     let body = request.body;
     let mut mapped_literal = String::new();
-    if let Some(model) = target.mapped_model {
-        crate::openai::json::push_json_string(&mut mapped_literal, model);
-    }
-    let edits = body_edits(
-        inspection,
-        target.mapped_model.map(|_| mapped_literal.as_bytes()),
-        false,
-    );
-    let body_len = edits
-        .iter()
-        .flatten()
-        .fold(body.len(), |len, (start, end, with, _)| {
-            len - (end - start) + with.len()
-        });
+    let (edits, body_len) = target_body_edits(body, inspection, target, &mut mapped_literal, false);
 
-    out.clear();
-    out.extend_from_slice(b"POST ");
-    out.extend_from_slice(backend.base_path.as_bytes());
-    out.extend_from_slice(suffix);
-    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
-    out.extend_from_slice(backend.host_header.as_bytes());
-    out.extend_from_slice(b"\r\n");
-    let credential = target.credential.map(|(_, c)| c);
-    if let Some(c) = credential {
-        out.extend_from_slice(&c.header_line);
-    }
+    let credential_name = start_request(out, target, suffix);
     if let Some(line) = &settings.beta_line {
         out.extend_from_slice(line);
     }
-    let credential_name = credential.map(|c| c.header_name.as_str());
     let mut version_sent = false;
     for h in &head.headers {
         let name = h.name(buf);
@@ -236,10 +195,7 @@ pub(crate) fn build_messages_passthrough(
             continue;
         }
         version_sent |= name.eq_ignore_ascii_case(b"anthropic-version");
-        out.extend_from_slice(name);
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(h.value(buf));
-        out.extend_from_slice(b"\r\n");
+        copy_header(out, name, h.value(buf));
     }
     if !version_sent {
         out.extend_from_slice(&settings.version_line);
@@ -261,21 +217,11 @@ pub(crate) fn build_chat_from_messages(
     target: &Target<'_>,
 ) -> Result<(), GatewayError> {
     let buf = request.buf;
-    let backend = target.backend;
     let model = target.mapped_model.unwrap_or(&inspection.model);
     let mut body = Vec::with_capacity(request.body.len() + 128);
     crate::openai::anthropic::client::messages_to_chat(request.body, model, &mut body)
         .map_err(|e| GatewayError::invalid_request(e.message, None))?;
-    out.clear();
-    out.extend_from_slice(b"POST ");
-    out.extend_from_slice(backend.base_path.as_bytes());
-    out.extend_from_slice(b"/chat/completions HTTP/1.1\r\nhost: ");
-    out.extend_from_slice(backend.host_header.as_bytes());
-    out.extend_from_slice(b"\r\n");
-    if let Some((_, c)) = target.credential {
-        out.extend_from_slice(&c.header_line);
-    }
-    let credential_name = target.credential.map(|(_, c)| c.header_name.as_str());
+    let credential_name = start_request(out, target, b"/chat/completions");
     for h in request.head.headers.iter() {
         let name = h.name(buf);
         let replaced = name.eq_ignore_ascii_case(b"content-type")
@@ -283,10 +229,7 @@ pub(crate) fn build_chat_from_messages(
         if replaced || is_withheld(name, credential_name) {
             continue;
         }
-        out.extend_from_slice(name);
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(h.value(buf));
-        out.extend_from_slice(b"\r\n");
+        copy_header(out, name, h.value(buf));
     }
     let _ = write!(
         out,
@@ -300,6 +243,30 @@ pub(crate) fn build_chat_from_messages(
 /// A replacement of `body[start..end]` (empty for an insertion) by the bytes given, and whether
 /// it is the `include_usage` one.
 type Edit<'a> = (usize, usize, &'a [u8], bool);
+
+/// The edits to the client's body for `target` — its mapped model's name spliced over the
+/// model literal (written into `literal`), and with `request_usage` the usage request — and the
+/// body's length once they are made.
+fn target_body_edits<'a>(
+    body: &[u8],
+    inspection: &Inspection,
+    target: &Target<'_>,
+    literal: &'a mut String,
+    request_usage: bool,
+) -> ([Option<Edit<'a>>; 2], usize) {
+    if let Some(model) = target.mapped_model {
+        crate::openai::json::push_json_string(literal, model);
+    }
+    let mapped = target.mapped_model.map(|_| literal.as_bytes());
+    let edits = body_edits(inspection, mapped, request_usage);
+    let len = edits
+        .iter()
+        .flatten()
+        .fold(body.len(), |len, (start, end, with, _)| {
+            len - (end - start) + with.len()
+        });
+    (edits, len)
+}
 
 /// The body's edits, in body order: the mapped model's literal in place of the client's, and
 /// (with `request_usage`) `include_usage` made true. They touch disjoint top-level values.
