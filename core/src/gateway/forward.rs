@@ -65,6 +65,31 @@ fn start_request<'t>(out: &mut Vec<u8>, target: &Target<'t>, path: &[u8]) -> Opt
     Some(credential.header_name.as_str())
 }
 
+/// The rest of an upstream request whose body Sluice wrote (a translation): the client's
+/// headers less the withheld ones and those `replaced` names (which describe the client's body
+/// or its API), then a JSON content type, the length and `body`.
+fn finish_translated(
+    out: &mut Vec<u8>,
+    request: &Request<'_>,
+    credential_name: Option<&str>,
+    replaced: impl Fn(&[u8]) -> bool,
+    body: &[u8],
+) {
+    let buf = request.buf;
+    for h in request.head.headers.iter() {
+        let name = h.name(buf);
+        if !replaced(name) && !is_withheld(name, credential_name) {
+            copy_header(out, name, h.value(buf));
+        }
+    }
+    let _ = write!(
+        out,
+        "content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    out.extend_from_slice(body);
+}
+
 /// Copy one of the client's header lines into the upstream request.
 fn copy_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
@@ -124,7 +149,6 @@ pub(crate) fn build_anthropic_request(
     target: &Target<'_>,
     settings: &AnthropicSettings,
 ) -> Result<(), GatewayError> {
-    let buf = request.buf;
     let options = RequestOptions {
         model: target.mapped_model.unwrap_or(&inspection.model),
         default_max_tokens: settings.default_max_tokens,
@@ -140,24 +164,14 @@ pub(crate) fn build_anthropic_request(
     if let Some(line) = &settings.beta_line {
         out.extend_from_slice(line);
     }
-    for h in request.head.headers.iter() {
-        let name = h.name(buf);
-        let replaced = [&b"content-type"[..], b"anthropic-version"]
+    let replaced = |name: &[u8]| {
+        [&b"content-type"[..], b"anthropic-version"]
             .iter()
             .any(|n| n.eq_ignore_ascii_case(name))
             || (settings.beta_line.is_some() && name.eq_ignore_ascii_case(b"anthropic-beta"))
-            || name.len() >= 7 && name[..7].eq_ignore_ascii_case(b"openai-");
-        if replaced || is_withheld(name, credential_name) {
-            continue;
-        }
-        copy_header(out, name, h.value(buf));
-    }
-    let _ = write!(
-        out,
-        "content-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    out.extend_from_slice(&body);
+            || name.len() >= 7 && name[..7].eq_ignore_ascii_case(b"openai-")
+    };
+    finish_translated(out, request, credential_name, replaced, &body);
     Ok(())
 }
 
@@ -216,27 +230,16 @@ pub(crate) fn build_chat_from_messages(
     inspection: &Inspection,
     target: &Target<'_>,
 ) -> Result<(), GatewayError> {
-    let buf = request.buf;
     let model = target.mapped_model.unwrap_or(&inspection.model);
     let mut body = Vec::with_capacity(request.body.len() + 128);
     crate::openai::anthropic::client::messages_to_chat(request.body, model, &mut body)
         .map_err(|e| GatewayError::invalid_request(e.message, None))?;
     let credential_name = start_request(out, target, b"/chat/completions");
-    for h in request.head.headers.iter() {
-        let name = h.name(buf);
-        let replaced = name.eq_ignore_ascii_case(b"content-type")
-            || name.len() >= 10 && name[..10].eq_ignore_ascii_case(b"anthropic-");
-        if replaced || is_withheld(name, credential_name) {
-            continue;
-        }
-        copy_header(out, name, h.value(buf));
-    }
-    let _ = write!(
-        out,
-        "content-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    out.extend_from_slice(&body);
+    let replaced = |name: &[u8]| {
+        name.eq_ignore_ascii_case(b"content-type")
+            || name.len() >= 10 && name[..10].eq_ignore_ascii_case(b"anthropic-")
+    };
+    finish_translated(out, request, credential_name, replaced, &body);
     Ok(())
 }
 
