@@ -776,20 +776,7 @@ mod tests {
         };
         let decided = decided.and_then(|()| {
             runtime.block_on(async {
-                let sync = crate::limits::run_sync(
-                    per_core.limiter,
-                    &core.snapshot.limits.sync,
-                    0,
-                    |_, _| {},
-                    InProcessLedger::new(),
-                    std::future::pending(),
-                );
-                let decide =
-                    admit_request(per_core, &request, &mut inspection, &mut caller, &mut obs);
-                monoio::select! {
-                    decided = decide => decided,
-                    () = sync => unreachable!("the sync task runs for the worker's life"),
-                }
+                admit_beside_sync(per_core, &request, &mut inspection, &mut caller, &mut obs).await
             })
         });
         let mut retry_after = None;
@@ -821,6 +808,30 @@ mod tests {
             refused: caller.refusal.is_some(),
             error_headers,
             retry_after,
+        }
+    }
+
+    /// [`admit_request`] with the limiter's sync task (on an in-process ledger) running beside
+    /// it, as on a worker: admission may wait for a lease the sync brings.
+    async fn admit_beside_sync<'s>(
+        per_core: PerCore<'s>,
+        request: &Request<'_>,
+        inspection: &mut Inspection,
+        caller: &mut Caller<'s>,
+        obs: &mut Observation,
+    ) -> Result<(Candidates<'s>, Admission), GatewayError> {
+        let sync = crate::limits::run_sync(
+            per_core.limiter,
+            &per_core.snapshot.limits.sync,
+            0,
+            |_, _| {},
+            InProcessLedger::new(),
+            std::future::pending(),
+        );
+        let decide = admit_request(per_core, request, inspection, caller, obs);
+        monoio::select! {
+            decided = decide => decided,
+            () = sync => unreachable!("the sync task runs for the worker's life"),
         }
     }
 
@@ -915,20 +926,7 @@ mod tests {
         let mut obs = Observation::default();
         let (candidates, admission) = runtime()
             .block_on(async {
-                let sync = crate::limits::run_sync(
-                    per_core.limiter,
-                    &core.snapshot.limits.sync,
-                    0,
-                    |_, _| {},
-                    InProcessLedger::new(),
-                    std::future::pending(),
-                );
-                let decide =
-                    admit_request(per_core, &request, &mut inspection, &mut caller, &mut obs);
-                monoio::select! {
-                    decided = decide => decided,
-                    () = sync => unreachable!("the sync task runs for the worker's life"),
-                }
+                admit_beside_sync(per_core, &request, &mut inspection, &mut caller, &mut obs).await
             })
             .unwrap();
         let target = candidates.primary();
