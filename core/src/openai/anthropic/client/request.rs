@@ -218,6 +218,26 @@ fn message(i: usize, m: Value, messages: &mut Vec<Value>) -> Result<(), Translat
     }
 }
 
+/// A turn's `content`: a string is the whole message, pushed as `role`'s (`None`: nothing more
+/// to do); a list gives its blocks; anything else is refused as Anthropic refuses it.
+fn content_blocks(
+    path: &str,
+    role: &str,
+    content: Value,
+    messages: &mut Vec<Value>,
+) -> Result<Option<Vec<Value>>, TranslateError> {
+    match content {
+        Value::String(s) => {
+            messages.push(json!({ "role": role, "content": s }));
+            Ok(None)
+        }
+        Value::Array(blocks) => Ok(Some(blocks)),
+        _ => Err(invalid(format!(
+            "{path}.content: Input should be a valid string or list of content blocks"
+        ))),
+    }
+}
+
 /// A user turn: its `tool_result` blocks become `tool` messages (which must follow the
 /// assistant's tool calls directly), then the rest is one user message.
 fn user_message(
@@ -225,17 +245,8 @@ fn user_message(
     content: Value,
     messages: &mut Vec<Value>,
 ) -> Result<(), TranslateError> {
-    let blocks = match content {
-        Value::String(s) => {
-            messages.push(json!({ "role": "user", "content": s }));
-            return Ok(());
-        }
-        Value::Array(blocks) => blocks,
-        _ => {
-            return Err(invalid(format!(
-                "{path}.content: Input should be a valid string or list of content blocks"
-            )))
-        }
+    let Some(blocks) = content_blocks(path, "user", content, messages)? else {
+        return Ok(());
     };
     let mut parts = Vec::new();
     for (j, block) in blocks.into_iter().enumerate() {
@@ -260,17 +271,8 @@ fn assistant_message(
     content: Value,
     messages: &mut Vec<Value>,
 ) -> Result<(), TranslateError> {
-    let blocks = match content {
-        Value::String(s) => {
-            messages.push(json!({ "role": "assistant", "content": s }));
-            return Ok(());
-        }
-        Value::Array(blocks) => blocks,
-        _ => {
-            return Err(invalid(format!(
-                "{path}.content: Input should be a valid string or list of content blocks"
-            )))
-        }
+    let Some(blocks) = content_blocks(path, "assistant", content, messages)? else {
+        return Ok(());
     };
     let mut text = String::new();
     let mut calls = Vec::new();
