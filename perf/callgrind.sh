@@ -20,7 +20,7 @@ ir() { # path iterations -> total instructions
 }
 echo "| hot path | instructions / operation |"
 echo "| --- | --- |"
-for path in inspect inspect_64k sse estimate admit route pipeline; do
+for path in inspect inspect_64k meter_64k sse estimate admit route pipeline; do
   a=$(ir "$path" $((N / 2)))
   b=$(ir "$path" "$N")
   echo "| $path | $(( (b - a) / (N / 2) )) |"

@@ -267,6 +267,17 @@ impl Observation {
         };
     }
 
+    /// The body to come is `len` bytes long (its Content-Length): a non-streamed answer kept
+    /// for metering gets its room at once, not by doubling as it arrives (a 64 KB answer was
+    /// copied twice over by the regrowth alone).
+    pub(crate) fn expect_body_len(&mut self, len: u64) {
+        if matches!(self.metering, Metering::Json { .. }) {
+            if let Ok(len) = usize::try_from(len) {
+                self.json.reserve(len.min(MAX_METERED_JSON));
+            }
+        }
+    }
+
     /// Decoded body bytes on their way to the client, read at `now`.
     pub(crate) fn body(&mut self, data: &[u8], now: Instant) {
         match &mut self.metering {
@@ -330,7 +341,7 @@ impl Observation {
         let finished = self.finished_at.unwrap_or_else(Instant::now);
         let (summary, captured) = match (&self.metering, self.anthropic) {
             (Metering::Json { truncated: false }, false) => {
-                self.meter.on_json_body(&self.json);
+                self.meter.on_json_body(&mut self.json);
                 (self.meter.summary(), self.meter.captured())
             }
             (Metering::Json { truncated: false }, true) => {

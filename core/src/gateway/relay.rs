@@ -448,6 +448,9 @@ impl Relay<'_, '_> {
             plan.event_stream,
             plan.framing != ClientFraming::Empty,
         );
+        if let BodyFraming::Length(len) = head.framing() {
+            self.obs.expect_body_len(len);
+        }
         out.extend_from_slice(self.obs.rate_headers.as_bytes());
         let _ = write!(
             out,

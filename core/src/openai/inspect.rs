@@ -26,7 +26,7 @@
 //! affinity. Nothing is copied but the ids' text, into a buffer the [`Inspection`] keeps, and
 //! the text of keys written with escapes.
 
-mod scan;
+pub(in crate::openai) mod scan;
 
 #[cfg(test)]
 mod differential;

@@ -18,7 +18,7 @@ pub(super) const MAX_DEPTH: usize = 1024;
 /// words the client's message) takes the body: for a number out of range, half a surrogate
 /// pair, or too deep a nesting, the message is this one's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Fault {
+pub(in crate::openai) enum Fault {
     /// Not JSON: grammar, a control character or bad escape in a string, the end of the body.
     Syntax { at: usize },
     /// A number the gateway cannot hold, at the byte simd-json named: an integer beyond `u64`
@@ -33,7 +33,7 @@ pub(super) enum Fault {
 
 /// What a value is, as far as the inspector reads values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Kind {
+pub(in crate::openai) enum Kind {
     /// A string; `escaped` when its text has a backslash (its bytes are not its value).
     String {
         escaped: bool,
@@ -54,28 +54,28 @@ pub(super) enum Kind {
 
 /// A value's place in the body (`start..end`, no whitespace around it) and kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Value {
-    pub(super) start: usize,
-    pub(super) end: usize,
-    pub(super) kind: Kind,
+pub(in crate::openai) struct Value {
+    pub(in crate::openai) start: usize,
+    pub(in crate::openai) end: usize,
+    pub(in crate::openai) kind: Kind,
 }
 
 impl Value {
-    pub(super) fn span(&self) -> (usize, usize) {
+    pub(in crate::openai) fn span(&self) -> (usize, usize) {
         (self.start, self.end)
     }
 }
 
 /// A cursor over the body's bytes.
-pub(super) struct Scanner<'b> {
+pub(in crate::openai) struct Scanner<'b> {
     text: &'b str,
     b: &'b [u8],
     /// The next byte to read.
-    pub(super) pos: usize,
+    pub(in crate::openai) pos: usize,
 }
 
 impl<'b> Scanner<'b> {
-    pub(super) fn new(text: &'b str) -> Scanner<'b> {
+    pub(in crate::openai) fn new(text: &'b str) -> Scanner<'b> {
         Scanner::at(text, 0)
     }
 
@@ -94,7 +94,7 @@ impl<'b> Scanner<'b> {
 
     /// Past JSON whitespace; the byte there, if the body goes on.
     #[inline]
-    pub(super) fn skip_ws(&mut self) -> Option<u8> {
+    pub(in crate::openai) fn skip_ws(&mut self) -> Option<u8> {
         loop {
             let c = *self.b.get(self.pos)?;
             if !matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
@@ -105,7 +105,7 @@ impl<'b> Scanner<'b> {
     }
 
     /// Nothing but whitespace is left.
-    pub(super) fn end(&mut self) -> Result<(), Fault> {
+    pub(in crate::openai) fn end(&mut self) -> Result<(), Fault> {
         match self.skip_ws() {
             None => Ok(()),
             Some(_) => Err(self.syntax()),
@@ -113,7 +113,7 @@ impl<'b> Scanner<'b> {
     }
 
     /// An object key and its colon, from the key's opening quote to the value's first byte.
-    pub(super) fn key(&mut self) -> Result<Value, Fault> {
+    pub(in crate::openai) fn key(&mut self) -> Result<Value, Fault> {
         if self.b.get(self.pos) != Some(&b'"') {
             return Err(self.syntax());
         }
@@ -129,7 +129,7 @@ impl<'b> Scanner<'b> {
     /// After a member or element: its `,` (then whitespace) or the closing `close`, consumed.
     /// True when there is another.
     #[inline]
-    pub(super) fn next_or_close(&mut self, close: u8) -> Result<bool, Fault> {
+    pub(in crate::openai) fn next_or_close(&mut self, close: u8) -> Result<bool, Fault> {
         match self.skip_ws() {
             Some(b',') => {
                 self.pos += 1;
@@ -146,7 +146,7 @@ impl<'b> Scanner<'b> {
 
     /// The value starting at `pos` (whitespace already skipped), validated and passed over.
     /// `open` containers enclose it, for the depth bound.
-    pub(super) fn value(&mut self, open: usize) -> Result<Value, Fault> {
+    pub(in crate::openai) fn value(&mut self, open: usize) -> Result<Value, Fault> {
         let start = self.pos;
         let kind = match self.b.get(start) {
             Some(b'"') => return self.string(),
@@ -587,7 +587,7 @@ fn hex4(b: &[u8], at: usize) -> Option<u32> {
 
 /// Append the value of a validated string's text (between its quotes) to `out`: escapes
 /// decoded, surrogate pairs joined.
-pub(super) fn unescape(raw: &str, out: &mut String) {
+pub(in crate::openai) fn unescape(raw: &str, out: &mut String) {
     let b = raw.as_bytes();
     let mut at = 0;
     while let Some(run) = memchr::memchr(b'\\', b.get(at..).unwrap_or_default()) {

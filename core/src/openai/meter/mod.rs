@@ -69,8 +69,8 @@ impl SseMeter {
         event_data(event, data).is_some_and(|d| meter.is_usage_only(d))
     }
 
-    /// A whole non-streamed JSON body (see [`StreamMeter::on_json_body`]).
-    pub fn on_json_body(&mut self, body: &[u8]) {
+    /// A whole non-streamed JSON body, parsed where it lies (see [`StreamMeter::on_json_body`]).
+    pub fn on_json_body(&mut self, body: &mut Vec<u8>) {
         self.meter.on_json_body(body);
     }
 
@@ -457,10 +457,31 @@ mod tests {
     }
 
     #[test]
+    fn a_body_reporting_usage_is_counted_not_captured() {
+        // The capture only serves the estimate of an answer that reports no usage.
+        let text = "word ".repeat(100);
+        let with_usage = format!(
+            r#"{{"choices":[{{"message":{{"content":"{text}"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":1,"completion_tokens":100,"total_tokens":101}}}}"#
+        );
+        let mut body = with_usage.clone().into_bytes();
+        let mut m = StreamMeter::new();
+        m.on_json_body(&mut body);
+        assert_eq!(body.len(), with_usage.len(), "the padding is cut off again");
+        assert_eq!(m.summary().usage.map(|u| u.completion_tokens), Some(100));
+        assert!(m.captured().is_empty());
+
+        let without = format!(r#"{{"choices":[{{"message":{{"content":"{text}"}}}}]}}"#);
+        let mut m = StreamMeter::new();
+        m.on_json_body(&mut without.into_bytes());
+        assert_eq!(m.summary().usage, None);
+        assert_eq!(m.captured(), text.as_bytes());
+    }
+
+    #[test]
     fn non_streaming_bodies() {
         let body = |b: &str| {
             let mut m = StreamMeter::new();
-            m.on_json_body(b.as_bytes());
+            m.on_json_body(&mut b.as_bytes().to_vec());
             m.take_summary()
         };
         let chat = body(
@@ -478,7 +499,9 @@ mod tests {
             })
         );
         assert_eq!(chat.finish_reason.as_deref(), Some("stop"));
-        assert_eq!(chat.content_bytes, 12);
+        // Reported usage: the content is only scanned (its byte count serves the estimate of
+        // an answer without usage).
+        assert_eq!(chat.content_bytes, 0);
         assert_eq!(chat.content_events, 0);
         assert_eq!(chat.first_content_at, None);
 
@@ -487,7 +510,7 @@ mod tests {
         );
         assert_eq!(completion.usage.unwrap().completion_tokens, 7);
         assert_eq!(completion.finish_reason.as_deref(), Some("length"));
-        assert_eq!(completion.content_bytes, 9);
+        assert_eq!(completion.content_bytes, 0);
 
         let embeddings = body(
             r#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.0023064255,-0.009327292,1e-3]}],"model":"text-embedding-3-small","usage":{"prompt_tokens":8,"total_tokens":8}}"#,
@@ -631,7 +654,7 @@ mod tests {
                 rest = &rest[n..];
                 assert!(m.splitter.pending_len() <= 4096 + 2);
             }
-            m.on_json_body(&input);
+            m.on_json_body(&mut input.to_vec());
             let _ = m.summary();
         }
         // Structured garbage: valid JSON in unexpected shapes.
@@ -646,10 +669,10 @@ mod tests {
         let mut m = StreamMeter::new();
         for d in docs {
             m.on_data(d.as_bytes(), t(0));
-            m.on_json_body(d.as_bytes());
+            m.on_json_body(&mut d.as_bytes().to_vec());
         }
         let deep = "[".repeat(100_000);
         m.on_data(format!("{{\"a\":{deep}").as_bytes(), t(0));
-        m.on_json_body(deep.as_bytes());
+        m.on_json_body(&mut deep.as_bytes().to_vec());
     }
 }

@@ -12,6 +12,7 @@
 //! place, so the data is first copied into a reused scratch buffer with the padding simd-json
 //! needs), then the few fields that matter are read off the tape.
 
+use crate::openai::inspect::scan::{unescape, Kind, Scanner, Value};
 use crate::openai::json::truncate;
 use std::time::Instant;
 
@@ -63,7 +64,8 @@ pub struct MeterSummary {
     /// Events that carried generated content.
     pub(crate) content_events: u64,
     /// Bytes of generated content (text, reasoning, tool-call arguments), as decoded UTF-8: the
-    /// basis of an estimate when the upstream reports no usage.
+    /// basis of an estimate when the upstream reports no usage. Not counted for a whole
+    /// (non-streamed) body that reports usage, which needs no estimate.
     pub(crate) content_bytes: u64,
     /// The last non-null `finish_reason`; for the Responses API, `incomplete_details.reason` or
     /// else the final `status` (`completed`, `incomplete`, `failed`, `cancelled`).
@@ -166,9 +168,13 @@ impl StreamMeter {
 
     /// A whole non-streamed JSON response body: chat completion, completion, embeddings,
     /// Responses API response, or an error body. Records usage, finish reason, error and the
-    /// content bytes (no timing and no content events).
-    pub(crate) fn on_json_body(&mut self, body: &[u8]) {
-        let parsed = self.json.parse(body, |nodes| {
+    /// content bytes (no timing and no content events). The body is parsed where it lies:
+    /// `body` gets padding appended for the parse and is cut back to its length after.
+    pub(crate) fn on_json_body(&mut self, body: &mut Vec<u8>) {
+        if self.read_reported_usage(body) {
+            return;
+        }
+        let parsed = self.json.parse_in_place(body, |nodes| {
             let content = read_document(nodes, &mut self.summary, &mut self.captured);
             let s = &mut self.summary;
             s.content_bytes = s.content_bytes.saturating_add(content.bytes);
@@ -177,6 +183,132 @@ impl StreamMeter {
             self.summary.unparsed_events += 1;
         }
     }
+}
+
+impl StreamMeter {
+    /// A whole chat completion, completion or embeddings body that reports its usage — nearly
+    /// every non-streamed answer — read without building its tape: the inspector's scanner
+    /// validates the body (refusing what the parse would) and passes over its members; only
+    /// `usage` is parsed, and each choice's `finish_reason` read. The content, which is most of
+    /// a large answer, is only scanned: its text and byte count serve the estimate of an answer
+    /// that reports no usage, which this one does. Returns false, having recorded nothing, for
+    /// anything else (no usage, an error or Responses API shape, a key written with escapes,
+    /// not valid JSON): the whole parse reads those.
+    fn read_reported_usage(&mut self, body: &[u8]) -> bool {
+        let Ok(text) = simdutf8::basic::from_utf8(body) else {
+            return false;
+        };
+        let Some((usage, finish_reason)) = reported_usage_members(text) else {
+            return false;
+        };
+        let Some(usage) = self
+            .json
+            .parse(&body[usage.start..usage.end], |nodes| read_usage(nodes, 0))
+            .flatten()
+        else {
+            return false;
+        };
+        let s = &mut self.summary;
+        s.usage = Some(usage);
+        if let Some(reason) = finish_reason {
+            let mut decoded = String::new();
+            let raw = text
+                .get(reason.start + 1..reason.end - 1)
+                .unwrap_or_default();
+            let reason = if matches!(reason.kind, Kind::String { escaped: true }) {
+                unescape(raw, &mut decoded);
+                &decoded
+            } else {
+                raw
+            };
+            s.finish_reason = Some(truncate(reason, MAX_SHORT_FIELD).to_owned());
+        }
+        true
+    }
+}
+
+/// The top-level `usage` object of a valid JSON object body, and the last choice's string
+/// `finish_reason`; `None` when the body is not valid JSON, not an object, has no `usage`
+/// object, has a member that makes it another shape (`error`, `type`, `response`, `delta`, an
+/// `object` of `"error"` or `"response"`), or has a key written with escapes. Duplicate keys:
+/// the last one counts, as in the whole parse. One pass: the choices are walked as they are
+/// scanned.
+fn reported_usage_members(text: &str) -> Option<(Value, Option<Value>)> {
+    let mut sc = Scanner::new(text);
+    if sc.skip_ws()? != b'{' {
+        return None;
+    }
+    sc.pos += 1;
+    let (mut usage, mut finish_reason) = (None, None);
+    let mut more = sc.skip_ws()? != b'}';
+    if !more {
+        sc.pos += 1;
+    }
+    while more {
+        match plain_key(&mut sc, text)? {
+            // A repeated key replaces the earlier one, as in the whole parse.
+            "choices" if sc.skip_ws() == Some(b'[') => finish_reason = walk_choices(&mut sc, text)?,
+            "usage" => usage = Some(sc.value(1).ok()?),
+            "error" | "type" | "response" | "delta" => return None,
+            "object" => {
+                let v = sc.value(1).ok()?;
+                let v = text.get(v.start..v.end)?;
+                if v == "\"error\"" || v == "\"response\"" || v.contains('\\') {
+                    return None;
+                }
+            }
+            _ => {
+                sc.value(1).ok()?;
+            }
+        }
+        more = sc.next_or_close(b'}').ok()?;
+    }
+    sc.end().ok()?;
+    usage
+        .filter(|u| u.kind == Kind::Object)
+        .map(|u| (u, finish_reason))
+}
+
+/// An object key and its colon; `None` for a key written with escapes (or not JSON).
+fn plain_key<'t>(sc: &mut Scanner<'_>, text: &'t str) -> Option<&'t str> {
+    let key = sc.key().ok()?;
+    if key.kind != (Kind::String { escaped: false }) {
+        return None;
+    }
+    text.get(key.start + 1..key.end - 1)
+}
+
+/// The `choices` array at `sc` (on its `[`), validated and passed over: the string
+/// `finish_reason` of the last choice that has one (`Some(None)`: none has); `None` when it is
+/// not JSON or a choice's key is written with escapes.
+fn walk_choices(sc: &mut Scanner<'_>, text: &str) -> Option<Option<Value>> {
+    sc.pos += 1;
+    let mut found = None;
+    let mut more = sc.skip_ws()? != b']';
+    if !more {
+        sc.pos += 1;
+    }
+    while more {
+        if sc.skip_ws()? == b'{' {
+            sc.pos += 1;
+            let mut members = sc.skip_ws()? != b'}';
+            if !members {
+                sc.pos += 1;
+            }
+            while members {
+                let is_reason = plain_key(sc, text)? == "finish_reason";
+                let value = sc.value(3).ok()?;
+                if is_reason && matches!(value.kind, Kind::String { .. }) {
+                    found = Some(value);
+                }
+                members = sc.next_or_close(b'}').ok()?;
+            }
+        } else {
+            sc.value(2).ok()?;
+        }
+        more = sc.next_or_close(b']').ok()?;
+    }
+    Some(found)
 }
 
 impl StreamMeter {
@@ -241,24 +373,42 @@ const KEEP_BYTES: usize = 1 << 20;
 impl JsonScratch {
     /// Parse `doc` and run `f` on its tape; `None` when it is not valid JSON.
     fn parse<R>(&mut self, doc: &[u8], f: impl FnOnce(&[Node<'_>]) -> R) -> Option<R> {
-        self.input.clear();
-        self.input.reserve(doc.len() + INPUT_PADDING);
-        self.input.extend_from_slice(doc);
-        self.input.resize(doc.len() + INPUT_PADDING, b' ');
+        let mut input = std::mem::take(&mut self.input);
+        input.clear();
+        input.reserve(doc.len() + INPUT_PADDING);
+        input.extend_from_slice(doc);
+        let result = self.parse_in_place(&mut input, f);
+        self.input = input;
+        if doc.len() > KEEP_BYTES {
+            self.input = Vec::new();
+        }
+        result
+    }
+
+    /// [`parse`](Self::parse) without the copy: `doc` is padded where it lies for the parse
+    /// (which may rewrite its bytes: the unescaping works in place), and cut back to its length
+    /// after.
+    fn parse_in_place<R>(
+        &mut self,
+        doc: &mut Vec<u8>,
+        f: impl FnOnce(&[Node<'_>]) -> R,
+    ) -> Option<R> {
+        let len = doc.len();
+        doc.resize(len + INPUT_PADDING, b' ');
         let buffers = self
             .buffers
-            .get_or_insert_with(|| Buffers::new(doc.len().max(4096)));
+            .get_or_insert_with(|| Buffers::new(len.max(4096)));
         let mut tape = match self.tape.take() {
             Some(t) => t.reset(),
             None => Tape(Vec::with_capacity(128)),
         };
-        let result =
-            match simd_json::fill_tape_padded(&mut self.input, doc.len(), buffers, &mut tape) {
-                Ok(()) => Some(f(&tape.0)),
-                Err(_) => None,
-            };
+        let result = match simd_json::fill_tape_padded(doc, len, buffers, &mut tape) {
+            Ok(()) => Some(f(&tape.0)),
+            Err(_) => None,
+        };
         let tape = tape.reset();
-        if doc.len() > KEEP_BYTES {
+        doc.truncate(len);
+        if len > KEEP_BYTES {
             *self = Self::default();
         } else {
             self.tape = Some(tape);
@@ -267,11 +417,13 @@ impl JsonScratch {
     }
 }
 
-/// Generated content found in one document; its text is appended to the capture buffer.
+/// Generated content found in one document; its text is appended to the capture buffer while
+/// `keep` says so.
 struct Content<'c> {
     present: bool,
     bytes: u64,
     capture: &'c mut Vec<u8>,
+    keep: bool,
 }
 
 impl Content<'_> {
@@ -281,7 +433,7 @@ impl Content<'_> {
             self.bytes = self.bytes.saturating_add(s.len() as u64);
             let room = MAX_CAPTURE.saturating_sub(self.capture.len());
             // Whole pieces only, so the capture stays valid UTF-8.
-            if s.len() <= room {
+            if self.keep && s.len() <= room {
                 self.capture.extend_from_slice(s.as_bytes());
             }
         }
@@ -298,6 +450,7 @@ fn read_document<'c>(
         present: false,
         bytes: 0,
         capture,
+        keep: true,
     };
     if !matches!(nodes.first(), Some(Node::Object { .. })) {
         return content;
@@ -322,6 +475,13 @@ fn read_document<'c>(
         }
     }
 
+    if let Some(u) = usage.and_then(|u| read_usage(nodes, u)) {
+        s.usage = Some(u);
+    }
+    // The capture is for estimating a response that reports no usage: once it has, the text
+    // is only counted, not copied (a 64 KB answer saved a 64 KB copy).
+    content.keep = s.usage.is_none();
+
     // Chat completions and completions.
     if let Some(choices) = choices {
         for choice in elements(nodes, choices) {
@@ -338,9 +498,6 @@ fn read_document<'c>(
                 }
             }
         }
-    }
-    if let Some(u) = usage.and_then(|u| read_usage(nodes, u)) {
-        s.usage = Some(u);
     }
     if let Some(e) = error.and_then(|e| read_error(nodes, e)) {
         s.error = Some(e);
@@ -671,5 +828,103 @@ impl Iterator for Elements<'_, '_> {
         let node = self.nodes.get(at)?;
         self.next = at.saturating_add(span(node));
         Some(at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bodies the fast path must read as the whole parse does, or leave to it.
+    const DOCS: &[&str] = &[
+        r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"Hi \"there\"\n\u00e9\ud83d\ude00"},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":12,"total_tokens":21,"prompt_tokens_details":{"cached_tokens":2}}}"#,
+        r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"choices":[{"finish_reason":"length","text":"x"},{"finish_reason":null},{"finish_reason":"st\u006fp"}]}"#,
+        r#" { "object" : "list" , "data" : [ { "embedding" : [ 0.1 , -2e3 ] } ] , "usage" : { "prompt_tokens" : 5 , "total_tokens" : 5 } } "#,
+        r#"{"choices":[],"usage":{"prompt_tokens":1},"choices":[{"finish_reason":"stop"}]}"#,
+        r#"{"choices":[{"finish_reason":"stop"}],"usage":{"prompt_tokens":1},"choices":[]}"#,
+        r#"{"usage":{"prompt_tokens":1},"usage":null}"#,
+        r#"{"usage":{"prompt_tokens":1},"usage":{"completion_tokens":7}}"#,
+        r#"{"usage":{}}"#,
+        r#"{"usage":"many"}"#,
+        r#"{"choices":[{"message":{"content":"no usage"},"finish_reason":"stop"}]}"#,
+        r#"{"object":"error","message":"bad","type":"BadRequestError","code":400,"usage":{"prompt_tokens":1}}"#,
+        r#"{"error":{"message":"bad","type":"invalid_request_error"},"usage":{"prompt_tokens":1}}"#,
+        r#"{"object":"response","status":"completed","usage":{"input_tokens":3,"output_tokens":4}}"#,
+        r#"{"type":"response.completed","response":{"usage":{"input_tokens":3}}}"#,
+        r#"{"\u0075sage":{"prompt_tokens":1}}"#,
+        r#"{"choices":[{"finish\u005freason":"stop"}],"usage":{"prompt_tokens":1}}"#,
+        r#"{"object":"\u0065rror","usage":{"prompt_tokens":1}}"#,
+        r#"{"choices":{"finish_reason":"stop"},"usage":{"prompt_tokens":1}}"#,
+        r#"{"choices":[1,"a",[{"finish_reason":"x"}],{}],"usage":{"prompt_tokens":1}}"#,
+        r#"{"usage":{"prompt_tokens":1}} x"#,
+        r#"{"usage":{"prompt_tokens":1},}"#,
+        r#"{"usage":{"prompt_tokens":18446744073709551616}}"#,
+        r#"[{"usage":{"prompt_tokens":1}}]"#,
+        r#"{}"#,
+    ];
+
+    fn whole(doc: &[u8]) -> Option<MeterSummary> {
+        let mut m = StreamMeter::new();
+        let (summary, captured) = (&mut m.summary, &mut m.captured);
+        m.json
+            .parse(doc, |nodes| {
+                read_document(nodes, summary, captured);
+            })
+            .map(|()| m.summary.clone())
+    }
+
+    fn check(doc: &[u8]) -> bool {
+        let mut fast = StreamMeter::new();
+        if !fast.read_reported_usage(doc) {
+            assert_eq!(
+                fast.summary,
+                MeterSummary::default(),
+                "recorded before giving up"
+            );
+            return false;
+        }
+        let whole = whole(doc).unwrap_or_else(|| {
+            panic!(
+                "read a body the parse refuses: {}",
+                String::from_utf8_lossy(doc)
+            )
+        });
+        let fast = &fast.summary;
+        assert!(whole.usage.is_some());
+        assert_eq!(
+            (&fast.usage, &fast.finish_reason, &fast.error),
+            (&whole.usage, &whole.finish_reason, &whole.error),
+            "{}",
+            String::from_utf8_lossy(doc)
+        );
+        true
+    }
+
+    #[test]
+    fn reported_usage_is_read_as_the_whole_parse_reads_it() {
+        let taken: Vec<bool> = DOCS.iter().map(|d| check(d.as_bytes())).collect();
+        assert_eq!(
+            taken,
+            [
+                true, true, true, true, true, false, true, false, false, false, false, false,
+                false, false, false, false, false, true, true, false, false, false, false, false
+            ]
+        );
+        // Every cut and every one-byte change of them: read the same, or left to the parse.
+        let mut taken = 0;
+        for doc in DOCS {
+            let doc = doc.as_bytes();
+            for cut in 0..doc.len() {
+                taken += usize::from(check(&doc[..cut]));
+            }
+            for at in 0..doc.len() {
+                for b in [b'"', b'\\', b'}', b']', b',', b' ', b'1', b'x', 0x01, 0xC3] {
+                    let mut changed = doc.to_vec();
+                    changed[at] = b;
+                    taken += usize::from(check(&changed));
+                }
+            }
+        }
+        assert!(taken > 1000, "{taken}");
     }
 }
