@@ -188,7 +188,9 @@ struct RawServer {
     workers: usize,
     pin_workers: bool,
     max_connections_per_worker: usize,
-    max_requests_per_worker: usize,
+    /// `None`: `max_connections_per_worker` (an HTTP/1.1 connection carries one request at a
+    /// time, so that many can be in flight anyway).
+    max_requests_per_worker: Option<usize>,
     max_body_memory_per_worker: usize,
     shutdown_grace_ms: u64,
     /// Where this process offers its listening sockets to a successor (`--takeover PATH`).
@@ -202,7 +204,7 @@ impl Default for RawServer {
             workers: 0,
             pin_workers: true,
             max_connections_per_worker: 16384,
-            max_requests_per_worker: 8192,
+            max_requests_per_worker: None,
             max_body_memory_per_worker: 256 * 1024 * 1024,
             shutdown_grace_ms: 30_000,
             takeover_socket: None,
@@ -1261,15 +1263,15 @@ fn resolve_server(
     if raw.workers > 1024 {
         err("server.workers".into(), "must be at most 1024".into());
     }
+    let max_requests_per_worker = raw
+        .max_requests_per_worker
+        .unwrap_or(raw.max_connections_per_worker);
     for (key, v) in [
         (
             "server.max_connections_per_worker",
             raw.max_connections_per_worker,
         ),
-        (
-            "server.max_requests_per_worker",
-            raw.max_requests_per_worker,
-        ),
+        ("server.max_requests_per_worker", max_requests_per_worker),
     ] {
         if v == 0 {
             err(key.into(), "must be at least 1".into());
@@ -1292,7 +1294,7 @@ fn resolve_server(
         workers,
         pin_workers: raw.pin_workers,
         max_connections_per_worker: raw.max_connections_per_worker,
-        max_requests_per_worker: raw.max_requests_per_worker,
+        max_requests_per_worker,
         max_body_memory_per_worker: raw.max_body_memory_per_worker,
         shutdown_grace: Duration::from_millis(raw.shutdown_grace_ms),
         takeover_socket: raw.takeover_socket.clone(),
@@ -2396,8 +2398,15 @@ mod tests {
             s.server.max_connections_per_worker
         );
         assert_eq!(s.upstream.pool_wait, Duration::from_millis(100));
+        assert_eq!(
+            s.server.max_requests_per_worker,
+            s.server.max_connections_per_worker
+        );
         let s = upstream("[server]\nmax_connections_per_worker = 5000").unwrap();
         assert_eq!(s.upstream.max_connections_per_backend, 5000);
+        assert_eq!(s.server.max_requests_per_worker, 5000);
+        let s = upstream("[server]\nmax_requests_per_worker = 7").unwrap();
+        assert_eq!(s.server.max_requests_per_worker, 7);
         let s = upstream("[upstream]\nmax_connections_per_backend = 7\npool_wait_ms = 0").unwrap();
         assert_eq!(s.upstream.max_connections_per_backend, 7);
         assert_eq!(s.upstream.pool_wait, Duration::ZERO);

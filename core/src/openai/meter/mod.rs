@@ -23,6 +23,10 @@ use std::time::Instant;
 pub(crate) use sse::{event_data, SseSplitter, DEFAULT_MAX_EVENT};
 pub(crate) use usage::{MeterSummary, StreamMeter, Usage};
 
+/// The bytes a whole JSON body parsed where it lies gets appended for the parse (simd-json's
+/// padding): room a caller reserving for the body can add.
+pub(crate) const PARSE_PADDING: usize = simd_json::INPUT_PADDING;
+
 /// Splitter and meter together, for one event stream at a time. Keep one per worker and
 /// [`reset`](Self::reset) it between responses: its buffers are reused.
 #[derive(Debug, Default)]
@@ -457,7 +461,7 @@ mod tests {
     }
 
     #[test]
-    fn a_body_reporting_usage_is_counted_not_captured() {
+    fn a_body_reporting_usage_keeps_no_copy_of_its_text() {
         // The capture only serves the estimate of an answer that reports no usage.
         let text = "word ".repeat(100);
         let with_usage = format!(

@@ -8,9 +8,11 @@
 //! the clock, and nothing fails: input that is not JSON, or not shaped as expected, is counted
 //! and otherwise ignored.
 //!
-//! Each document is parsed with simd-json into a tape kept between calls (simd-json unescapes in
-//! place, so the data is first copied into a reused scratch buffer with the padding simd-json
-//! needs), then the few fields that matter are read off the tape.
+//! Each event's document is parsed with simd-json into a tape kept between calls (simd-json
+//! unescapes in place, so the data is first copied into the thread's scratch buffer with the
+//! padding simd-json needs), then the few fields that matter are read off the tape. A whole
+//! body that reports its usage is only scanned (the inspector's validating scanner) and its
+//! `usage` alone parsed; any other whole body is parsed where it lies.
 
 use crate::openai::inspect::scan::{unescape, Kind, Scanner, Value};
 use crate::openai::json::truncate;
@@ -89,7 +91,6 @@ pub struct MeterSummary {
 #[derive(Default)]
 pub(crate) struct StreamMeter {
     summary: MeterSummary,
-    json: JsonScratch,
     /// The generated text itself, up to [`MAX_CAPTURE`] bytes: what a settlement estimate
     /// counts when the upstream reports no usage.
     captured: Vec<u8>,
@@ -151,7 +152,7 @@ impl StreamMeter {
             s.unparsed_events += 1;
             return;
         }
-        let Some(content) = self.json.parse(doc, |nodes| {
+        let Some(content) = parse(doc, |nodes| {
             read_document(nodes, &mut self.summary, &mut self.captured)
         }) else {
             self.summary.unparsed_events += 1;
@@ -167,17 +168,21 @@ impl StreamMeter {
     }
 
     /// A whole non-streamed JSON response body: chat completion, completion, embeddings,
-    /// Responses API response, or an error body. Records usage, finish reason, error and the
-    /// content bytes (no timing and no content events). The body is parsed where it lies:
-    /// `body` gets padding appended for the parse and is cut back to its length after.
+    /// Responses API response, or an error body. Records usage, finish reason and error, and
+    /// — only when no usage is reported, the one case an estimate needs them — the content's
+    /// bytes and text (no timing and no content events). A body reporting usage is scanned
+    /// ([`Self::read_reported_usage`]); any other is parsed where it lies: `body` gets padding
+    /// appended for the parse and is cut back to its length after.
     pub(crate) fn on_json_body(&mut self, body: &mut Vec<u8>) {
         if self.read_reported_usage(body) {
             return;
         }
-        let parsed = self.json.parse_in_place(body, |nodes| {
-            let content = read_document(nodes, &mut self.summary, &mut self.captured);
-            let s = &mut self.summary;
-            s.content_bytes = s.content_bytes.saturating_add(content.bytes);
+        let parsed = with_scratch(|scratch| {
+            scratch.parse_in_place(body, |nodes| {
+                let content = read_document(nodes, &mut self.summary, &mut self.captured);
+                let s = &mut self.summary;
+                s.content_bytes = s.content_bytes.saturating_add(content.bytes);
+            })
         });
         if parsed.is_none() {
             self.summary.unparsed_events += 1;
@@ -201,10 +206,8 @@ impl StreamMeter {
         let Some((usage, finish_reason)) = reported_usage_members(text) else {
             return false;
         };
-        let Some(usage) = self
-            .json
-            .parse(&body[usage.start..usage.end], |nodes| read_usage(nodes, 0))
-            .flatten()
+        let Some(usage) =
+            parse(&body[usage.start..usage.end], |nodes| read_usage(nodes, 0)).flatten()
         else {
             return false;
         };
@@ -248,6 +251,10 @@ fn reported_usage_members(text: &str) -> Option<(Value, Option<Value>)> {
         match plain_key(&mut sc, text)? {
             // A repeated key replaces the earlier one, as in the whole parse.
             "choices" if sc.skip_ws() == Some(b'[') => finish_reason = walk_choices(&mut sc, text)?,
+            "choices" => {
+                sc.value(1).ok()?;
+                finish_reason = None;
+            }
             "usage" => usage = Some(sc.value(1).ok()?),
             "error" | "type" | "response" | "delta" => return None,
             "object" => {
@@ -330,21 +337,20 @@ impl StreamMeter {
         {
             return false;
         }
-        self.json
-            .parse(doc, |nodes| {
-                let (mut no_choices, mut usage) = (false, false);
-                for (key, v) in entries(nodes, 0) {
-                    match key {
-                        "choices" => {
-                            no_choices = matches!(nodes.get(v), Some(Node::Array { len: 0, .. }));
-                        }
-                        "usage" => usage = matches!(nodes.get(v), Some(Node::Object { .. })),
-                        _ => {}
+        parse(doc, |nodes| {
+            let (mut no_choices, mut usage) = (false, false);
+            for (key, v) in entries(nodes, 0) {
+                match key {
+                    "choices" => {
+                        no_choices = matches!(nodes.get(v), Some(Node::Array { len: 0, .. }));
                     }
+                    "usage" => usage = matches!(nodes.get(v), Some(Node::Object { .. })),
+                    _ => {}
                 }
-                no_choices && usage
-            })
-            .unwrap_or(false)
+            }
+            no_choices && usage
+        })
+        .unwrap_or(false)
     }
 }
 
@@ -360,7 +366,9 @@ fn key_followed_by(doc: &[u8], key: &[u8], value: impl Fn(&[u8]) -> bool) -> boo
 }
 
 /// Buffers that stay between parses. Past `KEEP_BYTES` of input they are freed after use, so a
-/// single large body does not pin memory for the life of the worker.
+/// single large body does not pin memory for the life of the worker. One per thread (see
+/// [`with_scratch`]), not one per meter: a parse never waits, so a worker's ten thousand
+/// streams can share one set instead of holding ~12 KB each.
 #[derive(Default)]
 struct JsonScratch {
     input: Vec<u8>,
@@ -369,6 +377,25 @@ struct JsonScratch {
 }
 
 const KEEP_BYTES: usize = 1 << 20;
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<JsonScratch> = std::cell::RefCell::default();
+}
+
+/// Run `f` with this thread's parse buffers (a fresh set in the never-seen case of a parse
+/// inside a parse, rather than a panic).
+fn with_scratch<R>(f: impl FnOnce(&mut JsonScratch) -> R) -> R {
+    SCRATCH.with(|scratch| match scratch.try_borrow_mut() {
+        Ok(mut scratch) => f(&mut scratch),
+        Err(_) => f(&mut JsonScratch::default()),
+    })
+}
+
+/// Parse `doc` with this thread's buffers and run `f` on its tape; `None` when it is not valid
+/// JSON.
+fn parse<R>(doc: &[u8], f: impl FnOnce(&[Node<'_>]) -> R) -> Option<R> {
+    with_scratch(|scratch| scratch.parse(doc, f))
+}
 
 impl JsonScratch {
     /// Parse `doc` and run `f` on its tape; `None` when it is not valid JSON.
@@ -842,6 +869,7 @@ mod tests {
         r#" { "object" : "list" , "data" : [ { "embedding" : [ 0.1 , -2e3 ] } ] , "usage" : { "prompt_tokens" : 5 , "total_tokens" : 5 } } "#,
         r#"{"choices":[],"usage":{"prompt_tokens":1},"choices":[{"finish_reason":"stop"}]}"#,
         r#"{"choices":[{"finish_reason":"stop"}],"usage":{"prompt_tokens":1},"choices":[]}"#,
+        r#"{"choices":[{"finish_reason":"stop"}],"choices":null,"usage":{"prompt_tokens":1}}"#,
         r#"{"usage":{"prompt_tokens":1},"usage":null}"#,
         r#"{"usage":{"prompt_tokens":1},"usage":{"completion_tokens":7}}"#,
         r#"{"usage":{}}"#,
@@ -866,11 +894,10 @@ mod tests {
     fn whole(doc: &[u8]) -> Option<MeterSummary> {
         let mut m = StreamMeter::new();
         let (summary, captured) = (&mut m.summary, &mut m.captured);
-        m.json
-            .parse(doc, |nodes| {
-                read_document(nodes, summary, captured);
-            })
-            .map(|()| m.summary.clone())
+        parse(doc, |nodes| {
+            read_document(nodes, summary, captured);
+        })
+        .map(|()| m.summary.clone())
     }
 
     fn check(doc: &[u8]) -> bool {
@@ -906,7 +933,7 @@ mod tests {
         assert_eq!(
             taken,
             [
-                true, true, true, true, true, false, true, false, false, false, false, false,
+                true, true, true, true, true, true, false, true, false, false, false, false, false,
                 false, false, false, false, false, true, true, false, false, false, false, false
             ]
         );
