@@ -120,6 +120,50 @@ fn client_abort_mid_stream_cancels_upstream_and_leaks_nothing() {
     assert_eq!(gw.chat(&chat_body("gpt-4o")).status, 200);
 }
 
+/// The client leaves while the upstream is silent between events: only the relay's watch on
+/// the client can notice (no write fails, as none is due), and it must — within the silence,
+/// not at the next event. The watch is armed only once a read has waited a while (so a stream's
+/// quick events arm none): it must still be armed for a long silence.
+#[test]
+fn a_client_leaving_a_silent_stream_cancels_it_before_the_next_event() {
+    let mock = Mock::start(&["--inter-token-ms", "3000", "--tokens", "5"]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    assert_eq!(gw.get("/v1/models").status, 200);
+    let baseline = gw.fd_count();
+    let mut c = gw.conn();
+    c.send(&Req::post("/v1/chat/completions", &chat_stream_body("gpt-4o")).build());
+    assert_eq!(c.read_head().expect("stream head").status, 200);
+    // The first content event comes at once; the next one 3 s later.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while parse_sse(&[Piece {
+        at: Instant::now(),
+        data: c.buffered().to_vec(),
+    }])
+    .iter()
+    .all(|e| e.content().is_none())
+    {
+        assert!(Instant::now() < deadline, "no first token");
+        assert!(
+            c.read_more().expect("read stream") > 0,
+            "stream ended early"
+        );
+    }
+    let left_at = Instant::now();
+    drop(c);
+    let cancelled = wait_until(Duration::from_secs(2), || mock.stat("streams_aborted") == 1);
+    assert!(
+        cancelled && left_at.elapsed() < Duration::from_millis(2500),
+        "upstream not cancelled during the silence: {}",
+        mock.stats()
+    );
+    assert!(
+        wait_until(Duration::from_secs(2), || gw.fd_count() <= baseline),
+        "sluice holds {} fds, {} before (leaked connection)",
+        gw.fd_count(),
+        baseline
+    );
+}
+
 fn fault(name: &str, stream: bool) -> Req {
     let body = if stream {
         chat_stream_body("gpt-4o")

@@ -7,7 +7,8 @@
 //! bodies pass through as they are; chunked and close-delimited bodies are decoded and re-framed
 //! as clean chunks (extensions and trailers dropped) for HTTP/1.1 clients. Returns whether the
 //! client connection can serve another request. While relaying it watches the client socket: if
-//! the client leaves, the upstream connection is shut down at once. If the upstream stalls past
+//! the client leaves, the upstream connection is shut down at once (noticed by the next write,
+//! or by the watch, armed once a read has waited [`WATCH_AFTER`]). If the upstream stalls past
 //! `stream_idle`, ends early or sends a malformed chunk, an event stream ends with an SSE error
 //! event (its framing stays valid), any other body is cut by closing the client connection. The
 //! upstream connection goes back to the pool only after a complete, well-framed response.
@@ -45,6 +46,10 @@ pub(crate) mod translate;
 
 use strip::UsageStrip;
 use translate::StreamTranslate;
+
+/// How long an upstream read waits before the client is watched for leaving (see
+/// `read_upstream`): longer than the gap between a stream's events, short for a person.
+const WATCH_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How often a TLS client whose watch woke on bytes of its session (an alert, say) is checked
 /// for a hang-up, while the relay waits on the upstream.
@@ -592,8 +597,8 @@ impl Relay<'_, '_> {
         ))
     }
 
-    /// One upstream read into `ubuf`, watching the client meanwhile (until it sends its next
-    /// request early: then `watching` turns off). The read is never dropped unless the client
+    /// One upstream read into `ubuf`, watching the client meanwhile once the read has waited
+    /// [`WATCH_AFTER`] (until it sends its next request early: then `watching` turns off). The read is never dropped unless the client
     /// is gone, so no upstream bytes can be lost to a cancelled read. The watch borrows the
     /// client socket only while this waits, never across a write.
     async fn read_upstream(&mut self, watching: &mut bool) -> Result<usize, Cut> {
@@ -606,7 +611,16 @@ impl Relay<'_, '_> {
             |b| self.conn.io.read(b),
         ));
         let client = &*self.client;
-        let mut watch = pin!(client.readable());
+        // Armed only once the read has waited `WATCH_AFTER`: a readiness wait armed and
+        // cancelled on every upstream read (every event of a stream) cost two submissions, and
+        // the kernel finds the wait to cancel by a search of all those armed on the ring, which
+        // grows with the streams a worker holds (8% of its CPU at 3,000 streams; perf/RESULTS.md,
+        // #15 item 3). A client that leaves is still noticed within `WATCH_AFTER` of the
+        // upstream falling silent, or at once by the next write.
+        let mut watch = pin!(async {
+            monoio::time::sleep(WATCH_AFTER).await;
+            client.readable().await
+        });
         let read_result = loop {
             if !*watching {
                 if !client.is_tls() {
