@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PROXIES=${PROXIES:-"sluice nginx"}
 CONNS_LIST=${CONNS_LIST:-"16 256 4096"}
-RATE=${RATE:-4000}
+RATE=${RATE:-8000}
 ROUNDS=${ROUNDS:-3}
 WARMUP=${WARMUP:-3}
 DURATION=${DURATION:-8}
@@ -85,7 +85,7 @@ served = int(served) - 2  # the two stats requests
 cpu_us = int(ticks) / int(hz) * 1e6 / max(served, 1)
 lat = r["latency"]
 print(f"{rnd} {proxy} {conns} {cpu_us:.1f} {served / float(secs):.0f} "
-      f"{lat['p50_ms']:.3f} {lat['p99_ms']:.3f} {lat['p999_ms']:.3f} {r['errors']}")
+      f"{lat['p50_ms']:.3f} {lat['p99_ms']:.3f} {lat['p999_ms']:.3f} {r['errors_total']}")
 PY
     done
   done

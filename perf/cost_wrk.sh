@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The cost rig with wrk as the client (issue #15's first must-show asks for both clients; the
+# kit, scripts/bench.sh, drives it with sluice-load). Everything on ONE core: wrk (one thread),
+# mock-llm, redis-server and the proxy; 1,024-byte chat POSTs on CONNS keep-alive connections;
+# rounds interleave nginx, Sluice plain and Sluice with the AI pipeline (API-key auth, three
+# stacked policies on Redis, the admin listener and the protobuf access log — the kit's
+# sluice-ai). Per run: req/s (wrk) and the proxy's CPU µs per request (utime + stime over the
+# run, divided by the requests mock-llm served in it). Reports the median of the rounds, the
+# min–max, and each run's ratio to the same round's nginx run.
+#
+#   perf/cost_wrk.sh                  # ROUNDS=5 DURATION=8 CONNS=32 CORE=0
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CORE=${CORE:-0}
+ROUNDS=${ROUNDS:-5}
+DURATION=${DURATION:-8}
+CONNS=${CONNS:-32}
+PROXIES=${PROXIES:-"nginx sluice sluice-ai"}
+for tool in wrk nginx redis-server; do
+  command -v "$tool" >/dev/null || {
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk nginx-light redis-server >/dev/null
+    break
+  }
+done
+cargo build --release -q -p sluice -p sluice-bench
+BIN=target/release
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$TMP"; }
+trap cleanup EXIT
+. scripts/bench-lib.sh
+
+start_mock
+write_post_lua "$TMP/post.lua"
+KEY=sk-cost-wrk-1
+{ cat "$TMP/post.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $KEY\""; } >"$TMP/post-ai.lua"
+
+declare -A PID PORT
+REDIS_PORT=$(free_port)
+taskset -c "$CORE" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no \
+  >"$TMP/redis.log" 2>&1 &
+REDIS_PID=$!
+PIDS+=($!)
+for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+for proxy in $PROXIES; do
+  case $proxy in
+    nginx)
+      PORT[$proxy]=$(free_port)
+      write_nginx_config "$TMP/nginx" "${PORT[$proxy]}" "$MOCK"
+      taskset -c "$CORE" nginx -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf" >"$TMP/nginx.log" 2>&1 &
+      PID[$proxy]=$!
+      PIDS+=($!)
+      wait_http "http://127.0.0.1:${PORT[$proxy]}/" "${PID[$proxy]}"
+      ;;
+    sluice | sluice-ai)
+      if [ "$proxy" = sluice ]; then
+        write_sluice_config "$TMP/$proxy.toml" 0 ""
+      else
+        mkdir -p "$TMP/logs"
+        write_sluice_ai_config "$TMP/$proxy.toml" "$REDIS_PORT" "$KEY" "$TMP/logs"
+      fi
+      taskset -c "$CORE" "$BIN/sluice" --config "$TMP/$proxy.toml" >"$TMP/$proxy.log" 2>&1 &
+      PID[$proxy]=$!
+      PIDS+=($!)
+      wait_line "$TMP/$proxy.log" "listening on"
+      PORT[$proxy]=$(port_of "$TMP/$proxy.log")
+      ;;
+    *) echo "unknown proxy $proxy" >&2; exit 1 ;;
+  esac
+done
+
+served() { curl -s "http://127.0.0.1:$MOCK/_mock/stats" | sed -n 's/.*"requests":\([0-9]*\).*/\1/p'; }
+lua_of() { [ "$1" = sluice-ai ] && echo "$TMP/post-ai.lua" || echo "$TMP/post.lua"; }
+
+HZ=$(getconf CLK_TCK)
+echo "machine: $(nproc) CPU(s), $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"
+echo "$(nginx -v 2>&1); $(wrk --version 2>&1 | head -1 | cut -d' ' -f1-2); core $CORE; $ROUNDS round(s) of ${DURATION}s, $CONNS connections"
+# Warm every proxy (pools, page tables) before round 1.
+for proxy in $PROXIES; do
+  taskset -c "$CORE" wrk -t1 -c"$CONNS" -d1s -s "$(lua_of "$proxy")" \
+    "http://127.0.0.1:${PORT[$proxy]}/v1/chat/completions" >/dev/null
+done
+: >"$TMP/runs.txt"
+for round in $(seq "$ROUNDS"); do
+  for proxy in $PROXIES; do
+    t0=$(proc_ticks "${PID[$proxy]}"); s0=$(served)
+    out=$(taskset -c "$CORE" wrk -t1 -c"$CONNS" -d"${DURATION}s" -s "$(lua_of "$proxy")" \
+      "http://127.0.0.1:${PORT[$proxy]}/v1/chat/completions")
+    t1=$(proc_ticks "${PID[$proxy]}"); s1=$(served)
+    rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+    bad=$(echo "$out" | awk '/Non-2xx/ {print $NF} /Socket errors/ {print "socket"}' | head -1)
+    echo "$round $proxy $rps $((t1 - t0)) $((s1 - s0 - 1)) ${bad:-0}" >>"$TMP/runs.txt"
+    printf '  round %s %-10s %10s req/s %s\n' "$round" "$proxy" "$rps" "${bad:+errors: $bad}"
+  done
+done
+python3 - "$TMP/runs.txt" "$HZ" <<'PY'
+import statistics, sys
+from collections import defaultdict
+hz = int(sys.argv[2])
+runs = defaultdict(dict)
+for line in open(sys.argv[1]):
+    rnd, proxy, rps, ticks, served, bad = line.split()
+    runs[proxy][int(rnd)] = (float(rps), int(ticks) / hz * 1e6 / max(int(served), 1), bad)
+med = lambda xs: statistics.median(xs)
+rng = lambda xs: f"{min(xs):.2f}–{max(xs):.2f}"
+print()
+print("| proxy | req/s | min–max | ratio to nginx | ratio min–max | CPU µs/req | min–max | CPU ratio to nginx | ratio min–max | errors |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+base = runs.get("nginx", {})
+for proxy, rounds in runs.items():
+    rps = [v[0] for v in rounds.values()]
+    cpu = [v[1] for v in rounds.values()]
+    ratio = [rounds[r][0] / base[r][0] for r in rounds if r in base]
+    cratio = [rounds[r][1] / base[r][1] for r in rounds if r in base]
+    errors = sum(v[2] != "0" for v in rounds.values())
+    print(f"| {proxy} | {med(rps):,.0f} | {min(rps):,.0f}–{max(rps):,.0f} | {med(ratio):.2f} | {rng(ratio)} "
+          f"| {med(cpu):.2f} | {min(cpu):.2f}–{max(cpu):.2f} | {med(cratio):.2f} | {rng(cratio)} | {errors} |")
+PY
