@@ -42,32 +42,7 @@ taskset -c "$CORE" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" 
 REDIS_PID=$!
 PIDS+=($!)
 for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
-for proxy in $PROXIES; do
-  case $proxy in
-    nginx)
-      PORT[$proxy]=$(free_port)
-      write_nginx_config "$TMP/nginx" "${PORT[$proxy]}" "$MOCK"
-      taskset -c "$CORE" nginx -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf" >"$TMP/nginx.log" 2>&1 &
-      PID[$proxy]=$!
-      PIDS+=($!)
-      wait_http "http://127.0.0.1:${PORT[$proxy]}/" "${PID[$proxy]}"
-      ;;
-    sluice | sluice-ai)
-      if [ "$proxy" = sluice ]; then
-        write_sluice_config "$TMP/$proxy.toml" 0 ""
-      else
-        mkdir -p "$TMP/logs"
-        write_sluice_ai_config "$TMP/$proxy.toml" "$REDIS_PORT" "$KEY" "$TMP/logs"
-      fi
-      taskset -c "$CORE" "$BIN/sluice" --config "$TMP/$proxy.toml" >"$TMP/$proxy.log" 2>&1 &
-      PID[$proxy]=$!
-      PIDS+=($!)
-      wait_line "$TMP/$proxy.log" "listening on"
-      PORT[$proxy]=$(port_of "$TMP/$proxy.log")
-      ;;
-    *) echo "unknown proxy $proxy" >&2; exit 1 ;;
-  esac
-done
+for proxy in $PROXIES; do start_pinned_proxy "$proxy" "$CORE"; done
 
 served() { curl -s "http://127.0.0.1:$MOCK/_mock/stats" | sed -n 's/.*"requests":\([0-9]*\).*/\1/p'; }
 lua_of() { [ "$1" = sluice-ai ] && echo "$TMP/post-ai.lua" || echo "$TMP/post.lua"; }

@@ -42,27 +42,7 @@ command -v nginx >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=nonintera
 
 start_mock
 declare -A PID PORT
-for proxy in $PROXIES; do
-  case $proxy in
-    sluice)
-      write_sluice_config "$TMP/sluice.toml" 0 ""
-      taskset -c 0 "$BIN/sluice" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
-      PID[$proxy]=$!
-      PIDS+=($!)
-      wait_line "$TMP/sluice.log" listening
-      PORT[$proxy]=$(port_of "$TMP/sluice.log")
-      ;;
-    nginx)
-      PORT[$proxy]=$(free_port)
-      write_nginx_config "$TMP/nginx" "${PORT[$proxy]}" "$MOCK"
-      taskset -c 0 nginx -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf" >"$TMP/nginx.log" 2>&1 &
-      PID[$proxy]=$!
-      PIDS+=($!)
-      wait_http "http://127.0.0.1:${PORT[$proxy]}/" "${PID[$proxy]}"
-      ;;
-    *) echo "unknown proxy $proxy" >&2; exit 1 ;;
-  esac
-done
+for proxy in $PROXIES; do start_pinned_proxy "$proxy" 0; done
 
 echo "machine: $(nproc) CPU(s), $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"
 echo "small: $SMALL_RATE req/s over 32 connections, ${DURATION}s; large: 64 KB at $LARGE_RATE req/s; churn: $CHURN_CONNS new connections a second; $ROUNDS round(s)"

@@ -39,27 +39,7 @@ served() { curl -s "http://127.0.0.1:$MOCK/_mock/stats" | python3 -c "import jso
 
 start_mock
 declare -A PID PORT
-for proxy in $PROXIES; do
-  case $proxy in
-    sluice)
-      write_sluice_config "$TMP/sluice.toml" 0 ""
-      taskset -c 0 "$SLUICE_BIN" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
-      PID[$proxy]=$!
-      PIDS+=($!)
-      wait_line "$TMP/sluice.log" listening
-      PORT[$proxy]=$(port_of "$TMP/sluice.log")
-      ;;
-    nginx)
-      PORT[$proxy]=$(free_port)
-      write_nginx_config "$TMP/nginx" "${PORT[$proxy]}" "$MOCK"
-      taskset -c 0 nginx -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf" >"$TMP/nginx.log" 2>&1 &
-      PID[$proxy]=$!
-      PIDS+=($!)
-      wait_http "http://127.0.0.1:${PORT[$proxy]}/" "${PID[$proxy]}"
-      ;;
-    *) echo "unknown proxy $proxy" >&2; exit 1 ;;
-  esac
-done
+for proxy in $PROXIES; do start_pinned_proxy "$proxy" 0; done
 
 HZ=$(getconf CLK_TCK)
 echo "machine: $(nproc) CPU(s), $(uname -r); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty'); rate $RATE req/s, ${WARMUP}s warm-up, ${DURATION}s measured, $ROUNDS round(s)"

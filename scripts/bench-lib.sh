@@ -223,3 +223,37 @@ write_sluice_ai_config() { # file redis_port key logdir
   write_sluice_config "$1" 1 "$4"
   append_limits_config "$1" "$2" "$3"
 }
+
+# ---- Used by the perf/ scale checks (sweep.sh, mixed.sh, cost_wrk.sh). ------------------------
+
+# Start PROXY pinned to CORE, one worker, proxying to mock-llm (see start_mock): `sluice` (the
+# default config), `sluice-ai` (write_sluice_ai_config; needs REDIS_PORT and KEY) or `nginx`.
+# Sets PID[PROXY] and PORT[PROXY] (associative arrays the caller declares) and adds the PID to
+# PIDS. SLUICE_BIN, when set, is the Sluice binary (default: $BIN/sluice).
+start_pinned_proxy() { # proxy core
+  local proxy=$1 core=$2
+  case $proxy in
+    sluice | sluice-ai)
+      if [ "$proxy" = sluice ]; then
+        write_sluice_config "$TMP/$proxy.toml" 0 ""
+      else
+        mkdir -p "$TMP/logs"
+        write_sluice_ai_config "$TMP/$proxy.toml" "$REDIS_PORT" "$KEY" "$TMP/logs"
+      fi
+      taskset -c "$core" "${SLUICE_BIN:-$BIN/sluice}" --config "$TMP/$proxy.toml" >"$TMP/$proxy.log" 2>&1 &
+      PID[$proxy]=$!
+      PIDS+=($!)
+      wait_line "$TMP/$proxy.log" "listening on"
+      PORT[$proxy]=$(port_of "$TMP/$proxy.log")
+      ;;
+    nginx)
+      PORT[$proxy]=$(free_port)
+      write_nginx_config "$TMP/nginx" "${PORT[$proxy]}" "$MOCK"
+      taskset -c "$core" nginx -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf" >"$TMP/nginx.log" 2>&1 &
+      PID[$proxy]=$!
+      PIDS+=($!)
+      wait_http "http://127.0.0.1:${PORT[$proxy]}/" "${PID[$proxy]}"
+      ;;
+    *) echo "unknown proxy $proxy" >&2; exit 1 ;;
+  esac
+}
