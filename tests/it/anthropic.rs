@@ -4,7 +4,7 @@
 //! shapes, with usage in OpenAI's terms; a route fails over between the dialects.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use sluice_tests::*;
@@ -452,4 +452,53 @@ groups = [{ targets = [{ cluster = "claude", model = "claude-mock" }] }, { targe
         .map(|r| r["fallback_reason"].as_str().unwrap())
         .collect();
     assert_eq!(reasons[..2], ["status_529", "status_429"], "{reasons:?}");
+}
+
+/// A client that leaves while the Anthropic upstream sends only pings (which translate to
+/// nothing for an OpenAI client) is noticed: the relay's client watch counts from its last
+/// output to the client, not from each upstream read, so reads that keep arriving every 20 ms
+/// can't hold it off. The upstream is cancelled long before the next token (4 s).
+#[test]
+fn a_client_leaving_while_only_pings_arrive_cancels_the_upstream() {
+    let claude = Mock::start(&["--tokens", "5", "--inter-token-ms", "4000"]);
+    let openai = Mock::start(&[]);
+    let log = TempDir::new("anthropic-pings");
+    let gw = Sluice::start(&config(&claude, &openai, &log));
+    let body = json!({
+        "model": "claude",
+        "stream": true,
+        "messages": [{"role": "user", "content": "hi"}],
+    })
+    .to_string();
+    let mut c = gw.conn();
+    c.send(
+        &Req::post("/v1/chat/completions", &body)
+            .header("x-mock-ping-ms", "20")
+            .build(),
+    );
+    assert_eq!(c.read_head().expect("stream head").status, 200);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while parse_sse(&[Piece {
+        at: Instant::now(),
+        data: c.buffered().to_vec(),
+    }])
+    .iter()
+    .all(|e| e.content().is_none())
+    {
+        assert!(Instant::now() < deadline, "no first token");
+        assert!(
+            c.read_more().expect("read stream") > 0,
+            "stream ended early"
+        );
+    }
+    let left_at = Instant::now();
+    drop(c);
+    let cancelled = wait_until(Duration::from_secs(2), || {
+        claude.stat("streams_aborted") == 1
+    });
+    assert!(
+        cancelled && left_at.elapsed() < Duration::from_millis(3_000),
+        "upstream not cancelled while pings arrived: {}",
+        claude.stats()
+    );
 }

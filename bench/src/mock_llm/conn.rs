@@ -186,6 +186,8 @@ struct Plan {
     tokens: u64,
     ttft_ms: u64,
     itl_ms: u64,
+    /// `/v1/messages` streams: a `ping` event this often while a delta is not yet due (0: none).
+    ping_ms: u64,
     delay_ms: u64,
     fault: Option<Fault>,
     status: Option<u16>,
@@ -627,6 +629,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             tokens: cfg.tokens,
             ttft_ms: cfg.ttft_ms,
             itl_ms: cfg.inter_token_ms,
+            ping_ms: 0,
             delay_ms: 0,
             fault: st.fault.get(),
             status: None,
@@ -742,6 +745,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 plan.ttft_ms = parse_num(value).unwrap_or(plan.ttft_ms);
             } else if ctl.eq_ignore_ascii_case(b"inter-token-ms") {
                 plan.itl_ms = parse_num(value).unwrap_or(plan.itl_ms);
+            } else if ctl.eq_ignore_ascii_case(b"ping-ms") {
+                plan.ping_ms = parse_num(value).unwrap_or(plan.ping_ms);
             } else if ctl.eq_ignore_ascii_case(b"tokens") {
                 plan.tokens = parse_num(value).unwrap_or(plan.tokens);
             } else if ctl.eq_ignore_ascii_case(b"prompt-tokens") {
@@ -1273,8 +1278,23 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                     if at.end_at == Some(sent) {
                         return self.end_without_finish(framing, close).await;
                     }
-                    let due = p.ttft_ms.saturating_add(sent.saturating_mul(p.itl_ms));
-                    self.pause_until(t0 + Duration::from_millis(due)).await?;
+                    let due = t0
+                        + Duration::from_millis(
+                            p.ttft_ms.saturating_add(sent.saturating_mul(p.itl_ms)),
+                        );
+                    // Pings while the delta is not due (x-mock-ping-ms): bytes on the wire
+                    // that carry no content.
+                    let ping_every = Duration::from_millis(p.ping_ms);
+                    let mut ping_at = Instant::now() + ping_every;
+                    while p.ping_ms > 0 && ping_at < due {
+                        self.pause_until(ping_at).await?;
+                        self.ev.clear();
+                        anthropic_wire::ev_ping(&mut self.ev);
+                        self.send_ev(framing, b"").await?;
+                        ping_at = Instant::now() + ping_every;
+                    }
+                    self.ev.clear();
+                    self.pause_until(due).await?;
                     if at.error_at == Some(sent) {
                         return self.error_event(p, framing, sent, close).await;
                     }

@@ -237,7 +237,11 @@ impl BufPool {
 
     pub(crate) fn give(&self, mut buf: Vec<u8>) {
         let mut free = self.free.borrow_mut();
-        if free.len() < self.max_free && buf.capacity() <= self.max_kept_capacity {
+        // An empty shell (a buffer taken for a write that never gave it back) is not worth
+        // keeping: the next take would have to allocate anyway.
+        if free.len() < self.max_free
+            && (self.capacity..=self.max_kept_capacity).contains(&buf.capacity())
+        {
             buf.clear();
             free.push(buf);
         }

@@ -8,7 +8,7 @@
 //! as clean chunks (extensions and trailers dropped) for HTTP/1.1 clients. Returns whether the
 //! client connection can serve another request. While relaying it watches the client socket: if
 //! the client leaves, the upstream connection is shut down at once (noticed by the next write,
-//! or by the watch, armed once a read has waited [`WATCH_AFTER`]). If the upstream stalls past
+//! or by the watch, armed once [`WATCH_AFTER`] passed without output to the client). If the upstream stalls past
 //! `stream_idle`, ends early or sends a malformed chunk, an event stream ends with an SSE error
 //! event (its framing stays valid), any other body is cut by closing the client connection. The
 //! upstream connection goes back to the pool only after a complete, well-framed response.
@@ -47,8 +47,9 @@ pub(crate) mod translate;
 use strip::UsageStrip;
 use translate::StreamTranslate;
 
-/// How long an upstream read waits before the client is watched for leaving (see
-/// `read_upstream`): longer than the gap between a stream's events, short for a person.
+/// How long the relay goes without output to the client before it watches the client for
+/// leaving (see `read_upstream`): longer than the gap between a stream's events, short for a
+/// person.
 const WATCH_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How often a TLS client whose watch woke on bytes of its session (an alert, say) is checked
@@ -139,6 +140,7 @@ pub(crate) async fn relay(
     } = response;
     // A translated body's length is not the upstream's: it goes out re-framed.
     let translate = translate.filter(|_| head.event_stream);
+    let head_read_at = read_at.or(obs.forward.head_at).unwrap_or_else(Instant::now);
     let mut plan = Plan::new(&head, side, translate.is_some());
     if io.drain.draining() {
         // Stopping: this response is the connection's last.
@@ -158,14 +160,12 @@ pub(crate) async fn relay(
         plan,
         clean: true,
         terminated: false,
+        last_output: head_read_at,
     };
 
     // The head, and the body bytes that came with it, in one write (an upstream fault in
     // those bytes is answered as a plain 502: nothing reached the client yet).
     relay.write_head(&head, side);
-    let head_read_at = read_at
-        .or(relay.obs.forward.head_at)
-        .unwrap_or_else(Instant::now);
     if let Err(e) = relay.feed_read(head.head_len.., head_read_at) {
         relay.close(false);
         return Err(e);
@@ -407,6 +407,9 @@ struct Relay<'r, 'w> {
     clean: bool,
     /// The chunked framing's last chunk has been sent.
     terminated: bool,
+    /// When the upstream read behind the last bytes written to the client arrived (the
+    /// response head's, to begin with): the client watch counts its delay from here.
+    last_output: Instant,
 }
 
 impl Relay<'_, '_> {
@@ -493,6 +496,7 @@ impl Relay<'_, '_> {
         if self.out.is_empty() {
             return None;
         }
+        self.last_output = read_at;
         self.obs.bytes_out += self.out.len() as u64;
         let (res, returned) = self
             .client
@@ -597,8 +601,9 @@ impl Relay<'_, '_> {
         ))
     }
 
-    /// One upstream read into `ubuf`, watching the client meanwhile once the read has waited
-    /// [`WATCH_AFTER`] (until it sends its next request early: then `watching` turns off). The read is never dropped unless the client
+    /// One upstream read into `ubuf`, watching the client meanwhile once [`WATCH_AFTER`] has
+    /// passed since the last output to it (until it sends its next request early: then
+    /// `watching` turns off). The read is never dropped unless the client
     /// is gone, so no upstream bytes can be lost to a cancelled read. The watch borrows the
     /// client socket only while this waits, never across a write.
     async fn read_upstream(&mut self, watching: &mut bool) -> Result<usize, Cut> {
@@ -611,14 +616,17 @@ impl Relay<'_, '_> {
             |b| self.conn.io.read(b),
         ));
         let client = &*self.client;
-        // Armed only once the read has waited `WATCH_AFTER`: a readiness wait armed and
-        // cancelled on every upstream read (every event of a stream) cost two submissions, and
-        // the kernel finds the wait to cancel by a search of all those armed on the ring, which
-        // grows with the streams a worker holds (8% of its CPU at 3,000 streams; perf/RESULTS.md,
-        // #15 item 3). A client that leaves is still noticed within `WATCH_AFTER` of the
-        // upstream falling silent, or at once by the next write.
+        // Armed only once `WATCH_AFTER` has passed without output to the client: a readiness
+        // wait armed and cancelled on every upstream read (every event of a stream) cost two
+        // submissions, and the kernel finds the wait to cancel by a search of all those armed
+        // on the ring, which grows with the streams a worker holds (8% of its CPU at 3,000
+        // streams; perf/RESULTS.md, #15 item 3). Counted from the last output, not from this
+        // read: upstream bytes that produce none (events a translation drops, an event held
+        // whole) must not keep the watch from ever arming. A client that leaves is noticed by
+        // the next write, or within `WATCH_AFTER` of its last output.
+        let watch_from = monoio::time::Instant::from_std(self.last_output + WATCH_AFTER);
         let mut watch = pin!(async {
-            monoio::time::sleep(WATCH_AFTER).await;
+            monoio::time::sleep_until(watch_from).await;
             client.readable().await
         });
         let read_result = loop {

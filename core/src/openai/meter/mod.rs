@@ -27,8 +27,9 @@ pub(crate) use usage::{MeterSummary, StreamMeter, Usage};
 /// padding): room a caller reserving for the body can add.
 pub(crate) const PARSE_PADDING: usize = simd_json::INPUT_PADDING;
 
-/// Splitter and meter together, for one event stream at a time. Keep one per worker and
-/// [`reset`](Self::reset) it between responses: its buffers are reused.
+/// Splitter and meter together, for one event stream at a time. Keep one and
+/// [`reset`](Self::reset) it between responses: its buffers are reused (the JSON parse's are
+/// one set per thread, shared by every meter on it).
 #[derive(Debug, Default)]
 pub struct SseMeter {
     splitter: SseSplitter,

@@ -114,7 +114,8 @@ impl StreamMeter {
         Self::default()
     }
 
-    /// Forget the response, keeping the parse buffers.
+    /// Forget the response, keeping the capture's buffer (the parse buffers are the
+    /// thread's, see [`with_scratch`]).
     pub(crate) fn reset(&mut self) {
         self.summary = MeterSummary::default();
         self.captured.clear();
@@ -131,7 +132,7 @@ impl StreamMeter {
         &self.summary
     }
 
-    /// Take what has been recorded and start over (the parse buffers stay).
+    /// Take what has been recorded and start over.
     #[cfg(test)]
     pub(crate) fn take_summary(&mut self) -> MeterSummary {
         std::mem::take(&mut self.summary)
