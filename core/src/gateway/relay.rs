@@ -8,10 +8,11 @@
 //! as clean chunks (extensions and trailers dropped) for HTTP/1.1 clients. Returns whether the
 //! client connection can serve another request. While relaying it watches the client socket: if
 //! the client leaves, the upstream connection is shut down at once (noticed by the next write,
-//! or by the watch, armed once [`WATCH_AFTER`] passed without output to the client). If the upstream stalls past
-//! `stream_idle`, ends early or sends a malformed chunk, an event stream ends with an SSE error
-//! event (its framing stays valid), any other body is cut by closing the client connection. The
-//! upstream connection goes back to the pool only after a complete, well-framed response.
+//! or by the watch, armed once [`WATCH_AFTER`] passed without output to the client). If the
+//! upstream stalls past `stream_idle`, ends early or sends a malformed chunk, an event stream
+//! ends with an SSE error event (its framing stays valid), any other body is cut by closing the
+//! client connection. The upstream connection goes back to the pool only after a complete,
+//! well-framed response.
 //!
 //! Stopping (see [`Drain`](crate::gateway::context::Drain)): a response head written while the
 //! worker drains says `connection: close`. When the shutdown grace runs out the runtime shuts
@@ -603,9 +604,9 @@ impl Relay<'_, '_> {
 
     /// One upstream read into `ubuf`, watching the client meanwhile once [`WATCH_AFTER`] has
     /// passed since the last output to it (until it sends its next request early: then
-    /// `watching` turns off). The read is never dropped unless the client
-    /// is gone, so no upstream bytes can be lost to a cancelled read. The watch borrows the
-    /// client socket only while this waits, never across a write.
+    /// `watching` turns off). The read is never dropped unless the client is gone, so no
+    /// upstream bytes can be lost to a cancelled read. The watch borrows the client socket only
+    /// while this waits, never across a write.
     async fn read_upstream(&mut self, watching: &mut bool) -> Result<usize, Cut> {
         self.ubuf.clear();
         let mut read = pin!(stream::read_spare(
