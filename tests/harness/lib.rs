@@ -2336,6 +2336,34 @@ impl Conn {
         self.fill()
     }
 
+    /// Read a streamed response's body (after its head) until `n` SSE events with content have
+    /// arrived, within 5 s; panics if the stream ends or stalls first. The bytes are kept
+    /// (still chunk-framed, which does not hide the SSE lines from the parser).
+    pub fn read_until_content_events(&mut self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let piece = Piece {
+                at: Instant::now(),
+                data: self.buffered().to_vec(),
+            };
+            let seen = parse_sse(&[piece])
+                .iter()
+                .filter(|e| e.content().is_some())
+                .count();
+            if seen >= n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{n} content events did not arrive"
+            );
+            assert!(
+                self.read_more().expect("read stream") > 0,
+                "stream ended early"
+            );
+        }
+    }
+
     /// Read more bytes into the buffer; returns the count (0 = EOF).
     fn fill(&mut self) -> io::Result<usize> {
         let mut tmp = [0u8; 16384];
