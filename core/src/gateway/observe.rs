@@ -270,6 +270,7 @@ impl Observation {
     /// The body to come is `len` bytes long (its Content-Length): a non-streamed answer kept
     /// for metering gets its room at once, not by doubling as it arrives (a 64 KB answer was
     /// copied twice over by the regrowth alone).
+    ///
     /// Up to 1 MiB: a larger declared length grows the buffer as bytes really arrive, so an
     /// upstream's claim alone can't make a pooled observation hold megabytes.
     pub(crate) fn expect_body_len(&mut self, len: u64) {
