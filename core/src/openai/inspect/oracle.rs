@@ -5,7 +5,10 @@
 
 use simd_json::{Buffers, Node, StaticNode};
 
-use super::{BodyIds, InspectError, Inspection, StreamOptionsAt, Wants, MAX_BODY_ID};
+use super::{
+    invalid, position, BodyIds, InspectError, Inspection, StreamOptionsAt, Wants, MAX_BODY_ID,
+    PREFIX,
+};
 use crate::openai::json::truncate;
 
 /// Per-worker scratch space, reused across requests so inspection allocates nothing in the
@@ -50,7 +53,6 @@ impl Oracle {
 /// expected at which line and column (simd-json's say neither: `InternalError`, `Syntax`).
 /// The byte offset is added because request bodies are mostly one line.
 fn json_syntax_message(body: &[u8], simd_error: &simd_json::Error) -> String {
-    const PREFIX: &str = "We could not parse the JSON body of your request";
     if body.iter().all(u8::is_ascii_whitespace) {
         return format!("{PREFIX}: the body is empty; expected a JSON object.");
     }
@@ -84,38 +86,12 @@ fn json_syntax_message(body: &[u8], simd_error: &simd_json::Error) -> String {
     }
 }
 
-/// serde_json's 1-based line and column as (line, column, 0-based byte offset). Its column 0
-/// ("before the first character of the line") becomes the line break that ended the line
-/// before, so the position always names a byte of the body.
-fn position(body: &[u8], line: usize, column: usize) -> (usize, usize, usize) {
-    let line_start = |line: usize| {
-        if line <= 1 {
-            0
-        } else {
-            memchr::memchr_iter(b'\n', body)
-                .nth(line - 2)
-                .map_or(body.len(), |i| i + 1)
-        }
-    };
-    if column == 0 && line > 1 {
-        let offset = line_start(line) - 1;
-        (line - 1, offset - line_start(line - 1) + 1, offset)
-    } else {
-        let offset = (line_start(line) + column.saturating_sub(1)).min(body.len());
-        (line, column.max(1), offset)
-    }
-}
-
 fn simd_reason(kind: &simd_json::ErrorType) -> String {
     use simd_json::ErrorType as E;
     match kind {
         E::InvalidNumber | E::InvalidExponent => "a number is malformed or out of range".into(),
         other => format!("the JSON parser refused it ({other:?})"),
     }
-}
-
-fn invalid(message: &str, param: &'static str) -> InspectError {
-    InspectError::new(message.to_string(), Some(param))
 }
 
 fn read_top_level(
