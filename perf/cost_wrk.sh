@@ -24,11 +24,8 @@ for tool in wrk nginx redis-server; do
 done
 cargo build --release -q -p sluice -p sluice-bench
 BIN=target/release
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$TMP"; }
-trap cleanup EXIT
 . scripts/bench-lib.sh
+init_scratch
 
 start_mock
 write_post_lua "$TMP/post.lua"
@@ -44,7 +41,6 @@ PIDS+=($!)
 for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
 for proxy in $PROXIES; do start_pinned_proxy "$proxy" "$CORE"; done
 
-served() { curl -s "http://127.0.0.1:$MOCK/_mock/stats" | sed -n 's/.*"requests":\([0-9]*\).*/\1/p'; }
 lua_of() { [ "$1" = sluice-ai ] && echo "$TMP/post-ai.lua" || echo "$TMP/post.lua"; }
 
 HZ=$(getconf CLK_TCK)
@@ -58,10 +54,10 @@ done
 : >"$TMP/runs.txt"
 for round in $(seq "$ROUNDS"); do
   for proxy in $PROXIES; do
-    t0=$(proc_ticks "${PID[$proxy]}"); s0=$(served)
+    t0=$(proc_ticks "${PID[$proxy]}"); s0=$(mock_stat requests)
     out=$(taskset -c "$CORE" wrk -t1 -c"$CONNS" -d"${DURATION}s" -s "$(lua_of "$proxy")" \
       "http://127.0.0.1:${PORT[$proxy]}/v1/chat/completions")
-    t1=$(proc_ticks "${PID[$proxy]}"); s1=$(served)
+    t1=$(proc_ticks "${PID[$proxy]}"); s1=$(mock_stat requests)
     rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
     bad=$(echo "$out" | awk '/Non-2xx/ {print $NF} /Socket errors/ {print "socket"}' | head -1)
     echo "$round $proxy $rps $((t1 - t0)) $((s1 - s0 - 1)) ${bad:-0}" >>"$TMP/runs.txt"

@@ -28,16 +28,10 @@ LARGE_RATE=${LARGE_RATE:-200}
 CHURN_CONNS=${CHURN_CONNS:-500}
 cargo build --release -q -p sluice -p sluice-bench
 BIN=target/release
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
 ulimit -n "$(ulimit -Hn)"
 CORE=1
 . scripts/bench-lib.sh
+init_scratch
 command -v nginx >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null; }
 
 start_mock

@@ -17,18 +17,11 @@ DURATION=${DURATION:-10}
 cargo build --release -q -p sluice -p sluice-bench
 BIN=target/release
 SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
 ulimit -n "$(ulimit -Hn)"
 CORE=1
 . scripts/bench-lib.sh
+init_scratch
 
-stat() { curl -s "http://127.0.0.1:$MOCK/_mock/stats" | python3 -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
 
 start_mock
 write_sluice_config "$TMP/sluice.toml" 0 ""
@@ -39,10 +32,10 @@ SLUICE=$(port_of "$TMP/sluice.log")
 URL="http://127.0.0.1:$SLUICE/v1/chat/completions"
 
 echo "sluice: $SLUICE_BIN ($("$SLUICE_BIN" --version 2>/dev/null || echo '?'))"
-before=$(stat connections_accepted)
+before=$(mock_stat connections_accepted)
 "$BIN/sluice-load" --url "$URL" --connections "$CONNS" --duration "${DURATION}s" --warmup 1s \
   --json "$TMP/a.json" >/dev/null
-after=$(stat connections_accepted)
+after=$(mock_stat connections_accepted)
 python3 - "$TMP/a.json" "$CONNS" "$((after - before - 1))" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

@@ -32,18 +32,11 @@ RAMP=${RAMP:-5}
 cargo build --release -q -p sluice -p sluice-bench
 BIN=target/release
 SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
 ulimit -n "$(ulimit -Hn)"
 CORE=1
 . scripts/bench-lib.sh
+init_scratch
 
-stat() { curl -s "http://127.0.0.1:$MOCK/_mock/stats" | python3 -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
 
 start_mock
 write_sluice_config "$TMP/sluice.toml" 0 ""
@@ -57,7 +50,7 @@ echo "machine: $(nproc) CPU(s), $(uname -r), open-file limit $(ulimit -n); commi
 echo "$STREAMS streams of $EVENTS events ${GAP_MS} ms apart, started over ${RAMP}s"
 
 rss_before=$(rss_kib "$SLUICE_PID")
-accepted_before=$(stat connections_accepted)
+accepted_before=$(mock_stat connections_accepted)
 (
   peak=0
   while kill -0 "$SLUICE_PID" 2>/dev/null; do
@@ -75,7 +68,7 @@ taskset -c 1 "$BIN/sluice-load" --url "$URL" --connections "$STREAMS" --rate "$r
   --duration "${RAMP}s" --stream --timeout 120s \
   --header "x-mock-tokens: $EVENTS" --header "x-mock-inter-token-ms: $GAP_MS" \
   --json "$TMP/streams.json" >"$TMP/load.txt" 2>&1 || { cat "$TMP/load.txt" >&2; exit 1; }
-accepted_after=$(stat connections_accepted)
+accepted_after=$(mock_stat connections_accepted)
 ticks=$(( $(proc_ticks "$SLUICE_PID") - ticks_before ))
 wall=$(python3 -c "print($EPOCHREALTIME - $started)")
 python3 - "$TMP/streams.json" "$STREAMS" "$EVENTS" "$rss_before" "$(cat "$TMP/peak")" \

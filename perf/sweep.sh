@@ -23,19 +23,12 @@ DURATION=${DURATION:-8}
 cargo build --release -q -p sluice -p sluice-bench
 BIN=target/release
 SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
 ulimit -n "$(ulimit -Hn)"
 CORE=1
 . scripts/bench-lib.sh
+init_scratch
 command -v nginx >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null; }
 
-served() { curl -s "http://127.0.0.1:$MOCK/_mock/stats" | python3 -c "import json,sys; print(json.load(sys.stdin)['requests'])"; }
 
 start_mock
 declare -A PID PORT
@@ -53,9 +46,9 @@ for round in $(seq "$ROUNDS"); do
         --warmup "${WARMUP}s" --body-bytes 1024 --json "$out" >/dev/null 2>"$TMP/load.err" &
       load=$!
       sleep "$WARMUP"
-      t0=$(proc_ticks "${PID[$proxy]}"); s0=$(served)
+      t0=$(proc_ticks "${PID[$proxy]}"); s0=$(mock_stat requests)
       sleep "$DURATION"
-      t1=$(proc_ticks "${PID[$proxy]}"); s1=$(served)
+      t1=$(proc_ticks "${PID[$proxy]}"); s1=$(mock_stat requests)
       wait "$load" || { cat "$TMP/load.err" >&2; exit 1; }
       python3 - "$out" "$round" "$proxy" "$conns" "$((t1 - t0))" "$HZ" "$((s1 - s0))" "$DURATION" <<'PY'
 import json, sys

@@ -1,5 +1,5 @@
 # Shared pieces of the benchmark scripts; sourced, not run. Expects TMP, BIN, CORE and a PIDS
-# array in the caller.
+# array in the caller (init_scratch, below, sets up TMP and PIDS with their cleanup).
 
 # Wait until FILE holds PATTERN (a server's startup line), or fail showing the file.
 wait_line() { # file pattern
@@ -256,4 +256,18 @@ start_pinned_proxy() { # proxy core
       ;;
     *) echo "unknown proxy $proxy" >&2; exit 1 ;;
   esac
+}
+
+# A scratch directory (TMP) and an empty PIDS array, both cleaned up when the script exits:
+# every process in PIDS is killed and TMP removed.
+init_scratch() {
+  TMP=$(mktemp -d)
+  PIDS=()
+  trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$TMP"' EXIT
+}
+
+# One counter from mock-llm's /_mock/stats (see start_mock), e.g. `requests`. Each call is
+# itself a request to mock-llm (on a connection of its own).
+mock_stat() { # name
+  curl -s "http://127.0.0.1:$MOCK/_mock/stats" | python3 -c "import json,sys; print(json.load(sys.stdin)['$1'])"
 }
