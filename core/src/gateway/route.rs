@@ -809,14 +809,12 @@ fn weighted_pick<T>(items: impl Iterator<Item = (T, u64)>, rng: &Cell<u64>) -> O
     chosen
 }
 
-/// xorshift64*: fast, per-worker, good enough for load spreading (not for secrets).
+/// The next number of a per-worker generator ([`xorshift64star`](crate::sys::rand)).
 pub(crate) fn next_random(state: &Cell<u64>) -> u64 {
     let mut x = state.get();
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
+    let r = crate::sys::rand::xorshift64star(&mut x);
     state.set(x);
-    x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    r
 }
 
 #[cfg(test)]

@@ -559,10 +559,7 @@ mod tests {
     struct Rng(u64);
     impl Rng {
         fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+            crate::sys::rand::xorshift64star(&mut self.0)
         }
         fn below(&mut self, n: u64) -> u64 {
             if n == 0 {
