@@ -72,6 +72,45 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// Which engine a `sluice-load` run uses when its arguments don't say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadEngine {
+    /// `SLUICE_LOAD_ENGINE` from the test's environment, if set (so a suite can be run again
+    /// on the other engine).
+    FromEnv,
+    /// The generator's own default: the variable is removed.
+    Default,
+}
+
+/// Run `sluice-load` with `args` plus `--json FILE`; panics unless it succeeds. Returns
+/// (stdout, stderr, the parsed JSON).
+pub fn run_sluice_load(url: &str, args: &[&str], engine: LoadEngine) -> (String, String, Value) {
+    let dir = TempDir::new("loadgen");
+    let json = dir.path().join("out.json");
+    let mut cmd = Command::new(bin("sluice-load"));
+    if engine == LoadEngine::Default {
+        cmd.env_remove("SLUICE_LOAD_ENGINE");
+    }
+    let out = cmd
+        .arg("--url")
+        .arg(url)
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("run sluice-load");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "sluice-load failed: {}\nstdout: {stdout}\nstderr: {stderr}",
+        out.status
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("json file"))
+        .expect("valid json");
+    (stdout, stderr, v)
+}
+
 /// The workspace root (the parent of `tests/`).
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -247,6 +286,11 @@ impl Mock {
 
     pub fn port(&self) -> u16 {
         self.addr.port()
+    }
+
+    /// This (plain) mock's chat completions URL, for a load generator aimed at it directly.
+    pub fn chat_url(&self) -> String {
+        format!("http://{}/v1/chat/completions", self.addr)
     }
 
     /// The base_url a cluster uses for this mock (`http://127.0.0.1:P/v1`, or

@@ -3,36 +3,13 @@
 //! and the `--json` output.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::Command;
-
 use sluice_tests::*;
 
-/// Run `sluice-load` with `args` plus `--json FILE`; returns (stdout, parsed JSON).
+/// Run `sluice-load` (the engine `SLUICE_LOAD_ENGINE` names, if set) with `args`; returns
+/// (stdout, parsed JSON).
 fn load(url: &str, args: &[&str]) -> (String, Value) {
-    let dir = TempDir::new("loadgen");
-    let json = dir.path().join("out.json");
-    let out = Command::new(bin("sluice-load"))
-        .arg("--url")
-        .arg(url)
-        .args(args)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .expect("run sluice-load");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "sluice-load failed: {}\nstdout: {stdout}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("json file"))
-        .expect("valid json");
+    let (stdout, _, v) = run_sluice_load(url, args, LoadEngine::FromEnv);
     (stdout, v)
-}
-
-fn chat_url(mock: &Mock) -> String {
-    format!("http://{}/v1/chat/completions", mock.addr)
 }
 
 fn assert_hist(v: &Value, name: &str) {
@@ -68,7 +45,7 @@ fn zero_errors(v: &Value) {
 fn closed_loop() {
     let mock = Mock::start(&[]);
     let (stdout, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &[
             "--connections",
             "4",
@@ -107,7 +84,7 @@ fn closed_loop() {
 fn open_loop_rate() {
     let mock = Mock::start(&[]);
     let (stdout, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &["--connections", "4", "--duration", "1s", "--rate", "200"],
     );
     assert_eq!(v["mode"], "open");
@@ -127,7 +104,7 @@ fn open_loop_counts_stalls_from_intended_time() {
     // the lag instead of staying at 100 ms (no coordinated omission).
     let mock = Mock::start(&["--ttft-ms", "100", "--tokens", "1"]);
     let (stdout, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &[
             "--connections",
             "1",
@@ -152,7 +129,7 @@ fn open_loop_counts_stalls_from_intended_time() {
 fn streaming_events() {
     let mock = Mock::start(&["--inter-token-ms", "20", "--tokens", "10"]);
     let (stdout, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &["--connections", "2", "--duration", "1s", "--stream"],
     );
     assert_eq!(v["stream"], true);
@@ -188,7 +165,7 @@ fn streaming_events() {
 fn errors_by_kind() {
     let mock = Mock::start(&["--fault", "status=429"]);
     let (_, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &["--connections", "2", "--duration", "300ms"],
     );
     assert_eq!(v["ok"], 0, "{v}");
@@ -199,7 +176,7 @@ fn errors_by_kind() {
     // A 3xx (sluice-load follows no redirects) is an error of its own kind, not a 4xx.
     let mock = Mock::start(&[]);
     let (_, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &[
             "--connections",
             "1",
@@ -216,7 +193,7 @@ fn errors_by_kind() {
 
     let mock = Mock::start(&["--fault", "status=503"]);
     let (_, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &["--connections", "1", "--duration", "300ms"],
     );
     assert!(v["errors"]["status_5xx"].as_u64().unwrap() > 0, "{v}");
@@ -228,7 +205,7 @@ fn errors_by_kind() {
 
     let mock = Mock::start(&["--fault", "malformed-chunk"]);
     let (_, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &["--connections", "1", "--duration", "300ms", "--stream"],
     );
     assert!(v["errors"]["protocol"].as_u64().unwrap() > 0, "{v}");

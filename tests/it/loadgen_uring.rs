@@ -9,33 +9,10 @@ use std::time::{Duration, Instant};
 
 use sluice_tests::*;
 
-/// Run `sluice-load` with `args` plus `--json FILE`; returns (stdout, stderr, parsed JSON).
+/// Run `sluice-load` (its default engine unless `args` say) with `args`; returns (stdout,
+/// stderr, parsed JSON).
 fn load(url: &str, args: &[&str]) -> (String, String, Value) {
-    let dir = TempDir::new("loadgen-uring");
-    let json = dir.path().join("out.json");
-    let out = Command::new(bin("sluice-load"))
-        .env_remove("SLUICE_LOAD_ENGINE")
-        .arg("--url")
-        .arg(url)
-        .args(args)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .expect("run sluice-load");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(
-        out.status.success(),
-        "sluice-load failed: {}\nstdout: {stdout}\nstderr: {stderr}",
-        out.status
-    );
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("json file"))
-        .expect("valid json");
-    (stdout, stderr, v)
-}
-
-fn chat_url(mock: &Mock) -> String {
-    format!("http://{}/v1/chat/completions", mock.addr)
+    run_sluice_load(url, args, LoadEngine::Default)
 }
 
 fn ms(v: &Value, hist: &str, q: &str) -> f64 {
@@ -84,7 +61,7 @@ fn new_keys_under_both_engines() {
     let mock = Mock::start(&[]);
     for engine in ["uring", "threads"] {
         let (stdout, stderr, v) = load(
-            &chat_url(&mock),
+            &mock.chat_url(),
             &[
                 "--engine",
                 engine,
@@ -129,7 +106,7 @@ fn engine_env_default_and_bad_values() {
             cmd.env("SLUICE_LOAD_ENGINE", e);
         }
         cmd.arg("--url")
-            .arg(chat_url(&mock))
+            .arg(mock.chat_url())
             .args(["--connections", "1", "--duration", "100ms"])
             .args(args)
             .output()
@@ -158,7 +135,7 @@ fn open_loop_pacing_is_exact_when_nothing_queues() {
     let mock = Mock::start(&[]);
     for threads in ["1", "2"] {
         let (stdout, stderr, v) = load(
-            &chat_url(&mock),
+            &mock.chat_url(),
             &[
                 "--engine",
                 "uring",
@@ -192,7 +169,7 @@ fn open_loop_queueing_counts_in_latency() {
     let mock = Mock::start(&["--ttft-ms", "200", "--tokens", "1"]);
     let t = Instant::now();
     let (stdout, stderr, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &[
             "--engine",
             "uring",
@@ -234,7 +211,7 @@ fn timeouts_end_stalled_requests() {
     let mock = Mock::start(&["--fault", "stall"]);
     let t = Instant::now();
     let (_, stderr, v) = load(
-        &chat_url(&mock),
+        &mock.chat_url(),
         &[
             "--engine",
             "uring",
@@ -270,7 +247,7 @@ fn thousand_concurrent_streams() {
     let conns = CONNS.to_string();
     for threads in ["1", "2"] {
         let (stdout, stderr, v) = load(
-            &chat_url(&mock),
+            &mock.chat_url(),
             &[
                 "--engine",
                 "uring",
@@ -344,7 +321,7 @@ fn a_hung_server_ends_at_the_grace_deadline() {
     for engine in ["uring", "threads"] {
         let t = Instant::now();
         let (stdout, stderr, v) = load(
-            &chat_url(&mock),
+            &mock.chat_url(),
             &[
                 "--engine",
                 engine,
@@ -386,7 +363,7 @@ fn a_trickling_server_ends_at_the_grace_deadline() {
     for engine in ["uring", "threads"] {
         let t = Instant::now();
         let (stdout, stderr, v) = load(
-            &chat_url(&mock),
+            &mock.chat_url(),
             &[
                 "--engine",
                 engine,
