@@ -9,6 +9,8 @@
 # min–max, and each run's ratio to the same round's nginx run.
 #
 #   perf/cost_wrk.sh                  # ROUNDS=5 DURATION=8 CONNS=32 CORE=0
+#   BASE_BIN=/tmp/sluice-before PROXIES="nginx sluice-base sluice sluice-ai-base sluice-ai" \
+#     perf/cost_wrk.sh                # a change against the build before it, same rounds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CORE=${CORE:-0}
@@ -41,7 +43,7 @@ PIDS+=($!)
 for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
 for proxy in $PROXIES; do start_pinned_proxy "$proxy" "$CORE"; done
 
-lua_of() { [ "$1" = sluice-ai ] && echo "$TMP/post-ai.lua" || echo "$TMP/post.lua"; }
+lua_of() { case $1 in sluice-ai*) echo "$TMP/post-ai.lua" ;; *) echo "$TMP/post.lua" ;; esac; }
 
 HZ=$(getconf CLK_TCK)
 echo "machine: $(nproc) CPU(s), $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"

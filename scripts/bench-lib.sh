@@ -229,18 +229,23 @@ write_sluice_ai_config() { # file redis_port key logdir
 # Start PROXY pinned to CORE, one worker, proxying to mock-llm (see start_mock): `sluice` (the
 # default config), `sluice-ai` (write_sluice_ai_config; needs REDIS_PORT and KEY) or `nginx`.
 # Sets PID[PROXY] and PORT[PROXY] (associative arrays the caller declares) and adds the PID to
-# PIDS. SLUICE_BIN, when set, is the Sluice binary (default: $BIN/sluice).
+# PIDS. SLUICE_BIN, when set, is the Sluice binary (default: $BIN/sluice); `sluice-base` and
+# `sluice-ai-base` are the same two configs on BASE_BIN (another build, e.g. the commit before
+# a change, to compare in the same rounds).
 start_pinned_proxy() { # proxy core
-  local proxy=$1 core=$2
+  local proxy=$1 core=$2 bin=${SLUICE_BIN:-$BIN/sluice}
   case $proxy in
-    sluice | sluice-ai)
-      if [ "$proxy" = sluice ]; then
+    sluice | sluice-ai | sluice-base | sluice-ai-base)
+      if [ "${proxy%-base}" != "$proxy" ]; then
+        bin=${BASE_BIN:?"$proxy needs BASE_BIN, the Sluice binary to compare with"}
+      fi
+      if [ "${proxy%-base}" = sluice ]; then
         write_sluice_config "$TMP/$proxy.toml" 0 ""
       else
-        mkdir -p "$TMP/logs"
-        write_sluice_ai_config "$TMP/$proxy.toml" "$REDIS_PORT" "$KEY" "$TMP/logs"
+        mkdir -p "$TMP/logs-$proxy"
+        write_sluice_ai_config "$TMP/$proxy.toml" "$REDIS_PORT" "$KEY" "$TMP/logs-$proxy"
       fi
-      taskset -c "$core" "${SLUICE_BIN:-$BIN/sluice}" --config "$TMP/$proxy.toml" >"$TMP/$proxy.log" 2>&1 &
+      taskset -c "$core" "$bin" --config "$TMP/$proxy.toml" >"$TMP/$proxy.log" 2>&1 &
       PID[$proxy]=$!
       PIDS+=($!)
       wait_line "$TMP/$proxy.log" "listening on"

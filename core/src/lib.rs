@@ -17,7 +17,9 @@
 mod sys {
     //! Socket syscalls monoio does not offer (non-blocking send / recv / peek on a raw fd), and
     //! the owned-buffer I/O steps over monoio streams that the client and upstream sides share;
-    //! the clock and a small random-number generator.
+    //! the clocks (the worker's one reading per wake-up, and wall-clock numbers) and a small
+    //! random-number generator.
+    pub(crate) mod clock;
     pub(crate) mod rand;
     pub(crate) mod sock;
     pub(crate) mod stream;

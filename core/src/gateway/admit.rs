@@ -145,16 +145,16 @@ async fn reserve(
     };
     // Too small a lease here, maybe room in the ledger: wait for exchanges — until the lease
     // comes or `lease_wait` is up (other requests may take a fresh lease first).
-    let deadline = std::time::Instant::now() + cfg.sync.lease_wait;
+    let deadline = crate::sys::clock::recent() + cfg.sync.lease_wait;
     let mut last = refusal;
     loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let left = deadline.saturating_duration_since(crate::sys::clock::recent());
         let target = limiter.borrow().lease_epoch();
         let wait = SyncWait {
             shard: limiter,
             target,
         };
-        if left.is_zero() || monoio::time::timeout(left, wait).await.is_err() {
+        if left.is_zero() || crate::sys::clock::timeout(left, wait).await.is_err() {
             // Still short when the wait is up: as good as exhausted for this request.
             return Err(Refusal {
                 kind: RefusalKind::Exhausted,
@@ -278,7 +278,7 @@ pub(crate) async fn wait_for_lease(
         shard: limiter,
         target,
     };
-    monoio::time::timeout(wait, wait_for).await.is_ok()
+    crate::sys::clock::timeout(wait, wait_for).await.is_ok()
 }
 
 /// Resolves when the shard has completed the exchange numbered `target`.

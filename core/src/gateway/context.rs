@@ -128,7 +128,7 @@ impl ClientSocket {
                 stream, writing, ..
             } => {
                 *writing = true;
-                let written = monoio::time::timeout(limit, stream.write_all(buf))
+                let written = crate::sys::clock::timeout(limit, stream.write_all(buf))
                     .await
                     .map(|(res, buf)| (res.map(|_| ()), buf));
                 // A write cut by the timeout leaves `writing` set: the session is done.

@@ -293,13 +293,14 @@ async fn read_more(
     deadline: Instant,
 ) -> Result<(), GatewayError> {
     use crate::gateway::error::UpstreamFault;
-    let limit = deadline.saturating_duration_since(Instant::now());
+    let limit = deadline.saturating_duration_since(crate::sys::clock::recent());
     let conn = &mut response.conn;
     let outcome = stream::read_spare(&mut response.buf, 4096, 16 * 1024, limit, |b| {
         conn.io.read(b)
     })
     .await;
-    response.read_at = Some(Instant::now());
+    // Read afresh (the read may have finished without a wait, see forward::send).
+    response.read_at = Some(crate::sys::clock::now());
     match outcome {
         ReadOutcome::Data(_) => Ok(()),
         ReadOutcome::TimedOut => Err(GatewayError::gateway_timeout(

@@ -24,6 +24,7 @@ use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
 use crate::openai::anthropic::upstream::{chat_to_messages, RequestOptions};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
+use crate::sys::clock;
 use crate::sys::stream::{self, ReadOutcome};
 use crate::telemetry::metrics::InFlight;
 use crate::upstream::{connect, ConnectError, UpstreamConn};
@@ -383,8 +384,9 @@ pub(crate) async fn send<'w>(
     let mut fresh_only = false;
     // When a wait for room on a capped backend must end (set by the first wait).
     let mut pool_wait_until: Option<Instant> = None;
+    // Read afresh: the gateway's work on the request so far (its overhead) ends here.
     let mut timings = ForwardTimings {
-        started_at: Some(Instant::now()),
+        started_at: Some(clock::now()),
         ..ForwardTimings::default()
     };
     loop {
@@ -399,10 +401,10 @@ pub(crate) async fn send<'w>(
         {
             Some(conn) => conn,
             None => {
-                let started = Instant::now();
+                let started = clock::recent();
                 match connect(io.pools, target.cluster, target.backend, timeouts).await {
                     Ok(conn) => {
-                        timings.connect = Some(started.elapsed());
+                        timings.connect = Some(clock::recent().saturating_duration_since(started));
                         conn
                     }
                     // The backend is at its cap on this worker: wait a little for one of its
@@ -411,7 +413,7 @@ pub(crate) async fn send<'w>(
                     Err(ConnectError::PoolFull) => {
                         let waited =
                             *pool_wait_until.get_or_insert_with(|| started + io.pools.pool_wait());
-                        let left = waited.saturating_duration_since(Instant::now());
+                        let left = waited.saturating_duration_since(clock::recent());
                         if !left.is_zero() && io.pools.wait_for_room(target.backend.id, left).await
                         {
                             continue;
@@ -426,13 +428,15 @@ pub(crate) async fn send<'w>(
                 }
             }
         };
-        let deadline = Instant::now() + target.first_byte_timeout;
+        let deadline = clock::recent() + target.first_byte_timeout;
         let in_flight = io.metrics.shard.upstream_in_flight(backend);
         let (result, returned) = attempt(io, conn, in_flight, request, deadline).await;
         request = returned;
         match result {
             Ok(response) => {
-                timings.head_at = Some(Instant::now());
+                // Read afresh: on epoll a read may finish without the task waiting, so this
+                // poll's reading may be from before the request went out.
+                timings.head_at = Some(clock::now());
                 io.bufs.give(request);
                 return (Ok(response), timings);
             }
@@ -462,7 +466,7 @@ async fn attempt<'w>(
         error: GatewayError::gateway_timeout("the upstream did not answer in time"),
         stale: false,
     };
-    let limit = deadline.saturating_duration_since(Instant::now());
+    let limit = deadline.saturating_duration_since(clock::recent());
     let request = match conn
         .io
         .write_all(request, io.load.direct_writes(), limit)
@@ -538,7 +542,7 @@ async fn attempt<'w>(
             }
         }
         let len = buf.len();
-        let limit = deadline.saturating_duration_since(Instant::now());
+        let limit = deadline.saturating_duration_since(clock::recent());
         let error =
             match stream::read_spare(&mut buf, 4096, 16 * 1024, limit, |b| conn.io.read(b)).await {
                 ReadOutcome::Data(_) => continue,

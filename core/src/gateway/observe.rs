@@ -9,7 +9,7 @@
 //! first token, time per output token, total latency and Sluice's overhead. Raises nothing.
 
 use std::fmt::Write as _;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crate::config::Snapshot;
 use crate::gateway::admit::Caller;
@@ -580,11 +580,10 @@ pub(crate) fn emit(
         return;
     };
     let mut rec = sink.record.borrow_mut();
-    // When the request was received: now, less the time since (no clock read on the way in).
-    rec.time_unix_us = SystemTime::now()
-        .checked_sub(request.received_at.elapsed())
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_micros() as u64);
+    // When the request was received: now, less the time since (no wall-clock read on the way
+    // in).
+    let since_receipt = crate::sys::clock::recent().saturating_duration_since(request.received_at);
+    rec.time_unix_us = crate::sys::time::unix_us().saturating_sub(since_receipt.as_micros() as u64);
     rec.client_addr.clear();
     if let Some(peer) = request.peer {
         let _ = write!(rec.client_addr, "{peer}");

@@ -480,7 +480,7 @@ async fn serve<'s>(
         let judgement = match &mut sent {
             Err(e) => fallback::judge_error(e),
             Ok(response) => {
-                let deadline = std::time::Instant::now() + target.first_byte_timeout;
+                let deadline = crate::sys::clock::recent() + target.first_byte_timeout;
                 fallback::judge_response(response, may_retry, key_pool, deadline, core.bufs).await
             }
         };

@@ -39,6 +39,7 @@ use crate::http::response::ResponseHead;
 use crate::http::{is_hop_by_hop, BodyFraming};
 use crate::openai::endpoint::ClientDialect;
 use crate::openai::meter::DEFAULT_MAX_EVENT;
+use crate::sys::clock;
 use crate::sys::stream::{self, ReadOutcome};
 use crate::upstream::UpstreamConn;
 
@@ -141,7 +142,9 @@ pub(crate) async fn relay(
     } = response;
     // A translated body's length is not the upstream's: it goes out re-framed.
     let translate = translate.filter(|_| head.event_stream);
-    let head_read_at = read_at.or(obs.forward.head_at).unwrap_or_else(Instant::now);
+    let head_read_at = read_at
+        .or(obs.forward.head_at)
+        .unwrap_or_else(clock::recent);
     let mut plan = Plan::new(&head, side, translate.is_some());
     if io.drain.draining() {
         // Stopping: this response is the connection's last.
@@ -305,10 +308,10 @@ pub(crate) async fn relay_translated_whole(
     let _ = write!(
         out,
         "x-sluice-overhead-us: {}\r\n\r\n",
-        obs.overhead_so_far(Instant::now()).as_micros()
+        obs.overhead_so_far(clock::now()).as_micros()
     );
     if !side.head_only {
-        let now = Instant::now();
+        let now = clock::recent();
         obs.body(if meter_upstream { &body } else { &translated }, now);
         out.extend_from_slice(&translated);
     }
@@ -319,7 +322,7 @@ pub(crate) async fn relay_translated_whole(
         .write_all(out, io.timeouts.stream_idle, io.load.direct_writes())
         .await;
     io.bufs.give(returned);
-    obs.finished_at = Some(Instant::now());
+    obs.finished_at = Some(clock::recent());
     let end = if res.is_ok() {
         RelayEnd::Complete
     } else {
@@ -464,7 +467,7 @@ impl Relay<'_, '_> {
         let _ = write!(
             out,
             "x-sluice-overhead-us: {}\r\n\r\n",
-            self.obs.overhead_so_far(Instant::now()).as_micros()
+            self.obs.overhead_so_far(clock::now()).as_micros()
         );
     }
 
@@ -491,13 +494,25 @@ impl Relay<'_, '_> {
         Ok(())
     }
 
-    /// Write `out` to the client (if it holds anything); `Some(Cut::Client)` if it is gone.
+    /// Write `out` to the client (if it holds anything), the gateway's work since the upstream
+    /// read at `read_at` counted as overhead; `Some(Cut::Client)` if it is gone.
     async fn send_out(&mut self, read_at: Instant) -> Option<Cut> {
-        self.obs.relay_overhead += read_at.elapsed();
+        // Read afresh: this is the gateway's work on the read so far.
+        self.obs.relay_overhead += clock::now().saturating_duration_since(read_at);
+        // Only output counts: a read that produced none (pings) leaves the client unwatched
+        // no longer than WATCH_AFTER.
+        if !self.out.is_empty() {
+            self.last_output = read_at;
+        }
+        self.send_tail().await
+    }
+
+    /// Write `out` to the client (if it holds anything) with no upstream read behind it (the
+    /// body's end): nothing to count, no clock to read. `Some(Cut::Client)` if it is gone.
+    async fn send_tail(&mut self) -> Option<Cut> {
         if self.out.is_empty() {
             return None;
         }
-        self.last_output = read_at;
         self.obs.bytes_out += self.out.len() as u64;
         let (res, returned) = self
             .client
@@ -544,7 +559,8 @@ impl Relay<'_, '_> {
                 Ok(n) => n,
                 Err(cut) => return Some(cut),
             };
-            let read_at = Instant::now();
+            // Read afresh (the read may have finished without a wait, see forward::send).
+            let read_at = clock::now();
             let whole_read_passes_through = self.plan.framing == ClientFraming::Passthrough
                 && self.strip.is_none()
                 && self.translate.is_none()
@@ -701,7 +717,7 @@ impl Relay<'_, '_> {
                 if plan.framing == ClientFraming::Chunked && !self.terminated {
                     self.out.extend_from_slice(LAST_CHUNK);
                 }
-                let sent = self.send_out(Instant::now()).await.is_none();
+                let sent = self.send_tail().await.is_none();
                 let reusable =
                     self.clean && upstream_keep_alive && matches!(self.body, UpstreamBody::Done);
                 (plan.keep_client && sent, reusable)
@@ -713,7 +729,7 @@ impl Relay<'_, '_> {
                 (self.end_early(&GatewayError::shutting_down()).await, false)
             }
         };
-        self.obs.finished_at = Some(Instant::now());
+        self.obs.finished_at = Some(clock::recent());
         self.close(reusable);
         keep_alive
     }
@@ -729,7 +745,7 @@ impl Relay<'_, '_> {
             self.flush_strip();
             encode_chunk(error.sse_event(plan.dialect).as_bytes(), &mut self.out);
             self.out.extend_from_slice(LAST_CHUNK);
-            let sent = self.send_out(Instant::now()).await.is_none();
+            let sent = self.send_tail().await.is_none();
             plan.keep_client && sent
         } else {
             false

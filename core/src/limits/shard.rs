@@ -473,7 +473,7 @@ impl LimiterShard {
         matched: &mut dyn FnMut(usize, LimitDimension),
         now_ms: u64,
     ) -> Result<(), Refusal> {
-        let now = Instant::now();
+        let now = crate::sys::clock::recent();
         let a = Admission {
             cfg,
             ask,
@@ -689,7 +689,7 @@ impl LimiterShard {
         permit: &mut Permit,
     ) -> Result<(), Refusal> {
         let now_ms = unix_ms();
-        let lease_valid = self.lease_valid(Instant::now());
+        let lease_valid = self.lease_valid(crate::sys::clock::recent());
         let mut passed = self.spare_entries.pop().unwrap_or_default();
         passed.clear();
         let mut short: Vec<(BudgetId, u64)> = Vec::new();
@@ -997,7 +997,7 @@ impl LimiterShard {
     pub(crate) fn prepare(&mut self, now_ms: u64, interval: Duration, out: &mut Vec<BudgetSync>) {
         out.clear();
         self.in_flight.clear();
-        let lease_valid = self.lease_valid(Instant::now());
+        let lease_valid = self.lease_valid(crate::sys::clock::recent());
         let ahead = interval.as_millis() as u64;
         let interval_ms = ahead.max(1);
         let elapsed_ms = now_ms.saturating_sub(self.last_prepare_ms).clamp(1, 60_000);

@@ -31,6 +31,7 @@ use crate::http::BodyFraming;
 use crate::openai::endpoint::{ClientDialect, Endpoint, COUNT_TOKENS_PATH};
 use crate::openai::inspect::Inspection;
 use crate::runtime::worker::{Generation, Worker};
+use crate::sys::clock;
 use crate::sys::stream::{self, ReadOutcome};
 
 /// Smallest read buffer; grows as a request needs, shrinks back after it.
@@ -75,8 +76,8 @@ pub(crate) async fn serve_tls(worker: Rc<Worker>, stream: TcpStream, peer: std::
     let Some(tls) = &snapshot.tls else {
         return;
     };
-    let deadline = Instant::now() + tls.handshake_timeout;
-    match monoio::time::timeout(tls.handshake_timeout, stream.readable(false)).await {
+    let deadline = clock::recent() + tls.handshake_timeout;
+    match clock::timeout(tls.handshake_timeout, stream.readable(false)).await {
         Ok(Ok(())) => {}
         _ => return,
     }
@@ -112,8 +113,8 @@ pub(crate) async fn serve_tls(worker: Rc<Worker>, stream: TcpStream, peer: std::
         Err(_) => return,
     };
     let acceptor = monoio_rustls::TlsAcceptor::from(std::sync::Arc::clone(&tls.server_config));
-    let left = deadline.saturating_duration_since(Instant::now());
-    let session = match monoio::time::timeout(left, acceptor.accept(stream)).await {
+    let left = deadline.saturating_duration_since(clock::recent());
+    let session = match clock::timeout(left, acceptor.accept(stream)).await {
         Ok(Ok(session)) => session,
         _ => return,
     };
@@ -167,17 +168,17 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
                 )
             } else if first_request {
                 // A drain starting meanwhile cuts the wait to FIRST_REQUEST_IN_DRAIN.
-                let wait = monoio::time::timeout(idle_limit, client.readable());
+                let wait = clock::timeout(idle_limit, client.readable());
                 monoio::select! {
                     waited = wait => matches!(waited, Ok(Ok(()))),
                     () = worker.stop.draining.wait() => {
-                        let wait = monoio::time::timeout(FIRST_REQUEST_IN_DRAIN, client.readable());
+                        let wait = clock::timeout(FIRST_REQUEST_IN_DRAIN, client.readable());
                         matches!(wait.await, Ok(Ok(())))
                     }
                 }
             } else {
                 matches!(
-                    monoio::time::timeout(idle_limit, client.readable()).await,
+                    clock::timeout(idle_limit, client.readable()).await,
                     Ok(Ok(()))
                 )
             };
@@ -320,7 +321,7 @@ async fn read_body_and_dispatch(
         && (Endpoint::from_path(path).is_some() || path == COUNT_TOKENS_PATH);
     let head_only = Request {
         buf: rbuf,
-        received_at: Instant::now(),
+        received_at: clock::recent(),
         peer,
         head,
         body: &[],
@@ -385,7 +386,7 @@ async fn read_body_and_dispatch(
     };
     let request = Request {
         buf: rbuf,
-        received_at: Instant::now(),
+        received_at: clock::recent(),
         peer,
         head,
         body,
@@ -582,7 +583,9 @@ async fn read_head(
     header_limit: Duration,
 ) -> Result<bool, GatewayError> {
     let mut scan = HeadScan::default();
-    let deadline = Instant::now() + header_limit;
+    // Read afresh: each request's times start here, even one that came pipelined behind another
+    // within the same wake-up (for the first request of a wake-up this is its one reading).
+    let deadline = clock::now() + header_limit;
     loop {
         // Tolerate empty lines before a request line (RFC 9112 §2.2), e.g. after a body.
         while rbuf.starts_with(b"\r\n") {
@@ -594,7 +597,7 @@ async fn read_head(
             return Ok(true);
         }
         let had_bytes = !rbuf.is_empty();
-        let limit = deadline.saturating_duration_since(Instant::now());
+        let limit = deadline.saturating_duration_since(clock::recent());
         match read_more(client, rbuf, limit).await {
             ReadOutcome::Data(_) => {}
             ReadOutcome::Closed | ReadOutcome::Failed(_) if !had_bytes => return Ok(false),
@@ -634,7 +637,7 @@ async fn read_body(
 ) -> Result<usize, GatewayError> {
     let max_body = limits.max_body_bytes;
     let body_limit = timeouts.body_read;
-    let deadline = Instant::now() + timeouts.body_total;
+    let deadline = clock::recent() + timeouts.body_total;
     let start = head.head_len;
     if head.expect_continue && rbuf.len() == start && head.body != BodyFraming::None {
         let (res, _) = client
@@ -707,7 +710,7 @@ async fn read_body_bytes(
     limit: Duration,
     deadline: Instant,
 ) -> Result<(), GatewayError> {
-    let left = deadline.saturating_duration_since(Instant::now());
+    let left = deadline.saturating_duration_since(clock::recent());
     let whole_body_first = left < limit;
     match read_more(client, rbuf, limit.min(left)).await {
         ReadOutcome::Data(_) => Ok(()),
@@ -753,11 +756,11 @@ async fn linger_close(client: &mut ClientSocket, rbuf: &mut Vec<u8>, limit: Dura
     const LINGER_BYTES: usize = 256 * 1024;
     let limit = limit.min(Duration::from_secs(2));
     client.shutdown_write();
-    let deadline = Instant::now() + limit;
+    let deadline = clock::recent() + limit;
     let mut drained = 0;
     while drained < LINGER_BYTES {
         rbuf.clear();
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.saturating_duration_since(clock::recent());
         match read_more(client, rbuf, left).await {
             ReadOutcome::Data(n) => drained += n,
             _ => return,

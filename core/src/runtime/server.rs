@@ -1019,13 +1019,14 @@ fn spawn_connection(
     }
     worker.connection_opened();
     let w = Rc::clone(worker);
-    monoio::spawn(async move {
+    // Stamped: each wake-up of the connection reads the clock at most once (see sys::clock).
+    monoio::spawn(crate::sys::clock::Stamped::new(async move {
         match kind {
             Listener::Plain => crate::runtime::conn::serve(Rc::clone(&w), stream, peer).await,
             Listener::Tls => crate::runtime::conn::serve_tls(Rc::clone(&w), stream, peer).await,
         }
         w.connection_closed();
-    });
+    }));
 }
 
 /// How often a worker copies its metrics shard to the hub a scrape reads.

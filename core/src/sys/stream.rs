@@ -13,7 +13,7 @@ use monoio::io::{AsyncWriteRent, AsyncWriteRentExt};
 use monoio::time::error::Elapsed;
 use monoio::BufResult;
 
-use crate::sys::sock;
+use crate::sys::{clock, sock};
 
 /// How one [`read_spare`] ended.
 #[derive(Debug)]
@@ -50,7 +50,7 @@ where
     let owned = std::mem::take(buf);
     let len = owned.len();
     let cap = owned.capacity();
-    match monoio::time::timeout(limit, read(owned.slice_mut(len..cap))).await {
+    match clock::timeout(limit, read(owned.slice_mut(len..cap))).await {
         Ok((res, slice)) => {
             *buf = slice.into_inner();
             match res {
@@ -83,6 +83,6 @@ pub(crate) async fn write_all<S: AsyncWriteRent + AsRawFd>(
     } else {
         0
     };
-    let (res, slice) = monoio::time::timeout(limit, stream.write_all(buf.slice(sent..))).await?;
+    let (res, slice) = clock::timeout(limit, stream.write_all(buf.slice(sent..))).await?;
     Ok((res.map(|_| ()), slice.into_inner()))
 }

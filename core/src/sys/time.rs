@@ -1,14 +1,9 @@
 //! Wall-clock time as the numbers the gateway stores and compares: milliseconds, seconds and
 //! microseconds since the Unix epoch (0 for a clock set before 1970, never a panic). Windows,
-//! key expiry and log file names are wall-clock; durations use `Instant`.
+//! key expiry and log file names are wall-clock; durations use `Instant`. Read as
+//! [`crate::sys::clock`] reads them: once per wake-up of a connection's task.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-fn since_epoch() -> Duration {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO)
-}
+use crate::sys::clock::since_epoch;
 
 /// Milliseconds since the Unix epoch.
 pub(crate) fn unix_ms() -> u64 {
@@ -32,9 +27,13 @@ pub(crate) fn subsec_nanos() -> u32 {
 
 /// Milliseconds on a monotonic clock shared by every thread of the process (since its first
 /// read), never 0: for deadlines several workers compare, such as a backend's breaker or
-/// cool-down, where 0 means "none".
+/// cool-down, where 0 means "none". Read as [`crate::sys::clock::recent`]: once per wake-up of
+/// a connection's task.
 pub(crate) fn mono_ms() -> u64 {
     static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
     let base = BASE.get_or_init(std::time::Instant::now);
-    base.elapsed().as_millis() as u64 + 1
+    crate::sys::clock::recent()
+        .saturating_duration_since(*base)
+        .as_millis() as u64
+        + 1
 }

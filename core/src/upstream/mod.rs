@@ -59,7 +59,7 @@ impl UpstreamIo {
         match self {
             UpstreamIo::Plain(s) => crate::sys::stream::write_all(s, buf, direct, limit).await,
             UpstreamIo::Tls(s) => {
-                let (res, buf) = monoio::time::timeout(limit, s.write_all(buf)).await?;
+                let (res, buf) = crate::sys::clock::timeout(limit, s.write_all(buf)).await?;
                 Ok((res.map(|_| ()), buf))
             }
         }
@@ -285,7 +285,9 @@ impl Pools {
         let pool = self.backends.get(backend)?;
         let mut idle = pool.idle.borrow_mut();
         while let Some(mut conn) = idle.pop() {
-            if conn.idle_since.elapsed() < self.limits.idle_timeout {
+            if crate::sys::clock::recent().saturating_duration_since(conn.idle_since)
+                < self.limits.idle_timeout
+            {
                 conn.reused = true;
                 let busy = pool.open.get().saturating_sub(idle.len());
                 drop(idle);
@@ -302,7 +304,7 @@ impl Pools {
     /// `max_idle_per_backend`, or as many as were busy at once lately when that was more.
     pub(crate) fn checkin(&self, mut conn: UpstreamConn) {
         let pool = Rc::clone(&conn.pool);
-        let now = Instant::now();
+        let now = crate::sys::clock::recent();
         if now.saturating_duration_since(pool.interval_began.get()) >= self.limits.idle_timeout {
             pool.busy_peak_before.set(pool.busy_peak.get());
             pool.busy_peak
@@ -363,7 +365,7 @@ impl Pools {
             }
             Poll::Pending
         });
-        let ok = monoio::time::timeout(limit, waited).await.is_ok();
+        let ok = crate::sys::clock::timeout(limit, waited).await.is_ok();
         // Out of line without having used the room: a wake-up that came as the wait ran out,
         // which the ticket passes on.
         ticket.woken = !ok && !queued();
@@ -468,7 +470,7 @@ pub(crate) async fn connect(
         };
         Ok((io, fd))
     };
-    match monoio::time::timeout(timeouts.upstream_connect, attempt).await {
+    match crate::sys::clock::timeout(timeouts.upstream_connect, attempt).await {
         Ok(Ok((io, fd))) => {
             // The connection now holds the slot (its drop gives it back).
             std::mem::forget(slot);
@@ -477,7 +479,7 @@ pub(crate) async fn connect(
                 io,
                 pool: Rc::clone(pool),
                 reused: false,
-                idle_since: Instant::now(),
+                idle_since: crate::sys::clock::recent(),
                 fd,
                 slot: pool.conns.add(fd),
             })
