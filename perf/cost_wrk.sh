@@ -74,8 +74,8 @@ runs = defaultdict(dict)
 for line in open(sys.argv[1]):
     rnd, proxy, rps, ticks, served, bad = line.split()
     runs[proxy][int(rnd)] = (float(rps), int(ticks) / hz * 1e6 / max(int(served), 1), bad)
-med = lambda xs: statistics.median(xs)
-rng = lambda xs: f"{min(xs):.2f}–{max(xs):.2f}"
+med = lambda xs: statistics.median(xs) if xs else float("nan")  # no nginx run: no ratios
+rng = lambda xs: f"{min(xs):.2f}–{max(xs):.2f}" if xs else "–"
 print()
 print("| proxy | req/s | min–max | ratio to nginx | ratio min–max | CPU µs/req | min–max | CPU ratio to nginx | ratio min–max | errors |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -4,6 +4,7 @@
 #
 #   perf/profile.sh                 # ~1 min; prints a Markdown table, keeps perf.data in $OUT
 #   PROXIES="sluice nginx haproxy" perf/profile.sh
+#   PROXIES="sluice sluice-ai" perf/profile.sh   # what the AI pipeline adds (keys, limits, log)
 #
 # The rig is scripts/bench.sh's cost rig: mock-llm, the proxy and sluice-load (closed loop,
 # CONNS keep-alive connections, SMALL_BYTES chat POSTs) all pinned to one core. For each proxy
@@ -11,7 +12,9 @@
 # proxy's CPU ticks and the requests mock-llm served over the same window, so each share of
 # the profile converts to µs per request. Kernel rows are inclusive (everything under that
 # kernel function, e.g. a loopback send includes delivering the segment to the receiver);
-# user-space rows are self time, grouped by what the code does.
+# user-space rows are self time, grouped by what the code does. `sluice-ai` is Sluice with the
+# kit's AI pipeline (API keys, three policies on a redis-server it starts on the same core,
+# metrics and the access log).
 #
 # RIG=latency profiles the latency rig instead: the proxy alone on CORE, sluice-load and
 # mock-llm on CORE_B, open loop at RATE req/s over LAT_CONNS connections; there every request
@@ -38,8 +41,9 @@ command -v perf >/dev/null || { apt-get install -y -qq linux-perf >/dev/null 2>&
 for p in $PROXIES; do
   case $p in
     sluice) ;;
+    sluice-ai) command -v redis-server >/dev/null || die "redis-server is missing (apt-get install redis-server)" ;;
     nginx | haproxy) command -v "$p" >/dev/null || die "$p is missing (scripts/bench.sh installs it)" ;;
-    *) die "unknown proxy $p (sluice, nginx, haproxy)" ;;
+    *) die "unknown proxy $p (sluice, sluice-ai, nginx, haproxy)" ;;
   esac
 done
 if [ -z "${BIN_DIR:-}" ]; then
@@ -64,14 +68,25 @@ trap cleanup EXIT
 start_mock
 taskset -a -p -c "$CLIENT_CORE" "${PIDS[0]}" >/dev/null
 declare -A PORT_OF=() PID_OF=()
+KEY=sk-profile-1
 for p in $PROXIES; do
   case $p in
-    sluice)
-      write_sluice_config "$TMP/sluice.toml" 0 ""
-      taskset -c "$CORE" "$BIN/sluice" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
+    sluice | sluice-ai)
+      if [ "$p" = sluice ]; then
+        write_sluice_config "$TMP/$p.toml" 0 ""
+      else
+        REDIS_PORT=$(free_port)
+        taskset -c "$CORE" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" \
+          --appendonly no >"$TMP/redis.log" 2>&1 &
+        PIDS+=($!)
+        for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+        mkdir -p "$TMP/logs"
+        write_sluice_ai_config "$TMP/$p.toml" "$REDIS_PORT" "$KEY" "$TMP/logs"
+      fi
+      taskset -c "$CORE" "$BIN/sluice" --config "$TMP/$p.toml" >"$TMP/$p.log" 2>&1 &
       PID_OF[$p]=$!
-      wait_line "$TMP/sluice.log" listening
-      PORT_OF[$p]=$(port_of "$TMP/sluice.log")
+      wait_line "$TMP/$p.log" "listening on"
+      PORT_OF[$p]=$(port_of "$TMP/$p.log")
       ;;
     nginx)
       PORT_OF[$p]=$(free_port)
@@ -94,6 +109,7 @@ mock_requests() { curl -s --max-time 5 "http://127.0.0.1:$MOCK/_mock/stats" | se
 load() { # proxy seconds
   local shape=(--connections "$CONNS")
   [ "$RIG" = cost ] || shape=(--connections "$LAT_CONNS" --rate "$RATE")
+  [ "$1" != sluice-ai ] || shape+=(--header "Authorization: Bearer $KEY")
   taskset -c "$CLIENT_CORE" "$BIN/sluice-load" --url "http://127.0.0.1:${PORT_OF[$1]}/v1/chat/completions" \
     "${shape[@]}" --duration "${2}s" --body-bytes "$SMALL_BYTES" >/dev/null
 }

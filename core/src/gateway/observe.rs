@@ -586,7 +586,7 @@ pub(crate) fn emit(
     rec.time_unix_us = crate::sys::time::unix_us().saturating_sub(since_receipt.as_micros() as u64);
     rec.client_addr.clear();
     if let Some(peer) = request.peer {
-        let _ = write!(rec.client_addr, "{peer}");
+        write_peer(&mut rec.client_addr, peer);
     }
     set_str(&mut rec.method, "POST");
     set_str(&mut rec.path, &String::from_utf8_lossy(path));
@@ -724,6 +724,27 @@ fn set_str(field: &mut String, value: &str) {
     field.push_str(value);
 }
 
+/// `peer` as `Display` writes it (`1.2.3.4:5`, `[::1]:5`), an IPv4 one without core::fmt:
+/// `SocketAddr`'s `Display` cost ~150 ns a request in the access log.
+fn write_peer(out: &mut String, peer: std::net::SocketAddr) {
+    match peer {
+        std::net::SocketAddr::V4(v4) => {
+            let mut num = itoa::Buffer::new();
+            for (i, octet) in v4.ip().octets().into_iter().enumerate() {
+                if i > 0 {
+                    out.push('.');
+                }
+                out.push_str(num.format(octet));
+            }
+            out.push(':');
+            out.push_str(num.format(v4.port()));
+        }
+        v6 => {
+            let _ = write!(out, "{v6}");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -732,6 +753,24 @@ mod tests {
     use crate::gateway::context::testing::OwnedCore;
 
     const TEXT: &[u8] = include_bytes!("../openai/anthropic/testdata/anthropic_text.sse");
+
+    #[test]
+    fn the_logged_peer_reads_as_display_writes_it() {
+        for peer in [
+            "1.2.3.4:5",
+            "0.0.0.0:0",
+            "255.255.255.255:65535",
+            "10.0.120.7:40000",
+            "[::1]:8080",
+            "[2001:db8::7]:443",
+        ] {
+            let peer: std::net::SocketAddr = peer.parse().unwrap();
+            let mut out = String::from("stale");
+            out.clear();
+            write_peer(&mut out, peer);
+            assert_eq!(out, peer.to_string());
+        }
+    }
 
     fn core() -> OwnedCore {
         OwnedCore::new(

@@ -251,14 +251,16 @@ pub struct LabelLists<'a> {
 #[derive(Debug)]
 struct NameTable {
     slots: Vec<String>,
-    by_name: HashMap<String, u32>,
+    /// Seeded per process: looked up with names clients send (see Cargo.toml on foldhash).
+    by_name: HashMap<String, u32, foldhash::fast::RandomState>,
     by_position: Vec<u32>,
 }
 
 impl NameTable {
     fn new(list: &[String]) -> NameTable {
         let mut slots: Vec<String> = Vec::with_capacity(list.len() + 1);
-        let mut by_name: HashMap<String, u32> = HashMap::with_capacity(list.len());
+        let mut by_name: HashMap<String, u32, foldhash::fast::RandomState> =
+            HashMap::with_capacity_and_hasher(list.len(), Default::default());
         let mut pending_other = Vec::new();
         let mut by_position = Vec::with_capacity(list.len());
         for (position, name) in list.iter().enumerate() {
