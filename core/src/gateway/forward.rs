@@ -401,7 +401,9 @@ pub(crate) async fn send<'w>(
         {
             Some(conn) => conn,
             None => {
-                let started = clock::recent();
+                // Read afresh: a stale connection's failed attempt may have gone before, within
+                // this poll.
+                let started = clock::now();
                 match connect(io.pools, target.cluster, target.backend, timeouts).await {
                     Ok(conn) => {
                         timings.connect = Some(clock::recent().saturating_duration_since(started));
@@ -413,7 +415,9 @@ pub(crate) async fn send<'w>(
                     Err(ConnectError::PoolFull) => {
                         let waited =
                             *pool_wait_until.get_or_insert_with(|| started + io.pools.pool_wait());
-                        let left = waited.saturating_duration_since(clock::recent());
+                        // Read afresh: room can show (an idle connection this retry may not
+                        // use) without a wait, and a frozen reading would never run out.
+                        let left = waited.saturating_duration_since(clock::now());
                         if !left.is_zero() && io.pools.wait_for_room(target.backend.id, left).await
                         {
                             continue;

@@ -322,7 +322,8 @@ pub(crate) async fn relay_translated_whole(
         .write_all(out, io.timeouts.stream_idle, io.load.direct_writes())
         .await;
     io.bufs.give(returned);
-    obs.finished_at = Some(clock::recent());
+    // Read afresh: the last write may have finished without a wait.
+    obs.finished_at = Some(clock::now());
     let end = if res.is_ok() {
         RelayEnd::Complete
     } else {
@@ -729,7 +730,8 @@ impl Relay<'_, '_> {
                 (self.end_early(&GatewayError::shutting_down()).await, false)
             }
         };
-        self.obs.finished_at = Some(clock::recent());
+        // Read afresh: the last write may have finished without a wait.
+        self.obs.finished_at = Some(clock::now());
         self.close(reusable);
         keep_alive
     }

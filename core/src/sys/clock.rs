@@ -56,12 +56,15 @@ pub(crate) fn recent() -> Instant {
 }
 
 /// A fresh reading, for a measurement that must include the work done so far in this poll;
-/// it is also what [`recent`] returns from now on in this poll.
+/// it is also what [`recent`] returns from now on in this poll. The poll's wall-clock reading
+/// is dropped with it, so the two never drift apart (the access log puts one against the
+/// other).
 pub(crate) fn now() -> Instant {
     let t = Instant::now();
     POLL.with(|p| {
         if p.stamped.get() {
             p.reading.set(Some(t));
+            p.wall.set(None);
         }
     });
     t
@@ -115,14 +118,24 @@ impl<F: Future> Future for Stamped<F> {
         let inner = unsafe { self.map_unchecked_mut(|s| &mut s.inner) };
         // A stamped poll inside another (not done today) gets its own reading and gives the
         // outer one back.
-        let outer = POLL.with(|p| (p.stamped.replace(true), p.reading.take(), p.wall.take()));
-        let polled = inner.poll(cx);
+        let _restore =
+            Restore(POLL.with(|p| (p.stamped.replace(true), p.reading.take(), p.wall.take())));
+        inner.poll(cx)
+    }
+}
+
+/// What was there before a stamped poll, put back when it ends, even by a panic (which would
+/// otherwise leave the thread with a frozen reading).
+struct Restore((bool, Option<Instant>, Option<Duration>));
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let (stamped, reading, wall) = self.0;
         POLL.with(|p| {
-            p.stamped.set(outer.0);
-            p.reading.set(outer.1);
-            p.wall.set(outer.2);
+            p.stamped.set(stamped);
+            p.reading.set(reading);
+            p.wall.set(wall);
         });
-        polled
     }
 }
 
@@ -179,6 +192,36 @@ mod tests {
         };
         assert!(next >= inside + Duration::from_millis(4));
         assert!(next_wall >= wall + Duration::from_millis(4));
+    }
+
+    #[test]
+    fn now_takes_a_new_wall_reading_with_it() {
+        let Poll::Ready((before, after)) = poll_stamped(async {
+            let before = since_epoch();
+            std::thread::sleep(Duration::from_millis(2));
+            now();
+            (before, since_epoch())
+        }) else {
+            panic!("ready at once");
+        };
+        assert!(after >= before + Duration::from_millis(2));
+    }
+
+    #[test]
+    fn a_poll_that_panics_leaves_no_reading_behind() {
+        let panicked = std::panic::catch_unwind(|| {
+            poll_stamped(async {
+                recent();
+                panic!("in the poll");
+            })
+        });
+        assert!(panicked.is_err());
+        let after_panic = recent();
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(
+            recent() >= after_panic + Duration::from_millis(2),
+            "the thread is unstamped"
+        );
     }
 
     #[test]
