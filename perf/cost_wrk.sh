@@ -35,12 +35,7 @@ KEY=sk-cost-wrk-1
 { cat "$TMP/post.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $KEY\""; } >"$TMP/post-ai.lua"
 
 declare -A PID PORT
-REDIS_PORT=$(free_port)
-taskset -c "$CORE" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no \
-  >"$TMP/redis.log" 2>&1 &
-REDIS_PID=$!
-PIDS+=($!)
-for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+start_pinned_redis "$CORE"
 for proxy in $PROXIES; do start_pinned_proxy "$proxy" "$CORE"; done
 
 lua_of() { case $1 in sluice-ai*) echo "$TMP/post-ai.lua" ;; *) echo "$TMP/post.lua" ;; esac; }

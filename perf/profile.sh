@@ -67,42 +67,21 @@ trap cleanup EXIT
 
 start_mock
 taskset -a -p -c "$CLIENT_CORE" "${PIDS[0]}" >/dev/null
-declare -A PORT_OF=() PID_OF=()
+declare -A PORT=() PID=()
 KEY=sk-profile-1
+case " $PROXIES " in *" sluice-ai "*) start_pinned_redis "$CORE" ;; esac
 for p in $PROXIES; do
   case $p in
-    sluice | sluice-ai)
-      if [ "$p" = sluice ]; then
-        write_sluice_config "$TMP/$p.toml" 0 ""
-      else
-        REDIS_PORT=$(free_port)
-        taskset -c "$CORE" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" \
-          --appendonly no >"$TMP/redis.log" 2>&1 &
-        PIDS+=($!)
-        for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
-        mkdir -p "$TMP/logs"
-        write_sluice_ai_config "$TMP/$p.toml" "$REDIS_PORT" "$KEY" "$TMP/logs"
-      fi
-      taskset -c "$CORE" "$BIN/sluice" --config "$TMP/$p.toml" >"$TMP/$p.log" 2>&1 &
-      PID_OF[$p]=$!
-      wait_line "$TMP/$p.log" "listening on"
-      PORT_OF[$p]=$(port_of "$TMP/$p.log")
-      ;;
-    nginx)
-      PORT_OF[$p]=$(free_port)
-      write_nginx_config "$TMP/nginx" "${PORT_OF[$p]}" "$MOCK"
-      taskset -c "$CORE" nginx -c "$TMP/nginx/nginx.conf" -p "$TMP/nginx" >"$TMP/nginx.log" 2>&1 &
-      PID_OF[$p]=$!
-      ;;
     haproxy)
-      PORT_OF[$p]=$(free_port)
-      write_haproxy_config "$TMP/haproxy.cfg" "${PORT_OF[$p]}" "$MOCK" 4096 # 2 fds per connection
+      PORT[$p]=$(free_port)
+      write_haproxy_config "$TMP/haproxy.cfg" "${PORT[$p]}" "$MOCK" 4096 # 2 fds per connection
       taskset -c "$CORE" haproxy -db -f "$TMP/haproxy.cfg" >"$TMP/haproxy.log" 2>&1 &
-      PID_OF[$p]=$!
+      PID[$p]=$!
+      PIDS+=($!)
       ;;
+    *) start_pinned_proxy "$p" "$CORE" ;; # sluice, sluice-ai, nginx
   esac
-  PIDS+=("${PID_OF[$p]}")
-  wait_http "http://127.0.0.1:${PORT_OF[$p]}/v1/models" "${PID_OF[$p]}"
+  wait_http "http://127.0.0.1:${PORT[$p]}/v1/models" "${PID[$p]}"
 done
 
 mock_requests() { curl -s --max-time 5 "http://127.0.0.1:$MOCK/_mock/stats" | sed -n 's/.*"requests":\([0-9]*\).*/\1/p'; }
@@ -110,7 +89,7 @@ load() { # proxy seconds
   local shape=(--connections "$CONNS")
   [ "$RIG" = cost ] || shape=(--connections "$LAT_CONNS" --rate "$RATE")
   [ "$1" != sluice-ai ] || shape+=(--header "Authorization: Bearer $KEY")
-  taskset -c "$CLIENT_CORE" "$BIN/sluice-load" --url "http://127.0.0.1:${PORT_OF[$1]}/v1/chat/completions" \
+  taskset -c "$CLIENT_CORE" "$BIN/sluice-load" --url "http://127.0.0.1:${PORT[$1]}/v1/chat/completions" \
     "${shape[@]}" --duration "${2}s" --body-bytes "$SMALL_BYTES" >/dev/null
 }
 # Context switches of all the proxy's threads (each one is a sleep and a wake-up).
@@ -124,9 +103,9 @@ for p in $PROXIES; do
   load "$p" $((SECS + 2)) &
   lpid=$!
   sleep 1
-  t0=$(proc_ticks "${PID_OF[$p]}") r0=$(mock_requests) s0=$(switches "${PID_OF[$p]}")
-  perf record -q -F 1999 -g -p "${PID_OF[$p]}" -o "$OUT/$p.perf.data" -- sleep "$SECS" 2>/dev/null
-  t1=$(proc_ticks "${PID_OF[$p]}") r1=$(mock_requests) s1=$(switches "${PID_OF[$p]}")
+  t0=$(proc_ticks "${PID[$p]}") r0=$(mock_requests) s0=$(switches "${PID[$p]}")
+  perf record -q -F 1999 -g -p "${PID[$p]}" -o "$OUT/$p.perf.data" -- sleep "$SECS" 2>/dev/null
+  t1=$(proc_ticks "${PID[$p]}") r1=$(mock_requests) s1=$(switches "${PID[$p]}")
   wait "$lpid"
   us=$(awk -v t=$((t1 - t0)) -v r=$((r1 - r0)) -v c="$CLK" 'BEGIN { printf "%.2f", t / c * 1e6 / r }')
   sw=$(awk -v s=$((s1 - s0)) -v r=$((r1 - r0)) 'BEGIN { printf "%.3f", s / r }')

@@ -263,6 +263,16 @@ start_pinned_proxy() { # proxy core
   esac
 }
 
+# Start redis-server pinned to CORE (nothing persisted) and wait until it answers; sets
+# REDIS_PORT (for sluice-ai's limits) and adds the PID to PIDS.
+start_pinned_redis() { # core
+  REDIS_PORT=$(free_port)
+  taskset -c "$1" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no \
+    >"$TMP/redis.log" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+}
+
 # A scratch directory (TMP) and an empty PIDS array, both cleaned up when the script exits:
 # every process in PIDS is killed and TMP removed.
 init_scratch() {
