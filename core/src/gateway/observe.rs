@@ -765,8 +765,7 @@ mod tests {
             "[2001:db8::7]:443",
         ] {
             let peer: std::net::SocketAddr = peer.parse().unwrap();
-            let mut out = String::from("stale");
-            out.clear();
+            let mut out = String::new();
             write_peer(&mut out, peer);
             assert_eq!(out, peer.to_string());
         }
