@@ -24,12 +24,9 @@ init_scratch
 
 
 start_mock
-write_sluice_config "$TMP/sluice.toml" 0 ""
-taskset -c 0 "$SLUICE_BIN" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
-PIDS+=($!)
-wait_line "$TMP/sluice.log" listening
-SLUICE=$(port_of "$TMP/sluice.log")
-URL="http://127.0.0.1:$SLUICE/v1/chat/completions"
+declare -A PID PORT
+start_pinned_proxy sluice 0 # SLUICE_BIN, the default config
+URL="http://127.0.0.1:${PORT[sluice]}/v1/chat/completions"
 
 echo "sluice: $SLUICE_BIN ($("$SLUICE_BIN" --version 2>/dev/null || echo '?'))"
 before=$(mock_stat connections_accepted)

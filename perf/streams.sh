@@ -39,13 +39,10 @@ init_scratch
 
 
 start_mock
-write_sluice_config "$TMP/sluice.toml" 0 ""
-taskset -c 0 "$SLUICE_BIN" --config "$TMP/sluice.toml" >"$TMP/sluice.log" 2>&1 &
-SLUICE_PID=$!
-PIDS+=($!)
-wait_line "$TMP/sluice.log" listening
-SLUICE=$(port_of "$TMP/sluice.log")
-URL="http://127.0.0.1:$SLUICE/v1/chat/completions"
+declare -A PID PORT
+start_pinned_proxy sluice 0 # SLUICE_BIN, the default config
+SLUICE_PID=${PID[sluice]}
+URL="http://127.0.0.1:${PORT[sluice]}/v1/chat/completions"
 echo "machine: $(nproc) CPU(s), $(uname -r), open-file limit $(ulimit -n); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"
 echo "$STREAMS streams of $EVENTS events ${GAP_MS} ms apart, started over ${RAMP}s"
 
