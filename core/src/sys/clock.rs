@@ -43,15 +43,25 @@ thread_local! {
 /// The time now, to within this poll's run: the reading already taken in this poll of a
 /// [`Stamped`] task, or a fresh one (kept for the rest of the poll when stamped).
 pub(crate) fn recent() -> Instant {
-    POLL.with(|p| match p.reading.get() {
-        Some(t) => t,
-        None => {
-            let t = Instant::now();
-            if p.stamped.get() {
-                p.reading.set(Some(t));
-            }
-            t
+    once_per_poll(|p| &p.reading, Instant::now)
+}
+
+/// What `slot` holds in this stamped poll, or a fresh reading from `read`, kept in `slot` for
+/// the rest of the poll when stamped.
+fn once_per_poll<T: Copy>(
+    slot: impl Fn(&PollClock) -> &Cell<Option<T>>,
+    read: impl FnOnce() -> T,
+) -> T {
+    POLL.with(|p| {
+        let cell = slot(p);
+        if let Some(t) = cell.get() {
+            return t;
         }
+        let t = read();
+        if p.stamped.get() {
+            cell.set(Some(t));
+        }
+        t
     })
 }
 
@@ -73,18 +83,14 @@ pub(crate) fn now() -> Instant {
 /// The wall clock's time since the Unix epoch (zero for a clock set before 1970), read once per
 /// stamped poll like [`recent`].
 pub(crate) fn since_epoch() -> Duration {
-    POLL.with(|p| match p.wall.get() {
-        Some(t) => t,
-        None => {
-            let t = std::time::SystemTime::now()
+    once_per_poll(
+        |p| &p.wall,
+        || {
+            std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or(Duration::ZERO);
-            if p.stamped.get() {
-                p.wall.set(Some(t));
-            }
-            t
-        }
-    })
+                .unwrap_or(Duration::ZERO)
+        },
+    )
 }
 
 /// `future`, cut off `limit` after [`recent`]: monoio's own `timeout` reads the clock for
