@@ -276,25 +276,7 @@ fn client_abort_mid_stream_still_writes_a_record_with_estimated_usage() {
     c.send(&Req::post("/v1/chat/completions", &chat_stream_body("gpt-4o")).build());
     let head = c.read_head().expect("stream head");
     assert_eq!(head.status, 200);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let piece = Piece {
-            at: Instant::now(),
-            data: c.buffered().to_vec(),
-        };
-        let n = parse_sse(&[piece])
-            .iter()
-            .filter(|e| e.content().is_some())
-            .count();
-        if n >= 3 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "three tokens did not arrive");
-        assert!(
-            c.read_more().expect("read stream") > 0,
-            "stream ended early"
-        );
-    }
+    c.read_until_content_events(3);
     drop(c);
 
     let recs = wait_records(log.path(), 1, Duration::from_secs(3));

@@ -76,27 +76,7 @@ fn client_abort_mid_stream_cancels_upstream_and_leaks_nothing() {
     c.send(&Req::post("/v1/chat/completions", &chat_stream_body("gpt-4o")).build());
     let head = c.read_head().expect("stream head");
     assert_eq!(head.status, 200);
-    // Read until two content events have arrived (raw bytes: the body is still chunk-framed,
-    // which does not hide the SSE lines from the parser).
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let piece = Piece {
-            at: Instant::now(),
-            data: c.buffered().to_vec(),
-        };
-        let n = parse_sse(&[piece])
-            .iter()
-            .filter(|e| e.content().is_some())
-            .count();
-        if n >= 2 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "two tokens did not arrive");
-        assert!(
-            c.read_more().expect("read stream") > 0,
-            "stream ended early"
-        );
-    }
+    c.read_until_content_events(2);
     assert_eq!(mock.stat("active_streams"), 1);
     drop(c);
     let ok = wait_until(Duration::from_secs(2), || {
