@@ -22,7 +22,9 @@
 #
 # Knobs: BIN_DIR (default: release build, built if missing), OUT (default: a temp dir), PROXIES
 # ("sluice nginx"), RIG (cost), CONNS (32), SMALL_BYTES (1024), SECS (8), RATE (15000),
-# LAT_CONNS (64), CORE and CORE_B (the first two CPUs we may use).
+# LAT_CONNS (64), CORE and CORE_B (the first two CPUs we may use), PERF_CALLGRAPH (`perf
+# record`'s call-graph option, default `-g`; `--call-graph dwarf,16384` names the callers of
+# memcpy and other inlined code, which frame pointers miss).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LC_ALL=C
@@ -104,7 +106,7 @@ for p in $PROXIES; do
   lpid=$!
   sleep 1
   t0=$(proc_ticks "${PID[$p]}") r0=$(mock_requests) s0=$(switches "${PID[$p]}")
-  perf record -q -F 1999 -g -p "${PID[$p]}" -o "$OUT/$p.perf.data" -- sleep "$SECS" 2>/dev/null
+  perf record -q -F 1999 ${PERF_CALLGRAPH:--g} -p "${PID[$p]}" -o "$OUT/$p.perf.data" -- sleep "$SECS" 2>/dev/null
   t1=$(proc_ticks "${PID[$p]}") r1=$(mock_requests) s1=$(switches "${PID[$p]}")
   wait "$lpid"
   us=$(awk -v t=$((t1 - t0)) -v r=$((r1 - r0)) -v c="$CLK" 'BEGIN { printf "%.2f", t / c * 1e6 / r }')
