@@ -738,13 +738,19 @@ fn overhead_header_is_on_proxied_responses_and_excludes_upstream_time() {
 /// Send `req` with `Connection: close` and read every byte until the gateway closes; returns
 /// the client's address, the bytes sent and the bytes received.
 fn exchange_raw(gw: &Sluice, req: &Req) -> (std::net::SocketAddr, usize, usize) {
+    let (local, sent, received) = exchange_raw_bytes(gw, req);
+    (local, sent, received.len())
+}
+
+/// [`exchange_raw`], returning the bytes received.
+fn exchange_raw_bytes(gw: &Sluice, req: &Req) -> (std::net::SocketAddr, usize, Vec<u8>) {
     let req = req.clone().header("Connection", "close");
     let bytes = req.build();
     let mut c = gw.conn();
     let local = c.stream().local_addr().unwrap();
     c.send(&bytes);
     while c.read_more().expect("read until close") > 0 {}
-    (local, bytes.len(), c.buffered().len())
+    (local, bytes.len(), c.buffered().to_vec())
 }
 
 /// One exchange as the client saw it.
@@ -879,4 +885,240 @@ fn record_time_is_when_the_request_arrived() {
         t + latency <= after + 50_000,
         "latency_us {latency} ends after the answer: {rec}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Non-streamed answers kept where they are read (relay `KeptBody`)
+// ---------------------------------------------------------------------------------------------
+
+/// One scripted answer: its bytes as written, a pause between pieces, and whether the upstream
+/// then closes the connection.
+struct Answer {
+    pieces: Vec<Vec<u8>>,
+    then_close: bool,
+}
+
+/// An upstream that counts its connections and answers each request it reads whole (head and
+/// Content-Length body) with the next scripted answer; with none left it closes.
+fn scripted_upstream(
+    answers: Vec<Answer>,
+) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let answers = Arc::new(Mutex::new(std::collections::VecDeque::from(answers)));
+    let counted = conns.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            counted.fetch_add(1, Ordering::SeqCst);
+            let answers = answers.clone();
+            std::thread::spawn(move || loop {
+                // The request: its head, then as many body bytes as it says.
+                let mut got = Vec::new();
+                let mut buf = [0u8; 8192];
+                let head_end = loop {
+                    if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&got[..head_end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                while got.len() < head_end + len {
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let Some(answer) = answers.lock().unwrap().pop_front() else {
+                    return;
+                };
+                for (i, piece) in answer.pieces.iter().enumerate() {
+                    if i > 0 {
+                        #[allow(clippy::disallowed_methods)]
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    if stream.write_all(piece).is_err() {
+                        return;
+                    }
+                }
+                if answer.then_close {
+                    return;
+                }
+            });
+        }
+    });
+    (port, conns)
+}
+
+/// A chat completion of about `size` bytes reporting 11 prompt and 22 completion tokens, its
+/// content dense with escapes (as the meter's scanner must get through), and its response head.
+fn large_answer(size: usize) -> (Vec<u8>, Vec<u8>) {
+    let text = "tok \\\"q\\\" \\n ".repeat(size / 14);
+    let body = format!(
+        r#"{{"id":"chatcmpl-1","object":"chat.completion","model":"gpt-4o","choices":[{{"index":0,"message":{{"role":"assistant","content":"{text}"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":11,"completion_tokens":22,"total_tokens":33}}}}"#
+    )
+    .into_bytes();
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    (head, body)
+}
+
+fn joined(a: &[u8], b: &[u8]) -> Vec<u8> {
+    [a, b].concat()
+}
+
+#[test]
+fn a_large_answer_reaches_the_client_whole_and_is_metered_where_it_was_read() {
+    let (head, body) = large_answer(300_000);
+    let answer = |pieces: Vec<Vec<u8>>| Answer {
+        pieces,
+        then_close: false,
+    };
+    let answers = vec![
+        // A few body bytes with the head (copied behind it), the rest in two reads.
+        answer(vec![
+            joined(&head, &body[..1000]),
+            body[1000..70_000].to_vec(),
+            body[70_000..].to_vec(),
+        ]),
+        // Many body bytes with the head (the head and them in one vectored write).
+        answer(vec![
+            joined(&head, &body[..20_000]),
+            body[20_000..].to_vec(),
+        ]),
+        // The head alone, then the whole body.
+        answer(vec![head.clone(), body.clone()]),
+    ];
+    let n = answers.len();
+    let (port, conns) = scripted_upstream(answers);
+    let log = TempDir::new("obs-kept-body");
+    let gw = observed(
+        Config::backend_url(&format!("http://127.0.0.1:{port}/v1")).workers(1),
+        &log,
+    );
+    for i in 0..n {
+        let req = Req::post("/v1/chat/completions", &chat_body("gpt-4o"));
+        let (_, _, received) = exchange_raw_bytes(&gw, &req);
+        let at = received
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a response head")
+            + 4;
+        assert!(
+            received[..at].starts_with(b"HTTP/1.1 200"),
+            "answer {i}: {}",
+            String::from_utf8_lossy(&received[..at])
+        );
+        assert!(
+            received[at..] == body[..],
+            "answer {i}: the body differs ({} bytes arrived, {} sent)",
+            received.len() - at,
+            body.len()
+        );
+        let recs = wait_records(log.path(), i + 1, LOG_WAIT);
+        let rec = &recs[i];
+        assert_eq!(
+            s(rec, "usage_source"),
+            "USAGE_SOURCE_REPORTED",
+            "answer {i}: {rec}"
+        );
+        assert_eq!(
+            (u(rec, "prompt_tokens"), u(rec, "completion_tokens")),
+            (11, 22),
+            "answer {i}: {rec}"
+        );
+        assert_eq!(
+            u(rec, "bytes_out"),
+            received.len() as u64,
+            "answer {i}: {rec}"
+        );
+        assert_eq!(s(rec, "error_class"), "", "answer {i}: {rec}");
+    }
+    // Each body ended where its length said: the one upstream connection served them all.
+    assert_eq!(conns.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[test]
+fn bytes_past_an_answers_length_are_not_relayed_and_its_connection_is_not_reused() {
+    let (head, body) = large_answer(50_000);
+    let mut overrun = joined(&head, &body);
+    overrun.extend_from_slice(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}");
+    let answers = vec![
+        // The body, then bytes that belong to no request, in one write.
+        Answer {
+            pieces: vec![overrun[..10_000].to_vec(), overrun[10_000..].to_vec()],
+            then_close: false,
+        },
+        Answer {
+            pieces: vec![joined(&head, &body)],
+            then_close: false,
+        },
+    ];
+    let (port, conns) = scripted_upstream(answers);
+    let log = TempDir::new("obs-kept-overrun");
+    let gw = observed(
+        Config::backend_url(&format!("http://127.0.0.1:{port}/v1")).workers(1),
+        &log,
+    );
+    for i in 0..2 {
+        let r = gw.chat(&chat_body("gpt-4o"));
+        assert_eq!(r.status, 200, "answer {i}: {}", r.dump());
+        assert!(r.body == body, "answer {i}: {} body bytes", r.body.len());
+        let recs = wait_records(log.path(), i + 1, LOG_WAIT);
+        assert_eq!(
+            u(&recs[i], "completion_tokens"),
+            22,
+            "answer {i}: {}",
+            recs[i]
+        );
+    }
+    // The first connection was left with bytes of no request on it: the second answer came
+    // on a new one.
+    assert_eq!(conns.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+#[test]
+fn an_answer_cut_mid_body_is_cut_for_the_client_and_logged_as_the_upstreams_abort() {
+    let (head, body) = large_answer(200_000);
+    let answers = vec![Answer {
+        pieces: vec![
+            joined(&head, &body[..30_000]),
+            body[30_000..120_000].to_vec(),
+        ],
+        then_close: true,
+    }];
+    let (port, _) = scripted_upstream(answers);
+    let log = TempDir::new("obs-kept-cut");
+    let mut gw = observed(
+        Config::backend_url(&format!("http://127.0.0.1:{port}/v1")).workers(1),
+        &log,
+    );
+    let (_, _, received) = exchange_raw_bytes(
+        &gw,
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o")),
+    );
+    let at = received.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    // What arrived is the body's start, not all of it: the client can tell it was cut.
+    assert_eq!(&received[at..], &body[..120_000]);
+    let rec = &wait_records(log.path(), 1, LOG_WAIT)[0];
+    assert_eq!(s(rec, "error_class"), "upstream_abort", "{rec}");
+    assert_eq!(u(rec, "bytes_out"), received.len() as u64, "{rec}");
+    // A cut answer reports no usage: the request is billed by estimate.
+    assert_eq!(s(rec, "usage_source"), "USAGE_SOURCE_ESTIMATED", "{rec}");
+    // The gateway is fine after it.
+    assert!(gw.is_running());
 }

@@ -50,6 +50,10 @@ enum ClientIo {
     },
 }
 
+fn client_write_timed_out() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "client write timed out")
+}
+
 /// The answer to any operation on a TLS session that an earlier one left unusable.
 fn tls_unusable() -> io::Error {
     io::Error::new(
@@ -140,13 +144,36 @@ impl ClientSocket {
         };
         match written {
             Ok(written) => written,
-            Err(_) => (
-                Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "client write timed out",
-                )),
-                Vec::new(),
-            ),
+            Err(_) => (Err(client_write_timed_out()), Vec::new()),
+        }
+    }
+
+    /// Write all of `first` and then `second[from..]` within `limit`, in one vectored write
+    /// where the socket is plain (see [`stream::write_pair`]); TLS encrypts from one buffer, so
+    /// there `second`'s bytes are copied behind `first`'s (and taken off again). Both buffers
+    /// come back (empty when the write timed out).
+    pub(crate) async fn write_pair(
+        &mut self,
+        mut first: Vec<u8>,
+        second: Vec<u8>,
+        from: usize,
+        limit: Duration,
+        direct: bool,
+    ) -> (io::Result<()>, Vec<u8>, Vec<u8>) {
+        match &mut self.io {
+            ClientIo::Plain(s) => {
+                match stream::write_pair(s, first, second, from, direct, limit).await {
+                    Ok(written) => written,
+                    Err(_) => (Err(client_write_timed_out()), Vec::new(), Vec::new()),
+                }
+            }
+            ClientIo::Tls { .. } => {
+                let len = first.len();
+                first.extend_from_slice(second.get(from..).unwrap_or_default());
+                let (res, mut first) = self.write_all(first, limit, direct).await;
+                first.truncate(len);
+                (res, first, second)
+            }
         }
     }
 

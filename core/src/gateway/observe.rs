@@ -165,7 +165,10 @@ pub(crate) struct Observation {
     pub(crate) rate_headers: String,
     metering: Metering,
     meter: SseMeter,
+    /// A non-streamed body kept whole for the meter: `json[json_from..]` (a body the relay kept
+    /// where it read it starts behind the response head).
     json: Vec<u8>,
+    json_from: usize,
     /// The response is Anthropic's own (passed through to an Anthropic client): metered in
     /// Anthropic's terms.
     anthropic: bool,
@@ -191,6 +194,7 @@ impl Default for Observation {
             metering: Metering::Off,
             meter: SseMeter::new(),
             json: Vec::new(),
+            json_from: 0,
             anthropic: false,
             anthropic_meter: AnthropicMetering::default(),
         }
@@ -242,6 +246,7 @@ impl Observation {
         }
         self.meter.reset();
         self.json.clear();
+        self.json_from = 0;
         if self.json.capacity() > 64 * 1024 {
             self.json = Vec::new();
         }
@@ -267,20 +272,31 @@ impl Observation {
         };
     }
 
-    /// The body to come is `len` bytes long (its Content-Length): a non-streamed answer kept
-    /// for metering gets its room at once, not by doubling as it arrives (a 64 KB answer was
-    /// copied twice over by the regrowth alone).
-    ///
-    /// Up to 1 MiB: a larger declared length grows the buffer as bytes really arrive, so an
-    /// upstream's claim alone can't make a pooled observation hold megabytes.
-    pub(crate) fn expect_body_len(&mut self, len: u64) {
-        if matches!(self.metering, Metering::Json { .. }) {
-            if let Ok(len) = usize::try_from(len) {
-                // With the parse's padding, so a body parsed whole needs no regrowth either.
-                self.json
-                    .reserve(len.min(1 << 20) + crate::openai::meter::PARSE_PADDING);
-            }
-        }
+    /// Whether a body of `len` bytes (its Content-Length) is to be kept whole for the meter —
+    /// a non-streamed answer or an error body, within the most that is metered — so the relay
+    /// may keep it where it reads it and hand it over at the end ([`Self::keep_body_read`])
+    /// instead of passing it through [`Self::body`], which copies it.
+    pub(crate) fn keeps_whole_body(&self, len: u64) -> bool {
+        matches!(self.metering, Metering::Json { truncated: false })
+            && len <= MAX_METERED_JSON as u64
+    }
+
+    /// The relay kept the body where it read it: `buf[from..]` is all of it that arrived, and
+    /// becomes the metered body without a copy. Returns the (emptied) buffer it replaces, for
+    /// the caller's pool.
+    pub(crate) fn keep_body_read(&mut self, buf: Vec<u8>, from: usize) -> Vec<u8> {
+        self.json_from = from.min(buf.len());
+        let mut replaced = std::mem::replace(&mut self.json, buf);
+        replaced.clear();
+        replaced
+    }
+
+    /// Give back the body [`Self::keep_body_read`] took, whole (benchmarks: the next run meters
+    /// the same bytes without copying them in again).
+    #[cfg(feature = "bench")]
+    pub(crate) fn take_kept_body(&mut self) -> Vec<u8> {
+        self.json_from = 0;
+        std::mem::take(&mut self.json)
     }
 
     /// Decoded body bytes on their way to the client, read at `now`.
@@ -346,11 +362,11 @@ impl Observation {
         let finished = self.finished_at.unwrap_or_else(Instant::now);
         let (summary, captured) = match (&self.metering, self.anthropic) {
             (Metering::Json { truncated: false }, false) => {
-                self.meter.on_json_body(&mut self.json);
+                self.meter.on_json_body(&mut self.json, self.json_from);
                 (self.meter.summary(), self.meter.captured())
             }
             (Metering::Json { truncated: false }, true) => {
-                let usage = message_usage(&self.json);
+                let usage = message_usage(self.json.get(self.json_from..).unwrap_or_default());
                 (
                     MeterSummary {
                         usage,

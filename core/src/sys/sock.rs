@@ -28,6 +28,35 @@ pub(crate) fn send_now(fd: RawFd, data: &[u8]) -> io::Result<usize> {
     }
 }
 
+/// Send as much of `first` and then `second` as the socket takes now, in one call. `Ok(0)` when
+/// it would block.
+pub(crate) fn send_pair_now(fd: RawFd, first: &[u8], second: &[u8]) -> io::Result<usize> {
+    let iov = [iovec(first), iovec(second)];
+    // SAFETY: an all-zero msghdr is valid (no address, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr().cast_mut();
+    msg.msg_iovlen = iov.len() as _;
+    // SAFETY: `msg` points at two iovecs over valid slices, alive for the call; sendmsg only
+    // reads them. MSG_DONTWAIT never blocks, MSG_NOSIGNAL as in `send_now`.
+    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    if n >= 0 {
+        return Ok(n as usize);
+    }
+    let err = io::Error::last_os_error();
+    match err.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(0),
+        _ => Err(err),
+    }
+}
+
+/// An iovec over `data`, for the kernel to read from.
+pub(crate) fn iovec(data: &[u8]) -> libc::iovec {
+    libc::iovec {
+        iov_base: data.as_ptr().cast_mut().cast(),
+        iov_len: data.len(),
+    }
+}
+
 /// Receive what the socket already holds into `buf`'s spare capacity. `Some(0)` is end of
 /// stream; `None` means nothing was there (or an error, which the next regular read reports).
 pub(crate) fn recv_now(fd: RawFd, buf: &mut Vec<u8>) -> Option<usize> {

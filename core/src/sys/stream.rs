@@ -86,3 +86,153 @@ pub(crate) async fn write_all<S: AsyncWriteRent + AsRawFd>(
     let (res, slice) = clock::timeout(limit, stream.write_all(buf.slice(sent..))).await?;
     Ok((res.map(|_| ()), slice.into_inner()))
 }
+
+/// Write all of `first` and then `second[from..]` to `stream` within `limit`, both in one
+/// vectored write (as far as the kernel takes them at once): a response head and the body bytes
+/// that came with it go out together without being copied into one buffer. `direct` as in
+/// [`write_all`]. Both buffers come back; `Err(Elapsed)`: `limit` passed, and they went with
+/// the cancelled write.
+pub(crate) async fn write_pair<S: AsyncWriteRent + AsRawFd>(
+    stream: &mut S,
+    first: Vec<u8>,
+    second: Vec<u8>,
+    from: usize,
+    direct: bool,
+    limit: Duration,
+) -> Result<(io::Result<()>, Vec<u8>, Vec<u8>), Elapsed> {
+    let from = from.min(second.len());
+    let total = first.len() + second.len() - from;
+    let mut sent = if direct {
+        match sock::send_pair_now(stream.as_raw_fd(), &first, &second[from..]) {
+            Ok(n) if n == total => return Ok((Ok(()), first, second)),
+            Ok(n) => n,
+            Err(e) => return Ok((Err(e), first, second)),
+        }
+    } else {
+        0
+    };
+    clock::timeout(limit, async move {
+        let (mut first, mut second) = (first, second);
+        // Short writes: again from where the kernel stopped, while `first` is not all out.
+        while sent < first.len() {
+            let (res, pair) = stream.writev(Pair::new(first, sent, second, from)).await;
+            (first, second) = (pair.first, pair.second);
+            match res {
+                Ok(0) => return (Err(io::ErrorKind::WriteZero.into()), first, second),
+                Ok(n) => sent += n,
+                Err(e) => return (Err(e), first, second),
+            }
+        }
+        let at = from + (sent - first.len());
+        if at < second.len() {
+            let (res, slice) = stream.write_all(second.slice(at..)).await;
+            second = slice.into_inner();
+            if let Err(e) = res {
+                return (Err(e), first, second);
+            }
+        }
+        (Ok(()), first, second)
+    })
+    .await
+}
+
+/// `first[sent..]` and `second[from..]` as one vectored write's buffers, owned by it while the
+/// kernel reads them.
+struct Pair {
+    /// On the heap: the runtime moves the value after the kernel has been given this address.
+    iov: Box<[libc::iovec; 2]>,
+    first: Vec<u8>,
+    second: Vec<u8>,
+}
+
+impl Pair {
+    fn new(first: Vec<u8>, sent: usize, second: Vec<u8>, from: usize) -> Pair {
+        let iov = Box::new([
+            sock::iovec(first.get(sent..).unwrap_or_default()),
+            sock::iovec(second.get(from..).unwrap_or_default()),
+        ]);
+        Pair { iov, first, second }
+    }
+}
+
+// SAFETY: the iovecs point into the two vectors' heap storage, which neither moves nor changes
+// while the runtime owns the `Pair` (nothing can reach the vectors then), and into a boxed
+// array, which does not move either.
+unsafe impl monoio::buf::IoVecBuf for Pair {
+    fn read_iovec_ptr(&self) -> *const libc::iovec {
+        self.iov.as_ptr()
+    }
+
+    fn read_iovec_len(&self) -> usize {
+        self.iov.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::limits::ledger::conformance::block_on;
+    use std::io::Read as _;
+
+    /// What a peer reads when `write_pair` sends `first` and `second[from..]`, large enough that
+    /// the kernel takes them in several short writes while the peer reads.
+    fn received(first: Vec<u8>, second: Vec<u8>, from: usize, direct: bool) -> Vec<u8> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let reader = std::thread::spawn(move || {
+            let (mut peer, _) = listener.accept().unwrap();
+            let mut got = Vec::new();
+            peer.read_to_end(&mut got).unwrap();
+            got
+        });
+        let (sent_first, sent_second) = (first.clone(), second.clone());
+        block_on(async move {
+            let mut stream = monoio::net::TcpStream::connect(addr).await.unwrap();
+            let (res, first, second) = write_pair(
+                &mut stream,
+                first,
+                second,
+                from,
+                direct,
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+            res.unwrap();
+            // Both buffers come back as they went.
+            assert_eq!((first, second), (sent_first, sent_second));
+        });
+        reader.join().unwrap()
+    }
+
+    #[test]
+    fn a_pair_arrives_whole_and_in_order() {
+        let pattern = |len: usize, seed: u8| -> Vec<u8> {
+            (0..len)
+                .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+                .collect()
+        };
+        // Small (one write), and several MB each (many short writes, the cut falling in either
+        // buffer); from the start of `second` or from inside it; an empty `first`.
+        for (first_len, second_len, from) in [
+            (100, 200, 0),
+            (100, 200, 50),
+            (0, 5000, 1000),
+            (3 << 20, 3 << 20, 0),
+            (64, 5 << 20, 17),
+        ] {
+            for direct in [false, true] {
+                let (first, second) = (pattern(first_len, 1), pattern(second_len, 2));
+                let mut expected = first.clone();
+                expected.extend_from_slice(&second[from..]);
+                let got = received(first, second, from, direct);
+                assert!(
+                    got == expected,
+                    "{first_len} + {second_len} from {from}, direct {direct}: {} bytes arrived",
+                    got.len()
+                );
+            }
+        }
+    }
+}

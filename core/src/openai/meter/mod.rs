@@ -75,8 +75,8 @@ impl SseMeter {
     }
 
     /// A whole non-streamed JSON body, parsed where it lies (see [`StreamMeter::on_json_body`]).
-    pub fn on_json_body(&mut self, body: &mut Vec<u8>) {
-        self.meter.on_json_body(body);
+    pub fn on_json_body(&mut self, body: &mut Vec<u8>, from: usize) {
+        self.meter.on_json_body(body, from);
     }
 
     /// The generated text seen so far (see [`StreamMeter::captured`]).
@@ -470,23 +470,58 @@ mod tests {
         );
         let mut body = with_usage.clone().into_bytes();
         let mut m = StreamMeter::new();
-        m.on_json_body(&mut body);
+        m.on_json_body(&mut body, 0);
         assert_eq!(body.len(), with_usage.len(), "the padding is cut off again");
         assert_eq!(m.summary().usage.map(|u| u.completion_tokens), Some(100));
         assert!(m.captured().is_empty());
 
         let without = format!(r#"{{"choices":[{{"message":{{"content":"{text}"}}}}]}}"#);
         let mut m = StreamMeter::new();
-        m.on_json_body(&mut without.into_bytes());
+        m.on_json_body(&mut without.into_bytes(), 0);
         assert_eq!(m.summary().usage, None);
         assert_eq!(m.captured(), text.as_bytes());
+    }
+
+    #[test]
+    fn a_body_behind_other_bytes_reads_as_it_does_alone() {
+        // The relay keeps a passed-through answer behind its response head and meters it there.
+        let head = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n";
+        let text = "say \\\"hi\\\" ".repeat(50);
+        let bodies = [
+            // Reports usage: the scan.
+            format!(
+                r#"{{"choices":[{{"message":{{"content":"{text}"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":3,"completion_tokens":7,"total_tokens":10}}}}"#
+            ),
+            // Reports none: the whole parse, which unescapes in place.
+            format!(
+                r#"{{"choices":[{{"message":{{"content":"{text}"}},"finish_reason":"length"}}]}}"#
+            ),
+            r#"{"error":{"message":"no","type":"invalid_request_error"}}"#.to_owned(),
+            "not json".to_owned(),
+        ];
+        for body in bodies {
+            let mut alone = StreamMeter::new();
+            alone.on_json_body(&mut body.clone().into_bytes(), 0);
+            let mut buf = head.to_vec();
+            buf.extend_from_slice(body.as_bytes());
+            let mut behind = StreamMeter::new();
+            behind.on_json_body(&mut buf, head.len());
+            assert_eq!(behind.summary(), alone.summary(), "{body}");
+            assert_eq!(behind.captured(), alone.captured(), "{body}");
+            assert_eq!(&buf[..head.len()], head, "the bytes before are left alone");
+            assert_eq!(
+                buf.len(),
+                head.len() + body.len(),
+                "the padding is cut off again"
+            );
+        }
     }
 
     #[test]
     fn non_streaming_bodies() {
         let body = |b: &str| {
             let mut m = StreamMeter::new();
-            m.on_json_body(&mut b.as_bytes().to_vec());
+            m.on_json_body(&mut b.as_bytes().to_vec(), 0);
             m.take_summary()
         };
         let chat = body(
@@ -656,7 +691,7 @@ mod tests {
                 rest = &rest[n..];
                 assert!(m.splitter.pending_len() <= 4096 + 2);
             }
-            m.on_json_body(&mut input.to_vec());
+            m.on_json_body(&mut input.to_vec(), 0);
             let _ = m.summary();
         }
         // Structured garbage: valid JSON in unexpected shapes.
@@ -671,10 +706,10 @@ mod tests {
         let mut m = StreamMeter::new();
         for d in docs {
             m.on_data(d.as_bytes(), t(0));
-            m.on_json_body(&mut d.as_bytes().to_vec());
+            m.on_json_body(&mut d.as_bytes().to_vec(), 0);
         }
         let deep = "[".repeat(100_000);
         m.on_data(format!("{{\"a\":{deep}").as_bytes(), t(0));
-        m.on_json_body(&mut deep.as_bytes().to_vec());
+        m.on_json_body(&mut deep.as_bytes().to_vec(), 0);
     }
 }

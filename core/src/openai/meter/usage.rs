@@ -173,13 +173,14 @@ impl StreamMeter {
     /// — only when no usage is reported, the one case an estimate needs them — the content's
     /// bytes and text (no timing and no content events). A body reporting usage is scanned
     /// ([`Self::read_reported_usage`]); any other is parsed where it lies: `body` gets padding
-    /// appended for the parse and is cut back to its length after.
-    pub(crate) fn on_json_body(&mut self, body: &mut Vec<u8>) {
-        if self.read_reported_usage(body) {
+    /// appended for the parse and is cut back to its length after. The body is `body[from..]`
+    /// (what comes before, a response head say, is left alone).
+    pub(crate) fn on_json_body(&mut self, body: &mut Vec<u8>, from: usize) {
+        if self.read_reported_usage(body.get(from..).unwrap_or_default()) {
             return;
         }
         let parsed = with_scratch(|scratch| {
-            scratch.parse_in_place(body, |nodes| {
+            scratch.parse_in_place(body, from, |nodes| {
                 let content = read_document(nodes, &mut self.summary, &mut self.captured);
                 let s = &mut self.summary;
                 s.content_bytes = s.content_bytes.saturating_add(content.bytes);
@@ -405,7 +406,7 @@ impl JsonScratch {
         input.clear();
         input.reserve(doc.len() + INPUT_PADDING);
         input.extend_from_slice(doc);
-        let result = self.parse_in_place(&mut input, f);
+        let result = self.parse_in_place(&mut input, 0, f);
         self.input = input;
         if doc.len() > KEEP_BYTES {
             self.input = Vec::new();
@@ -415,28 +416,31 @@ impl JsonScratch {
 
     /// [`parse`](Self::parse) without the copy: `doc` is padded where it lies for the parse
     /// (which may rewrite its bytes: the unescaping works in place), and cut back to its length
-    /// after.
+    /// after. The document is `doc[from..]`.
     fn parse_in_place<R>(
         &mut self,
         doc: &mut Vec<u8>,
+        from: usize,
         f: impl FnOnce(&[Node<'_>]) -> R,
     ) -> Option<R> {
         let len = doc.len();
+        let from = from.min(len);
         doc.resize(len + INPUT_PADDING, b' ');
         let buffers = self
             .buffers
-            .get_or_insert_with(|| Buffers::new(len.max(4096)));
+            .get_or_insert_with(|| Buffers::new((len - from).max(4096)));
         let mut tape = match self.tape.take() {
             Some(t) => t.reset(),
             None => Tape(Vec::with_capacity(128)),
         };
-        let result = match simd_json::fill_tape_padded(doc, len, buffers, &mut tape) {
+        let input = &mut doc[from..];
+        let result = match simd_json::fill_tape_padded(input, len - from, buffers, &mut tape) {
             Ok(()) => Some(f(&tape.0)),
             Err(_) => None,
         };
         let tape = tape.reset();
         doc.truncate(len);
-        if len > KEEP_BYTES {
+        if len - from > KEEP_BYTES {
             *self = Self::default();
         } else {
             self.tape = Some(tape);

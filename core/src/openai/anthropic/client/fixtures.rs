@@ -1064,7 +1064,7 @@ fn anthropic_body_usage_matches_the_openai_meter() {
         include_str!("../testdata/openai_chat_completion_reasoning.json"),
     ] {
         let mut openai = SseMeter::new();
-        openai.on_json_body(&mut body.as_bytes().to_vec());
+        openai.on_json_body(&mut body.as_bytes().to_vec(), 0);
         let want = openai.summary().usage.unwrap();
         let mut out = Vec::new();
         chat_to_message(body.as_bytes(), "c", &mut out).unwrap();
