@@ -401,3 +401,45 @@ fn a_stream_that_ends_cleanly_without_its_end_is_a_cut_not_a_normal_end() {
     }
     assert_eq!(field(&recs[3], "error_class"), "", "{}", recs[3]);
 }
+
+#[test]
+fn a_long_prompt_reaches_the_upstream_byte_for_byte_around_its_edits() {
+    // Long enough that the body's end after the edits goes from the client's buffer straight
+    // to the socket instead of being copied into the upstream request (forward::SEND_TAIL_FROM).
+    let mock = Mock::start(&["--tokens", "3"]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).map("alias", "upstream-model"));
+    let prose = "the quick brown fox \\\"jumps\\\" é ".repeat(4000);
+    for (model, stream) in [
+        ("alias", true),
+        ("alias", false),
+        ("gpt-4o", true),
+        ("gpt-4o", false),
+    ] {
+        let body = format!(
+            r#"{{"model":"{model}","stream":{stream},"messages":[{{"role":"user","content":"{prose}"}}]}}"#
+        );
+        let r = gw.chat(&body);
+        assert_eq!(r.status, 200, "{model}, stream {stream}: {}", r.dump());
+        let mut expected = body.replace(r#""model":"alias""#, r#""model":"upstream-model""#);
+        if stream {
+            expected = with_usage_first(&expected);
+        }
+        let got = upstream_body(&r);
+        assert!(
+            got == expected,
+            "{model}, stream {stream}: the upstream got {} bytes, {} expected",
+            got.len(),
+            expected.len()
+        );
+        // Its Content-Length said so too (the mock read exactly the body).
+        let length = echo_headers(&echo_of(&r))
+            .into_iter()
+            .find(|(n, _)| n == "content-length")
+            .map(|(_, v)| v);
+        assert_eq!(
+            length,
+            Some(expected.len().to_string()),
+            "{model}, stream {stream}"
+        );
+    }
+}

@@ -416,9 +416,12 @@ async fn serve<'s>(
             Dialect::Anthropic(settings) => Some(settings),
             Dialect::OpenAi => None,
         };
+        // Where the end of the client's body that goes from where it lies starts (a long one
+        // is not copied into the upstream request).
+        let mut tail_from = request.body.len();
         let usage_requested = match (dialect, anthropic) {
             (ClientDialect::Anthropic, Some(settings)) => {
-                forward::build_messages_passthrough(
+                tail_from = forward::build_messages_passthrough(
                     &mut upstream_request,
                     request,
                     inspection,
@@ -458,15 +461,20 @@ async fn serve<'s>(
                 }
                 inspection.include_usage != Some(true)
             }
-            (ClientDialect::OpenAi, None) => forward::build_request(
-                &mut upstream_request,
-                request,
-                inspection,
-                &target,
-                core.snapshot.upstream.request_stream_usage,
-            ),
+            (ClientDialect::OpenAi, None) => {
+                let (from, usage_requested) = forward::build_request(
+                    &mut upstream_request,
+                    request,
+                    inspection,
+                    &target,
+                    core.snapshot.upstream.request_stream_usage,
+                );
+                tail_from = from;
+                usage_requested
+            }
         };
-        let (mut sent, timings) = forward::send(core.io(), &target, upstream_request).await;
+        let tail = request.body.get(tail_from..).unwrap_or_default();
+        let (mut sent, timings) = forward::send(core.io(), &target, upstream_request, tail).await;
         obs.forward = timings;
 
         // Fallback: may another backend (or credential) do better? Decided before a byte

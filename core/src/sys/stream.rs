@@ -136,6 +136,35 @@ pub(crate) async fn write_pair<S: AsyncWriteRent + AsRawFd>(
     .await
 }
 
+/// Write all of `first` and then `tail` to `stream` within `limit`. `tail` is borrowed, and
+/// what the runtime writes it must own until the kernel is done (even when the caller stops
+/// waiting), so both go straight to the socket in one call ([`sock::send_pair_now`]); only what
+/// the socket does not take then is copied behind `first` and written through the runtime.
+/// `first` comes back as it went (its length restored); `Err(Elapsed)`: `limit` passed, and it
+/// went with the cancelled write.
+pub(crate) async fn write_with_tail<S: AsyncWriteRent + AsRawFd>(
+    stream: &mut S,
+    first: Vec<u8>,
+    tail: &[u8],
+    limit: Duration,
+) -> Result<(io::Result<()>, Vec<u8>), Elapsed> {
+    let len = first.len();
+    let sent = match sock::send_pair_now(stream.as_raw_fd(), &first, tail) {
+        Ok(n) if n == len + tail.len() => return Ok((Ok(()), first)),
+        Ok(n) => n,
+        Err(e) => return Ok((Err(e), first)),
+    };
+    // The rest, in one buffer: what is left of `first` stays where it is, the tail's unsent
+    // bytes go behind it.
+    let mut rest = first;
+    rest.extend_from_slice(tail.get(sent.saturating_sub(len)..).unwrap_or_default());
+    let skip = sent.min(len);
+    let (res, slice) = clock::timeout(limit, stream.write_all(rest.slice(skip..))).await?;
+    let mut first = slice.into_inner();
+    first.truncate(len);
+    Ok((res.map(|_| ()), first))
+}
+
 /// `first[sent..]` and `second[from..]` as one vectored write's buffers, owned by it while the
 /// kernel reads them.
 struct Pair {
@@ -204,6 +233,54 @@ mod tests {
             assert_eq!((first, second), (sent_first, sent_second));
         });
         reader.join().unwrap()
+    }
+
+    /// What a peer reads when `write_with_tail` sends `first` and `tail`.
+    fn received_with_tail(first: Vec<u8>, tail: Vec<u8>) -> Vec<u8> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let reader = std::thread::spawn(move || {
+            let (mut peer, _) = listener.accept().unwrap();
+            // Late, so the socket fills and the direct send stops short.
+            #[allow(clippy::disallowed_methods)]
+            std::thread::sleep(Duration::from_millis(50));
+            let mut got = Vec::new();
+            peer.read_to_end(&mut got).unwrap();
+            got
+        });
+        let sent_first = first.clone();
+        block_on(async move {
+            let mut stream = monoio::net::TcpStream::connect(addr).await.unwrap();
+            let (res, first) = write_with_tail(&mut stream, first, &tail, Duration::from_secs(10))
+                .await
+                .unwrap();
+            res.unwrap();
+            // `first` comes back as it went, whatever was copied behind it.
+            assert_eq!(first, sent_first);
+        });
+        reader.join().unwrap()
+    }
+
+    #[test]
+    fn a_borrowed_tail_arrives_whole_behind_its_buffer() {
+        let pattern = |len: usize, seed: u8| -> Vec<u8> {
+            (0..len)
+                .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+                .collect()
+        };
+        // Taken by the socket at once; and more than it takes at once, the cut in the tail or
+        // in `first` (then the tail goes whole through the runtime).
+        for (first_len, tail_len) in [(300, 20_000), (200, 16 << 20), (16 << 20, 100_000)] {
+            let (first, tail) = (pattern(first_len, 1), pattern(tail_len, 2));
+            let mut expected = first.clone();
+            expected.extend_from_slice(&tail);
+            let got = received_with_tail(first, tail);
+            assert!(
+                got == expected,
+                "{first_len} + {tail_len}: {} bytes arrived",
+                got.len()
+            );
+        }
     }
 
     #[test]

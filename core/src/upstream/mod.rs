@@ -64,6 +64,32 @@ impl UpstreamIo {
             }
         }
     }
+
+    /// [`Self::write_all`] of `buf` followed by `tail`, which is borrowed: on a plain socket
+    /// both go straight to it at once, whatever `direct` says ([`stream::write_with_tail`]);
+    /// TLS encrypts from one buffer, so there `tail` is copied behind `buf`. `buf` comes back
+    /// as it went.
+    ///
+    /// [`stream::write_with_tail`]: crate::sys::stream::write_with_tail
+    pub(crate) async fn write_with_tail(
+        &mut self,
+        mut buf: Vec<u8>,
+        tail: &[u8],
+        direct: bool,
+        limit: Duration,
+    ) -> Result<(io::Result<()>, Vec<u8>), Elapsed> {
+        match self {
+            _ if tail.is_empty() => self.write_all(buf, direct, limit).await,
+            UpstreamIo::Plain(s) => crate::sys::stream::write_with_tail(s, buf, tail, limit).await,
+            UpstreamIo::Tls(_) => {
+                let len = buf.len();
+                buf.extend_from_slice(tail);
+                let (res, mut buf) = self.write_all(buf, direct, limit).await?;
+                buf.truncate(len);
+                Ok((res, buf))
+            }
+        }
+    }
 }
 
 /// One connection to a backend, counted against the backend's per-worker cap while it lives.
