@@ -273,10 +273,10 @@ impl<'b> Scanner<'b> {
 
     /// The string at `pos`, whatever its length.
     ///
-    /// Its text is read a block at a time ([`stops`]); within a block, each stop in turn: the
-    /// closing quote ends the string, an escape is checked and passed over (the bits it covers
-    /// cleared), a control character is refused. A long prompt costs its blocks plus a few
-    /// instructions per escape.
+    /// Its text is read a block at a time ([`next_stops`]); within a block, each stop in turn:
+    /// the closing quote ends the string, an escape is checked and passed over (the bits it
+    /// covers cleared), a control character is refused. A long prompt costs its blocks plus a
+    /// few instructions per escape.
     #[inline(never)]
     fn long_string(&mut self) -> Result<Value, Fault> {
         let b = self.b;
@@ -285,19 +285,8 @@ impl<'b> Scanner<'b> {
         let mut escaped = false;
         loop {
             // Blocks of plain text: nothing to do but look.
-            let (mut mask, width) = loop {
-                let block = b
-                    .get(at..at + 32)
-                    .and_then(|c| <&[u8; 32]>::try_from(c).ok());
-                let Some(block) = block else {
-                    break stops(b, at);
-                };
-                let mask = stops32(block);
-                if mask != 0 {
-                    break (mask, 32);
-                }
-                at += 32;
-            };
+            let (block_at, mut mask, width) = next_stops(b, at);
+            at = block_at;
             if width == 0 {
                 return Err(Fault::Syntax { at });
             }
@@ -489,6 +478,79 @@ static SHORT_ESCAPE: [bool; 256] = {
     t
 };
 
+/// From `at` in string text, past the blocks that hold no stop: the first block that does (where
+/// it starts, its stops as a mask, its width), or the text left at the body's end (as [`stops`]
+/// gives it; width 0 at the end itself). With AVX2, sixty-four bytes a step.
+#[inline]
+fn next_stops(b: &[u8], at: usize) -> (usize, u64, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { next_stops_avx2(b, at) };
+    }
+    next_stops_32(b, at)
+}
+
+/// [`next_stops`] thirty-two bytes a step, with SSE2 (or portably).
+fn next_stops_32(b: &[u8], mut at: usize) -> (usize, u64, usize) {
+    loop {
+        let block = b
+            .get(at..at + 32)
+            .and_then(|c| <&[u8; 32]>::try_from(c).ok());
+        let Some(block) = block else {
+            let (mask, width) = stops(b, at);
+            return (at, mask, width);
+        };
+        let mask = stops32(block);
+        if mask != 0 {
+            return (at, mask, 32);
+        }
+        at += 32;
+    }
+}
+
+/// [`next_stops`] with AVX2: two registers of thirty-two bytes a step, tested at once (a 64 KB
+/// prompt is nearly all plain text; the SSE2 steps were a tenth of a 64 KB request's CPU).
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn next_stops_avx2(b: &[u8], mut at: usize) -> (usize, u64, usize) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_cmpeq_epi8, _mm256_loadu_si256, _mm256_min_epu8, _mm256_movemask_epi8,
+        _mm256_or_si256, _mm256_set1_epi8, _mm256_testz_si256,
+    };
+    let quote = _mm256_set1_epi8(b'"' as i8);
+    let backslash = _mm256_set1_epi8(b'\\' as i8);
+    let control = _mm256_set1_epi8(0x1f);
+    // As `stops16`: a quote, a backslash, or min(c, 0x1f) == c (unsigned).
+    let stops = |v: __m256i| {
+        _mm256_or_si256(
+            _mm256_or_si256(_mm256_cmpeq_epi8(v, quote), _mm256_cmpeq_epi8(v, backslash)),
+            _mm256_cmpeq_epi8(_mm256_min_epu8(v, control), v),
+        )
+    };
+    while let Some(block) = b.get(at..at + 64) {
+        // SAFETY: `block` is sixty-four bytes; each load reads thirty-two of them, unaligned.
+        let (low, high) = unsafe {
+            (
+                stops(_mm256_loadu_si256(block.as_ptr().cast())),
+                stops(_mm256_loadu_si256(block.as_ptr().add(32).cast())),
+            )
+        };
+        let any = _mm256_or_si256(low, high);
+        if _mm256_testz_si256(any, any) == 0 {
+            // A mask bit per byte: the low register's thirty-two, then the high one's.
+            let low = u64::from(_mm256_movemask_epi8(low) as u32);
+            let high = u64::from(_mm256_movemask_epi8(high) as u32);
+            return (at, low | (high << 32), 64);
+        }
+        at += 64;
+    }
+    next_stops_32(b, at)
+}
+
 /// The stops among thirty-two bytes of string text: bit i for byte i when it is a `"`, a `\`,
 /// or a control character (below U+0020, which a string may only hold escaped).
 #[inline]
@@ -622,6 +684,80 @@ pub(in crate::openai) fn unescape(raw: &str, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `next_stops(text, at)` must answer `got` to be right: no stop before the block it
+    /// names, its mask exactly the stops within the block, the block within the text, and a
+    /// block without stops only where the text ends.
+    fn check_next_stops(text: &[u8], at: usize, got: (usize, u64, usize)) {
+        let (block_at, mask, width) = got;
+        let at_most_end = block_at + width <= text.len();
+        assert!(
+            block_at >= at && at_most_end && width <= 64,
+            "{got:?} from {at}"
+        );
+        assert!(
+            !text[at..block_at].iter().any(|&c| is_stop(c)),
+            "{got:?} from {at}"
+        );
+        for i in 0..width {
+            let bit = mask >> i & 1 == 1;
+            assert_eq!(
+                bit,
+                is_stop(text[block_at + i]),
+                "{got:?} from {at}, byte {i}"
+            );
+        }
+        assert_eq!(
+            mask >> width.min(63) >> u32::from(width == 64),
+            0,
+            "{got:?}"
+        );
+        assert_eq!(width == 0, block_at == text.len(), "{got:?} from {at}");
+        assert!(
+            mask != 0 || block_at + width == text.len(),
+            "{got:?} from {at}"
+        );
+    }
+
+    #[test]
+    fn both_run_skippers_stop_at_the_first_block_with_a_stop() {
+        let mut texts = Vec::new();
+        // Plain text with a stop (or none) at every place of a few blocks.
+        for len in [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 200] {
+            for stop in (0..len).map(Some).chain([None]) {
+                for c in [b'"', b'\\', 0x00, 0x1f] {
+                    let mut text = vec![b'a'; len];
+                    if let Some(i) = stop {
+                        text[i] = c;
+                    }
+                    texts.push(text);
+                }
+            }
+        }
+        // Random text with a few random bytes here and there.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..2_000 {
+            let mut text = vec![b'x'; 300];
+            for _ in 0..3 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let at = (x % 300) as usize;
+                text[at] = (x >> 32) as u8;
+            }
+            texts.push(text);
+        }
+        for text in &texts {
+            for at in (0..=text.len().min(70)).chain([text.len()]) {
+                check_next_stops(text, at, next_stops_32(text, at));
+                #[cfg(target_arch = "x86_64")]
+                if std::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU has AVX2, checked just above.
+                    check_next_stops(text, at, unsafe { next_stops_avx2(text, at) });
+                }
+            }
+        }
+    }
 
     #[test]
     fn both_block_tests_find_the_same_stops() {
