@@ -3,6 +3,7 @@
 # noisy machine (unlike time), so a change's cost shows as a number you can diff.
 #
 #   perf/callgrind.sh            # every path; N=2000 iterations (and N/2 to cancel setup)
+#   PATHS="inspect_64k meter_64k" perf/callgrind.sh   # only these
 #
 # Each path runs N/2 and N times; (Ir(N) − Ir(N/2)) / (N/2) is the cost of one operation with
 # the fixture's setup (config load, limiter priming) subtracted.
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 N=${N:-2000}
 command -v valgrind >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null; }
 cargo build --release -q -p sluice --features bench --example hotpath
-BIN=target/release/examples/hotpath
+BIN=${CARGO_TARGET_DIR:-target}/release/examples/hotpath
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 ir() { # path iterations -> total instructions
@@ -20,7 +21,7 @@ ir() { # path iterations -> total instructions
 }
 echo "| hot path | instructions / operation |"
 echo "| --- | --- |"
-for path in inspect inspect_64k meter_64k sse estimate admit route pipeline; do
+for path in ${PATHS:-inspect inspect_64k meter_64k sse estimate admit route pipeline}; do
   a=$(ir "$path" $((N / 2)))
   b=$(ir "$path" "$N")
   echo "| $path | $(( (b - a) / (N / 2) )) |"

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The cost rig with wrk as the client (issue #15's first must-show asks for both clients; the
 # kit, scripts/bench.sh, drives it with sluice-load). Everything on ONE core: wrk (one thread),
-# mock-llm, redis-server and the proxy; 1,024-byte chat POSTs on CONNS keep-alive connections;
-# rounds interleave nginx, Sluice plain and Sluice with the AI pipeline (API-key auth, three
-# stacked policies on Redis, the admin listener and the protobuf access log — the kit's
-# sluice-ai). Per run: req/s (wrk) and the proxy's CPU µs per request (utime + stime over the
+# mock-llm, redis-server and the proxy; chat POSTs of BODY_BYTES (1,024) on CONNS keep-alive
+# connections; rounds interleave nginx, Sluice plain and Sluice with the AI pipeline (API-key
+# auth, three stacked policies on Redis, the admin listener and the protobuf access log — the
+# kit's sluice-ai). Per run: req/s (wrk) and the proxy's CPU µs per request (utime + stime over the
 # run, divided by the requests mock-llm served in it). Reports the median of the rounds, the
 # min–max, and each run's ratio to the same round's nginx run.
 #
-#   perf/cost_wrk.sh                  # ROUNDS=5 DURATION=8 CONNS=32 CORE=0
+#   perf/cost_wrk.sh                  # ROUNDS=5 DURATION=8 CONNS=32 CORE=0 BODY_BYTES=1024
+#   BODY_BYTES=65536 perf/cost_wrk.sh # 64 KB prompts (mock-llm's answer echoes them: 64 KB too)
 #   BASE_BIN=/tmp/sluice-before PROXIES="nginx sluice-base sluice sluice-ai-base sluice-ai" \
 #     perf/cost_wrk.sh                # a change against the build before it, same rounds
 set -euo pipefail
@@ -17,6 +18,7 @@ CORE=${CORE:-0}
 ROUNDS=${ROUNDS:-5}
 DURATION=${DURATION:-8}
 CONNS=${CONNS:-32}
+BODY_BYTES=${BODY_BYTES:-1024}
 PROXIES=${PROXIES:-"nginx sluice sluice-ai"}
 for tool in wrk nginx redis-server; do
   command -v "$tool" >/dev/null || {
@@ -30,7 +32,7 @@ BIN=target/release
 init_scratch
 
 start_mock
-write_post_lua "$TMP/post.lua"
+write_post_lua "$TMP/post.lua" "$BODY_BYTES"
 KEY=sk-cost-wrk-1
 { cat "$TMP/post.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $KEY\""; } >"$TMP/post-ai.lua"
 
@@ -42,7 +44,7 @@ lua_of() { case $1 in sluice-ai*) echo "$TMP/post-ai.lua" ;; *) echo "$TMP/post.
 
 HZ=$(getconf CLK_TCK)
 echo "machine: $(nproc) CPU(s), $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"
-echo "$(nginx -v 2>&1); $(wrk --version 2>&1 | head -1 | cut -d' ' -f1-2); core $CORE; $ROUNDS round(s) of ${DURATION}s, $CONNS connections"
+echo "$(nginx -v 2>&1); $(wrk --version 2>&1 | head -1 | cut -d' ' -f1-2); core $CORE; $ROUNDS round(s) of ${DURATION}s, $CONNS connections, $BODY_BYTES-byte bodies"
 # Warm every proxy (pools, page tables) before round 1.
 for proxy in $PROXIES; do
   taskset -c "$CORE" wrk -t1 -c"$CONNS" -d1s -s "$(lua_of "$proxy")" \

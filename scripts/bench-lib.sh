@@ -46,12 +46,13 @@ TOML
 }
 
 # A wrk script POSTing exactly 1,024 bytes of chat-completions JSON.
-write_post_lua() { # file
-  python3 - "$1" <<'PY'
+write_post_lua() { # file [body bytes, default 1024]
+  python3 - "$1" "${2:-1024}" <<'PY'
 import json, sys
+size = int(sys.argv[2])
 base = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": ""}]})
-body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * (1024 - len(base))}]})
-assert len(body) == 1024, len(body)
+body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * (size - len(base))}]})
+assert len(body) == size, len(body)
 open(sys.argv[1], "w").write(
     'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\nwrk.body = [[' + body + ']]\n'
 )
