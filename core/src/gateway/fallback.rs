@@ -295,7 +295,7 @@ async fn read_more(
     use crate::gateway::error::UpstreamFault;
     let limit = deadline.saturating_duration_since(crate::sys::clock::recent());
     let conn = &mut response.conn;
-    let outcome = stream::read_spare(&mut response.buf, 4096, 16 * 1024, limit, |b| {
+    let outcome = stream::read_spare(&mut response.buf, 4096, 16 * 1024, usize::MAX, limit, |b| {
         conn.io.read(b)
     })
     .await;

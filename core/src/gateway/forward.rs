@@ -5,7 +5,9 @@
 //! streamed chat completion or completion `stream_options.include_usage: true` spliced in when
 //! configured and the client did not ask, the cluster's credential in place of the client's,
 //! hop-by-hop headers dropped), sends it on a
-//! pooled or new connection and reads the response head within `upstream_first_byte`. Returns an
+//! pooled or new connection and reads the response head within `upstream_first_byte`. A long
+//! unedited end of the body (16 KB or more after the last edit) is not copied into the upstream
+//! request: it goes from the client's buffer, straight to the socket behind it. Returns an
 //! [`UpstreamResponse`]: the connection, the head, and any body bytes read with it. A pooled
 //! connection that turns out dead before answering a single byte is retried once on a fresh one.
 //! Raises 502 (refused, reset, TLS failure, malformed or missing response), 504 (connect or
@@ -105,6 +107,7 @@ fn copy_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
 /// or `/v1/completions` request whose client did not set `stream_options.include_usage: true`
 /// gets it spliced in; returns whether that happened (the relay then withholds the usage chunk
 /// from this client).
+#[must_use = "the body's end it left out must be sent behind the request"]
 pub(crate) fn build_request(
     out: &mut Vec<u8>,
     request: &Request<'_>,
@@ -185,6 +188,7 @@ pub(crate) fn build_anthropic_request(
 /// the cluster's sent; `anthropic-version` is the client's (the cluster's when it sent none),
 /// `anthropic-beta` the cluster's when configured, else the client's. Returns where the body's
 /// end left out of `out` starts, as [`build_request`] does.
+#[must_use = "the body's end it left out must be sent behind the request"]
 pub(crate) fn build_messages_passthrough(
     out: &mut Vec<u8>,
     request: &Request<'_>,
@@ -565,22 +569,25 @@ async fn attempt<'w>(
         }
         let len = buf.len();
         let limit = deadline.saturating_duration_since(clock::recent());
-        let error =
-            match stream::read_spare(&mut buf, 4096, 16 * 1024, limit, |b| conn.io.read(b)).await {
-                ReadOutcome::Data(_) => continue,
-                ReadOutcome::TimedOut => {
-                    conn.abort();
-                    return (Err(timed_out()), request);
-                }
-                ReadOutcome::Failed(e) => GatewayError::bad_gateway(
-                    UpstreamFault::Io,
-                    format!("upstream connection failed: {e}"),
-                ),
-                ReadOutcome::Closed => GatewayError::bad_gateway(
-                    UpstreamFault::Io,
-                    "the upstream closed the connection without a response",
-                ),
-            };
+        let error = match stream::read_spare(&mut buf, 4096, 16 * 1024, usize::MAX, limit, |b| {
+            conn.io.read(b)
+        })
+        .await
+        {
+            ReadOutcome::Data(_) => continue,
+            ReadOutcome::TimedOut => {
+                conn.abort();
+                return (Err(timed_out()), request);
+            }
+            ReadOutcome::Failed(e) => GatewayError::bad_gateway(
+                UpstreamFault::Io,
+                format!("upstream connection failed: {e}"),
+            ),
+            ReadOutcome::Closed => GatewayError::bad_gateway(
+                UpstreamFault::Io,
+                "the upstream closed the connection without a response",
+            ),
+        };
         conn.abort();
         return (
             Err(AttemptError {

@@ -169,6 +169,9 @@ pub(crate) struct Observation {
     /// where it read it starts behind the response head).
     json: Vec<u8>,
     json_from: usize,
+    /// This observation's own `json` buffer while `json` is a read buffer the relay handed
+    /// over ([`Self::keep_body_read`]), until [`Self::take_kept_read`] swaps them back.
+    own_json: Option<Vec<u8>>,
     /// The response is Anthropic's own (passed through to an Anthropic client): metered in
     /// Anthropic's terms.
     anthropic: bool,
@@ -195,6 +198,7 @@ impl Default for Observation {
             meter: SseMeter::new(),
             json: Vec::new(),
             json_from: 0,
+            own_json: None,
             anthropic: false,
             anthropic_meter: AnthropicMetering::default(),
         }
@@ -245,6 +249,8 @@ impl Observation {
             self.anthropic_meter.reset();
         }
         self.meter.reset();
+        // A read buffer not given back (a path that never asked) is dropped here.
+        let _ = self.take_kept_read();
         self.json.clear();
         self.json_from = 0;
         if self.json.capacity() > 64 * 1024 {
@@ -282,21 +288,22 @@ impl Observation {
     }
 
     /// The relay kept the body where it read it: `buf[from..]` is all of it that arrived, and
-    /// becomes the metered body without a copy. Returns the (emptied) buffer it replaces, for
-    /// the caller's pool.
-    pub(crate) fn keep_body_read(&mut self, buf: Vec<u8>, from: usize) -> Vec<u8> {
-        self.json_from = from.min(buf.len());
-        let mut replaced = std::mem::replace(&mut self.json, buf);
-        replaced.clear();
-        replaced
+    /// becomes the metered body without a copy. The buffer goes back to the relay's pool with
+    /// [`Self::take_kept_read`] once the request is settled and logged.
+    pub(crate) fn keep_body_read(&mut self, buf: Vec<u8>, from: usize) {
+        let own = std::mem::replace(&mut self.json, buf);
+        // Twice in one request (never done): the first read buffer is dropped.
+        self.own_json.get_or_insert(own);
+        self.json_from = from.min(self.json.len());
     }
 
-    /// Give back the body [`Self::keep_body_read`] took, whole (benchmarks: the next run meters
-    /// the same bytes without copying them in again).
-    #[cfg(feature = "bench")]
-    pub(crate) fn take_kept_body(&mut self) -> Vec<u8> {
+    /// The read buffer [`Self::keep_body_read`] took, for the pool it came from (`None`: the
+    /// body, if any, was copied into this observation's own buffer). A pooled observation so
+    /// holds no read buffer, and the pool lends it again.
+    pub(crate) fn take_kept_read(&mut self) -> Option<Vec<u8>> {
+        let own = self.own_json.take()?;
         self.json_from = 0;
-        std::mem::take(&mut self.json)
+        Some(std::mem::replace(&mut self.json, own))
     }
 
     /// Decoded body bytes on their way to the client, read at `now`.

@@ -193,6 +193,9 @@ pub(crate) async fn proxy<'s>(
         result.as_ref().err(),
         &caller,
     );
+    if let Some(read) = obs.take_kept_read() {
+        core.bufs.give(read);
+    }
     core.observations.give(obs);
     result.map(|relayed| relayed.keep_alive)
 }
@@ -941,13 +944,15 @@ mod tests {
         let mut out = Vec::new();
         match &target.cluster.dialect {
             Dialect::Anthropic(settings) => {
-                forward::build_messages_passthrough(
+                let tail_from = forward::build_messages_passthrough(
                     &mut out,
                     &request,
                     &inspection,
                     &target,
                     settings,
                 );
+                // What the upstream gets: the request, then the body's end it left out.
+                out.extend_from_slice(&request.body[tail_from..]);
             }
             Dialect::OpenAi => {
                 forward::build_chat_from_messages(&mut out, &request, &inspection, &target)

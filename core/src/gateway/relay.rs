@@ -5,7 +5,11 @@
 //! writes the response head together with the first body bytes, then writes every upstream read
 //! to the client before issuing the next read — nothing is buffered or coalesced. Content-Length
 //! bodies pass through as they are; chunked and close-delimited bodies are decoded and re-framed
-//! as clean chunks (extensions and trailers dropped) for HTTP/1.1 clients. Returns whether the
+//! as clean chunks (extensions and trailers dropped) for HTTP/1.1 clients. A non-streamed
+//! Content-Length answer (up to the 4 MiB the meter reads) is not copied at all: its reads
+//! accumulate in the read buffer behind the response head, go to the client from there (the
+//! head and the first bytes in one vectored write), and the buffer becomes the meter's
+//! ([`KeptBody`]). Returns whether the
 //! client connection can serve another request. While relaying it watches the client socket: if
 //! the client leaves, the upstream connection is shut down at once (noticed by the next write,
 //! or by the watch, armed once [`WATCH_AFTER`] passed without output to the client). If the
@@ -248,6 +252,7 @@ pub(crate) async fn relay_translated_whole(
             &mut ubuf,
             16 * 1024,
             16 * 1024,
+            usize::MAX,
             io.timeouts.stream_idle,
             |b| conn.io.read(b),
         )
@@ -438,6 +443,11 @@ struct KeptBody {
 /// Body bytes fewer than this that came with the response head are copied behind it for one
 /// plain write: the copy costs less than a second buffer for the kernel to gather.
 const GATHER_FROM: usize = 4096;
+
+/// The most one upstream read of a kept body takes (the room reserved may be megabytes): each
+/// read goes to the client in one write, which must end within `stream_idle`, so a slow client
+/// gets it in pieces it can take.
+const MAX_KEPT_READ: usize = 64 * 1024;
 
 impl Relay<'_, '_> {
     /// The client's response head into `out`: the upstream's status and headers less the
@@ -725,19 +735,29 @@ impl Relay<'_, '_> {
     /// upstream bytes can be lost to a cancelled read. The watch borrows the client socket only
     /// while this waits, never across a write.
     async fn read_upstream(&mut self, watching: &mut bool) -> Result<usize, Cut> {
-        // A kept body is read behind what came before, into the room reserved for all of it:
-        // more is reserved only when less than the rest of the body (or 16 KB) is free.
-        let min_spare = match (self.kept, &self.body) {
-            (Some(_), UpstreamBody::Length(left)) => (*left).clamp(1, 16 * 1024) as usize,
-            _ => {
+        // A kept body is read behind what came before, into the room reserved for all of it;
+        // when less than the rest of it (or 16 KB) is free, room for all the rest is reserved
+        // at once (regrowing a step at a time would copy it over and over). A read takes at
+        // most MAX_KEPT_READ: it goes to the client in one write, within `stream_idle`.
+        let (min_spare, grow, max_read) = match self.kept {
+            Some(_) => {
+                let left = match self.body {
+                    UpstreamBody::Length(left) => usize::try_from(left).unwrap_or(usize::MAX),
+                    _ => 0,
+                };
+                let grow = left.saturating_add(crate::openai::meter::PARSE_PADDING);
+                (left.clamp(1, 16 * 1024), grow, MAX_KEPT_READ)
+            }
+            None => {
                 self.ubuf.clear();
-                16 * 1024
+                (16 * 1024, 16 * 1024, usize::MAX)
             }
         };
         let mut read = pin!(stream::read_spare(
             &mut self.ubuf,
             min_spare,
-            16 * 1024,
+            grow,
+            max_read,
             self.io.timeouts.stream_idle,
             |b| self.conn.io.read(b),
         ));
@@ -890,12 +910,11 @@ impl Relay<'_, '_> {
             conn.abort();
         }
         io.bufs.give(out);
-        // A kept body becomes the meter's; the buffer it replaces goes to the pool.
-        let ubuf = match kept {
+        // A kept body becomes the meter's (its buffer comes back to the pool once metered).
+        match kept {
             Some(kept) => obs.keep_body_read(ubuf, kept.from),
-            None => ubuf,
-        };
-        io.bufs.give(ubuf);
+            None => io.bufs.give(ubuf),
+        }
         if let Some(strip) = strip {
             io.bufs.give(strip.into_buffer());
         }

@@ -731,7 +731,7 @@ async fn read_body_bytes(
 async fn read_more(client: &mut ClientSocket, rbuf: &mut Vec<u8>, limit: Duration) -> ReadOutcome {
     let grow = rbuf.capacity().max(MIN_READ_BUF);
     // On a timeout the buffer goes with the cancelled read; the connection is closing anyway.
-    stream::read_spare(rbuf, 1024, grow, limit, |b| client.read(b)).await
+    stream::read_spare(rbuf, 1024, grow, usize::MAX, limit, |b| client.read(b)).await
 }
 
 /// Answer `error` to a request whose rest (a body, or the whole request) stays unread, and

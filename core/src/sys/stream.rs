@@ -1,5 +1,7 @@
-//! One read and one whole write on a monoio stream, with owned buffers: the two I/O steps the
-//! client and upstream sides share. Each side keeps its own policy (how much room a read
+//! One read and one whole write on a monoio stream, with owned buffers: the I/O steps the
+//! client and upstream sides share. The whole write comes in three forms: one buffer, two
+//! owned buffers in one vectored write ([`write_pair`]), and an owned buffer followed by a
+//! borrowed one ([`write_with_tail`]). Each side keeps its own policy (how much room a read
 //! needs, how long it may take) and its own meaning for each outcome: those stay with the
 //! caller, which only hands over the numbers and a way to read or the stream to write.
 
@@ -9,7 +11,7 @@ use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use monoio::buf::{IoBuf, IoBufMut, SliceMut};
-use monoio::io::{AsyncWriteRent, AsyncWriteRentExt};
+use monoio::io::{AsyncWriteRent, AsyncWriteRentExt, CancelableAsyncWriteRent, Canceller};
 use monoio::time::error::Elapsed;
 use monoio::BufResult;
 
@@ -27,9 +29,9 @@ pub(crate) enum ReadOutcome {
     TimedOut,
 }
 
-/// Append one read's worth of bytes to `buf`, reading into its spare capacity within `limit`.
-/// When less than `min_spare` bytes are free, `grow` more are reserved first. `read` is the
-/// stream's owned-buffer read (`|b| stream.read(b)`).
+/// Append one read's worth of bytes to `buf`, reading into its spare capacity (at most
+/// `max_read` bytes of it) within `limit`. When less than `min_spare` bytes are free, `grow`
+/// more are reserved first. `read` is the stream's owned-buffer read (`|b| stream.read(b)`).
 ///
 /// While the read is in flight `buf` is empty (the read owns the bytes): dropping the returned
 /// future drops them with it.
@@ -37,6 +39,7 @@ pub(crate) async fn read_spare<R, F>(
     buf: &mut Vec<u8>,
     min_spare: usize,
     grow: usize,
+    max_read: usize,
     limit: Duration,
     read: R,
 ) -> ReadOutcome
@@ -49,8 +52,8 @@ where
     }
     let owned = std::mem::take(buf);
     let len = owned.len();
-    let cap = owned.capacity();
-    match clock::timeout(limit, read(owned.slice_mut(len..cap))).await {
+    let end = owned.capacity().min(len.saturating_add(max_read));
+    match clock::timeout(limit, read(owned.slice_mut(len..end))).await {
         Ok((res, slice)) => {
             *buf = slice.into_inner();
             match res {
@@ -90,50 +93,61 @@ pub(crate) async fn write_all<S: AsyncWriteRent + AsRawFd>(
 /// Write all of `first` and then `second[from..]` to `stream` within `limit`, both in one
 /// vectored write (as far as the kernel takes them at once): a response head and the body bytes
 /// that came with it go out together without being copied into one buffer. `direct` as in
-/// [`write_all`]. Both buffers come back; `Err(Elapsed)`: `limit` passed, and they went with
-/// the cancelled write.
-pub(crate) async fn write_pair<S: AsyncWriteRent + AsRawFd>(
+/// [`write_all`].
+///
+/// Both buffers always come back, also when `limit` passes: the write in flight is then
+/// cancelled and awaited (an error of kind `TimedOut`). The relay keeps a non-streamed answer
+/// in `second` for the meter, and a client too slow to take it must not cost the record.
+pub(crate) async fn write_pair<S: CancelableAsyncWriteRent + AsRawFd>(
     stream: &mut S,
     first: Vec<u8>,
     second: Vec<u8>,
     from: usize,
     direct: bool,
     limit: Duration,
-) -> Result<(io::Result<()>, Vec<u8>, Vec<u8>), Elapsed> {
+) -> (io::Result<()>, Vec<u8>, Vec<u8>) {
     let from = from.min(second.len());
     let total = first.len() + second.len() - from;
     let mut sent = if direct {
         match sock::send_pair_now(stream.as_raw_fd(), &first, &second[from..]) {
-            Ok(n) if n == total => return Ok((Ok(()), first, second)),
+            Ok(n) if n == total => return (Ok(()), first, second),
             Ok(n) => n,
-            Err(e) => return Ok((Err(e), first, second)),
+            Err(e) => return (Err(e), first, second),
         }
     } else {
         0
     };
-    clock::timeout(limit, async move {
-        let (mut first, mut second) = (first, second);
-        // Short writes: again from where the kernel stopped, while `first` is not all out.
-        while sent < first.len() {
-            let (res, pair) = stream.writev(Pair::new(first, sent, second, from)).await;
-            (first, second) = (pair.first, pair.second);
-            match res {
-                Ok(0) => return (Err(io::ErrorKind::WriteZero.into()), first, second),
-                Ok(n) => sent += n,
-                Err(e) => return (Err(e), first, second),
+    let deadline = monoio::time::Instant::from_std(clock::recent() + limit);
+    let mut expired = std::pin::pin!(monoio::time::sleep_until(deadline));
+    let canceller = Canceller::new();
+    let (mut first, mut second) = (first, second);
+    // Short writes: again from where the kernel stopped.
+    while sent < total {
+        let (first_from, second_from) = match sent.checked_sub(first.len()) {
+            None => (sent, from),
+            Some(past) => (first.len(), from + past),
+        };
+        let pair = Pair::new(first, first_from, second, second_from);
+        let mut write = std::pin::pin!(stream.cancelable_writev(pair, canceller.handle()));
+        let (res, pair) = monoio::select! {
+            biased;
+            written = &mut write => written,
+            () = &mut expired => {
+                // Cancelled, the write still ends (at once) and hands the buffers back.
+                let _ = canceller.cancel();
+                let (_, pair) = (&mut write).await;
+                let timed_out = io::Error::new(io::ErrorKind::TimedOut, "write timed out");
+                return (Err(timed_out), pair.first, pair.second);
             }
+        };
+        (first, second) = (pair.first, pair.second);
+        match res {
+            Ok(0) => return (Err(io::ErrorKind::WriteZero.into()), first, second),
+            Ok(n) => sent += n,
+            Err(e) => return (Err(e), first, second),
         }
-        let at = from + (sent - first.len());
-        if at < second.len() {
-            let (res, slice) = stream.write_all(second.slice(at..)).await;
-            second = slice.into_inner();
-            if let Err(e) = res {
-                return (Err(e), first, second);
-            }
-        }
-        (Ok(()), first, second)
-    })
-    .await
+    }
+    (Ok(()), first, second)
 }
 
 /// Write all of `first` and then `tail` to `stream` within `limit`. `tail` is borrowed, and
@@ -165,8 +179,8 @@ pub(crate) async fn write_with_tail<S: AsyncWriteRent + AsRawFd>(
     Ok((res.map(|_| ()), first))
 }
 
-/// `first[sent..]` and `second[from..]` as one vectored write's buffers, owned by it while the
-/// kernel reads them.
+/// `first[first_from..]` and `second[second_from..]` as one vectored write's buffers, owned by
+/// it while the kernel reads them.
 struct Pair {
     /// On the heap: the runtime moves the value after the kernel has been given this address.
     iov: Box<[libc::iovec; 2]>,
@@ -175,10 +189,10 @@ struct Pair {
 }
 
 impl Pair {
-    fn new(first: Vec<u8>, sent: usize, second: Vec<u8>, from: usize) -> Pair {
+    fn new(first: Vec<u8>, first_from: usize, second: Vec<u8>, second_from: usize) -> Pair {
         let iov = Box::new([
-            sock::iovec(first.get(sent..).unwrap_or_default()),
-            sock::iovec(second.get(from..).unwrap_or_default()),
+            sock::iovec(first.get(first_from..).unwrap_or_default()),
+            sock::iovec(second.get(second_from..).unwrap_or_default()),
         ]);
         Pair { iov, first, second }
     }
@@ -226,8 +240,7 @@ mod tests {
                 direct,
                 Duration::from_secs(10),
             )
-            .await
-            .unwrap();
+            .await;
             res.unwrap();
             // Both buffers come back as they went.
             assert_eq!((first, second), (sent_first, sent_second));
@@ -281,6 +294,41 @@ mod tests {
                 got.len()
             );
         }
+    }
+
+    #[test]
+    fn a_pair_that_times_out_comes_back_whole() {
+        // A peer that takes nothing: the write can't finish within the limit, on either driver.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (first, second) = (vec![1u8; 100], vec![2u8; 32 << 20]);
+        let check = |first: Vec<u8>, second: Vec<u8>| async move {
+            let mut stream = monoio::net::TcpStream::connect(addr).await.unwrap();
+            let started = std::time::Instant::now();
+            let (res, back_first, back_second) = write_pair(
+                &mut stream,
+                first.clone(),
+                second.clone(),
+                7,
+                false,
+                Duration::from_millis(200),
+            )
+            .await;
+            assert_eq!(res.unwrap_err().kind(), io::ErrorKind::TimedOut);
+            assert!(started.elapsed() >= Duration::from_millis(200));
+            assert!(
+                back_first == first && back_second == second,
+                "the buffers came back"
+            );
+        };
+        block_on(check(first.clone(), second.clone()));
+        #[allow(clippy::expect_used)]
+        let mut legacy = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
+            .enable_timer()
+            .build()
+            .expect("monoio runtime");
+        legacy.block_on(check(first, second));
+        drop(listener);
     }
 
     #[test]

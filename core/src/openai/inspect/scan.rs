@@ -283,9 +283,10 @@ impl<'b> Scanner<'b> {
         let start = self.pos;
         let mut at = start + 1;
         let mut escaped = false;
+        let avx2 = has_avx2();
         loop {
             // Blocks of plain text: nothing to do but look.
-            let (block_at, mut mask, width) = next_stops(b, at);
+            let (block_at, mut mask, width) = next_stops(b, at, avx2);
             at = block_at;
             if width == 0 {
                 return Err(Fault::Syntax { at });
@@ -480,15 +481,25 @@ static SHORT_ESCAPE: [bool; 256] = {
 
 /// From `at` in string text, past the blocks that hold no stop: the first block that does (where
 /// it starts, its stops as a mask, its width), or the text left at the body's end (as [`stops`]
-/// gives it; width 0 at the end itself). With AVX2, sixty-four bytes a step.
+/// gives it; width 0 at the end itself). With `avx2` ([`has_avx2`]), sixty-four bytes a step.
 #[inline]
-fn next_stops(b: &[u8], at: usize) -> (usize, u64, usize) {
+fn next_stops(b: &[u8], at: usize, avx2: bool) -> (usize, u64, usize) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2, checked just above.
+    if avx2 {
+        // SAFETY: `avx2` is `has_avx2()`: the CPU has AVX2.
         return unsafe { next_stops_avx2(b, at) };
     }
+    let _ = avx2;
     next_stops_32(b, at)
+}
+
+/// Whether this CPU has AVX2 (std caches the answer; asked once per long string).
+#[inline]
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// [`next_stops`] thirty-two bytes a step, with SSE2 (or portably).
