@@ -605,9 +605,22 @@ mod tests {
     use super::*;
     use crate::openai::inspect::Inspector;
 
-    /// The body the upstream gets: `mapped` spliced in as the model (when given) and
-    /// `include_usage` asked for (when `request_usage`). Also returns whether usage was asked.
-    fn rewrite(body: &str, mapped: Option<&str>, request_usage: bool) -> (String, bool) {
+    /// What [`splice`] makes of `body` for `mapped` (the model spliced in, when given) and
+    /// `request_usage` (`include_usage` asked for).
+    struct Spliced {
+        /// The body's part in the upstream request.
+        out: Vec<u8>,
+        /// Where the part left out starts.
+        tail_from: usize,
+        /// Where the last edit ends (0: none).
+        last_edit_end: usize,
+        /// The edited body's length (its Content-Length).
+        len: usize,
+        /// Usage was asked for.
+        injected: bool,
+    }
+
+    fn spliced(body: &str, mapped: Option<&str>, request_usage: bool) -> Spliced {
         let mut inspection = Inspection::default();
         Inspector::default()
             .inspect(body.as_bytes(), &mut inspection)
@@ -623,26 +636,46 @@ mod tests {
         );
         let mut out = Vec::new();
         let tail_from = splice(&mut out, body.as_bytes(), edits.iter().flatten().copied());
+        Spliced {
+            out,
+            tail_from,
+            last_edit_end: edits.iter().flatten().map(|e| e.1).max().unwrap_or(0),
+            len: edits
+                .iter()
+                .flatten()
+                .fold(body.len(), |len, (s, e, w, _)| len - (e - s) + w.len()),
+            injected: edits.iter().flatten().any(|e| e.3),
+        }
+    }
+
+    /// The body the upstream gets: `mapped` spliced in as the model (when given) and
+    /// `include_usage` asked for (when `request_usage`). Also returns whether usage was asked.
+    fn rewrite(body: &str, mapped: Option<&str>, request_usage: bool) -> (String, bool) {
+        let Spliced {
+            mut out,
+            tail_from,
+            len,
+            injected,
+            ..
+        } = spliced(body, mapped, request_usage);
         out.extend_from_slice(&body.as_bytes()[tail_from..]);
-        let len = edits
-            .iter()
-            .flatten()
-            .fold(body.len(), |len, (s, e, w, _)| len - (e - s) + w.len());
         assert_eq!(out.len(), len, "content-length must match the body");
-        let injected = edits.iter().flatten().any(|e| e.3);
         (String::from_utf8(out).unwrap(), injected)
     }
 
     #[test]
     fn a_long_unedited_end_is_left_out_of_the_request_to_go_from_the_clients_buffer() {
         let prose = "x".repeat(SEND_TAIL_FROM);
-        for (body, mapped, usage, copied_whole) in [
+        let usage_first =
+            |body: &str| body.replacen('{', r#"{"stream_options":{"include_usage":true},"#, 1);
+        for (body, mapped, usage, copied_whole, want) in [
             // Short: copied whole, edits and all.
             (
                 r#"{"model":"m","stream":true,"messages":[]}"#.to_owned(),
                 Some("m2"),
                 true,
                 true,
+                usage_first(r#"{"model":"m2","stream":true,"messages":[]}"#),
             ),
             // A long end after the edits: left out, from the end of the last edit.
             (
@@ -650,12 +683,16 @@ mod tests {
                 Some("mapped-model"),
                 true,
                 false,
+                usage_first(&format!(
+                    r#"{{"model":"mapped-model","stream":true,"messages":[{{"content":"{prose}"}}]}}"#
+                )),
             ),
             (
                 format!(r#"{{"model":"m","messages":[{{"content":"{prose}"}}]}}"#),
                 None,
                 false,
                 false,
+                format!(r#"{{"model":"m","messages":[{{"content":"{prose}"}}]}}"#),
             ),
             // The long part before the last edit: copied whole.
             (
@@ -663,35 +700,17 @@ mod tests {
                 Some("m2"),
                 false,
                 true,
+                format!(r#"{{"messages":[{{"content":"{prose}"}}],"model":"m2"}}"#),
             ),
         ] {
-            let mut inspection = Inspection::default();
-            Inspector::default()
-                .inspect(body.as_bytes(), &mut inspection)
-                .unwrap();
-            let mut literal = String::new();
-            if let Some(m) = mapped {
-                crate::openai::json::push_json_string(&mut literal, m);
-            }
-            let edits = body_edits(&inspection, mapped.map(|_| literal.as_bytes()), usage);
-            let mut out = Vec::new();
-            let tail_from = splice(&mut out, body.as_bytes(), edits.iter().flatten().copied());
-            assert_eq!(tail_from == body.len(), copied_whole, "{body:.80}");
-            let last_edit_end = edits.iter().flatten().map(|e| e.1).max().unwrap_or(0);
+            let s = spliced(&body, mapped, usage);
+            assert_eq!(s.tail_from == body.len(), copied_whole, "{body:.80}");
             if !copied_whole {
-                assert_eq!(tail_from, last_edit_end, "{body:.80}");
+                assert_eq!(s.tail_from, s.last_edit_end, "{body:.80}");
             }
-            // What the upstream gets is the same either way.
-            out.extend_from_slice(&body.as_bytes()[tail_from..]);
-            let mut whole = Vec::new();
-            let mut at = 0;
-            for (start, end, with, _) in edits.iter().flatten() {
-                whole.extend_from_slice(&body.as_bytes()[at..*start]);
-                whole.extend_from_slice(with);
-                at = *end;
-            }
-            whole.extend_from_slice(&body.as_bytes()[at..]);
-            assert!(out == whole, "{body:.80}");
+            // What the upstream gets is the whole edited body either way.
+            let (got, _) = rewrite(&body, mapped, usage);
+            assert!(got == want, "{body:.80}");
         }
     }
 

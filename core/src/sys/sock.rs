@@ -18,6 +18,11 @@ pub(crate) fn send_now(fd: RawFd, data: &[u8]) -> io::Result<usize> {
             libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
         )
     };
+    sent(n)
+}
+
+/// A non-blocking send's return value as bytes sent: `Ok(0)` when it would have blocked.
+fn sent(n: isize) -> io::Result<usize> {
     if n >= 0 {
         return Ok(n as usize);
     }
@@ -39,14 +44,7 @@ pub(crate) fn send_pair_now(fd: RawFd, first: &[u8], second: &[u8]) -> io::Resul
     // SAFETY: `msg` points at two iovecs over valid slices, alive for the call; sendmsg only
     // reads them. MSG_DONTWAIT never blocks, MSG_NOSIGNAL as in `send_now`.
     let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-    if n >= 0 {
-        return Ok(n as usize);
-    }
-    let err = io::Error::last_os_error();
-    match err.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(0),
-        _ => Err(err),
-    }
+    sent(n)
 }
 
 /// An iovec over `data`, for the kernel to read from.

@@ -218,6 +218,13 @@ mod tests {
     use crate::limits::ledger::conformance::block_on;
     use std::io::Read as _;
 
+    /// `len` bytes of a pattern that differs with `seed`.
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect()
+    }
+
     /// What a peer reads when `write_pair` sends `first` and `second[from..]`, large enough that
     /// the kernel takes them in several short writes while the peer reads.
     fn received(first: Vec<u8>, second: Vec<u8>, from: usize, direct: bool) -> Vec<u8> {
@@ -276,11 +283,6 @@ mod tests {
 
     #[test]
     fn a_borrowed_tail_arrives_whole_behind_its_buffer() {
-        let pattern = |len: usize, seed: u8| -> Vec<u8> {
-            (0..len)
-                .map(|i| (i as u8).wrapping_mul(31) ^ seed)
-                .collect()
-        };
         // Taken by the socket at once; and more than it takes at once, the cut in the tail or
         // in `first` (then the tail goes whole through the runtime).
         for (first_len, tail_len) in [(300, 20_000), (200, 16 << 20), (16 << 20, 100_000)] {
@@ -333,11 +335,6 @@ mod tests {
 
     #[test]
     fn a_pair_arrives_whole_and_in_order() {
-        let pattern = |len: usize, seed: u8| -> Vec<u8> {
-            (0..len)
-                .map(|i| (i as u8).wrapping_mul(31) ^ seed)
-                .collect()
-        };
         // Small (one write), and several MB each (many short writes, the cut falling in either
         // buffer); from the start of `second` or from inside it; an empty `first`.
         for (first_len, second_len, from) in [
