@@ -283,6 +283,9 @@ pub struct Stats {
     pub error_events: Cell<u64>,
     /// Requests to `POST /v1/messages` (also counted in `requests`).
     pub messages_requests: Cell<u64>,
+    /// Requests to `POST /v1/chat/completions` (also counted in `requests`): told apart from
+    /// a gateway's health probes (`GET /v1/models`), which a process fault answers too.
+    pub chat_requests: Cell<u64>,
     /// `/v1/messages` requests refused by its own checks (credentials 401, version and body 400).
     pub invalid_requests: Cell<u64>,
     /// Sums of the cache usage the mock reported on `/v1/messages` and `/v1/chat/completions`
@@ -307,7 +310,7 @@ impl Stats {
              \"usage_completion_tokens\":{},\"include_usage_requests\":{},\
              \"usage_chunks\":{},\"errors_injected\":{},\"dropped_before_response\":{},\
              \"stalled\":{},\"streams_cut\":{},\"error_events\":{},\
-             \"messages_requests\":{},\"invalid_requests\":{},\
+             \"messages_requests\":{},\"chat_requests\":{},\"invalid_requests\":{},\
              \"usage_cache_read_tokens\":{},\"usage_cache_creation_tokens\":{},\
              \"requests_running\":{},\"requests_waiting\":{},\"requests_queued\":{}}}",
             self.connections_accepted.get(),
@@ -330,6 +333,7 @@ impl Stats {
             self.streams_cut.get(),
             self.error_events.get(),
             self.messages_requests.get(),
+            self.chat_requests.get(),
             self.invalid_requests.get(),
             self.usage_cache_read_tokens.get(),
             self.usage_cache_creation_tokens.get(),

@@ -685,6 +685,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         if route == Route::Messages {
             Stats::bump(&st.stats.messages_requests);
         }
+        if route == Route::Chat {
+            Stats::bump(&st.stats.chat_requests);
+        }
         if plan.stream && plan.include_usage && matches!(route, Route::Chat | Route::Completions) {
             let n = &st.stats.include_usage_requests;
             n.set(n.get() + 1);
