@@ -96,8 +96,14 @@ pub(crate) fn since_epoch() -> Duration {
 /// `future`, cut off `limit` after [`recent`]: monoio's own `timeout` reads the clock for
 /// every wait.
 pub(crate) fn timeout<F: Future>(limit: Duration, future: F) -> monoio::time::Timeout<F> {
+    monoio::time::timeout_at(deadline(limit), future)
+}
+
+/// When a wait of `limit` from this poll's reading ends (a limit too large to add — a
+/// configured "never" — ends in the far future), as the runtime's timers take it.
+pub(crate) fn deadline(limit: Duration) -> monoio::time::Instant {
     let deadline = recent().checked_add(limit).unwrap_or_else(far_future);
-    monoio::time::timeout_at(monoio::time::Instant::from_std(deadline), future)
+    monoio::time::Instant::from_std(deadline)
 }
 
 /// A deadline no wait reaches (about 30 years ahead), for a limit too large to add.

@@ -21,7 +21,8 @@ pub(crate) fn send_now(fd: RawFd, data: &[u8]) -> io::Result<usize> {
     sent(n)
 }
 
-/// A non-blocking send's return value as bytes sent: `Ok(0)` when it would have blocked.
+/// A non-blocking send's return value as bytes sent: `Ok(0)` when it would have blocked. Call
+/// it right after the send, before anything else can set `errno`.
 fn sent(n: isize) -> io::Result<usize> {
     if n >= 0 {
         return Ok(n as usize);

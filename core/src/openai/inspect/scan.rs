@@ -283,7 +283,7 @@ impl<'b> Scanner<'b> {
         let start = self.pos;
         let mut at = start + 1;
         let mut escaped = false;
-        let avx2 = has_avx2();
+        let avx2 = Avx2::detect();
         loop {
             // Blocks of plain text: nothing to do but look.
             let (block_at, mut mask, width) = next_stops(b, at, avx2);
@@ -481,25 +481,32 @@ static SHORT_ESCAPE: [bool; 256] = {
 
 /// From `at` in string text, past the blocks that hold no stop: the first block that does (where
 /// it starts, its stops as a mask, its width), or the text left at the body's end (as [`stops`]
-/// gives it; width 0 at the end itself). With `avx2` ([`has_avx2`]), sixty-four bytes a step.
+/// gives it; width 0 at the end itself). With AVX2, sixty-four bytes a step.
 #[inline]
-fn next_stops(b: &[u8], at: usize, avx2: bool) -> (usize, u64, usize) {
+fn next_stops(b: &[u8], at: usize, avx2: Option<Avx2>) -> (usize, u64, usize) {
     #[cfg(target_arch = "x86_64")]
-    if avx2 {
-        // SAFETY: `avx2` is `has_avx2()`: the CPU has AVX2.
+    if let Some(Avx2(())) = avx2 {
+        // SAFETY: an `Avx2` exists only where the CPU has AVX2 (`Avx2::detect`).
         return unsafe { next_stops_avx2(b, at) };
     }
     let _ = avx2;
     next_stops_32(b, at)
 }
 
-/// Whether this CPU has AVX2 (std caches the answer; asked once per long string).
-#[inline]
-fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return std::is_x86_feature_detected!("avx2");
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+/// Proof that this CPU has AVX2: made only by [`Avx2::detect`].
+#[derive(Debug, Clone, Copy)]
+struct Avx2(());
+
+impl Avx2 {
+    /// `Some` where the CPU has AVX2 (std caches the answer; asked once per long string).
+    #[inline]
+    fn detect() -> Option<Avx2> {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            return Some(Avx2(()));
+        }
+        None
+    }
 }
 
 /// [`next_stops`] thirty-two bytes a step, with SSE2 (or portably).
