@@ -9,14 +9,13 @@
 //! Content-Length answer (up to the 4 MiB the meter reads) is not copied at all: its reads
 //! accumulate in the read buffer behind the response head, go to the client from there (the
 //! head and the first bytes in one vectored write), and the buffer becomes the meter's
-//! ([`KeptBody`]). Returns whether the
-//! client connection can serve another request. While relaying it watches the client socket: if
-//! the client leaves, the upstream connection is shut down at once (noticed by the next write,
-//! or by the watch, armed once [`WATCH_AFTER`] passed without output to the client). If the
-//! upstream stalls past `stream_idle`, ends early or sends a malformed chunk, an event stream
-//! ends with an SSE error event (its framing stays valid), any other body is cut by closing the
-//! client connection. The upstream connection goes back to the pool only after a complete,
-//! well-framed response.
+//! ([`KeptBody`]). Returns whether the client connection can serve another request. While
+//! relaying it watches the client socket: if the client leaves, the upstream connection is shut
+//! down at once (noticed by the next write, or by the watch, armed once [`WATCH_AFTER`] passed
+//! without output to the client). If the upstream stalls past `stream_idle`, ends early or
+//! sends a malformed chunk, an event stream ends with an SSE error event (its framing stays
+//! valid), any other body is cut by closing the client connection. The upstream connection goes
+//! back to the pool only after a complete, well-framed response.
 //!
 //! Stopping (see [`Drain`](crate::gateway::context::Drain)): a response head written while the
 //! worker drains says `connection: close`. When the shutdown grace runs out the runtime shuts
