@@ -222,8 +222,17 @@ unsafe impl monoio::buf::IoVecBuf for Pair {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use crate::limits::ledger::conformance::block_on;
     use std::io::Read as _;
+
+    /// Run `f` on a monoio runtime with timers, as the workers build theirs (io_uring when the
+    /// kernel has it, epoll otherwise).
+    fn block_on<F: Future>(f: F) -> F::Output {
+        monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+            .enable_timer()
+            .build()
+            .expect("monoio runtime")
+            .block_on(f)
+    }
 
     /// `len` bytes of a pattern that differs with `seed`.
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
