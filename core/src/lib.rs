@@ -23,6 +23,8 @@ mod sys {
     pub(crate) mod rand;
     pub(crate) mod sock;
     pub(crate) mod stream;
+    #[cfg(test)]
+    pub(crate) mod testing;
     pub(crate) mod time;
 }
 

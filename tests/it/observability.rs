@@ -921,8 +921,8 @@ fn scripted_upstream(
                 let mut got = Vec::new();
                 let mut buf = [0u8; 8192];
                 let head_end = loop {
-                    if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                        break i + 4;
+                    if let Some(end) = head_end(&got) {
+                        break end;
                     }
                     match stream.read(&mut buf) {
                         Ok(0) | Err(_) => return,
@@ -959,6 +959,14 @@ fn scripted_upstream(
         }
     });
     (port, conns)
+}
+
+/// Where the HTTP head at the start of `bytes` ends (after its blank line), once it is all there.
+fn head_end(bytes: &[u8]) -> Option<usize> {
+    bytes
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4)
 }
 
 /// A chat completion of about `size` bytes reporting 11 prompt and 22 completion tokens, its
@@ -1013,11 +1021,7 @@ fn a_large_answer_reaches_the_client_whole_and_is_metered_where_it_was_read() {
     for i in 0..n {
         let req = Req::post("/v1/chat/completions", &chat_body("gpt-4o"));
         let (_, _, received) = exchange_raw_bytes(&gw, &req);
-        let at = received
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .expect("a response head")
-            + 4;
+        let at = head_end(&received).expect("a response head");
         assert!(
             received[..at].starts_with(b"HTTP/1.1 200"),
             "answer {i}: {}",
@@ -1111,7 +1115,7 @@ fn an_answer_cut_mid_body_is_cut_for_the_client_and_logged_as_the_upstreams_abor
         &gw,
         &Req::post("/v1/chat/completions", &chat_body("gpt-4o")),
     );
-    let at = received.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let at = head_end(&received).expect("a response head");
     // What arrived is the body's start, not all of it: the client can tell it was cut.
     assert_eq!(&received[at..], &body[..120_000]);
     let rec = &wait_records(log.path(), 1, LOG_WAIT)[0];

@@ -534,16 +534,7 @@ pub(crate) mod conformance {
         Ok(log)
     }
 
-    /// Run `f` to completion on a monoio runtime with timers, built as the workers build
-    /// theirs (io_uring when the kernel has it, epoll otherwise).
-    pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
-        #[allow(clippy::expect_used)]
-        let mut rt = monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
-            .enable_timer()
-            .build()
-            .expect("monoio runtime");
-        rt.block_on(f)
-    }
+    pub(crate) use crate::sys::testing::block_on;
 }
 
 #[cfg(test)]

@@ -222,17 +222,8 @@ unsafe impl monoio::buf::IoVecBuf for Pair {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::sys::testing::{block_on, block_on_legacy};
     use std::io::Read as _;
-
-    /// Run `f` on a monoio runtime with timers, as the workers build theirs (io_uring when the
-    /// kernel has it, epoll otherwise).
-    fn block_on<F: Future>(f: F) -> F::Output {
-        monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
-            .enable_timer()
-            .build()
-            .expect("monoio runtime")
-            .block_on(f)
-    }
 
     /// `len` bytes of a pattern that differs with `seed`.
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -241,17 +232,26 @@ mod tests {
             .collect()
     }
 
-    /// What a peer reads when `write_pair` sends `first` and `second[from..]`, large enough that
-    /// the kernel takes them in several short writes while the peer reads.
-    fn received(first: Vec<u8>, second: Vec<u8>, from: usize, direct: bool) -> Vec<u8> {
+    /// A peer on a loopback port that reads everything sent to it, starting `after` its
+    /// connection is accepted; what it read comes from the handle once the writer closes.
+    fn peer(after: Duration) -> (std::net::SocketAddr, std::thread::JoinHandle<Vec<u8>>) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let reader = std::thread::spawn(move || {
             let (mut peer, _) = listener.accept().unwrap();
+            #[allow(clippy::disallowed_methods)]
+            std::thread::sleep(after);
             let mut got = Vec::new();
             peer.read_to_end(&mut got).unwrap();
             got
         });
+        (addr, reader)
+    }
+
+    /// What a peer reads when `write_pair` sends `first` and `second[from..]`, large enough that
+    /// the kernel takes them in several short writes while the peer reads.
+    fn received(first: Vec<u8>, second: Vec<u8>, from: usize, direct: bool) -> Vec<u8> {
+        let (addr, reader) = peer(Duration::ZERO);
         let (sent_first, sent_second) = (first.clone(), second.clone());
         block_on(async move {
             let mut stream = monoio::net::TcpStream::connect(addr).await.unwrap();
@@ -267,17 +267,8 @@ mod tests {
 
     /// What a peer reads when `write_with_tail` sends `first` and `tail`.
     fn received_with_tail(first: Vec<u8>, tail: Vec<u8>) -> Vec<u8> {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let reader = std::thread::spawn(move || {
-            let (mut peer, _) = listener.accept().unwrap();
-            // Late, so the socket fills and the direct send stops short.
-            #[allow(clippy::disallowed_methods)]
-            std::thread::sleep(Duration::from_millis(50));
-            let mut got = Vec::new();
-            peer.read_to_end(&mut got).unwrap();
-            got
-        });
+        // Late, so the socket fills and the direct send stops short.
+        let (addr, reader) = peer(Duration::from_millis(50));
         let sent_first = first.clone();
         block_on(async move {
             let mut stream = monoio::net::TcpStream::connect(addr).await.unwrap();
@@ -334,12 +325,7 @@ mod tests {
             );
         };
         block_on(check(first.clone(), second.clone()));
-        #[allow(clippy::expect_used)]
-        let mut legacy = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
-            .enable_timer()
-            .build()
-            .expect("monoio runtime");
-        legacy.block_on(check(first, second));
+        block_on_legacy(check(first, second));
         drop(listener);
     }
 
