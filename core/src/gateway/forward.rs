@@ -15,15 +15,14 @@
 //! grace is over: then nothing more is sent, and a failure of the exchange — the runtime shut the
 //! upstream connections down — is neither retried nor blamed on the upstream).
 
-use std::io::Write as _;
 use std::time::{Duration, Instant};
 
 use crate::config::dialect::AnthropicSettings;
 use crate::gateway::context::{Io, Request};
 use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
 use crate::gateway::route::Target;
-use crate::http::is_hop_by_hop;
 use crate::http::response::{parse_response_head, ResponseHead};
+use crate::http::{is_hop_by_hop, push_decimal};
 use crate::openai::anthropic::upstream::{chat_to_messages, RequestOptions};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
 use crate::sys::clock;
@@ -85,12 +84,16 @@ fn finish_translated(
             copy_header(out, name, h.value(buf));
         }
     }
-    let _ = write!(
-        out,
-        "content-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
+    out.extend_from_slice(b"content-type: application/json\r\n");
+    push_content_length(out, body.len());
     out.extend_from_slice(body);
+}
+
+/// The request head's last field, the body's length, and the blank line.
+fn push_content_length(out: &mut Vec<u8>, body_len: usize) {
+    out.extend_from_slice(b"content-length: ");
+    push_decimal(out, body_len);
+    out.extend_from_slice(b"\r\n\r\n");
 }
 
 /// Copy one of the client's header lines into the upstream request.
@@ -136,7 +139,7 @@ pub(crate) fn build_request(
             copy_header(out, name, h.value(buf));
         }
     }
-    let _ = write!(out, "content-length: {body_len}\r\n\r\n");
+    push_content_length(out, body_len);
     let tail_from = splice(out, body, edits.iter().flatten().copied());
     (tail_from, edits.iter().flatten().any(|e| e.3))
 }
@@ -222,7 +225,7 @@ pub(crate) fn build_messages_passthrough(
     if !version_sent {
         out.extend_from_slice(&settings.version_line);
     }
-    let _ = write!(out, "content-length: {body_len}\r\n\r\n");
+    push_content_length(out, body_len);
     splice(out, body, edits.iter().flatten().copied())
 }
 

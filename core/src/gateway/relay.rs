@@ -28,7 +28,6 @@
 //! ([`strip::UsageStrip`]): the one exception to relaying each read whole is that the unfinished
 //! event at the end of a read is then held until it ends (bounded by the meter's event limit).
 
-use std::io::Write as _;
 use std::pin::pin;
 use std::time::Instant;
 
@@ -39,7 +38,7 @@ use crate::gateway::observe::Observation;
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::reason;
 use crate::http::response::ResponseHead;
-use crate::http::{is_hop_by_hop, BodyFraming};
+use crate::http::{is_hop_by_hop, push_decimal, BodyFraming};
 use crate::openai::endpoint::ClientDialect;
 use crate::openai::meter::DEFAULT_MAX_EVENT;
 use crate::sys::clock;
@@ -298,23 +297,21 @@ pub(crate) async fn relay_translated_whole(
     }
     let keep_client = side.keep_alive && !io.drain.draining();
     let mut out = io.bufs.take();
-    let _ = write!(
-        out,
-        "HTTP/1.{} {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
-        side.minor_version,
-        reason(status),
-        if side.head_only { 0 } else { translated.len() }
-    );
+    out.extend_from_slice(b"HTTP/1.");
+    push_decimal(&mut out, side.minor_version);
+    out.push(b' ');
+    push_decimal(&mut out, status);
+    out.push(b' ');
+    out.extend_from_slice(reason(status).as_bytes());
+    out.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
+    push_decimal(&mut out, if side.head_only { 0 } else { translated.len() });
+    out.extend_from_slice(b"\r\n");
     if !keep_client {
         out.extend_from_slice(b"connection: close\r\n");
     }
     obs.response_started(status, false, !side.head_only);
     out.extend_from_slice(obs.rate_headers.as_bytes());
-    let _ = write!(
-        out,
-        "x-sluice-overhead-us: {}\r\n\r\n",
-        obs.overhead_so_far(clock::now()).as_micros()
-    );
+    push_overhead(&mut out, obs.overhead_so_far(clock::now()));
     if !side.head_only {
         let now = clock::recent();
         obs.body(if meter_upstream { &body } else { &translated }, now);
@@ -439,6 +436,13 @@ struct KeptBody {
     unsent: usize,
 }
 
+/// The head's last field, Sluice's own time on the request so far, and the blank line.
+fn push_overhead(out: &mut Vec<u8>, overhead: std::time::Duration) {
+    out.extend_from_slice(b"x-sluice-overhead-us: ");
+    push_decimal(out, overhead.as_micros());
+    out.extend_from_slice(b"\r\n\r\n");
+}
+
 /// Body bytes fewer than this that came with the response head are copied behind it for one
 /// plain write: the copy costs less than a second buffer for the kernel to gather.
 const GATHER_FROM: usize = 4096;
@@ -453,7 +457,9 @@ impl Relay<'_, '_> {
     /// hop-by-hop ones, the client's framing, the rate-limit headers and Sluice's overhead.
     fn write_head(&mut self, head: &ResponseHead, side: ClientSide) {
         let (out, ubuf, plan) = (&mut self.out, &self.ubuf, self.plan);
-        let _ = write!(out, "HTTP/1.1 {} ", head.status);
+        out.extend_from_slice(b"HTTP/1.1 ");
+        push_decimal(out, head.status);
+        out.push(b' ');
         let upstream_reason = &ubuf[head.reason.0..head.reason.1];
         if upstream_reason.is_empty() {
             out.extend_from_slice(reason(head.status).as_bytes());
@@ -474,7 +480,9 @@ impl Relay<'_, '_> {
         }
         match (plan.framing, head.framing()) {
             (ClientFraming::Passthrough, BodyFraming::Length(n)) => {
-                let _ = write!(out, "content-length: {n}\r\n");
+                out.extend_from_slice(b"content-length: ");
+                push_decimal(out, n);
+                out.extend_from_slice(b"\r\n");
             }
             (ClientFraming::Chunked, _) => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
             (ClientFraming::Empty, _)
@@ -493,11 +501,7 @@ impl Relay<'_, '_> {
             plan.framing != ClientFraming::Empty,
         );
         out.extend_from_slice(self.obs.rate_headers.as_bytes());
-        let _ = write!(
-            out,
-            "x-sluice-overhead-us: {}\r\n\r\n",
-            self.obs.overhead_so_far(clock::now()).as_micros()
-        );
+        push_overhead(out, self.obs.overhead_so_far(clock::now()));
     }
 
     /// The body bytes that came with the response head (`ubuf[head_len..]`): kept where they
