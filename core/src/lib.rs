@@ -17,9 +17,10 @@
 mod sys {
     //! Socket syscalls monoio does not offer (non-blocking send / recv / peek on a raw fd), and
     //! the owned-buffer I/O steps over monoio streams that the client and upstream sides share;
-    //! the clocks (the worker's one reading per wake-up, and wall-clock numbers) and a small
-    //! random-number generator.
+    //! the clocks (the worker's one reading per wake-up, and wall-clock numbers), a small
+    //! random-number generator, and what the CPU can do (AVX2).
     pub(crate) mod clock;
+    pub(crate) mod cpu;
     pub(crate) mod rand;
     pub(crate) mod sock;
     pub(crate) mod stream;

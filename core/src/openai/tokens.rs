@@ -19,6 +19,8 @@ use std::sync::OnceLock;
 
 use tiktoken_rs::CoreBPE;
 
+use crate::sys::cpu::Avx2;
+
 /// Fixed point of [`WEIGHTS`]: one token is `1 << WEIGHT_SHIFT` units.
 const WEIGHT_SHIFT: u32 = 10;
 
@@ -120,13 +122,28 @@ fn weight(b: u8) -> u64 {
 ///
 /// On held-out text: 0-12% over tiktoken (cl100k and o200k alike) on English, code and a chat
 /// request body; on Chinese 9% under cl100k and 31% over o200k, which itself spends 1.4x fewer
-/// tokens. Costs about 0.28 ns per byte (one table load and add) and allocates nothing.
+/// tokens. Allocates nothing; with AVX2 the bytes are weighed thirty-two at a time (counts of
+/// each class), else one table load and add per byte (about 0.28 ns a byte).
 ///
 /// Applied to a JSON body it counts the JSON syntax too, so it lands about 20% above what the
 /// upstream bills for the messages. It sees bytes, not meaning: a body that escapes non-ASCII
 /// text as `\uXXXX` (Python's `json.dumps` default) is estimated 3-4x above the billed count for
 /// Chinese, and base64 data (inline images) far above.
 pub fn estimate_tokens(bytes: &[u8]) -> u64 {
+    let (blocks, rest) = match Avx2::detect() {
+        #[cfg(target_arch = "x86_64")]
+        Some(_) => {
+            // SAFETY: an `Avx2` exists only where the CPU has AVX2 (`Avx2::detect`).
+            let (weight, covered) = unsafe { weigh_blocks_avx2(bytes) };
+            (weight, bytes.get(covered..).unwrap_or_default())
+        }
+        _ => (0, bytes),
+    };
+    (blocks + weigh_bytes(rest)).div_ceil(1 << WEIGHT_SHIFT)
+}
+
+/// What `bytes` weigh, one table load and add per byte, in 1/1024 of a token.
+fn weigh_bytes(bytes: &[u8]) -> u64 {
     // Four accumulators so the adds do not wait on each other.
     let mut acc = [0u64; 4];
     let mut chunks = bytes.chunks_exact(8);
@@ -142,7 +159,98 @@ pub fn estimate_tokens(bytes: &[u8]) -> u64 {
     for &b in chunks.remainder() {
         total += weight(b);
     }
-    total.div_ceil(1 << WEIGHT_SHIFT)
+    total
+}
+
+/// What the whole 32-byte blocks at the start of `bytes` weigh (as [`weigh_bytes`] would say),
+/// and how many bytes that is. A block's weight is its count of each class times the class's
+/// weight. Each class is one compare of the 32 bytes at once, whose all-ones lanes are
+/// subtracted from a counter per byte lane (so a lane adds 1 where its byte is of the class);
+/// the lanes are summed every 255 blocks, before a byte lane can overflow. About 0.7
+/// instructions a byte, against the table's three. The four classes above ASCII are counted only
+/// in blocks that hold such bytes.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn weigh_blocks_avx2(bytes: &[u8]) -> (u64, usize) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_cmpeq_epi8, _mm256_cmpgt_epi8, _mm256_extract_epi64, _mm256_loadu_si256,
+        _mm256_min_epu8, _mm256_movemask_epi8, _mm256_or_si256, _mm256_sad_epu8, _mm256_set1_epi8,
+        _mm256_setzero_si256, _mm256_sub_epi8,
+    };
+    // The bytes of `v` in `low..=high` (unsigned), as all-ones lanes: c - low wraps below `low`,
+    // so it is at most high - low exactly for those.
+    let in_range = |v: __m256i, low: u8, high: u8| {
+        let offset = _mm256_sub_epi8(v, _mm256_set1_epi8(low as i8));
+        let most = _mm256_set1_epi8((high - low) as i8);
+        _mm256_cmpeq_epi8(_mm256_min_epu8(offset, most), offset)
+    };
+    let is = |v: __m256i, c: u8| _mm256_cmpeq_epi8(v, _mm256_set1_epi8(c as i8));
+    let zero = _mm256_setzero_si256();
+    // The sum of a counter's byte lanes.
+    let total_of = |lanes: __m256i| {
+        let sums = _mm256_sad_epu8(lanes, zero);
+        (_mm256_extract_epi64::<0>(sums)
+            + _mm256_extract_epi64::<1>(sums)
+            + _mm256_extract_epi64::<2>(sums)
+            + _mm256_extract_epi64::<3>(sums)) as u64
+    };
+    // letter, digit, space, newline, carriage return, above ASCII, continuation, lead 2, 3, 4.
+    let mut counts = [0u64; 10];
+    let whole = bytes.len() / 32 * 32;
+    for group in bytes[..whole].chunks(255 * 32) {
+        let mut lanes = [zero; 10];
+        for block in group.chunks_exact(32) {
+            // SAFETY: `block` is thirty-two bytes, and `loadu` asks no alignment of them.
+            let v = unsafe { _mm256_loadu_si256(block.as_ptr().cast()) };
+            // Bit 5 folds upper-case ASCII letters onto lower-case, and nothing else onto them.
+            let folded = _mm256_or_si256(v, _mm256_set1_epi8(0x20));
+            let found = [
+                in_range(folded, b'a', b'z'),
+                in_range(v, b'0', b'9'),
+                _mm256_or_si256(is(v, b' '), is(v, b'\t')),
+                is(v, b'\n'),
+                is(v, b'\r'),
+            ];
+            for (lane, found) in lanes.iter_mut().zip(found) {
+                *lane = _mm256_sub_epi8(*lane, found);
+            }
+            if _mm256_movemask_epi8(v) != 0 {
+                let above = [
+                    _mm256_cmpgt_epi8(zero, v),
+                    in_range(v, 0x80, 0xBF),
+                    in_range(v, 0xC2, 0xDF),
+                    in_range(v, 0xE0, 0xEF),
+                    in_range(v, 0xF0, 0xF4),
+                ];
+                for (lane, found) in lanes[5..].iter_mut().zip(above) {
+                    *lane = _mm256_sub_epi8(*lane, found);
+                }
+            }
+        }
+        for (count, lane) in counts.iter_mut().zip(lanes) {
+            *count += total_of(lane);
+        }
+    }
+    let [letter, digit, space, newline, carriage, non_ascii, continuation, lead2, lead3, lead4] =
+        counts;
+    // What no count above took: ASCII punctuation and control bytes, and bytes UTF-8 never has.
+    let punct = whole as u64 - non_ascii - letter - digit - space - newline - carriage;
+    let invalid = non_ascii - continuation - lead2 - lead3 - lead4;
+    let weight = |n: u64, class: Class| n * u64::from(class_weight(class));
+    let total = weight(letter, Class::Letter)
+        + weight(digit, Class::Digit)
+        + weight(space, Class::Space)
+        + weight(newline, Class::Newline)
+        + weight(carriage + continuation, Class::Free)
+        + weight(punct, Class::Punct)
+        + weight(lead2, Class::Lead2)
+        + weight(lead3, Class::Lead3)
+        + weight(lead4, Class::Lead4)
+        + weight(invalid, Class::Invalid);
+    (total, whole)
 }
 
 /// A tiktoken encoding that exact counting can use.
@@ -419,6 +527,54 @@ mod tests {
         assert!(whole >= estimate_tokens(a).max(estimate_tokens(b)));
         // Arbitrary bytes are fine.
         assert_eq!(estimate_tokens(&[0xFF; 10]), 10);
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn blocks_weigh_what_their_bytes_weigh() {
+        let Some(_) = Avx2::detect() else {
+            eprintln!("no AVX2 here: only the table runs");
+            return;
+        };
+        // SAFETY: the CPU has AVX2, checked just above.
+        let blocks = |b: &[u8]| unsafe { weigh_blocks_avx2(b) };
+        // Every byte value at every place of a block, among ASCII letters and among Han text
+        // (so each sits in a block with and without other bytes above ASCII).
+        let han = "中文".repeat(6).into_bytes();
+        for c in 0..=255u8 {
+            for i in 0..32 {
+                for base in [&[b'a'; 32][..], &han[..32]] {
+                    let mut block = base.to_vec();
+                    block[i] = c;
+                    assert_eq!(blocks(&block), (weigh_bytes(&block), 32), "{c:#x} at {i}");
+                }
+            }
+        }
+        // Random bytes and the corpora, at lengths that leave every remainder.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut random = vec![0u8; 4096];
+        for b in random.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = (x >> 24) as u8;
+        }
+        let mixed = include_bytes!("../../../perf/corpus/mixed.txt");
+        // One class in every byte lane for more blocks than a lane counts to (255).
+        let runs = [b"a".repeat(40_000), "\u{e9}".repeat(20_000).into_bytes()];
+        for text in [&random[..], &mixed[..], &runs[0][..], &runs[1][..]] {
+            for len in (0..200).chain([text.len() - 1, text.len()]) {
+                let text = &text[..len];
+                let (weight, covered) = blocks(text);
+                assert_eq!(covered, len / 32 * 32);
+                assert_eq!(weight, weigh_bytes(&text[..covered]), "len {len}");
+                assert_eq!(
+                    estimate_tokens(text),
+                    weigh_bytes(text).div_ceil(1024),
+                    "len {len}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -10,6 +10,8 @@
 //! included), integers beyond `u64` / `i64`, floats beyond `f64`, and more than [`MAX_DEPTH`]
 //! nested containers. UTF-8 is the caller's: it hands over a `&str`.
 
+use crate::sys::cpu::Avx2;
+
 /// Objects and arrays nested deeper than this are refused: simd-json's `DEFAULT_MAX_DEPTH`,
 /// which bounded inspection before (serde_json's 128 would refuse bodies served today).
 pub(super) const MAX_DEPTH: usize = 1024;
@@ -485,28 +487,12 @@ static SHORT_ESCAPE: [bool; 256] = {
 #[inline]
 fn next_stops(b: &[u8], at: usize, avx2: Option<Avx2>) -> (usize, u64, usize) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(Avx2(())) = avx2 {
+    if avx2.is_some() {
         // SAFETY: an `Avx2` exists only where the CPU has AVX2 (`Avx2::detect`).
         return unsafe { next_stops_avx2(b, at) };
     }
     let _ = avx2;
     next_stops_32(b, at)
-}
-
-/// Proof that this CPU has AVX2: made only by [`Avx2::detect`].
-#[derive(Debug, Clone, Copy)]
-struct Avx2(());
-
-impl Avx2 {
-    /// `Some` where the CPU has AVX2 (std caches the answer; asked once per long string).
-    #[inline]
-    fn detect() -> Option<Avx2> {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") {
-            return Some(Avx2(()));
-        }
-        None
-    }
 }
 
 /// [`next_stops`] thirty-two bytes a step, with SSE2 (or portably).
