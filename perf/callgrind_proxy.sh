@@ -122,6 +122,6 @@ for run in "${runs[@]}"; do
         sum[fn] += ir
       }
       END { for (fn in sum) printf "%d\t%s\n", sum[fn] / n, fn }' |
-    sort -t"$(printf '\t')" -k1,1nr | head -n "$TOP" |
-    awk -F'\t' '{ printf "| %d | `%s` |\n", $1, $2 }'
+    sort -t"$(printf '\t')" -k1,1nr |
+    awk -F'\t' -v top="$TOP" 'NR <= top { printf "| %d | `%s` |\n", $1, $2 }'
 done
