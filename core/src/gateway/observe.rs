@@ -612,7 +612,11 @@ pub(crate) fn emit(
         write_peer(&mut rec.client_addr, peer);
     }
     set_str(&mut rec.method, "POST");
-    set_str(&mut rec.path, &String::from_utf8_lossy(path));
+    // A path is nearly always UTF-8 (ASCII): checked as a str, not walked in lossy chunks.
+    match std::str::from_utf8(path) {
+        Ok(path) => set_str(&mut rec.path, path),
+        Err(_) => set_str(&mut rec.path, &String::from_utf8_lossy(path)),
+    }
     rec.status = u32::from(status);
     set_str(&mut rec.requested_model, &inspection.model);
     rec.mapped_model.clear();
