@@ -12,7 +12,9 @@
 # no load, once with SECS seconds of wrk (one thread, CONNS connections, BODY_BYTES chat
 # POSTs). Per request = (instructions of the loaded run - those of the idle run) / the requests
 # mock-llm served; the idle run takes away start-up, config load and shutdown. It prints that
-# figure and the TOP functions by their own instructions per request.
+# figure and the TOP functions by their own instructions per request (each less its count in the
+# idle run). What a timer or background task spends over time is not taken away: the loaded run
+# lasts longer than the idle one.
 #
 # What it does not count: the kernel (syscalls, TCP), and most of what waiting costs. Under
 # callgrind the proxy runs ~50x slower than the client and mock-llm, so its reads nearly always
@@ -52,8 +54,9 @@ for config in $CONFIGS; do
   [ -n "${BASE_BIN:-}" ] && runs+=("$config-base")
 done
 
-# One run under callgrind: config, binary, seconds of load (0: none), callgrind file. Prints
-# "requests instructions".
+# One run under callgrind: config, binary, seconds of load (0: none), callgrind file. Sets
+# SERVED (requests mock-llm served in the window) and IR (the run's instructions). Runs in this
+# shell, not a subshell, so the valgrind'd proxy is in PIDS and a failure anywhere kills it.
 measure() {
   local config=$1 bin=$2 secs=$3 out=$4 lua=$TMP/post.lua
   case $config in
@@ -75,6 +78,7 @@ measure() {
   grep -q 'listening on' "$TMP/proxy.log" || { cat "$TMP/proxy.log" >&2; exit 1; }
   local port before after
   port=$(port_of "$TMP/proxy.log")
+  # mock-llm does not count its /_mock/stats requests.
   before=$(mock_stat requests)
   if [ "$secs" != 0 ]; then
     wrk -t1 -c"$CONNS" -d"${secs}s" -s "$lua" "http://127.0.0.1:$port/v1/chat/completions" >"$TMP/wrk.txt"
@@ -83,8 +87,24 @@ measure() {
   after=$(mock_stat requests)
   kill -TERM "$vg"
   wait "$vg" || true
-  # mock_stat's own request to mock-llm is the one taken off.
-  echo "$((after - before - 1)) $(grep -E '^(summary|totals):' "$out" | head -1 | awk '{print $2}')"
+  SERVED=$((after - before))
+  IR=$(grep -E '^(summary|totals):' "$out" | head -1 | awk '{print $2}')
+}
+
+# Instructions by function in a callgrind file, as "count<TAB>function" lines. callgrind_annotate
+# names code inlined from another file (core's slices, std's time) by that file: the rows are
+# summed by function.
+by_function() { # callgrind file
+  callgrind_annotate --threshold=100 "$1" 2>/dev/null |
+    awk '
+      /^-+$/ { rule++; next }
+      rule == 6 && /^ *[0-9,]+ \(/ {
+        ir = $1; gsub(",", "", ir)
+        fn = $0; sub(/^ *[0-9,]+ \([ 0-9.]+%\) +/, "", fn); sub(/ \[[^]]*\]$/, "", fn)
+        sub(/^[^:]*:/, "", fn)
+        sum[fn] += ir
+      }
+      END { for (fn in sum) printf "%d\t%s\n", sum[fn], fn }'
 }
 
 DIR=${KEEP:-$TMP/cg}
@@ -97,31 +117,25 @@ for run in "${runs[@]}"; do
   config=${run%-base}
   bin=$BIN/sluice
   [ "$config" != "$run" ] && bin=$BASE_BIN
-  read -r _ idle < <(measure "$config" "$bin" 0 "$DIR/$run-idle.out")
-  read -r requests loaded < <(measure "$config" "$bin" "$SECS" "$DIR/$run.out")
-  [ "$requests" -gt 0 ] || { echo "callgrind_proxy.sh: no requests served in $run" >&2; exit 1; }
-  echo "| $run | $requests | $(( (loaded - idle) / requests )) |"
-  echo "$requests" >"$DIR/$run.requests"
+  measure "$config" "$bin" 0 "$DIR/$run-idle.out"
+  idle=$IR
+  measure "$config" "$bin" "$SECS" "$DIR/$run.out"
+  [ "$SERVED" -gt 0 ] || { echo "callgrind_proxy.sh: no requests served in $run" >&2; exit 1; }
+  echo "| $run | $SERVED | $(( (IR - idle) / SERVED )) |"
+  echo "$SERVED" >"$DIR/$run.requests"
 done
 for run in "${runs[@]}"; do
   requests=$(cat "$DIR/$run.requests")
   echo
-  echo "$run: top $TOP functions by their own instructions per request"
+  echo "$run: top $TOP functions by their own instructions per request (less the idle run's)"
   echo
   echo "| instructions / request | function |"
   echo "| ---: | --- |"
-  # callgrind_annotate names code inlined from another file (core's slices, std's time) by that
-  # file: the rows are summed by function.
-  callgrind_annotate --threshold=100 "$DIR/$run.out" 2>/dev/null |
-    awk -v n="$requests" '
-      /^-+$/ { rule++; next }
-      rule == 6 && /^ *[0-9,]+ \(/ {
-        ir = $1; gsub(",", "", ir)
-        fn = $0; sub(/^ *[0-9,]+ \([ 0-9.]+%\) +/, "", fn); sub(/ \[[^]]*\]$/, "", fn)
-        sub(/^[^:]*:/, "", fn)
-        sum[fn] += ir
-      }
-      END { for (fn in sum) printf "%d\t%s\n", sum[fn] / n, fn }' |
+  by_function "$DIR/$run-idle.out" >"$DIR/$run-idle.tsv"
+  by_function "$DIR/$run.out" |
+    awk -F'\t' -v n="$requests" '
+      NR == FNR { idle[$2] = $1; next }
+      { printf "%d\t%s\n", ($1 - idle[$2]) / n, $2 }' "$DIR/$run-idle.tsv" - |
     sort -t"$(printf '\t')" -k1,1nr |
     awk -F'\t' -v top="$TOP" 'NR <= top { printf "| %d | `%s` |\n", $1, $2 }'
 done

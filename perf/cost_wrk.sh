@@ -59,7 +59,7 @@ for round in $(seq "$ROUNDS"); do
     t1=$(proc_ticks "${PID[$proxy]}"); s1=$(mock_stat requests)
     rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
     bad=$(echo "$out" | awk '/Non-2xx/ {print $NF} /Socket errors/ {print "socket"}' | head -1)
-    echo "$round $proxy $rps $((t1 - t0)) $((s1 - s0 - 1)) ${bad:-0}" >>"$TMP/runs.txt"
+    echo "$round $proxy $rps $((t1 - t0)) $((s1 - s0)) ${bad:-0}" >>"$TMP/runs.txt"
     printf '  round %s %-10s %10s req/s %s\n' "$round" "$proxy" "$rps" "${bad:+errors: $bad}"
   done
 done
