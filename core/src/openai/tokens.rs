@@ -132,7 +132,7 @@ fn weight(b: u8) -> u64 {
 pub fn estimate_tokens(bytes: &[u8]) -> u64 {
     let (blocks, rest) = match Avx2::detect() {
         #[cfg(target_arch = "x86_64")]
-        Some(_) => {
+        Some(_) if bytes.len() >= 32 => {
             // SAFETY: an `Avx2` exists only where the CPU has AVX2 (`Avx2::detect`).
             let (weight, covered) = unsafe { weigh_blocks_avx2(bytes) };
             (weight, bytes.get(covered..).unwrap_or_default())
@@ -167,8 +167,8 @@ fn weigh_bytes(bytes: &[u8]) -> u64 {
 /// weight. Each class is one compare of the 32 bytes at once, whose all-ones lanes are
 /// subtracted from a counter per byte lane (so a lane adds 1 where its byte is of the class);
 /// the lanes are summed every 255 blocks, before a byte lane can overflow. About 0.7
-/// instructions a byte, against the table's three. The four classes above ASCII are counted only
-/// in blocks that hold such bytes.
+/// instructions a byte, against the table's three. The bytes above ASCII and their four classes
+/// are counted only in blocks that hold such bytes.
 ///
 /// # Safety
 /// The CPU must have AVX2.
