@@ -775,7 +775,7 @@ impl Relay<'_, '_> {
         // the next write, or within `WATCH_AFTER` of its last output.
         let watch_from = monoio::time::Instant::from_std(self.last_output + WATCH_AFTER);
         let mut watch = pin!(async {
-            monoio::time::sleep_until(watch_from).await;
+            crate::sys::clock::sleep_until(watch_from).await;
             client.readable().await
         });
         let read_result = loop {
@@ -789,7 +789,7 @@ impl Relay<'_, '_> {
                 monoio::select! {
                     biased;
                     r = &mut read => break r,
-                    () = monoio::time::sleep(TLS_HANGUP_CHECK) => {
+                    () = crate::sys::clock::sleep_until(crate::sys::clock::deadline(TLS_HANGUP_CHECK)) => {
                         if client.peer_gone() {
                             return Err(Cut::Client);
                         }

@@ -246,6 +246,50 @@ mod tests {
     }
 
     #[test]
+    fn hop_by_hop_names_in_any_case_and_nothing_else() {
+        const HOP: [&str; 10] = [
+            "connection",
+            "keep-alive",
+            "proxy-connection",
+            "proxy-authenticate",
+            "proxy-authorization",
+            "te",
+            "trailer",
+            "transfer-encoding",
+            "upgrade",
+            "content-length",
+        ];
+        for name in HOP {
+            assert!(is_hop_by_hop(name.as_bytes()), "{name}");
+            assert!(
+                is_hop_by_hop(name.to_ascii_uppercase().as_bytes()),
+                "{name}"
+            );
+            // Same length, one byte off: must not match.
+            let mut off = name.as_bytes().to_vec();
+            off[0] ^= 0x01;
+            assert!(!is_hop_by_hop(&off), "{name} with its first byte changed");
+            let mut longer = name.as_bytes().to_vec();
+            longer.push(b's');
+            assert!(!is_hop_by_hop(&longer), "{name}s");
+            assert!(
+                !is_hop_by_hop(&name.as_bytes()[1..]),
+                "{name} less its first byte"
+            );
+        }
+        for kept in [
+            "host",
+            "authorization",
+            "content-type",
+            "x-request-id",
+            "user-agent",
+            "",
+        ] {
+            assert!(!is_hop_by_hop(kept.as_bytes()), "{kept}");
+        }
+    }
+
+    #[test]
     fn tokens() {
         assert!(has_token(b"keep-alive, Close", b"close"));
         assert!(!has_token(b"closed", b"close"));

@@ -16,8 +16,9 @@
 //! ([`since_epoch`]: key expiry, limit windows, the access log's timestamps) is read the same
 //! way, once per stamped poll.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::future::Future;
+use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -94,9 +95,116 @@ pub(crate) fn since_epoch() -> Duration {
 }
 
 /// `future`, cut off `limit` after [`recent`]: monoio's own `timeout` reads the clock for
-/// every wait.
-pub(crate) fn timeout<F: Future>(limit: Duration, future: F) -> monoio::time::Timeout<F> {
-    monoio::time::timeout_at(deadline(limit), future)
+/// every wait. The timer is made only if `future` has to wait (see [`Sleep`]).
+pub(crate) fn timeout<F: Future>(limit: Duration, future: F) -> Timeout<F> {
+    Timeout {
+        inner: future,
+        expiry: sleep_until(deadline(limit)),
+    }
+}
+
+/// Resolves at `deadline`; see [`Sleep`].
+pub(crate) fn sleep_until(deadline: monoio::time::Instant) -> Sleep {
+    Sleep {
+        deadline,
+        timer: None,
+    }
+}
+
+/// The limit of a [`timeout`] passed before its future finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Elapsed;
+
+/// A runtime timer made on the heap the first time it is polled, not held inside the future
+/// that waits on it.
+///
+/// monoio's `Sleep` is 640 bytes aligned to 128: its timer entry is cache-padded, for the
+/// threads tokio's design (which it comes from) shares entries between, which a monoio worker
+/// never does. Held inline, one per timed wait, it made every future around a wait that large
+/// and that aligned: a request's future grew past 10 KB, mostly timers and padding, and each
+/// level of it is copied into its parent when awaited. This one is 24 bytes until polled; a
+/// [`Timeout`] polls it only once its future has to wait, so the reads and writes that finish
+/// at once (most of them, on a busy connection) never make a timer at all. The boxes are
+/// reused ([`SPARE_TIMERS`]): an allocation aligned to 128 takes mimalloc's slow path, ~300
+/// instructions, for every wait that parks.
+pub(crate) struct Sleep {
+    deadline: monoio::time::Instant,
+    /// Holds a live timer once polled, pinned there (never moved out) until [`Drop`] drops it
+    /// in place.
+    timer: Option<Box<MaybeUninit<monoio::time::Sleep>>>,
+}
+
+/// Boxes of timers whose waits have ended, emptied (the timer dropped in place, so out of the
+/// runtime's wheel), for the next wait on this thread to fill.
+type SpareTimers = RefCell<Vec<Box<MaybeUninit<monoio::time::Sleep>>>>;
+
+thread_local! {
+    static SPARE_TIMERS: SpareTimers = const { RefCell::new(Vec::new()) };
+}
+
+/// How many empty timer boxes a thread keeps (640 bytes each): enough for the waits that end
+/// between two that start on a busy worker; a wave of ten thousand streams ending frees the rest.
+const SPARE_TIMERS_KEPT: usize = 256;
+
+impl Future for Sleep {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let deadline = self.deadline;
+        let slot = self.timer.get_or_insert_with(|| {
+            let spare = SPARE_TIMERS.with(|s| s.borrow_mut().pop());
+            let mut slot = spare.unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
+            slot.write(monoio::time::sleep_until(deadline));
+            slot
+        });
+        // SAFETY: `slot` holds the timer written when it was put in `timer`, which stays at
+        // this heap address until `drop` drops it in place: pinned.
+        unsafe { Pin::new_unchecked(slot.assume_init_mut()) }.poll(cx)
+    }
+}
+
+impl Drop for Sleep {
+    fn drop(&mut self) {
+        let Some(mut slot) = self.timer.take() else {
+            return;
+        };
+        // SAFETY: initialized when put in `timer`, and dropped only here, once. Its drop takes
+        // it out of the runtime's wheel, so the emptied box can be reused.
+        unsafe { slot.assume_init_drop() };
+        // The box outlives its spare list at thread exit: then it is simply freed.
+        let _ = SPARE_TIMERS.try_with(|s| {
+            if let Ok(mut s) = s.try_borrow_mut() {
+                if s.len() < SPARE_TIMERS_KEPT {
+                    s.push(slot);
+                }
+            }
+        });
+    }
+}
+
+/// [`timeout`]'s future: `inner`'s output, or [`Elapsed`].
+pub(crate) struct Timeout<F> {
+    inner: F,
+    expiry: Sleep,
+}
+
+impl<F: Future> Future for Timeout<F> {
+    type Output = Result<F::Output, Elapsed>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // SAFETY: only `inner` is used as pinned, and it is never moved out of `self`;
+        // `expiry` is `Unpin` (its timer is pinned in its own box).
+        let this = unsafe { self.get_unchecked_mut() };
+        // SAFETY: `inner` is pinned with `self` (above).
+        let inner = unsafe { Pin::new_unchecked(&mut this.inner) };
+        if let Poll::Ready(out) = inner.poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        match Pin::new(&mut this.expiry).poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(Elapsed)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 /// When a wait of `limit` from this poll's reading ends (a limit too large to add — a
@@ -217,6 +325,71 @@ mod tests {
             panic!("ready at once");
         };
         assert!(after >= before + Duration::from_millis(2));
+    }
+
+    #[test]
+    fn a_timeout_whose_future_is_ready_makes_no_timer() {
+        // No runtime here: making monoio's timer outside one would panic, so this also shows
+        // the timer is not made.
+        let mut wait = std::pin::pin!(timeout(Duration::ZERO, async { 7 }));
+        let polled = wait.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+        assert_eq!(polled, Poll::Ready(Ok(7)));
+        assert!(wait.expiry.timer.is_none());
+    }
+
+    #[test]
+    fn a_timeout_ends_a_waiting_future_at_its_deadline_and_not_before() {
+        crate::sys::testing::block_on(async {
+            let started = Instant::now();
+            let cut = timeout(Duration::from_millis(30), std::future::pending::<()>()).await;
+            let waited = started.elapsed();
+            assert_eq!(cut, Err(Elapsed));
+            assert!(waited >= Duration::from_millis(30), "{waited:?}");
+            assert!(waited < Duration::from_secs(5), "{waited:?}");
+
+            // A future that finishes after waiting, before the limit: its output, and the
+            // timer it made goes with the timeout.
+            let quick = async {
+                sleep_until(deadline(Duration::from_millis(5))).await;
+                "done"
+            };
+            assert_eq!(timeout(Duration::from_secs(5), quick).await, Ok("done"));
+        });
+    }
+
+    #[test]
+    fn a_timer_box_is_emptied_and_reused_by_the_next_wait() {
+        crate::sys::testing::block_on(async {
+            let spare = || SPARE_TIMERS.with(|s| s.borrow().len());
+            let before = spare();
+            // A wait that parks makes its timer; ending it early empties the box into the
+            // spare list, where the next wait finds it.
+            let made = {
+                let mut parked = std::pin::pin!(timeout(
+                    Duration::from_secs(60),
+                    std::future::pending::<()>()
+                ));
+                let polled = std::future::poll_fn(|cx| Poll::Ready(parked.as_mut().poll(cx))).await;
+                assert_eq!(polled, Poll::Pending);
+                parked.expiry.timer.as_deref().map(|b| b as *const _)
+            };
+            assert!(made.is_some());
+            assert_eq!(spare(), before + 1);
+
+            // Reused, the box times the new wait: 60 s was taken out of the wheel with the
+            // old timer, so this ends at its own 10 ms.
+            let started = Instant::now();
+            let mut next = std::pin::pin!(timeout(
+                Duration::from_millis(10),
+                std::future::pending::<()>()
+            ));
+            let first = std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await;
+            assert_eq!(first, Poll::Pending);
+            assert_eq!(next.expiry.timer.as_deref().map(|b| b as *const _), made);
+            assert_eq!(spare(), before);
+            assert_eq!(next.await, Err(Elapsed));
+            assert!(started.elapsed() >= Duration::from_millis(10));
+        });
     }
 
     #[test]

@@ -10,9 +10,9 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use crate::sys::clock::Elapsed;
 use monoio::buf::{IoBuf, IoBufMut, SliceMut};
 use monoio::io::{AsyncWriteRent, AsyncWriteRentExt, CancelableAsyncWriteRent, Canceller};
-use monoio::time::error::Elapsed;
 use monoio::BufResult;
 
 use crate::sys::{clock, sock};
@@ -120,7 +120,7 @@ pub(crate) async fn write_pair<S: CancelableAsyncWriteRent + AsRawFd>(
     } else {
         0
     };
-    let mut expired = std::pin::pin!(monoio::time::sleep_until(clock::deadline(limit)));
+    let mut expired = clock::sleep_until(clock::deadline(limit));
     let canceller = Canceller::new();
     let (mut first, mut second) = (first, second);
     // Short writes: again from where the kernel stopped.

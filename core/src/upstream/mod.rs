@@ -25,10 +25,10 @@ use std::sync::Arc;
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
+use crate::sys::clock::Elapsed;
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
-use monoio::time::error::Elapsed;
 use rustls_pki_types::ServerName;
 
 use crate::config::{Backend, Cluster, Snapshot, Timeouts, UpstreamLimits};
