@@ -16,21 +16,24 @@
 # idle run). What a timer or background task spends over time is not taken away: the loaded run
 # lasts longer than the idle one.
 #
-# What it does not count: the kernel (syscalls, TCP), and most of what waiting costs. Under
-# callgrind the proxy runs ~50x slower than the client and mock-llm, so its reads nearly always
-# find data and its writes room: few timers are armed and few tasks are parked. The runtime is
+# What it does not count: the kernel (syscalls, TCP), and by default most of what waiting
+# costs. Under callgrind the proxy runs ~50x slower than the client and mock-llm, so its reads
+# nearly always find data and its writes room: few timers are armed and few tasks are parked.
+# UPSTREAM_DELAY_MS=3 has mock-llm hold each answer that long (`x-mock-delay-ms`), so every
+# upstream read parks, with its timer, as it does at full speed. The runtime is
 # monoio's epoll driver (`MONOIO_FORCE_LEGACY_DRIVER=1`): valgrind does not treat a waiting
 # `io_uring_enter` as a blocking call, and the io_uring worker stalls under it. Everything above
 # the driver — parsing, routing, metering, the access log — runs the same code on both.
 #
-# Knobs: SECS (10), CONNS (8), BODY_BYTES (1024), CONFIGS ("sluice"; also "sluice-ai": API keys,
-# three policies on a redis-server it starts, metrics and the access log), BASE_BIN (adds
-# "<config>-base" runs of that binary), TOP (25), KEEP (a directory to keep the callgrind
-# files in, for callgrind_annotate).
+# Knobs: SECS (10), CONNS (8), BODY_BYTES (1024), UPSTREAM_DELAY_MS (0), CONFIGS ("sluice";
+# also "sluice-ai": API keys, three policies on a redis-server it starts, metrics and the
+# access log), BASE_BIN (adds "<config>-base" runs of that binary), TOP (25), KEEP (a directory
+# to keep the callgrind files in, for callgrind_annotate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LC_ALL=C
 : "${SECS:=10}" "${CONNS:=8}" "${BODY_BYTES:=1024}" "${CONFIGS:=sluice}" "${TOP:=25}"
+: "${UPSTREAM_DELAY_MS:=0}"
 for tool in valgrind wrk redis-server; do
   command -v "$tool" >/dev/null || {
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind wrk redis-server >/dev/null
@@ -44,6 +47,9 @@ CORE=$(python3 -c 'import os; print(sorted(os.sched_getaffinity(0))[0])')
 init_scratch
 start_mock
 write_post_lua "$TMP/post.lua" "$BODY_BYTES"
+if [ "$UPSTREAM_DELAY_MS" != 0 ]; then
+  echo "wrk.headers[\"x-mock-delay-ms\"] = \"$UPSTREAM_DELAY_MS\"" >>"$TMP/post.lua"
+fi
 KEY=sk-callgrind-1
 { cat "$TMP/post.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $KEY\""; } >"$TMP/post-ai.lua"
 case " $CONFIGS " in *" sluice-ai "*) start_pinned_redis "$CORE" ;; esac
@@ -109,7 +115,7 @@ by_function() { # callgrind file
 
 DIR=${KEEP:-$TMP/cg}
 mkdir -p "$DIR"
-echo "callgrind, ${SECS}s of wrk, $CONNS connections, $BODY_BYTES-byte chat POSTs; $(git rev-parse --short HEAD)"
+echo "callgrind, ${SECS}s of wrk, $CONNS connections, $BODY_BYTES-byte chat POSTs, answers held ${UPSTREAM_DELAY_MS} ms; $(git rev-parse --short HEAD)"
 echo
 echo "| run | requests | instructions / request |"
 echo "| --- | ---: | ---: |"
