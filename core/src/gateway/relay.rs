@@ -200,7 +200,8 @@ pub(crate) async fn relay(
         Some(Cut::Shutdown) => RelayEnd::Shutdown,
     };
     relay.obs.end = Some(end);
-    let keep_alive = relay.finish(cut, head.keep_alive).await;
+    let (keep_alive, reusable) = relay.finish(cut, head.keep_alive).await;
+    relay.close(reusable);
     Ok(Relayed { keep_alive, end })
 }
 
@@ -833,12 +834,14 @@ impl Relay<'_, '_> {
         }
     }
 
-    /// End the response as `cut` says: a complete body gets its last chunk and the upstream
-    /// connection goes back to the pool (when reusable); a client that left gets nothing more;
-    /// an upstream fault or the end of the shutdown grace ends an event stream with an SSE
-    /// error event and a proper end, and cuts any other body. Returns whether the client
-    /// connection may be kept.
-    async fn finish(mut self, cut: Option<Cut>, upstream_keep_alive: bool) -> bool {
+    /// End the response as `cut` says: a complete body gets its last chunk; a client that left
+    /// gets nothing more; an upstream fault or the end of the shutdown grace ends an event
+    /// stream with an SSE error event and a proper end, and cuts any other body. Returns whether
+    /// the client connection may be kept, and whether the upstream connection may go back to
+    /// the pool, for [`Self::close`]. Borrows the relay rather than taking it: a future holding
+    /// the 640-byte relay (twice: argument and local) was the largest state of `relay`'s, and
+    /// every level above it is copied into its parent when awaited.
+    async fn finish(&mut self, cut: Option<Cut>, upstream_keep_alive: bool) -> (bool, bool) {
         let plan = self.plan;
         let (keep_alive, reusable) = match cut {
             None => {
@@ -863,8 +866,7 @@ impl Relay<'_, '_> {
         };
         // Read afresh: the last write may have finished without a wait.
         self.obs.finished_at = Some(clock::now());
-        self.close(reusable);
-        keep_alive
+        (keep_alive, reusable)
     }
 
     /// End a body that stopped before its end for `error`: an event stream learns why through an
