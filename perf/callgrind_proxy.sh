@@ -19,8 +19,8 @@
 # What it does not count: the kernel (syscalls, TCP), and by default most of what waiting
 # costs. Under callgrind the proxy runs ~50x slower than the client and mock-llm, so its reads
 # nearly always find data and its writes room: few timers are armed and few tasks are parked.
-# UPSTREAM_DELAY_MS=3 has mock-llm hold each answer that long (`x-mock-delay-ms`), so every
-# upstream read parks, with its timer, as it does at full speed. The runtime is
+# UPSTREAM_DELAY_MS=3 has mock-llm hold each answer that long (`x-mock-delay-ms`), so the
+# read of every answer's head parks, with its timer, as it does at full speed. The runtime is
 # monoio's epoll driver (`MONOIO_FORCE_LEGACY_DRIVER=1`): valgrind does not treat a waiting
 # `io_uring_enter` as a blocking call, and the io_uring worker stalls under it. Everything above
 # the driver — parsing, routing, metering, the access log — runs the same code on both.
@@ -34,6 +34,7 @@ cd "$(dirname "$0")/.."
 export LC_ALL=C
 : "${SECS:=10}" "${CONNS:=8}" "${BODY_BYTES:=1024}" "${CONFIGS:=sluice}" "${TOP:=25}"
 : "${UPSTREAM_DELAY_MS:=0}"
+[[ $UPSTREAM_DELAY_MS =~ ^[0-9]+$ ]] || { echo "UPSTREAM_DELAY_MS: whole milliseconds" >&2; exit 2; }
 for tool in valgrind wrk redis-server; do
   command -v "$tool" >/dev/null || {
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind wrk redis-server >/dev/null

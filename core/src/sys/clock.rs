@@ -122,11 +122,12 @@ pub(crate) struct Elapsed;
 /// threads tokio's design (which it comes from) shares entries between, which a monoio worker
 /// never does. Held inline, one per timed wait, it made every future around a wait that large
 /// and that aligned: a request's future grew past 10 KB, mostly timers and padding, and each
-/// level of it is copied into its parent when awaited. This one is 24 bytes until polled; a
-/// [`Timeout`] polls it only once its future has to wait, so the reads and writes that finish
-/// at once (most of them, on a busy connection) never make a timer at all. The boxes are
-/// reused ([`SPARE_TIMERS`]): an allocation aligned to 128 takes mimalloc's slow path, ~300
-/// instructions, for every wait that parks.
+/// level of it is copied into its parent when awaited. This one is 24 bytes; its timer, made
+/// when first polled, lives on the heap. A [`Timeout`] polls it only once its future has to
+/// wait, so the reads and writes that finish at once (most of them, on a busy connection)
+/// never make a timer at all. The boxes are reused ([`SPARE_TIMERS`]): an allocation aligned
+/// to 128 takes mimalloc's slow path, ~300 instructions, for every wait that parks.
+#[must_use = "futures do nothing unless you .await or poll them"]
 pub(crate) struct Sleep {
     deadline: monoio::time::Instant,
     /// Holds a live timer once polled, pinned there (never moved out) until [`Drop`] drops it
@@ -152,7 +153,10 @@ impl Future for Sleep {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let deadline = self.deadline;
         let slot = self.timer.get_or_insert_with(|| {
-            let spare = SPARE_TIMERS.with(|s| s.borrow_mut().pop());
+            let spare = SPARE_TIMERS
+                .try_with(|s| s.borrow_mut().pop())
+                .ok()
+                .flatten();
             let mut slot = spare.unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
             slot.write(monoio::time::sleep_until(deadline));
             slot
@@ -183,6 +187,7 @@ impl Drop for Sleep {
 }
 
 /// [`timeout`]'s future: `inner`'s output, or [`Elapsed`].
+#[must_use = "futures do nothing unless you .await or poll them"]
 pub(crate) struct Timeout<F> {
     inner: F,
     expiry: Sleep,
