@@ -776,7 +776,7 @@ impl Relay<'_, '_> {
         // the next write, or within `WATCH_AFTER` of its last output.
         let watch_from = monoio::time::Instant::from_std(self.last_output + WATCH_AFTER);
         let mut watch = pin!(async {
-            crate::sys::clock::sleep_until(watch_from).await;
+            clock::sleep_until(watch_from).await;
             client.readable().await
         });
         let read_result = loop {
@@ -790,7 +790,7 @@ impl Relay<'_, '_> {
                 monoio::select! {
                     biased;
                     r = &mut read => break r,
-                    () = crate::sys::clock::sleep_until(crate::sys::clock::deadline(TLS_HANGUP_CHECK)) => {
+                    () = clock::sleep(TLS_HANGUP_CHECK) => {
                         if client.peer_gone() {
                             return Err(Cut::Client);
                         }

@@ -99,8 +99,13 @@ pub(crate) fn since_epoch() -> Duration {
 pub(crate) fn timeout<F: Future>(limit: Duration, future: F) -> Timeout<F> {
     Timeout {
         inner: future,
-        expiry: sleep_until(deadline(limit)),
+        expiry: sleep(limit),
     }
+}
+
+/// Resolves `limit` after [`recent`]; see [`Sleep`].
+pub(crate) fn sleep(limit: Duration) -> Sleep {
+    sleep_until(deadline(limit))
 }
 
 /// Resolves at `deadline`; see [`Sleep`].
@@ -355,7 +360,7 @@ mod tests {
             // A future that finishes after waiting, before the limit: its output, and the
             // timer it made goes with the timeout.
             let quick = async {
-                sleep_until(deadline(Duration::from_millis(5))).await;
+                sleep(Duration::from_millis(5)).await;
                 "done"
             };
             assert_eq!(timeout(Duration::from_secs(5), quick).await, Ok("done"));

@@ -120,7 +120,7 @@ pub(crate) async fn write_pair<S: CancelableAsyncWriteRent + AsRawFd>(
     } else {
         0
     };
-    let mut expired = clock::sleep_until(clock::deadline(limit));
+    let mut expired = clock::sleep(limit);
     let canceller = Canceller::new();
     let (mut first, mut second) = (first, second);
     // Short writes: again from where the kernel stopped.
