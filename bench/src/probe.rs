@@ -7,7 +7,20 @@
 //! sluice-probe idle --addr 127.0.0.1:8080 [--conns 10000] [--hold-secs 20]
 //!     Opens N connections, sends one `GET /v1/models` on each and reads the answer, then holds
 //!     them all idle (keep-alive) for the given time. Prints `ready` when all are idle.
+//! sluice-probe uring [--size 1024] [--conns 32] [--msgs 200000] [--warm 20000] [--rounds 5]
+//!                    [--variants single,multi,single-fixed,multi-fixed,defer,zc]
+//!                    [--server-cpu C] [--client-cpu C]
+//!     No proxy: what io_uring's receive and send variants cost the kernel on this machine, per
+//!     message answered by one pinned server thread (see `probe/uring.rs`). The threads default
+//!     to the first two CPUs the process may use.
 //! ```
+
+// The probe counts what it receives but never reads it, so `BufRing::get` goes unused here.
+#[allow(dead_code)]
+#[path = "load/bufring.rs"]
+mod bufring;
+#[path = "probe/uring.rs"]
+mod uring;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -35,7 +48,11 @@ fn main() {
     let result = match args.first().map(String::as_str) {
         Some("ttfb") => ttfb(&args),
         Some("idle") => idle(&args),
-        _ => Err("usage: sluice-probe ttfb|idle --addr HOST:PORT [options]".to_string()),
+        Some("uring") => uring::run(&args),
+        _ => Err(
+            "usage: sluice-probe ttfb|idle --addr HOST:PORT [options] | uring [options]"
+                .to_string(),
+        ),
     };
     if let Err(e) = result {
         eprintln!("sluice-probe: {e}");

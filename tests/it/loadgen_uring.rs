@@ -391,3 +391,51 @@ fn a_trickling_server_ends_at_the_grace_deadline() {
         assert_eq!(v["errors_total"], 2, "{engine}: {stdout}");
     }
 }
+
+/// `sluice-probe uring` runs every variant to the end on a message that takes several reads
+/// and writes (5,000 bytes), and reports each one's server CPU per message.
+#[test]
+fn uring_probe_measures_every_variant() {
+    let mut cmd = Command::new(bin("sluice-probe"));
+    cmd.args([
+        "uring", "--rounds", "2", "--conns", "3", "--size", "5000", "--warm", "50", "--msgs", "500",
+    ]);
+    let out = output_within(cmd, Duration::from_secs(120), "sluice-probe uring");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for variant in [
+        "single",
+        "multi",
+        "single-fixed",
+        "multi-fixed",
+        "defer",
+        "zc",
+    ] {
+        let row = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("| {variant} |")))
+            .unwrap_or_else(|| panic!("no row for {variant}:\n{stdout}"));
+        let ns: f64 = row
+            .split('|')
+            .nth(2)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(ns > 0.0, "{row}");
+        assert_eq!(
+            stdout
+                .lines()
+                .filter(|l| l.starts_with("round ") && l.contains(&format!(" {variant} ")))
+                .count(),
+            2,
+            "{stdout}"
+        );
+    }
+}

@@ -19,6 +19,7 @@
 //! - [`threads`]: one std thread per connection with blocking sockets, as sluice-load began;
 //!   used when io_uring cannot be set up, or with `--engine threads`.
 
+mod bufring;
 mod http;
 mod stats;
 mod threads;

@@ -26,12 +26,12 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
+use crate::bufring::{BufRing, BGID};
 use crate::http::{Fail, Fed, Kind};
 use crate::stats::Stats;
 use crate::{http::Response, join_measured, mono_ns, Plan, Window};
@@ -132,148 +132,10 @@ fn ud(conn: u32, gen: u32, op: u64) -> u64 {
     (u64::from(conn) << 32) | (u64::from(gen & GEN_MASK) << 8) | op
 }
 
-// ---------------------------------------------------------------------------------------------
-// Provided-buffer ring
-// ---------------------------------------------------------------------------------------------
-
-const BUF_SIZE: usize = 16 * 1024;
-const BGID: u16 = 0;
 /// Most buffers in a thread's ring (256 MiB), and the count tried when that many cannot be set
 /// up. (The kernel takes up to 32,768.)
 const BUF_MAX: usize = 16 * 1024;
 const BUF_FALLBACK: u16 = 4096;
-
-/// One entry of a provided-buffer ring, laid out as the kernel's `struct io_uring_buf`. The
-/// ring's tail is the `resv` field of entry 0.
-#[repr(C)]
-struct BufEntry {
-    addr: u64,
-    len: u32,
-    bid: u16,
-    resv: u16,
-}
-
-/// Anonymous memory that the kernel reads and writes on its own (ring entries, receive
-/// buffers): held as a raw pointer, never as a Rust reference to the whole.
-struct Mapping {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Mapping {
-    fn new(len: usize) -> Result<Mapping, String> {
-        // SAFETY: an anonymous private mapping with no address hint touches no existing memory.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(format!(
-                "mmap {len} bytes: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
-        Ok(Mapping {
-            ptr: ptr.cast(),
-            len,
-        })
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are exactly what mmap returned, and nothing uses them after this
-        // (the ring that could write into them is dropped first: see `Engine`'s field order).
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
-    }
-}
-
-struct BufRing {
-    entries: Mapping,
-    data: Mapping,
-    count: u16,
-    /// Our copy of the tail: buffers handed back but not yet published.
-    tail: u16,
-}
-
-impl BufRing {
-    fn new(ring: &IoUring, count: u16) -> Result<BufRing, String> {
-        let entries = Mapping::new(usize::from(count) * std::mem::size_of::<BufEntry>())?;
-        let data = Mapping::new(usize::from(count) * BUF_SIZE)?;
-        // SAFETY: `entries` is page-aligned memory of `count` entries that lives as long as the
-        // ring (dropped after it), as register_buf_ring requires.
-        unsafe {
-            ring.submitter()
-                .register_buf_ring(entries.ptr as u64, count, BGID)
-        }
-        .map_err(|e| format!("register buffer ring: {e}"))?;
-        let mut b = BufRing {
-            entries,
-            data,
-            count,
-            tail: 0,
-        };
-        for bid in 0..count {
-            b.give_back(bid);
-        }
-        b.publish();
-        Ok(b)
-    }
-
-    /// Puts buffer `bid` back at the tail (seen by the kernel at the next [`Self::publish`]).
-    fn give_back(&mut self, bid: u16) {
-        if bid >= self.count {
-            return;
-        }
-        let idx = usize::from(self.tail & (self.count - 1));
-        // SAFETY: idx < count, so the entry lies in the mapping. The kernel does not read
-        // entries past the published tail, and only the fields are written, never entry 0's
-        // `resv` (the tail), so nothing it reads is torn.
-        unsafe {
-            let e = self.entries.ptr.cast::<BufEntry>().add(idx);
-            std::ptr::addr_of_mut!((*e).addr)
-                .write(self.data.ptr as u64 + u64::from(bid) * BUF_SIZE as u64);
-            std::ptr::addr_of_mut!((*e).len).write(BUF_SIZE as u32);
-            std::ptr::addr_of_mut!((*e).bid).write(bid);
-        }
-        self.tail = self.tail.wrapping_add(1);
-    }
-
-    /// Makes the buffers given back so far available to the kernel.
-    fn publish(&self) {
-        // SAFETY: entry 0's `resv` (offset 14, 2-aligned) is the ring tail, which the kernel
-        // reads with an acquire load; this release store orders the entry writes before it.
-        let tail = unsafe {
-            &*(self
-                .entries
-                .ptr
-                .add(std::mem::offset_of!(BufEntry, resv))
-                .cast::<AtomicU16>())
-        };
-        tail.store(self.tail, Ordering::Release);
-    }
-
-    /// The first `len` bytes of buffer `bid`, which the kernel filled and handed to us.
-    fn get(&self, bid: u16, len: usize) -> &[u8] {
-        if bid >= self.count {
-            return &[];
-        }
-        // SAFETY: the buffer lies inside `data`; the kernel wrote `len` <= BUF_SIZE bytes into
-        // it and will not touch it again until it is given back (after this slice's last use).
-        unsafe {
-            std::slice::from_raw_parts(
-                self.data.ptr.add(usize::from(bid) * BUF_SIZE),
-                len.min(BUF_SIZE),
-            )
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Connections

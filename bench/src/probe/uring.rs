@@ -1,0 +1,617 @@
+//! `sluice-probe uring`: what io_uring's receive and send variants cost on this kernel, so that
+//! adopting one in Sluice's worker (monoio issues none of them) rests on a measurement.
+//!
+//! One server thread, pinned to `--server-cpu`, answers `--conns` loopback TCP connections from
+//! one client thread pinned to `--client-cpu`: each connection sends `--size` bytes and waits
+//! for a reply of the same size, closed loop — a proxy's client side, less the parsing. The
+//! figure is the server thread's own CPU time (`CLOCK_THREAD_CPUTIME_ID`; user and system from
+//! `getrusage(RUSAGE_THREAD)`) per message answered in the measured window. Its system time
+//! holds the kernel's TCP work for its sends and the completion of its receives; the client's
+//! sends are processed on the client's core.
+//!
+//! Variants (`--variants`, comma-separated; each round runs them all, in turn):
+//!
+//! - `single`: what Sluice's monoio worker does. One `Recv` into the connection's buffer each
+//!   time the server wants bytes — issued before they arrive, so the kernel arms its internal
+//!   poll for every read — and one `Send` per reply; ring flags `COOP_TASKRUN | SINGLE_ISSUER`.
+//! - `multi`: one multishot `RecvMulti` per connection into a provided-buffer ring, armed once
+//!   and again only when the kernel ends it.
+//! - `single-fixed`, `multi-fixed`: the same with the sockets registered
+//!   (`IORING_REGISTER_FILES`), so no file-table lookup per operation.
+//! - `defer`: `single` on a ring with `DEFER_TASKRUN` instead of `COOP_TASKRUN`.
+//! - `zc`: `single` with `SEND_ZC` replies (the reply buffer never changes, so the loop does
+//!   not wait for the notification before the next receive).
+//!
+//! One submit-and-wait per loop turn in every variant, as monoio does.
+
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{IntoRawFd, RawFd};
+use std::time::Instant;
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+
+use crate::bufring::{BufRing, BGID, BUF_SIZE};
+use crate::{arg, num};
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    Single,
+    Multi,
+    SingleFixed,
+    MultiFixed,
+    Defer,
+    Zc,
+}
+
+const VARIANTS: [(Variant, &str); 6] = [
+    (Variant::Single, "single"),
+    (Variant::Multi, "multi"),
+    (Variant::SingleFixed, "single-fixed"),
+    (Variant::MultiFixed, "multi-fixed"),
+    (Variant::Defer, "defer"),
+    (Variant::Zc, "zc"),
+];
+
+impl Variant {
+    fn parse(s: &str) -> Option<Variant> {
+        VARIANTS.iter().find(|(_, n)| *n == s).map(|(v, _)| *v)
+    }
+
+    fn name(self) -> &'static str {
+        VARIANTS
+            .iter()
+            .find(|(v, _)| *v == self)
+            .map_or("?", |(_, n)| n)
+    }
+
+    fn multishot(self) -> bool {
+        matches!(self, Variant::Multi | Variant::MultiFixed)
+    }
+
+    fn fixed(self) -> bool {
+        matches!(self, Variant::SingleFixed | Variant::MultiFixed)
+    }
+}
+
+struct Opts {
+    size: usize,
+    conns: usize,
+    warm: u64,
+    msgs: u64,
+    server_cpu: usize,
+    client_cpu: usize,
+}
+
+/// One measured run: the server thread's CPU and the wall time over `msgs` answers.
+#[derive(Clone, Copy)]
+struct Sample {
+    cpu_ns: u64,
+    user_ns: u64,
+    sys_ns: u64,
+    wall_ns: u64,
+    msgs: u64,
+}
+
+impl Sample {
+    fn per_msg(&self, ns: u64) -> f64 {
+        ns as f64 / self.msgs.max(1) as f64
+    }
+}
+
+pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    let allowed = allowed_cpus();
+    let o = Opts {
+        size: num(args, "--size", 1024) as usize,
+        conns: num(args, "--conns", 32) as usize,
+        warm: num(args, "--warm", 20_000),
+        msgs: num(args, "--msgs", 200_000),
+        server_cpu: num(
+            args,
+            "--server-cpu",
+            allowed.first().copied().unwrap_or(0) as u64,
+        ) as usize,
+        client_cpu: num(
+            args,
+            "--client-cpu",
+            allowed.get(1).or(allowed.first()).copied().unwrap_or(0) as u64,
+        ) as usize,
+    };
+    let rounds = num(args, "--rounds", 5) as usize;
+    let variants = arg(
+        args,
+        "--variants",
+        "single,multi,single-fixed,multi-fixed,defer,zc",
+    )
+    .split(',')
+    .map(|s| Variant::parse(s.trim()).ok_or_else(|| format!("unknown variant {s:?}")))
+    .collect::<Result<Vec<_>, _>>()?;
+    if o.size == 0 || o.conns == 0 || o.msgs == 0 || rounds == 0 || variants.is_empty() {
+        return Err("--size, --conns, --msgs, --rounds and --variants must be non-zero".into());
+    }
+    println!(
+        "# uring probe: {} B messages, {} connections, {} measured answers after {} warm-up; \
+         server on CPU {}, client on CPU {}",
+        o.size, o.conns, o.msgs, o.warm, o.server_cpu, o.client_cpu
+    );
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); variants.len()];
+    for round in 1..=rounds {
+        for (k, v) in variants.iter().enumerate() {
+            let s = run_once(*v, &o)?;
+            println!(
+                "round {round} {:<12} {:>7.0} ns/msg (user {:>5.0}, sys {:>6.0}), {:>8.0} msg/s",
+                v.name(),
+                s.per_msg(s.cpu_ns),
+                s.per_msg(s.user_ns),
+                s.per_msg(s.sys_ns),
+                s.msgs as f64 * 1e9 / s.wall_ns.max(1) as f64
+            );
+            samples[k].push(s);
+        }
+    }
+    println!();
+    println!(
+        "| variant | server CPU ns/msg, median (min–max) | user | sys | msg/s | against `{}`, median of the rounds' ratios (min–max) |",
+        variants[0].name()
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    let median = |mut xs: Vec<f64>| {
+        xs.sort_by(f64::total_cmp);
+        (xs[xs.len() / 2], xs[0], xs[xs.len() - 1])
+    };
+    for (k, v) in variants.iter().enumerate() {
+        let of = |f: &dyn Fn(&Sample) -> f64| median(samples[k].iter().map(f).collect());
+        let (cpu, lo, hi) = of(&|s| s.per_msg(s.cpu_ns));
+        let (user, _, _) = of(&|s| s.per_msg(s.user_ns));
+        let (sys, _, _) = of(&|s| s.per_msg(s.sys_ns));
+        let (rate, _, _) = of(&|s| s.msgs as f64 * 1e9 / s.wall_ns.max(1) as f64);
+        // Paired by round, so a machine that speeds up or slows down between rounds moves
+        // both sides of each ratio.
+        let ratios = samples[k]
+            .iter()
+            .zip(&samples[0])
+            .map(|(s, b)| s.per_msg(s.cpu_ns) / b.per_msg(b.cpu_ns) - 1.0)
+            .collect();
+        let (r, rlo, rhi) = median(ratios);
+        println!(
+            "| {} | {cpu:.0} ({lo:.0}–{hi:.0}) | {user:.0} | {sys:.0} | {rate:.0} | {:+.1}% ({:+.1}…{:+.1}%) |",
+            v.name(),
+            r * 100.0,
+            rlo * 100.0,
+            rhi * 100.0
+        );
+    }
+    Ok(())
+}
+
+/// Connects `conns` loopback pairs, runs the server and the client on their threads, and
+/// returns the server's sample.
+fn run_once(v: Variant, o: &Opts) -> Result<Sample, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let mut server_fds = Vec::with_capacity(o.conns);
+    let mut client_fds = Vec::with_capacity(o.conns);
+    for _ in 0..o.conns {
+        let c = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+        let (s, _) = listener.accept().map_err(|e| format!("accept: {e}"))?;
+        c.set_nodelay(true).map_err(|e| e.to_string())?;
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        client_fds.push(c.into_raw_fd());
+        server_fds.push(s.into_raw_fd());
+    }
+    let (size, ccpu) = (o.size, o.client_cpu);
+    let client = std::thread::spawn(move || client(&client_fds, size, ccpu));
+    let served = server(v, &server_fds, o);
+    for fd in server_fds {
+        // SAFETY: the descriptor came from into_raw_fd above and the ring that used it is gone.
+        unsafe { libc::close(fd) };
+    }
+    let client_result = client
+        .join()
+        .map_err(|_| "client thread panicked".to_string())?;
+    let sample = served?;
+    client_result?;
+    Ok(sample)
+}
+
+/// The CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set for sched_getaffinity to fill; CPU_ISSET
+    // reads inside it for indices below CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+fn pin(cpu: usize) -> Result<(), String> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it (cpu is
+    // checked against its size), and sched_setaffinity(0, ..) only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return Err(format!("cpu {cpu} out of range"));
+        }
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(format!(
+                "pin to cpu {cpu}: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// This thread's CPU time: (total, user, system) in ns.
+fn thread_cpu() -> (u64, u64, u64) {
+    // SAFETY: both calls only write into the zeroed structs passed to them.
+    unsafe {
+        let mut ts: libc::timespec = std::mem::zeroed();
+        libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts);
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
+        let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+        (
+            ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64,
+            tv(ru.ru_utime),
+            tv(ru.ru_stime),
+        )
+    }
+}
+
+const OP_RECV: u64 = 1;
+const OP_SEND: u64 = 2;
+/// `IORING_CQE_F_NOTIF`: the zero-copy send's second completion (its buffer is released).
+const CQE_F_NOTIF: u32 = 1 << 3;
+
+fn ud(conn: usize, op: u64) -> u64 {
+    ((conn as u64) << 8) | op
+}
+
+fn new_ring(defer: bool, entries: u32) -> Result<IoUring, String> {
+    let mut b = IoUring::builder();
+    b.setup_cqsize(entries * 4).setup_single_issuer();
+    if defer {
+        b.setup_defer_taskrun();
+    } else {
+        b.setup_coop_taskrun();
+    }
+    b.build(entries).map_err(|e| format!("io_uring setup: {e}"))
+}
+
+/// Queues `e`, submitting first if the submission queue is full.
+fn push(ring: &mut IoUring, e: &squeue::Entry) -> Result<(), String> {
+    loop {
+        // SAFETY: every buffer an entry names (connection buffers, the reply, the message)
+        // outlives the ring's use of it: they are dropped only after the ring has drained.
+        if unsafe { ring.submission().push(e) }.is_ok() {
+            return Ok(());
+        }
+        ring.submit().map_err(|e| format!("submit: {e}"))?;
+    }
+}
+
+/// Drains the completion queue into `out`.
+fn reap(ring: &mut IoUring, out: &mut Vec<(u64, i32, u32)>) {
+    out.clear();
+    out.extend(
+        ring.completion()
+            .map(|c| (c.user_data(), c.result(), c.flags())),
+    );
+}
+
+struct Conn {
+    /// What operations name it: the descriptor, or its index among the registered files.
+    target: Target,
+    fd: RawFd,
+    got: usize,
+    sent: usize,
+    buf: Vec<u8>,
+}
+
+#[derive(Clone, Copy)]
+enum Target {
+    Fd(RawFd),
+    Fixed(u32),
+}
+
+fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
+    pin(o.server_cpu)?;
+    let entries = (o.conns as u32 * 2).next_power_of_two().clamp(64, 4096);
+    let mut ring = new_ring(v == Variant::Defer, entries)?;
+    if v.fixed() {
+        ring.submitter()
+            .register_files(fds)
+            .map_err(|e| format!("register files: {e}"))?;
+    }
+    let per_msg = o.size.div_ceil(BUF_SIZE);
+    let mut bufs = if v.multishot() {
+        let count = (o.conns * per_msg * 2)
+            .next_power_of_two()
+            .clamp(64, 16_384) as u16;
+        Some(BufRing::new(&ring, count)?)
+    } else {
+        None
+    };
+    let reply = vec![b'r'; o.size];
+    let mut conns: Vec<Conn> = fds
+        .iter()
+        .enumerate()
+        .map(|(i, &fd)| Conn {
+            target: if v.fixed() {
+                Target::Fixed(i as u32)
+            } else {
+                Target::Fd(fd)
+            },
+            fd,
+            got: 0,
+            sent: 0,
+            buf: if v.multishot() {
+                Vec::new()
+            } else {
+                vec![0; o.size.min(BUF_SIZE)]
+            },
+        })
+        .collect();
+    let mut in_flight = 0u64;
+    for i in 0..conns.len() {
+        arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+        in_flight += 1;
+    }
+    let mut answered = 0u64;
+    let mut start = None;
+    let mut cqes = Vec::with_capacity(entries as usize * 4);
+    let result = loop {
+        if let Err(e) = ring.submit_and_wait(1) {
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            break Err(format!("submit_and_wait: {e}"));
+        }
+        reap(&mut ring, &mut cqes);
+        let mut failed = None;
+        for &(user_data, res, flags) in &cqes {
+            let i = (user_data >> 8) as usize;
+            if user_data & 0xff == OP_SEND {
+                if flags & CQE_F_NOTIF != 0 {
+                    in_flight -= 1;
+                    continue;
+                }
+                if !cqueue::more(flags) {
+                    in_flight -= 1;
+                }
+                if res < 0 {
+                    failed = Some(format!("send: errno {}", -res));
+                    break;
+                }
+                let c = &mut conns[i];
+                c.sent += res as usize;
+                if c.sent < o.size {
+                    let rest = &reply[c.sent..];
+                    let e = send_op(v, c.target, rest);
+                    push(&mut ring, &e.user_data(ud(i, OP_SEND)))?;
+                    in_flight += 1;
+                } else if !v.multishot() {
+                    arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+                    in_flight += 1;
+                }
+                continue;
+            }
+            // A receive.
+            if !v.multishot() || !cqueue::more(flags) {
+                in_flight -= 1;
+            }
+            if let (Some(b), Some(bid)) = (bufs.as_mut(), cqueue::buffer_select(flags)) {
+                b.give_back(bid);
+            }
+            if res == -libc::ENOBUFS && v.multishot() {
+                if !cqueue::more(flags) {
+                    arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+                    in_flight += 1;
+                }
+                continue;
+            }
+            if res <= 0 {
+                failed = Some(format!(
+                    "receive: {}",
+                    if res == 0 {
+                        "peer closed".to_string()
+                    } else {
+                        format!("errno {}", -res)
+                    }
+                ));
+                break;
+            }
+            let c = &mut conns[i];
+            c.got += res as usize;
+            if v.multishot() && !cqueue::more(flags) {
+                arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+                in_flight += 1;
+            }
+            let c = &mut conns[i];
+            if c.got < o.size {
+                if !v.multishot() {
+                    arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+                    in_flight += 1;
+                }
+                continue;
+            }
+            c.got -= o.size;
+            c.sent = 0;
+            let e = send_op(v, c.target, &reply);
+            push(&mut ring, &e.user_data(ud(i, OP_SEND)))?;
+            in_flight += 1;
+            answered += 1;
+            if answered == o.warm {
+                start = Some((thread_cpu(), Instant::now()));
+            }
+        }
+        if let Some(b) = bufs.as_ref() {
+            b.publish();
+        }
+        if let Some(f) = failed {
+            break Err(f);
+        }
+        if answered >= o.warm + o.msgs {
+            break Ok(());
+        }
+    };
+    let end = (thread_cpu(), Instant::now());
+    // Stop the client (its reads see the shutdown) and wait out every operation still in the
+    // kernel before the buffers they name are dropped.
+    for c in &conns {
+        // SAFETY: shutdown on a descriptor this function was lent; it stays open until the
+        // caller closes it after we return.
+        unsafe { libc::shutdown(c.fd, libc::SHUT_RDWR) };
+    }
+    while in_flight > 0 {
+        if ring.submit_and_wait(1).is_err() {
+            break;
+        }
+        reap(&mut ring, &mut cqes);
+        for &(user_data, _, flags) in &cqes {
+            let op_ends = if user_data & 0xff == OP_SEND {
+                flags & CQE_F_NOTIF != 0 || !cqueue::more(flags)
+            } else {
+                !v.multishot() || !cqueue::more(flags)
+            };
+            if op_ends {
+                in_flight -= 1;
+            }
+        }
+    }
+    drop(ring);
+    drop(bufs);
+    result?;
+    let ((c0, u0, s0), t0) = start.ok_or("the warm-up never ended")?;
+    let ((c1, u1, s1), t1) = end;
+    Ok(Sample {
+        cpu_ns: c1 - c0,
+        user_ns: u1.saturating_sub(u0),
+        sys_ns: s1.saturating_sub(s0),
+        wall_ns: t1.duration_since(t0).as_nanos() as u64,
+        msgs: answered - o.warm,
+    })
+}
+
+/// A reply's send: `SEND_ZC` for the `zc` variant, else `SEND`.
+fn send_op(v: Variant, t: Target, bytes: &[u8]) -> squeue::Entry {
+    let len = bytes.len() as u32;
+    match (v == Variant::Zc, t) {
+        (true, Target::Fd(fd)) => opcode::SendZc::new(types::Fd(fd), bytes.as_ptr(), len).build(),
+        (true, Target::Fixed(i)) => {
+            opcode::SendZc::new(types::Fixed(i), bytes.as_ptr(), len).build()
+        }
+        (false, Target::Fd(fd)) => opcode::Send::new(types::Fd(fd), bytes.as_ptr(), len).build(),
+        (false, Target::Fixed(i)) => {
+            opcode::Send::new(types::Fixed(i), bytes.as_ptr(), len).build()
+        }
+    }
+}
+
+/// Queues connection `i`'s receive: multishot into the buffer ring, or one `RECV` of what is
+/// left of the message into its own buffer.
+fn arm_recv(
+    ring: &mut IoUring,
+    conns: &mut [Conn],
+    i: usize,
+    v: Variant,
+    size: usize,
+) -> Result<(), String> {
+    let c = &mut conns[i];
+    let e = if v.multishot() {
+        match c.target {
+            Target::Fd(fd) => opcode::RecvMulti::new(types::Fd(fd), BGID).build(),
+            Target::Fixed(k) => opcode::RecvMulti::new(types::Fixed(k), BGID).build(),
+        }
+    } else {
+        let len = (size - c.got).min(c.buf.len()) as u32;
+        let ptr = c.buf.as_mut_ptr();
+        match c.target {
+            Target::Fd(fd) => opcode::Recv::new(types::Fd(fd), ptr, len).build(),
+            Target::Fixed(k) => opcode::Recv::new(types::Fixed(k), ptr, len).build(),
+        }
+    };
+    push(ring, &e.user_data(ud(i, OP_RECV)))
+}
+
+/// The client: every connection sends `size` bytes, reads the `size`-byte reply, and sends
+/// again, until the server shuts the connections down. Plain single-shot operations, so its
+/// behaviour is the same whatever the server's variant.
+fn client(fds: &[RawFd], size: usize, cpu: usize) -> Result<(), String> {
+    pin(cpu)?;
+    let entries = (fds.len() as u32 * 2).next_power_of_two().clamp(64, 4096);
+    let mut ring = new_ring(false, entries)?;
+    let msg = vec![b'm'; size];
+    let mut got = vec![0usize; fds.len()];
+    let mut sent = vec![0usize; fds.len()];
+    let mut bufs: Vec<Vec<u8>> = fds.iter().map(|_| vec![0; size.min(BUF_SIZE)]).collect();
+    let mut in_flight = 0u64;
+    for (i, &fd) in fds.iter().enumerate() {
+        let e = opcode::Send::new(types::Fd(fd), msg.as_ptr(), size as u32).build();
+        push(&mut ring, &e.user_data(ud(i, OP_SEND)))?;
+        in_flight += 1;
+    }
+    let mut cqes = Vec::with_capacity(entries as usize * 4);
+    while in_flight > 0 {
+        if let Err(e) = ring.submit_and_wait(1) {
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(format!("client submit_and_wait: {e}"));
+        }
+        reap(&mut ring, &mut cqes);
+        for &(user_data, res, _) in &cqes {
+            in_flight -= 1;
+            let i = (user_data >> 8) as usize;
+            // The server's shutdown ends a connection: a read of 0, or a reset or pipe error.
+            if res <= 0 {
+                continue;
+            }
+            let fd = types::Fd(fds[i]);
+            let (e, op) = if user_data & 0xff == OP_SEND {
+                sent[i] += res as usize;
+                if sent[i] < size {
+                    let rest = &msg[sent[i]..];
+                    let e = opcode::Send::new(fd, rest.as_ptr(), rest.len() as u32);
+                    (e.build(), OP_SEND)
+                } else {
+                    sent[i] = 0;
+                    let len = size.min(bufs[i].len()) as u32;
+                    (
+                        opcode::Recv::new(fd, bufs[i].as_mut_ptr(), len).build(),
+                        OP_RECV,
+                    )
+                }
+            } else {
+                got[i] += res as usize;
+                if got[i] < size {
+                    let len = (size - got[i]).min(bufs[i].len()) as u32;
+                    (
+                        opcode::Recv::new(fd, bufs[i].as_mut_ptr(), len).build(),
+                        OP_RECV,
+                    )
+                } else {
+                    got[i] = 0;
+                    (
+                        opcode::Send::new(fd, msg.as_ptr(), size as u32).build(),
+                        OP_SEND,
+                    )
+                }
+            };
+            push(&mut ring, &e.user_data(ud(i, op)))?;
+            in_flight += 1;
+        }
+    }
+    drop(ring);
+    for &fd in fds {
+        // SAFETY: the descriptors came from into_raw_fd and the ring is gone.
+        unsafe { libc::close(fd) };
+    }
+    Ok(())
+}
