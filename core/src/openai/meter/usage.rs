@@ -208,9 +208,15 @@ impl StreamMeter {
         let Some((usage, finish_reason)) = reported_usage_members(text) else {
             return false;
         };
-        let Some(usage) =
-            parse(&body[usage.start..usage.end], |nodes| read_usage(nodes, 0)).flatten()
-        else {
+        // Read where it lies; the few `usage` objects the scanner cannot read exactly as the
+        // tape does are parsed.
+        let usage = match scan_usage(text, usage) {
+            Ok(usage) => usage,
+            Err(Unusual) => {
+                parse(&body[usage.start..usage.end], |nodes| read_usage(nodes, 0)).flatten()
+            }
+        };
+        let Some(usage) = usage else {
             return false;
         };
         let s = &mut self.summary;
@@ -276,6 +282,127 @@ fn reported_usage_members(text: &str) -> Option<(Value, Option<Value>)> {
     usage
         .filter(|u| u.kind == Kind::Object)
         .map(|u| (u, finish_reason))
+}
+
+/// A `usage` object holds something [`scan_usage`] does not read as the tape does: a key
+/// written with escapes, or a count written as a float, `-0`, or 10^18 and above (where the
+/// tape's number types could differ from the scanner's).
+struct Unusual;
+
+/// [`read_usage`] on the scanner, without building a tape: the `usage` object `usage` of
+/// `text`, which the scanner has validated already.
+fn scan_usage(text: &str, usage: Value) -> Result<Option<Usage>, Unusual> {
+    let mut u = Usage::default();
+    let mut total = None;
+    let mut any = false;
+    let mut members = Members::of(text, usage);
+    while let Some((key, v)) = members.next()? {
+        match key {
+            "prompt_tokens" | "input_tokens" => {
+                if let Some(n) = scanned_count(v)? {
+                    u.prompt_tokens = n;
+                    any = true;
+                }
+            }
+            "completion_tokens" | "output_tokens" => {
+                if let Some(n) = scanned_count(v)? {
+                    u.completion_tokens = n;
+                    any = true;
+                }
+            }
+            "total_tokens" => {
+                total = scanned_count(v)?;
+                any |= total.is_some();
+            }
+            "prompt_tokens_details" | "input_tokens_details" => {
+                if let Some(n) = scanned_detail(text, v, "cached_tokens")? {
+                    u.cached_tokens = n;
+                }
+                let written = match scanned_detail(text, v, "cache_write_tokens")? {
+                    Some(n) => Some(n),
+                    None => scanned_detail(text, v, "cache_creation_tokens")?,
+                };
+                if let Some(n) = written {
+                    u.cache_write_tokens = n;
+                }
+            }
+            "completion_tokens_details" | "output_tokens_details" => {
+                if let Some(n) = scanned_detail(text, v, "reasoning_tokens")? {
+                    u.reasoning_tokens = n;
+                }
+            }
+            _ => {}
+        }
+    }
+    if !any {
+        return Ok(None);
+    }
+    u.total_tokens = total.unwrap_or(u.prompt_tokens.saturating_add(u.completion_tokens));
+    Ok(Some(u))
+}
+
+/// [`detail`] on the scanner: the count of the first member `name` of the object `v`.
+fn scanned_detail(text: &str, v: Value, name: &str) -> Result<Option<u64>, Unusual> {
+    let mut members = Members::of(text, v);
+    while let Some((key, v)) = members.next()? {
+        if key == name {
+            return scanned_count(v);
+        }
+    }
+    Ok(None)
+}
+
+/// [`count_at`] on a scanned value.
+fn scanned_count(v: Value) -> Result<Option<u64>, Unusual> {
+    match v.kind {
+        Kind::Int {
+            negative: false,
+            magnitude,
+        } if magnitude < 1_000_000_000_000_000_000 => Ok(Some(magnitude)),
+        Kind::Int {
+            negative: true,
+            magnitude,
+        } if magnitude > 0 => Ok(None),
+        Kind::Int { .. } | Kind::Float => Err(Unusual),
+        _ => Ok(None),
+    }
+}
+
+/// The members of a validated object (none if the value is not an object), key and value.
+struct Members<'t> {
+    sc: Scanner<'t>,
+    text: &'t str,
+    more: bool,
+}
+
+impl<'t> Members<'t> {
+    fn of(text: &'t str, object: Value) -> Members<'t> {
+        let mut sc = Scanner::new(text);
+        sc.pos = object.start + 1;
+        let more = object.kind == Kind::Object && sc.skip_ws() != Some(b'}');
+        Members { sc, text, more }
+    }
+
+    /// The next member; [`Unusual`] at a key written with escapes (and at a scanner fault,
+    /// which the validated object cannot hold, so that the parse decides).
+    fn next(&mut self) -> Result<Option<(&'t str, Value)>, Unusual> {
+        if !self.more {
+            return Ok(None);
+        }
+        let member = self.sc.key().and_then(|key| {
+            let v = self.sc.value(2)?;
+            self.more = self.sc.next_or_close(b'}')?;
+            Ok((key, v))
+        });
+        let Ok((key, v)) = member else {
+            return Err(Unusual);
+        };
+        if key.kind != (Kind::String { escaped: false }) {
+            return Err(Unusual);
+        }
+        let key = self.text.get(key.start + 1..key.end - 1).ok_or(Unusual)?;
+        Ok(Some((key, v)))
+    }
 }
 
 /// An object key and its colon; `None` for a key written with escapes (or not JSON).
@@ -894,6 +1021,18 @@ mod tests {
         r#"{"usage":{"prompt_tokens":18446744073709551616}}"#,
         r#"[{"usage":{"prompt_tokens":1}}]"#,
         r#"{}"#,
+        // The `usage` object itself, read by the scanner or left to the tape.
+        r#"{"usage":{"prompt_tokens":19,"completion_tokens":10,"total_tokens":29,"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":0},"completion_tokens_details":{"reasoning_tokens":3,"audio_tokens":0,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}}}"#,
+        r#"{"usage":{"input_tokens":4,"output_tokens":5,"input_tokens_details":{"cache_creation_tokens":7,"cached_tokens":2},"output_tokens_details":{"reasoning_tokens":1}}}"#,
+        r#"{"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cache_write_tokens":"x","cache_creation_tokens":6,"cached_tokens":1,"cached_tokens":9}}}"#,
+        r#"{"usage":{"prompt_tokens":3,"prompt_tokens":"x","total_tokens":8,"total_tokens":null,"completion_tokens":-2}}"#,
+        r#"{"usage":{"prompt_tokens":3.0,"completion_tokens":1e1,"total_tokens":-0}}"#,
+        r#"{"usage":{"prompt_tokens":999999999999999999,"completion_tokens":1000000000000000000}}"#,
+        r#"{"usage":{"prompt_tokens":18446744073709551615,"total_tokens":9223372036854775808}}"#,
+        r#"{"usage":{"pr\u006fmpt_tokens":3,"completion_tokens":1}}"#,
+        r#"{"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached\u005ftokens":2,"x":{"cached_tokens":5}}}}"#,
+        r#"{"usage":{"prompt_tokens_details":[1],"completion_tokens_details":{"reasoning_tokens":[2]},"total_tokens":4}}"#,
+        r#"{"usage":{"note":{"prompt_tokens":1},"other":[{"total_tokens":2}]}}"#,
     ];
 
     fn whole(doc: &[u8]) -> Option<MeterSummary> {
@@ -932,6 +1071,34 @@ mod tests {
         true
     }
 
+    /// The scanner reads the `usage` objects of the docs above itself, except those that hold
+    /// what only the tape reads exactly (escaped keys, floats, `-0`, counts from 10^18).
+    #[test]
+    fn usage_is_scanned_unless_unusual() {
+        let scanned: Vec<bool> = DOCS[25..]
+            .iter()
+            .map(|doc| {
+                let (usage, _) = reported_usage_members(doc).unwrap_or_else(|| panic!("{doc}"));
+                scan_usage(doc, usage).is_ok()
+            })
+            .collect();
+        assert_eq!(
+            scanned,
+            [true, true, true, true, false, false, false, false, false, true, true]
+        );
+        let read = reported_usage_members(DOCS[27])
+            .and_then(|(usage, _)| scan_usage(DOCS[27], usage).ok())
+            .flatten();
+        let want = Usage {
+            prompt_tokens: 3,
+            total_tokens: 3,
+            cached_tokens: 1,
+            cache_write_tokens: 6,
+            ..Usage::default()
+        };
+        assert_eq!(read, Some(want));
+    }
+
     #[test]
     fn reported_usage_is_read_as_the_whole_parse_reads_it() {
         let taken: Vec<bool> = DOCS.iter().map(|d| check(d.as_bytes())).collect();
@@ -939,7 +1106,8 @@ mod tests {
             taken,
             [
                 true, true, true, true, true, true, false, true, false, false, false, false, false,
-                false, false, false, false, false, true, true, false, false, false, false, false
+                false, false, false, false, false, true, true, false, false, false, false, false,
+                true, true, true, true, true, true, true, true, true, true, false
             ]
         );
         // Every cut and every one-byte change of them: read the same, or left to the parse.
