@@ -252,15 +252,23 @@ impl<'b> Scanner<'b> {
     #[inline]
     pub(super) fn string(&mut self) -> Result<Value, Fault> {
         let start = self.pos;
-        // Most strings (keys, roles, model names) end plainly within sixteen bytes: one
-        // compare, here, and no call.
-        let first = self
-            .b
-            .get(start + 1..start + 17)
-            .and_then(|c| <&[u8; 16]>::try_from(c).ok());
-        if let Some(block) = first {
-            let mask = stops16(block);
-            let stop = start + 1 + mask.trailing_zeros() as usize;
+        // Most strings (keys, roles, model names, ids) end plainly within sixteen or
+        // thirty-two bytes: one or two compares, here, and no call.
+        let block_at = |at: usize| {
+            self.b
+                .get(at..at + 16)
+                .and_then(|c| <&[u8; 16]>::try_from(c).ok())
+        };
+        if let Some(block) = block_at(start + 1) {
+            let mut mask = stops16(block);
+            let mut base = start + 1;
+            if mask == 0 {
+                if let Some(second) = block_at(start + 17) {
+                    mask = stops16(second);
+                    base = start + 17;
+                }
+            }
+            let stop = base + mask.trailing_zeros() as usize;
             if mask != 0 && self.b.get(stop) == Some(&b'"') {
                 self.pos = stop + 1;
                 return Ok(Value {
@@ -758,6 +766,37 @@ mod tests {
                 if std::is_x86_feature_detected!("avx2") {
                     // SAFETY: the CPU has AVX2, checked just above.
                     check_next_stops(text, at, unsafe { next_stops_avx2(text, at) });
+                }
+            }
+        }
+    }
+
+    /// `string`'s one- and two-block shortcut answers as `long_string` does: for strings of
+    /// every length around the blocks' edges, ended by a quote, holding an escape or a control
+    /// character at every place, with more text after them or none.
+    #[test]
+    fn the_string_shortcut_reads_as_the_long_way() {
+        for len in 0..70 {
+            for at in (0..len).map(Some).chain([None]) {
+                for c in [b'\\', 0x01, b'"'] {
+                    for after in ["", ":1,\"k\":\"0123456789012345678901234567890123\"}"] {
+                        let mut text = vec![b'"'];
+                        text.extend(std::iter::repeat_n(b'a', len));
+                        if let Some(i) = at {
+                            text[1 + i] = c;
+                            if c == b'\\' && i + 1 < len {
+                                text[2 + i] = b'n';
+                            }
+                        }
+                        text.push(b'"');
+                        text.extend_from_slice(after.as_bytes());
+                        let Ok(text) = std::str::from_utf8(&text) else {
+                            continue;
+                        };
+                        let (mut short, mut long) = (Scanner::new(text), Scanner::new(text));
+                        let got = (short.string(), short.pos);
+                        assert_eq!(got, (long.long_string(), long.pos), "{text:?}");
+                    }
                 }
             }
         }
