@@ -993,6 +993,7 @@ fn mock_help_and_contract_name_every_fault_flag_and_endpoint() {
         "x-mock-tool-calls",
         "x-mock-cache-read",
         "x-mock-cache-write",
+        "x-mock-echo",
     ] {
         assert!(help.contains(name), "--help does not mention {name}");
         assert!(
@@ -1686,4 +1687,37 @@ fn mock_messages_faults_answer_in_anthropic_shapes() {
     assert_eq!(s["streams_cut"], 3, "{s}");
     assert_eq!(s["dropped_before_response"], 1, "{s}");
     assert_eq!(s["invalid_requests"], 0, "{s}");
+}
+
+/// `x-mock-echo: none` leaves the echo out — of a chat answer, a stream and a Messages answer —
+/// and nothing else: the answers stay whole JSON with their usage. Without it the echo is there.
+#[test]
+fn echo_none_leaves_the_echo_out() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let none = [("x-mock-echo", "none")];
+    let r = ask(&mock, "/v1/chat/completions", &chat_body("m"), &none);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let v = r.json();
+    assert!(v.get("echo").is_none(), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let with = ask(&mock, "/v1/chat/completions", &chat_body("m"), &[]);
+    assert_eq!(with.json()["echo"]["model"], "m");
+
+    let s = ask(&mock, "/v1/chat/completions", &chat_stream_body("m"), &none);
+    let text = s.text();
+    assert!(!text.contains(": echo"), "{text}");
+    assert!(text.contains("data: [DONE]"), "{text}");
+    let s = ask(&mock, "/v1/chat/completions", &chat_stream_body("m"), &[]);
+    assert!(s.text().contains(": echo {"));
+
+    let m = messages(&mock, &messages_body(json!({})), &none);
+    assert_eq!(m.status, 200, "{}", m.dump());
+    let v = m.json();
+    assert!(v.get("echo").is_none(), "{v}");
+    assert_eq!(v["usage"]["output_tokens"], 3);
+    let m = messages(&mock, &messages_body(json!({"stream": true})), &none);
+    let text = m.text();
+    assert!(!text.contains(": echo"), "{text}");
+    assert!(text.contains("event: message_stop"), "{text}");
 }

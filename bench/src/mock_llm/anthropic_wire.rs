@@ -109,7 +109,7 @@ fn block_whole(out: &mut Vec<u8>, m: &Msg, block: Block) {
     }
 }
 
-/// The non-streamed answer: a `message` object, plus the mock's `echo`.
+/// The non-streamed answer: a `message` object, plus the mock's `echo` (unless it is empty).
 pub fn message(out: &mut Vec<u8>, m: &Msg, echo: &[u8]) {
     let a = m.answer;
     message_head(out, m);
@@ -126,8 +126,10 @@ pub fn message(out: &mut Vec<u8>, m: &Msg, echo: &[u8]) {
         a.stop_reason
     );
     usage(out, a, a.output_tokens());
-    out.extend_from_slice(b",\"echo\":");
-    out.extend_from_slice(echo);
+    if !echo.is_empty() {
+        out.extend_from_slice(b",\"echo\":");
+        out.extend_from_slice(echo);
+    }
     out.push(b'}');
 }
 
@@ -278,7 +280,7 @@ pub fn error(out: &mut Vec<u8>, kind: &str, message: &str, seq: u64, echo: Optio
     out.extend_from_slice(b",\"message\":");
     json_str(out, message);
     let _ = write!(out, "}},\"request_id\":\"req_mock_{seq}\"");
-    if let Some(echo) = echo {
+    if let Some(echo) = echo.filter(|e| !e.is_empty()) {
         out.extend_from_slice(b",\"echo\":");
         out.extend_from_slice(echo);
     }

@@ -75,9 +75,12 @@ fn responses_usage(out: &mut Vec<u8>, g: &Gen) {
     );
 }
 
+/// `,"echo":{…}}`, or only the `}` when the echo is empty (`x-mock-echo: none`).
 fn echo_tail(out: &mut Vec<u8>, echo: &[u8]) {
-    out.extend_from_slice(b",\"echo\":");
-    out.extend_from_slice(echo);
+    if !echo.is_empty() {
+        out.extend_from_slice(b",\"echo\":");
+        out.extend_from_slice(echo);
+    }
     out.push(b'}');
 }
 
@@ -264,8 +267,11 @@ pub fn injected_error(out: &mut Vec<u8>, status: u16, code: Option<&str>) {
 
 // ---- SSE events (each is one complete `…\n\n` event) ----
 
-/// `: echo {json}` comment event.
+/// `: echo {json}` comment event (none for an empty echo).
 pub fn ev_echo(out: &mut Vec<u8>, echo: &[u8]) {
+    if echo.is_empty() {
+        return;
+    }
     out.extend_from_slice(b": echo ");
     out.extend_from_slice(echo);
     out.extend_from_slice(b"\n\n");

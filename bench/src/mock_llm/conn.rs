@@ -189,6 +189,8 @@ struct Plan {
     /// `/v1/messages` streams: a `ping` event this often while a delta is not yet due (0: none).
     ping_ms: u64,
     delay_ms: u64,
+    /// `x-mock-echo: none`: the answer carries no echo, as a provider's does not.
+    no_echo: bool,
     fault: Option<Fault>,
     status: Option<u16>,
     /// `error.code` of an injected error (and of an `error-event`); None: by status.
@@ -631,6 +633,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             itl_ms: cfg.inter_token_ms,
             ping_ms: 0,
             delay_ms: 0,
+            no_echo: false,
             fault: st.fault.get(),
             status: None,
             error_code: cfg.error_code.clone(),
@@ -758,6 +761,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 plan.prompt_tokens = parse_num(value).unwrap_or(plan.prompt_tokens);
             } else if ctl.eq_ignore_ascii_case(b"delay-ms") {
                 plan.delay_ms = parse_num(value).unwrap_or(0);
+            } else if ctl.eq_ignore_ascii_case(b"echo") {
+                plan.no_echo = value.eq_ignore_ascii_case(b"none");
             } else if ctl.eq_ignore_ascii_case(b"tool-calls") {
                 plan.tool_calls = parse_num(value).unwrap_or(0);
             } else if ctl.eq_ignore_ascii_case(b"cache-read") {
@@ -788,6 +793,11 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             None => echo.extend_from_slice(b"null"),
         }
         echo.push(b'}');
+        // Built all the same (the control headers are read while building it), then dropped:
+        // an empty echo is left out of the answer.
+        if plan.no_echo {
+            echo.clear();
+        }
 
         match plan.fault {
             Some(Fault::Status(s)) => {
@@ -1085,7 +1095,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         self.head(p, 200, "text/event-stream", len, close);
         self.ev.clear();
         body::ev_echo(&mut self.ev, &self.echo);
-        frame_into(&mut self.wbuf, &self.ev, framing);
+        // No echo (`x-mock-echo: none`): nothing to frame — an empty chunk would end the body.
+        if !self.ev.is_empty() {
+            frame_into(&mut self.wbuf, &self.ev, framing);
+        }
         self.flush_wbuf().await?;
         // Content events: one per token; on /v1/messages one per content delta (thinking,
         // text and tool input alike); for chat tool calls one per arguments fragment.
