@@ -288,7 +288,8 @@ fn new_ring(defer: bool, entries: u32) -> Result<IoUring, String> {
 fn push(ring: &mut IoUring, e: &squeue::Entry) -> Result<(), String> {
     loop {
         // SAFETY: every buffer an entry names (connection buffers, the reply, the message)
-        // outlives the ring's use of it: they are dropped only after the ring has drained.
+        // outlives the ring: each is declared before the ring, so dropped after it, and the
+        // normal path also waits out every operation before dropping anything.
         if unsafe { ring.submission().push(e) }.is_ok() {
             return Ok(());
         }
@@ -320,24 +321,16 @@ enum Target {
     Fixed(u32),
 }
 
+/// A ring and its provided-buffer ring, in this order: the ring is dropped first, so the kernel
+/// is done with the buffers before they are unmapped.
+struct Io {
+    ring: IoUring,
+    bufs: Option<BufRing>,
+}
+
 fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
     pin(o.server_cpu)?;
     let entries = (o.conns as u32 * 2).next_power_of_two().clamp(64, 4096);
-    let mut ring = new_ring(v == Variant::Defer, entries)?;
-    if v.fixed() {
-        ring.submitter()
-            .register_files(fds)
-            .map_err(|e| format!("register files: {e}"))?;
-    }
-    let per_msg = o.size.div_ceil(BUF_SIZE);
-    let mut bufs = if v.multishot() {
-        let count = (o.conns * per_msg * 2)
-            .next_power_of_two()
-            .clamp(64, 16_384) as u16;
-        Some(BufRing::new(&ring, count)?)
-    } else {
-        None
-    };
     let reply = vec![b'r'; o.size];
     let mut conns: Vec<Conn> = fds
         .iter()
@@ -358,22 +351,39 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
             },
         })
         .collect();
+    // Declared after the buffers the kernel writes into, so an early return drops it first.
+    let ring = new_ring(v == Variant::Defer, entries)?;
+    if v.fixed() {
+        ring.submitter()
+            .register_files(fds)
+            .map_err(|e| format!("register files: {e}"))?;
+    }
+    let per_msg = o.size.div_ceil(BUF_SIZE);
+    let bufs = if v.multishot() {
+        let count = (o.conns * per_msg * 2)
+            .next_power_of_two()
+            .clamp(64, 16_384) as u16;
+        Some(BufRing::new(&ring, count)?)
+    } else {
+        None
+    };
+    let mut io = Io { ring, bufs };
     let mut in_flight = 0u64;
     for i in 0..conns.len() {
-        arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+        arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
         in_flight += 1;
     }
     let mut answered = 0u64;
     let mut start = None;
     let mut cqes = Vec::with_capacity(entries as usize * 4);
     let result = loop {
-        if let Err(e) = ring.submit_and_wait(1) {
+        if let Err(e) = io.ring.submit_and_wait(1) {
             if e.raw_os_error() == Some(libc::EINTR) {
                 continue;
             }
             break Err(format!("submit_and_wait: {e}"));
         }
-        reap(&mut ring, &mut cqes);
+        reap(&mut io.ring, &mut cqes);
         let mut failed = None;
         for &(user_data, res, flags) in &cqes {
             let i = (user_data >> 8) as usize;
@@ -394,10 +404,10 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
                 if c.sent < o.size {
                     let rest = &reply[c.sent..];
                     let e = send_op(v, c.target, rest);
-                    push(&mut ring, &e.user_data(ud(i, OP_SEND)))?;
+                    push(&mut io.ring, &e.user_data(ud(i, OP_SEND)))?;
                     in_flight += 1;
                 } else if !v.multishot() {
-                    arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+                    arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
                     in_flight += 1;
                 }
                 continue;
@@ -406,12 +416,12 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
             if !v.multishot() || !cqueue::more(flags) {
                 in_flight -= 1;
             }
-            if let (Some(b), Some(bid)) = (bufs.as_mut(), cqueue::buffer_select(flags)) {
+            if let (Some(b), Some(bid)) = (io.bufs.as_mut(), cqueue::buffer_select(flags)) {
                 b.give_back(bid);
             }
             if res == -libc::ENOBUFS && v.multishot() {
                 if !cqueue::more(flags) {
-                    arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+                    arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
                     in_flight += 1;
                 }
                 continue;
@@ -430,13 +440,13 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
             let c = &mut conns[i];
             c.got += res as usize;
             if v.multishot() && !cqueue::more(flags) {
-                arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+                arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
                 in_flight += 1;
             }
             let c = &mut conns[i];
             if c.got < o.size {
                 if !v.multishot() {
-                    arm_recv(&mut ring, &mut conns, i, v, o.size)?;
+                    arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
                     in_flight += 1;
                 }
                 continue;
@@ -444,14 +454,14 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
             c.got -= o.size;
             c.sent = 0;
             let e = send_op(v, c.target, &reply);
-            push(&mut ring, &e.user_data(ud(i, OP_SEND)))?;
+            push(&mut io.ring, &e.user_data(ud(i, OP_SEND)))?;
             in_flight += 1;
             answered += 1;
             if answered == o.warm {
                 start = Some((thread_cpu(), Instant::now()));
             }
         }
-        if let Some(b) = bufs.as_ref() {
+        if let Some(b) = io.bufs.as_ref() {
             b.publish();
         }
         if let Some(f) = failed {
@@ -470,10 +480,10 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
         unsafe { libc::shutdown(c.fd, libc::SHUT_RDWR) };
     }
     while in_flight > 0 {
-        if ring.submit_and_wait(1).is_err() {
+        if io.ring.submit_and_wait(1).is_err() {
             break;
         }
-        reap(&mut ring, &mut cqes);
+        reap(&mut io.ring, &mut cqes);
         for &(user_data, _, flags) in &cqes {
             let op_ends = if user_data & 0xff == OP_SEND {
                 flags & CQE_F_NOTIF != 0 || !cqueue::more(flags)
@@ -485,8 +495,7 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
             }
         }
     }
-    drop(ring);
-    drop(bufs);
+    drop(io);
     result?;
     let ((c0, u0, s0), t0) = start.ok_or("the warm-up never ended")?;
     let ((c1, u1, s1), t1) = end;
@@ -546,11 +555,12 @@ fn arm_recv(
 fn client(fds: &[RawFd], size: usize, cpu: usize) -> Result<(), String> {
     pin(cpu)?;
     let entries = (fds.len() as u32 * 2).next_power_of_two().clamp(64, 4096);
-    let mut ring = new_ring(false, entries)?;
     let msg = vec![b'm'; size];
     let mut got = vec![0usize; fds.len()];
     let mut sent = vec![0usize; fds.len()];
     let mut bufs: Vec<Vec<u8>> = fds.iter().map(|_| vec![0; size.min(BUF_SIZE)]).collect();
+    // After the buffers it names, so that an early return drops it first.
+    let mut ring = new_ring(false, entries)?;
     let mut in_flight = 0u64;
     for (i, &fd) in fds.iter().enumerate() {
         let e = opcode::Send::new(types::Fd(fd), msg.as_ptr(), size as u32).build();
