@@ -392,13 +392,16 @@ fn a_trickling_server_ends_at_the_grace_deadline() {
     }
 }
 
-/// `sluice-probe uring` runs every variant to the end on a message that takes several reads
-/// and writes (5,000 bytes), and reports each one's server CPU per message.
+/// `sluice-probe uring` runs every variant to the end on messages larger than a receive buffer
+/// (40,000 bytes against 16 KiB), so each takes several receives, and reports each one's server
+/// CPU per message. Each variant ran as named: multishot receives left armed only under `multi`
+/// and `multi-fixed`, zero-copy notifications only under `zc`.
 #[test]
 fn uring_probe_measures_every_variant() {
     let mut cmd = Command::new(bin("sluice-probe"));
     cmd.args([
-        "uring", "--rounds", "2", "--conns", "3", "--size", "5000", "--warm", "50", "--msgs", "500",
+        "uring", "--rounds", "2", "--conns", "3", "--size", "40000", "--warm", "20", "--msgs",
+        "300",
     ]);
     let out = output_within(cmd, Duration::from_secs(120), "sluice-probe uring");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -429,13 +432,29 @@ fn uring_probe_measures_every_variant() {
             .parse()
             .unwrap();
         assert!(ns > 0.0, "{row}");
-        assert_eq!(
-            stdout
-                .lines()
-                .filter(|l| l.starts_with("round ") && l.contains(&format!(" {variant} ")))
-                .count(),
-            2,
-            "{stdout}"
-        );
+        let rounds: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with("round ") && l.split_whitespace().nth(2) == Some(variant))
+            .collect();
+        assert_eq!(rounds.len(), 2, "{stdout}");
+        for line in rounds {
+            // "..., N multishot completions, M zero-copy notifications"
+            let count = |what: &str| -> u64 {
+                let at = line.find(what).unwrap_or_else(|| panic!("{line}"));
+                line[..at]
+                    .split_whitespace()
+                    .last()
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            };
+            let multishot = variant.starts_with("multi");
+            assert_eq!(count(" multishot completions") > 0, multishot, "{line}");
+            assert_eq!(
+                count(" zero-copy notifications") > 0,
+                variant == "zc",
+                "{line}"
+            );
+        }
     }
 }

@@ -25,7 +25,7 @@
 //! One submit-and-wait per loop turn in every variant, as monoio does.
 
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::{IntoRawFd, RawFd};
+use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::time::Instant;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
@@ -90,6 +90,10 @@ struct Sample {
     sys_ns: u64,
     wall_ns: u64,
     msgs: u64,
+    /// Receive completions that left a multishot receive armed, and zero-copy notifications:
+    /// evidence that the variant ran as named (0 where it does not use them).
+    multishot_completions: u64,
+    zc_notifications: u64,
 }
 
 impl Sample {
@@ -99,6 +103,7 @@ impl Sample {
 }
 
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    raise_nofile();
     let allowed = allowed_cpus();
     let o = Opts {
         size: num(args, "--size", 1024) as usize,
@@ -138,12 +143,15 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         for (k, v) in variants.iter().enumerate() {
             let s = run_once(*v, &o)?;
             println!(
-                "round {round} {:<12} {:>7.0} ns/msg (user {:>5.0}, sys {:>6.0}), {:>8.0} msg/s",
+                "round {round} {:<12} {:>7.0} ns/msg (user {:>5.0}, sys {:>6.0}), {:>8.0} msg/s, \
+                 {} multishot completions, {} zero-copy notifications",
                 v.name(),
                 s.per_msg(s.cpu_ns),
                 s.per_msg(s.user_ns),
                 s.per_msg(s.sys_ns),
-                s.msgs as f64 * 1e9 / s.wall_ns.max(1) as f64
+                s.msgs as f64 * 1e9 / s.wall_ns.max(1) as f64,
+                s.multishot_completions,
+                s.zc_notifications
             );
             samples[k].push(s);
         }
@@ -195,11 +203,11 @@ fn run_once(v: Variant, o: &Opts) -> Result<Sample, String> {
         let (s, _) = listener.accept().map_err(|e| format!("accept: {e}"))?;
         c.set_nodelay(true).map_err(|e| e.to_string())?;
         s.set_nodelay(true).map_err(|e| e.to_string())?;
-        client_fds.push(c.into_raw_fd());
+        client_fds.push(OwnedFd::from(c));
         server_fds.push(s.into_raw_fd());
     }
     let (size, ccpu) = (o.size, o.client_cpu);
-    let client = std::thread::spawn(move || client(&client_fds, size, ccpu));
+    let client = std::thread::spawn(move || client(client_fds, size, ccpu));
     let served = server(v, &server_fds, o);
     for fd in server_fds {
         // SAFETY: the descriptor came from into_raw_fd above and the ring that used it is gone.
@@ -208,9 +216,21 @@ fn run_once(v: Variant, o: &Opts) -> Result<Sample, String> {
     let client_result = client
         .join()
         .map_err(|_| "client thread panicked".to_string())?;
-    let sample = served?;
+    // A client's failure first: the server then only saw its connections close.
     client_result?;
-    Ok(sample)
+    served
+}
+
+/// Lets the process hold as many descriptors as allowed: each connection takes two.
+fn raise_nofile() {
+    // SAFETY: getrlimit and setrlimit read and write only the struct passed to them.
+    unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
 }
 
 /// The CPUs this process may run on, in order.
@@ -332,7 +352,7 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
     pin(o.server_cpu)?;
     let entries = (o.conns as u32 * 2).next_power_of_two().clamp(64, 4096);
     let reply = vec![b'r'; o.size];
-    let mut conns: Vec<Conn> = fds
+    let conns: Vec<Conn> = fds
         .iter()
         .enumerate()
         .map(|(i, &fd)| Conn {
@@ -367,136 +387,71 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
     } else {
         None
     };
-    let mut io = Io { ring, bufs };
-    let mut in_flight = 0u64;
-    for i in 0..conns.len() {
-        arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
-        in_flight += 1;
-    }
-    let mut answered = 0u64;
+    let mut st = Server {
+        io: Io { ring, bufs },
+        conns,
+        reply: &reply,
+        v,
+        size: o.size,
+        in_flight: 0,
+        answered: 0,
+        multishot_completions: 0,
+        zc_notifications: 0,
+    };
     let mut start = None;
+    if o.warm == 0 {
+        start = Some((thread_cpu(), Instant::now()));
+    }
     let mut cqes = Vec::with_capacity(entries as usize * 4);
-    let result = loop {
-        if let Err(e) = io.ring.submit_and_wait(1) {
-            if e.raw_os_error() == Some(libc::EINTR) {
-                continue;
+    let mut result = (0..st.conns.len()).try_for_each(|i| st.arm_recv(i));
+    while result.is_ok() && st.answered < o.warm + o.msgs {
+        if let Err(e) = st.io.ring.submit_and_wait(1) {
+            if e.raw_os_error() != Some(libc::EINTR) {
+                result = Err(format!("submit_and_wait: {e}"));
             }
-            break Err(format!("submit_and_wait: {e}"));
+            continue;
         }
-        reap(&mut io.ring, &mut cqes);
-        let mut failed = None;
+        reap(&mut st.io.ring, &mut cqes);
         for &(user_data, res, flags) in &cqes {
-            let i = (user_data >> 8) as usize;
-            if user_data & 0xff == OP_SEND {
-                if flags & CQE_F_NOTIF != 0 {
-                    in_flight -= 1;
-                    continue;
-                }
-                if !cqueue::more(flags) {
-                    in_flight -= 1;
-                }
-                if res < 0 {
-                    failed = Some(format!("send: errno {}", -res));
-                    break;
-                }
-                let c = &mut conns[i];
-                c.sent += res as usize;
-                if c.sent < o.size {
-                    let rest = &reply[c.sent..];
-                    let e = send_op(v, c.target, rest);
-                    push(&mut io.ring, &e.user_data(ud(i, OP_SEND)))?;
-                    in_flight += 1;
-                } else if !v.multishot() {
-                    arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
-                    in_flight += 1;
-                }
-                continue;
+            let warm_before = st.answered < o.warm;
+            // Every completion is accounted for, even after a failure, so the drain below
+            // knows what is still in the kernel.
+            st.account(user_data, flags);
+            if result.is_ok() {
+                result = st.on_completion(user_data, res, flags);
             }
-            // A receive.
-            if !v.multishot() || !cqueue::more(flags) {
-                in_flight -= 1;
-            }
-            if let (Some(b), Some(bid)) = (io.bufs.as_mut(), cqueue::buffer_select(flags)) {
-                b.give_back(bid);
-            }
-            if res == -libc::ENOBUFS && v.multishot() {
-                if !cqueue::more(flags) {
-                    arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
-                    in_flight += 1;
-                }
-                continue;
-            }
-            if res <= 0 {
-                failed = Some(format!(
-                    "receive: {}",
-                    if res == 0 {
-                        "peer closed".to_string()
-                    } else {
-                        format!("errno {}", -res)
-                    }
-                ));
-                break;
-            }
-            let c = &mut conns[i];
-            c.got += res as usize;
-            if v.multishot() && !cqueue::more(flags) {
-                arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
-                in_flight += 1;
-            }
-            let c = &mut conns[i];
-            if c.got < o.size {
-                if !v.multishot() {
-                    arm_recv(&mut io.ring, &mut conns, i, v, o.size)?;
-                    in_flight += 1;
-                }
-                continue;
-            }
-            c.got -= o.size;
-            c.sent = 0;
-            let e = send_op(v, c.target, &reply);
-            push(&mut io.ring, &e.user_data(ud(i, OP_SEND)))?;
-            in_flight += 1;
-            answered += 1;
-            if answered == o.warm {
+            if warm_before && st.answered >= o.warm {
                 start = Some((thread_cpu(), Instant::now()));
             }
         }
-        if let Some(b) = io.bufs.as_ref() {
+        if let Some(b) = st.io.bufs.as_ref() {
             b.publish();
         }
-        if let Some(f) = failed {
-            break Err(f);
-        }
-        if answered >= o.warm + o.msgs {
-            break Ok(());
-        }
-    };
+    }
     let end = (thread_cpu(), Instant::now());
     // Stop the client (its reads see the shutdown) and wait out every operation still in the
     // kernel before the buffers they name are dropped.
-    for c in &conns {
+    for c in &st.conns {
         // SAFETY: shutdown on a descriptor this function was lent; it stays open until the
         // caller closes it after we return.
         unsafe { libc::shutdown(c.fd, libc::SHUT_RDWR) };
     }
-    while in_flight > 0 {
-        if io.ring.submit_and_wait(1).is_err() {
+    while st.in_flight > 0 {
+        if let Err(e) = st.io.ring.submit_and_wait(1) {
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
             break;
         }
-        reap(&mut io.ring, &mut cqes);
+        reap(&mut st.io.ring, &mut cqes);
         for &(user_data, _, flags) in &cqes {
-            let op_ends = if user_data & 0xff == OP_SEND {
-                flags & CQE_F_NOTIF != 0 || !cqueue::more(flags)
-            } else {
-                !v.multishot() || !cqueue::more(flags)
-            };
-            if op_ends {
-                in_flight -= 1;
-            }
+            st.account(user_data, flags);
         }
     }
-    drop(io);
+    let counts = (st.answered, st.multishot_completions, st.zc_notifications);
+    drop(st);
     result?;
+    let (answered, multishot_completions, zc_notifications) = counts;
     let ((c0, u0, s0), t0) = start.ok_or("the warm-up never ended")?;
     let ((c1, u1, s1), t1) = end;
     Ok(Sample {
@@ -504,8 +459,136 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
         user_ns: u1.saturating_sub(u0),
         sys_ns: s1.saturating_sub(s0),
         wall_ns: t1.duration_since(t0).as_nanos() as u64,
-        msgs: answered - o.warm,
+        msgs: answered.saturating_sub(o.warm),
+        multishot_completions,
+        zc_notifications,
     })
+}
+
+/// The server's state while it answers.
+struct Server<'r> {
+    io: Io,
+    conns: Vec<Conn>,
+    reply: &'r [u8],
+    v: Variant,
+    size: usize,
+    /// Operations in the kernel (a multishot receive until its last completion, a zero-copy
+    /// send until its notification).
+    in_flight: u64,
+    answered: u64,
+    /// Receive completions that left their multishot armed (0 unless multishot is used).
+    multishot_completions: u64,
+    /// `SEND_ZC` notifications (0 unless zero-copy sends are used).
+    zc_notifications: u64,
+}
+
+impl Server<'_> {
+    /// Counts off the operation a completion ends, and gives back its provided buffer.
+    fn account(&mut self, user_data: u64, flags: u32) {
+        let more = cqueue::more(flags);
+        let ends = if user_data & 0xff == OP_SEND {
+            // A zero-copy send completes twice: its result (with MORE), then its notification.
+            if flags & CQE_F_NOTIF != 0 {
+                self.zc_notifications += 1;
+            }
+            !more
+        } else {
+            if more {
+                self.multishot_completions += 1;
+            }
+            !more
+        };
+        if ends {
+            self.in_flight -= 1;
+        }
+        if let (Some(b), Some(bid)) = (self.io.bufs.as_mut(), cqueue::buffer_select(flags)) {
+            b.give_back(bid);
+        }
+    }
+
+    /// Acts on a completion: the rest of a reply, the next receive, or a reply to a whole
+    /// message. An error ends the run.
+    fn on_completion(&mut self, user_data: u64, res: i32, flags: u32) -> Result<(), String> {
+        let i = (user_data >> 8) as usize;
+        if user_data & 0xff == OP_SEND {
+            if flags & CQE_F_NOTIF != 0 {
+                return Ok(());
+            }
+            if res < 0 {
+                return Err(format!("send: errno {}", -res));
+            }
+            let c = &mut self.conns[i];
+            c.sent += res as usize;
+            if c.sent < self.size {
+                let rest = &self.reply[c.sent..];
+                let e = send_op(self.v, c.target, rest);
+                return self.push(&e.user_data(ud(i, OP_SEND)));
+            }
+            return if self.v.multishot() {
+                Ok(())
+            } else {
+                self.arm_recv(i)
+            };
+        }
+        if res == -libc::ENOBUFS && self.v.multishot() {
+            // The buffer ring ran dry; buffers go back at the end of this batch.
+            return if cqueue::more(flags) {
+                Ok(())
+            } else {
+                self.arm_recv(i)
+            };
+        }
+        if res <= 0 {
+            return Err(if res == 0 {
+                "receive: peer closed".to_string()
+            } else {
+                format!("receive: errno {}", -res)
+            });
+        }
+        self.conns[i].got += res as usize;
+        if self.v.multishot() && !cqueue::more(flags) {
+            self.arm_recv(i)?;
+        }
+        let c = &mut self.conns[i];
+        if c.got < self.size {
+            return if self.v.multishot() {
+                Ok(())
+            } else {
+                self.arm_recv(i)
+            };
+        }
+        c.got -= self.size;
+        c.sent = 0;
+        self.answered += 1;
+        let e = send_op(self.v, c.target, self.reply);
+        self.push(&e.user_data(ud(i, OP_SEND)))
+    }
+
+    fn push(&mut self, e: &squeue::Entry) -> Result<(), String> {
+        push(&mut self.io.ring, e)?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Queues connection `i`'s receive: multishot into the buffer ring, or one `RECV` of what
+    /// is left of the message into its own buffer.
+    fn arm_recv(&mut self, i: usize) -> Result<(), String> {
+        let c = &mut self.conns[i];
+        let e = if self.v.multishot() {
+            match c.target {
+                Target::Fd(fd) => opcode::RecvMulti::new(types::Fd(fd), BGID).build(),
+                Target::Fixed(k) => opcode::RecvMulti::new(types::Fixed(k), BGID).build(),
+            }
+        } else {
+            let len = (self.size - c.got).min(c.buf.len()) as u32;
+            let ptr = c.buf.as_mut_ptr();
+            match c.target {
+                Target::Fd(fd) => opcode::Recv::new(types::Fd(fd), ptr, len).build(),
+                Target::Fixed(k) => opcode::Recv::new(types::Fixed(k), ptr, len).build(),
+            }
+        };
+        self.push(&e.user_data(ud(i, OP_RECV)))
+    }
 }
 
 /// A reply's send: `SEND_ZC` for the `zc` variant, else `SEND`.
@@ -523,36 +606,13 @@ fn send_op(v: Variant, t: Target, bytes: &[u8]) -> squeue::Entry {
     }
 }
 
-/// Queues connection `i`'s receive: multishot into the buffer ring, or one `RECV` of what is
-/// left of the message into its own buffer.
-fn arm_recv(
-    ring: &mut IoUring,
-    conns: &mut [Conn],
-    i: usize,
-    v: Variant,
-    size: usize,
-) -> Result<(), String> {
-    let c = &mut conns[i];
-    let e = if v.multishot() {
-        match c.target {
-            Target::Fd(fd) => opcode::RecvMulti::new(types::Fd(fd), BGID).build(),
-            Target::Fixed(k) => opcode::RecvMulti::new(types::Fixed(k), BGID).build(),
-        }
-    } else {
-        let len = (size - c.got).min(c.buf.len()) as u32;
-        let ptr = c.buf.as_mut_ptr();
-        match c.target {
-            Target::Fd(fd) => opcode::Recv::new(types::Fd(fd), ptr, len).build(),
-            Target::Fixed(k) => opcode::Recv::new(types::Fixed(k), ptr, len).build(),
-        }
-    };
-    push(ring, &e.user_data(ud(i, OP_RECV)))
-}
-
 /// The client: every connection sends `size` bytes, reads the `size`-byte reply, and sends
 /// again, until the server shuts the connections down. Plain single-shot operations, so its
 /// behaviour is the same whatever the server's variant.
-fn client(fds: &[RawFd], size: usize, cpu: usize) -> Result<(), String> {
+/// The client owns its sockets: they close on every return, so a client that fails ends the
+/// server's run (its reads see the peer close) instead of leaving it waiting.
+fn client(owned: Vec<OwnedFd>, size: usize, cpu: usize) -> Result<(), String> {
+    let fds: Vec<RawFd> = owned.iter().map(AsRawFd::as_raw_fd).collect();
     pin(cpu)?;
     let entries = (fds.len() as u32 * 2).next_power_of_two().clamp(64, 4096);
     let msg = vec![b'm'; size];
@@ -619,9 +679,6 @@ fn client(fds: &[RawFd], size: usize, cpu: usize) -> Result<(), String> {
         }
     }
     drop(ring);
-    for &fd in fds {
-        // SAFETY: the descriptors came from into_raw_fd and the ring is gone.
-        unsafe { libc::close(fd) };
-    }
+    drop(owned);
     Ok(())
 }
