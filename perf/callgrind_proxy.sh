@@ -25,7 +25,7 @@
 # `io_uring_enter` as a blocking call, and the io_uring worker stalls under it. Everything above
 # the driver — parsing, routing, metering, the access log — runs the same code on both.
 #
-# Knobs: SECS (10), CONNS (8), BODY_BYTES (1024), UPSTREAM_DELAY_MS (0), ECHO (unset; "none":
+# Knobs: SECS (10), CONNS (8), BODY_BYTES (1024), UPSTREAM_DELAY_MS (0), MOCK_ECHO (unset; "none":
 # answers without mock-llm's echo of the request, as large as a provider's), CONFIGS ("sluice";
 # also "sluice-ai": API keys, three policies on a redis-server it starts, metrics and the
 # access log), BASE_BIN (adds "<config>-base" runs of that binary), TOP (25), KEEP (a directory
@@ -117,7 +117,7 @@ by_function() { # callgrind file
 
 DIR=${KEEP:-$TMP/cg}
 mkdir -p "$DIR"
-echo "callgrind, ${SECS}s of wrk, $CONNS connections, $BODY_BYTES-byte chat POSTs, answers held ${UPSTREAM_DELAY_MS} ms${ECHO:+, x-mock-echo: $ECHO}; $(git rev-parse --short HEAD)"
+echo "callgrind, ${SECS}s of wrk, $CONNS connections, $BODY_BYTES-byte chat POSTs, answers held ${UPSTREAM_DELAY_MS} ms${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}; $(git rev-parse --short HEAD)"
 echo
 echo "| run | requests | instructions / request |"
 echo "| --- | ---: | ---: |"

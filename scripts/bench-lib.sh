@@ -46,15 +46,15 @@ TOML
 }
 
 # A wrk script POSTing exactly 1,024 bytes of chat-completions JSON.
-# With ECHO=none in the environment the requests carry `x-mock-echo: none`: mock-llm then
+# With MOCK_ECHO=none in the environment the requests carry `x-mock-echo: none`: mock-llm then
 # answers without its echo of the request, a provider-sized answer (~330 bytes for chat).
 write_post_lua() { # file [body bytes, default 1024]
-  python3 - "$1" "${2:-1024}" "${ECHO:-}" <<'PY'
+  python3 - "$1" "${2:-1024}" "${MOCK_ECHO:-}" <<'PY'
 import json, sys
 size = int(sys.argv[2])
 echo = sys.argv[3]
 if echo not in ("", "none"):
-    sys.exit("ECHO: none, or unset")
+    sys.exit("MOCK_ECHO: none, or unset")
 base = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": ""}]})
 body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * (size - len(base))}]})
 assert len(body) == size, len(body)

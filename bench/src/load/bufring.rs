@@ -1,5 +1,5 @@
 //! A provided-buffer ring (`IORING_REGISTER_PBUF_RING`): receive buffers the kernel picks from
-//! for multishot receives. Shared by sluice-load's io_uring engine and `uring-probe`.
+//! for multishot receives. Shared by sluice-load's io_uring engine and `sluice-probe uring`.
 
 use std::sync::atomic::{AtomicU16, Ordering};
 
@@ -54,7 +54,8 @@ impl Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` are exactly what mmap returned, and nothing uses them after this
-        // (the ring that could write into them is dropped first: see `Engine`'s field order).
+        // (the ring that could write into them is dropped first: its owner declares the ring
+        // before this, as sluice-load's `Engine` and the probe's `Io` do).
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
@@ -139,6 +140,3 @@ impl BufRing {
         }
     }
 }
-
-// ---------------------------------------------------------------------------------------------
-// Connections

@@ -11,8 +11,9 @@
 //! Each event's document is parsed with simd-json into a tape kept between calls (simd-json
 //! unescapes in place, so the data is first copied into the thread's scratch buffer with the
 //! padding simd-json needs), then the few fields that matter are read off the tape. A whole
-//! body that reports its usage is only scanned (the inspector's validating scanner) and its
-//! `usage` alone parsed; any other whole body is parsed where it lies.
+//! body that reports its usage is only scanned (the inspector's validating scanner), its
+//! `usage` read by the same scanner (parsed only in the rare forms the scanner leaves to the
+//! tape); any other whole body is parsed where it lies.
 
 use crate::openai::inspect::scan::{unescape, Kind, Scanner, Value};
 use crate::openai::json::truncate;
@@ -195,8 +196,9 @@ impl StreamMeter {
 impl StreamMeter {
     /// A whole chat completion, completion or embeddings body that reports its usage — nearly
     /// every non-streamed answer — read without building its tape: the inspector's scanner
-    /// validates the body (refusing what the parse would) and passes over its members; only
-    /// `usage` is parsed, and each choice's `finish_reason` read. The content, which is most of
+    /// validates the body (refusing what the parse would) and passes over its members; `usage`
+    /// is read by [`scan_usage`] (or parsed, in the forms it leaves to the tape), and each
+    /// choice's `finish_reason` read. The content, which is most of
     /// a large answer, is only scanned: its text and byte count serve the estimate of an answer
     /// that reports no usage, which this one does. Returns false, having recorded nothing, for
     /// anything else (no usage, an error or Responses API shape, a key written with escapes,
