@@ -395,7 +395,8 @@ fn a_trickling_server_ends_at_the_grace_deadline() {
 /// `sluice-probe uring` runs every variant to the end on messages larger than a receive buffer
 /// (40,000 bytes against 16 KiB), so each takes several receives, and reports each one's server
 /// CPU per message. Each variant ran as named: multishot receives left armed only under `multi`
-/// and `multi-fixed`, zero-copy notifications only under `zc`.
+/// and `multi-fixed`, zero-copy notifications only under `zc`, direct receives only under
+/// `poll`, provided buffers only under `multi*` and `select`.
 #[test]
 fn uring_probe_measures_every_variant() {
     let mut cmd = Command::new(bin("sluice-probe"));
@@ -438,7 +439,7 @@ fn uring_probe_measures_every_variant() {
             .collect();
         assert_eq!(rounds.len(), 2, "{stdout}");
         for line in rounds {
-            // "..., N multishot completions, M zero-copy notifications"
+            // "..., N multishot completions, M zero-copy notifications, K direct receives, ..."
             let count = |what: &str| -> u64 {
                 let at = line.find(what).unwrap_or_else(|| panic!("{line}"));
                 line[..at]
@@ -455,6 +456,9 @@ fn uring_probe_measures_every_variant() {
                 variant == "zc",
                 "{line}"
             );
+            assert_eq!(count(" direct receives") > 0, variant == "poll", "{line}");
+            let provided = multishot || variant == "select";
+            assert_eq!(count(" provided buffers") > 0, provided, "{line}");
         }
     }
 }

@@ -21,6 +21,12 @@
 //! - `defer`: `single` on a ring with `DEFER_TASKRUN` instead of `COOP_TASKRUN`.
 //! - `zc`: `single` with `SEND_ZC` replies (the reply buffer never changes, so the loop does
 //!   not wait for the notification before the next receive).
+//! - `poll`: what Sluice's worker does on a client connection between requests — a readiness
+//!   poll (`POLL_ADD`, holding no buffer while the connection is idle), then the bytes read with
+//!   a direct non-blocking `recv` syscall — with `SEND` replies.
+//! - `select`: one `RECV` per read, as `single`, but with its buffer picked by the kernel from
+//!   the provided-buffer ring when the bytes arrive (`IOSQE_BUFFER_SELECT`): no buffer held
+//!   while idle, as `poll`, and no extra syscall.
 //!
 //! One submit-and-wait per loop turn in every variant, as monoio does.
 
@@ -41,15 +47,19 @@ enum Variant {
     MultiFixed,
     Defer,
     Zc,
+    Poll,
+    Select,
 }
 
-const VARIANTS: [(Variant, &str); 6] = [
+const VARIANTS: [(Variant, &str); 8] = [
     (Variant::Single, "single"),
     (Variant::Multi, "multi"),
     (Variant::SingleFixed, "single-fixed"),
     (Variant::MultiFixed, "multi-fixed"),
     (Variant::Defer, "defer"),
     (Variant::Zc, "zc"),
+    (Variant::Poll, "poll"),
+    (Variant::Select, "select"),
 ];
 
 impl Variant {
@@ -66,6 +76,11 @@ impl Variant {
 
     fn multishot(self) -> bool {
         matches!(self, Variant::Multi | Variant::MultiFixed)
+    }
+
+    /// Receives take their buffer from the provided-buffer ring.
+    fn provided(self) -> bool {
+        self.multishot() || self == Variant::Select
     }
 
     fn fixed(self) -> bool {
@@ -94,6 +109,9 @@ struct Sample {
     /// evidence that the variant ran as named (0 where it does not use them).
     multishot_completions: u64,
     zc_notifications: u64,
+    /// Direct `recv` calls (`poll`) and receives into a provided buffer (`multi*`, `select`).
+    direct_recvs: u64,
+    provided_buffers: u64,
 }
 
 impl Sample {
@@ -144,14 +162,17 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             let s = run_once(*v, &o)?;
             println!(
                 "round {round} {:<12} {:>7.0} ns/msg (user {:>5.0}, sys {:>6.0}), {:>8.0} msg/s, \
-                 {} multishot completions, {} zero-copy notifications",
+                 {} multishot completions, {} zero-copy notifications, {} direct receives, \
+                 {} provided buffers",
                 v.name(),
                 s.per_msg(s.cpu_ns),
                 s.per_msg(s.user_ns),
                 s.per_msg(s.sys_ns),
                 s.msgs as f64 * 1e9 / s.wall_ns.max(1) as f64,
                 s.multishot_completions,
-                s.zc_notifications
+                s.zc_notifications,
+                s.direct_recvs,
+                s.provided_buffers
             );
             samples[k].push(s);
         }
@@ -364,7 +385,7 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
             fd,
             got: 0,
             sent: 0,
-            buf: if v.multishot() {
+            buf: if v.provided() {
                 Vec::new()
             } else {
                 vec![0; o.size.min(BUF_SIZE)]
@@ -379,7 +400,7 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
             .map_err(|e| format!("register files: {e}"))?;
     }
     let per_msg = o.size.div_ceil(BUF_SIZE);
-    let bufs = if v.multishot() {
+    let bufs = if v.provided() {
         let count = (o.conns * per_msg * 2)
             .next_power_of_two()
             .clamp(64, 16_384) as u16;
@@ -397,6 +418,8 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
         answered: 0,
         multishot_completions: 0,
         zc_notifications: 0,
+        direct_recvs: 0,
+        provided_buffers: 0,
     };
     let mut start = None;
     if o.warm == 0 {
@@ -448,10 +471,17 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
             st.account(user_data, flags);
         }
     }
-    let counts = (st.answered, st.multishot_completions, st.zc_notifications);
+    let counts = (
+        st.answered,
+        st.multishot_completions,
+        st.zc_notifications,
+        st.direct_recvs,
+        st.provided_buffers,
+    );
     drop(st);
     result?;
-    let (answered, multishot_completions, zc_notifications) = counts;
+    let (answered, multishot_completions, zc_notifications, direct_recvs, provided_buffers) =
+        counts;
     let ((c0, u0, s0), t0) = start.ok_or("the warm-up never ended")?;
     let ((c1, u1, s1), t1) = end;
     Ok(Sample {
@@ -462,6 +492,8 @@ fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
         msgs: answered.saturating_sub(o.warm),
         multishot_completions,
         zc_notifications,
+        direct_recvs,
+        provided_buffers,
     })
 }
 
@@ -480,6 +512,10 @@ struct Server<'r> {
     multishot_completions: u64,
     /// `SEND_ZC` notifications (0 unless zero-copy sends are used).
     zc_notifications: u64,
+    /// Direct `recv` calls (`poll` only).
+    direct_recvs: u64,
+    /// Receive completions into a provided buffer.
+    provided_buffers: u64,
 }
 
 impl Server<'_> {
@@ -503,6 +539,7 @@ impl Server<'_> {
         }
         if let (Some(b), Some(bid)) = (self.io.bufs.as_mut(), cqueue::buffer_select(flags)) {
             b.give_back(bid);
+            self.provided_buffers += 1;
         }
     }
 
@@ -530,7 +567,10 @@ impl Server<'_> {
                 self.arm_recv(i)
             };
         }
-        if res == -libc::ENOBUFS && self.v.multishot() {
+        if self.v == Variant::Poll {
+            return self.on_readable(i, res);
+        }
+        if res == -libc::ENOBUFS && self.v.provided() {
             // The buffer ring ran dry; buffers go back at the end of this batch.
             return if cqueue::more(flags) {
                 Ok(())
@@ -564,6 +604,40 @@ impl Server<'_> {
         self.push(&e.user_data(ud(i, OP_SEND)))
     }
 
+    /// `poll`: the socket is readable; read what it holds with direct `recv` calls until the
+    /// message is whole (then reply) or the socket is drained (then poll again).
+    fn on_readable(&mut self, i: usize, res: i32) -> Result<(), String> {
+        if res < 0 {
+            return Err(format!("poll: errno {}", -res));
+        }
+        loop {
+            let c = &mut self.conns[i];
+            let want = (self.size - c.got).min(c.buf.len());
+            self.direct_recvs += 1;
+            // SAFETY: recv writes at most `want` <= buf.len() bytes into the buffer.
+            let n =
+                unsafe { libc::recv(c.fd, c.buf.as_mut_ptr().cast(), want, libc::MSG_DONTWAIT) };
+            if n == 0 {
+                return Err("receive: peer closed".to_string());
+            }
+            if n < 0 {
+                let err = std::io::Error::last_os_error();
+                if err.kind() == std::io::ErrorKind::WouldBlock {
+                    return self.arm_recv(i);
+                }
+                return Err(format!("receive: {err}"));
+            }
+            c.got += n as usize;
+            if c.got >= self.size {
+                c.got -= self.size;
+                c.sent = 0;
+                self.answered += 1;
+                let e = send_op(self.v, c.target, self.reply);
+                return self.push(&e.user_data(ud(i, OP_SEND)));
+            }
+        }
+    }
+
     fn push(&mut self, e: &squeue::Entry) -> Result<(), String> {
         push(&mut self.io.ring, e)?;
         self.in_flight += 1;
@@ -579,6 +653,14 @@ impl Server<'_> {
                 Target::Fd(fd) => opcode::RecvMulti::new(types::Fd(fd), BGID).build(),
                 Target::Fixed(k) => opcode::RecvMulti::new(types::Fixed(k), BGID).build(),
             }
+        } else if self.v == Variant::Poll {
+            opcode::PollAdd::new(types::Fd(c.fd), libc::POLLIN as u32).build()
+        } else if self.v == Variant::Select {
+            let len = (self.size - c.got).min(BUF_SIZE) as u32;
+            opcode::Recv::new(types::Fd(c.fd), std::ptr::null_mut(), len)
+                .buf_group(BGID)
+                .build()
+                .flags(squeue::Flags::BUFFER_SELECT)
         } else {
             let len = (self.size - c.got).min(c.buf.len()) as u32;
             let ptr = c.buf.as_mut_ptr();
