@@ -8,7 +8,7 @@
 //!     Opens N connections, sends one `GET /v1/models` on each and reads the answer, then holds
 //!     them all idle (keep-alive) for the given time. Prints `ready` when all are idle.
 //! sluice-probe uring [--size 1024] [--conns 32] [--msgs 200000] [--warm 20000] [--rounds 5]
-//!                    [--variants single,multi,single-fixed,multi-fixed,defer,zc]
+//!                    [--variants single,multi,single-fixed,multi-fixed,defer,zc,poll,select]
 //!                    [--server-cpu C] [--client-cpu C]
 //!     No proxy: what io_uring's receive and send variants cost the kernel on this machine, per
 //!     message answered by one pinned server thread (see `probe/uring.rs`). The threads default
