@@ -19,6 +19,8 @@
 #[allow(dead_code)]
 #[path = "load/bufring.rs"]
 mod bufring;
+#[path = "load/nofile.rs"]
+mod nofile;
 #[path = "probe/uring.rs"]
 mod uring;
 

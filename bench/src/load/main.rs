@@ -21,6 +21,7 @@
 
 mod bufring;
 mod http;
+mod nofile;
 mod stats;
 mod threads;
 mod uring;
@@ -423,28 +424,9 @@ pub(crate) fn join_measured(
 /// Raises the open-file limit to the hard limit: every connection is a descriptor, and the
 /// io_uring engine holds thousands at once on one thread.
 fn raise_nofile(connections: usize) {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `lim` is a valid, writable rlimit.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return;
-    }
-    if lim.rlim_cur < lim.rlim_max {
-        let want = libc::rlimit {
-            rlim_cur: lim.rlim_max,
-            rlim_max: lim.rlim_max,
-        };
-        // SAFETY: `want` is a valid rlimit; raising the soft limit up to the hard one is allowed.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
-            lim = want;
-        }
-    }
-    if (lim.rlim_cur as u128) < connections as u128 + 64 {
+    if let Some(limit) = nofile::raise_nofile(connections + 64) {
         eprintln!(
-            "sluice-load: note: the open-file limit ({}) is too low for {connections} connections",
-            lim.rlim_cur
+            "sluice-load: note: the open-file limit ({limit}) is too low for {connections} connections"
         );
     }
 }

@@ -37,6 +37,7 @@ use std::time::Instant;
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::bufring::{BufRing, BGID, BUF_SIZE};
+use crate::nofile::raise_nofile;
 use crate::{arg, num};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -121,7 +122,6 @@ impl Sample {
 }
 
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
-    raise_nofile();
     let allowed = allowed_cpus();
     let o = Opts {
         size: num(args, "--size", 1024) as usize,
@@ -139,6 +139,13 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             allowed.get(1).or(allowed.first()).copied().unwrap_or(0) as u64,
         ) as usize,
     };
+    // Each connection is two descriptors: its client's end and its server's.
+    if let Some(limit) = raise_nofile(o.conns * 2 + 64) {
+        eprintln!(
+            "sluice-probe: note: the open-file limit ({limit}) is too low for {} connections",
+            o.conns
+        );
+    }
     let rounds = num(args, "--rounds", 5) as usize;
     let variants = arg(
         args,
@@ -242,18 +249,6 @@ fn run_once(v: Variant, o: &Opts) -> Result<Sample, String> {
     served
 }
 
-/// Lets the process hold as many descriptors as allowed: each connection takes two.
-fn raise_nofile() {
-    // SAFETY: getrlimit and setrlimit read and write only the struct passed to them.
-    unsafe {
-        let mut lim: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
-}
-
 /// The CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set for sched_getaffinity to fill; CPU_ISSET
@@ -314,6 +309,11 @@ fn ud(conn: usize, op: u64) -> u64 {
     ((conn as u64) << 8) | op
 }
 
+/// Submission-queue entries for `conns` connections: room for a receive and a send on each.
+fn ring_entries(conns: usize) -> u32 {
+    (conns as u32 * 2).next_power_of_two().clamp(64, 4096)
+}
+
 fn new_ring(defer: bool, entries: u32) -> Result<IoUring, String> {
     let mut b = IoUring::builder();
     b.setup_cqsize(entries * 4).setup_single_issuer();
@@ -371,7 +371,7 @@ struct Io {
 
 fn server(v: Variant, fds: &[RawFd], o: &Opts) -> Result<Sample, String> {
     pin(o.server_cpu)?;
-    let entries = (o.conns as u32 * 2).next_power_of_two().clamp(64, 4096);
+    let entries = ring_entries(o.conns);
     let reply = vec![b'r'; o.size];
     let conns: Vec<Conn> = fds
         .iter()
@@ -696,7 +696,7 @@ fn send_op(v: Variant, t: Target, bytes: &[u8]) -> squeue::Entry {
 fn client(owned: Vec<OwnedFd>, size: usize, cpu: usize) -> Result<(), String> {
     let fds: Vec<RawFd> = owned.iter().map(AsRawFd::as_raw_fd).collect();
     pin(cpu)?;
-    let entries = (fds.len() as u32 * 2).next_power_of_two().clamp(64, 4096);
+    let entries = ring_entries(fds.len());
     let msg = vec![b'm'; size];
     let mut got = vec![0usize; fds.len()];
     let mut sent = vec![0usize; fds.len()];
