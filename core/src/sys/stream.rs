@@ -10,12 +10,12 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use crate::sys::clock::Elapsed;
 use monoio::buf::{IoBuf, IoBufMut, SliceMut};
 use monoio::io::{AsyncWriteRent, AsyncWriteRentExt, CancelableAsyncWriteRent, Canceller};
 use monoio::BufResult;
 
-use crate::sys::{clock, sock};
+use crate::sys::clock::{self, Elapsed};
+use crate::sys::sock;
 
 /// How one [`read_spare`] ended.
 #[derive(Debug)]

@@ -25,13 +25,13 @@ use std::sync::Arc;
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-use crate::sys::clock::Elapsed;
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 use rustls_pki_types::ServerName;
 
 use crate::config::{Backend, Cluster, Snapshot, Timeouts, UpstreamLimits};
+use crate::sys::clock::Elapsed;
 
 /// A plain or TLS connection to a backend.
 pub(crate) enum UpstreamIo {

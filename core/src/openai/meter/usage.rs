@@ -391,18 +391,9 @@ impl<'t> Members<'t> {
         if !self.more {
             return Ok(None);
         }
-        let member = self.sc.key().and_then(|key| {
-            let v = self.sc.value(2)?;
-            self.more = self.sc.next_or_close(b'}')?;
-            Ok((key, v))
-        });
-        let Ok((key, v)) = member else {
-            return Err(Unusual);
-        };
-        if key.kind != (Kind::String { escaped: false }) {
-            return Err(Unusual);
-        }
-        let key = self.text.get(key.start + 1..key.end - 1).ok_or(Unusual)?;
+        let key = plain_key(&mut self.sc, self.text).ok_or(Unusual)?;
+        let v = self.sc.value(2).map_err(|_| Unusual)?;
+        self.more = self.sc.next_or_close(b'}').map_err(|_| Unusual)?;
         Ok(Some((key, v)))
     }
 }
