@@ -22,7 +22,7 @@ use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
 use crate::openai::meter::{event_data, MeterSummary, SseMeter, SseSplitter, Usage};
 use crate::telemetry::accesslog::UsageSource as LogUsageSource;
-use crate::telemetry::accesslog::{AccessLog, AccessRecord};
+use crate::telemetry::accesslog::{AccessLog, RecordView};
 use crate::telemetry::metrics::MetricsView;
 use crate::telemetry::metrics::{Attempt, EntityIdx, StatusClass, UpstreamErrorKind};
 
@@ -49,11 +49,11 @@ impl ObservationPool {
     }
 }
 
-/// Where a worker's access-log records go: its writer (when one is configured), the one record
-/// refilled per request (so its strings keep their capacity), and the worker's number.
+/// Where a worker's access-log records go: its writer (when one is configured), the string the
+/// client's address is written into (kept, so it keeps its capacity), and the worker's number.
 pub(crate) struct LogSink {
     pub(crate) writer: std::cell::RefCell<Option<AccessLog>>,
-    pub(crate) record: std::cell::RefCell<AccessRecord>,
+    client_addr: std::cell::RefCell<String>,
     pub(crate) worker_id: usize,
 }
 
@@ -61,7 +61,7 @@ impl LogSink {
     pub(crate) fn new(writer: Option<AccessLog>, worker_id: usize) -> LogSink {
         LogSink {
             writer: std::cell::RefCell::new(writer),
-            record: std::cell::RefCell::new(AccessRecord::default()),
+            client_addr: std::cell::RefCell::new(String::new()),
             worker_id,
         }
     }
@@ -596,103 +596,93 @@ pub(crate) fn emit(
         }
     }
 
-    // Access log.
+    // Access log: the record's fields are borrowed where they lie, only the peer is written
+    // out.
     let sink = log;
     let mut log = sink.writer.borrow_mut();
     let Some(log) = log.as_mut() else {
         return;
     };
-    let mut rec = sink.record.borrow_mut();
+    let mut client_addr = sink.client_addr.borrow_mut();
+    client_addr.clear();
+    if let Some(peer) = request.peer {
+        write_peer(&mut client_addr, peer);
+    }
     // When the request was received: now, less the time since (no wall-clock read on the way
     // in).
     let since_receipt = crate::sys::clock::recent().saturating_duration_since(request.received_at);
-    rec.time_unix_us = crate::sys::time::unix_us().saturating_sub(since_receipt.as_micros() as u64);
-    rec.client_addr.clear();
-    if let Some(peer) = request.peer {
-        write_peer(&mut rec.client_addr, peer);
-    }
-    set_str(&mut rec.method, "POST");
     // A path is nearly always UTF-8 (ASCII): checked as a str, not walked in lossy chunks.
-    match std::str::from_utf8(path) {
-        Ok(path) => set_str(&mut rec.path, path),
-        Err(_) => set_str(&mut rec.path, &String::from_utf8_lossy(path)),
-    }
-    rec.status = u32::from(status);
-    set_str(&mut rec.requested_model, &inspection.model);
-    rec.mapped_model.clear();
-    rec.cluster.clear();
-    rec.backend.clear();
+    let path = match std::str::from_utf8(path) {
+        Ok(path) => std::borrow::Cow::Borrowed(path),
+        Err(_) => String::from_utf8_lossy(path),
+    };
+    let (mut cluster_name, mut mapped_model, mut backend) = ("", "", "");
     if let Some((cluster_id, backend_id)) = obs.routed {
         if let Some(cluster) = snapshot.clusters.get(cluster_id) {
-            set_str(&mut rec.cluster, &cluster.name);
-            set_str(&mut rec.mapped_model, outcome.mapped_model);
+            cluster_name = &cluster.name;
+            mapped_model = outcome.mapped_model;
             if let Some(b) = cluster.backends.iter().find(|b| b.id == backend_id) {
-                set_str(&mut rec.backend, &b.host_header);
+                backend = &b.host_header;
             }
         }
     }
-    rec.key_id.clear();
-    rec.entity.clear();
-    let tags: &[String] = key.map_or(&[], |k| k.tags.as_slice());
-    // Refill the record's tag strings in place, keeping their allocations.
-    rec.tags.truncate(tags.len());
-    for (i, tag) in tags.iter().enumerate() {
-        match rec.tags.get_mut(i) {
-            Some(slot) => set_str(slot, tag),
-            None => rec.tags.push(tag.clone()),
-        }
-    }
-    if let Some(k) = key {
-        set_str(&mut rec.key_id, &k.id);
-        if let Some(e) = k.entity.and_then(|e| snapshot.limits.entities.get(e)) {
-            set_str(&mut rec.entity, e);
-        }
-    }
-    rec.rejected_policy.clear();
-    rec.rejected_dimension.clear();
-    if let Some(r) = &caller.refusal {
+    let (rejected_policy, rejected_dimension) = caller.refusal.as_ref().map_or(("", ""), |r| {
         let policy = r
             .policy
             .and_then(|p| snapshot.limits.policies.get(p))
             .map_or("quota", |p| p.id.as_str());
-        set_str(&mut rec.rejected_policy, policy);
-        set_str(&mut rec.rejected_dimension, r.dimension.label());
-    }
-    set_str(
-        &mut rec.auth_rejection_reason,
-        caller.auth_failure.unwrap_or(""),
-    );
-    rec.stream = inspection.stream;
+        (policy, r.dimension.label())
+    });
     let u = &outcome.usage;
-    rec.prompt_tokens = u.prompt_tokens;
-    rec.completion_tokens = u.completion_tokens;
-    rec.cached_tokens = u.cached_tokens;
-    rec.cache_write_tokens = u.cache_write_tokens;
-    rec.total_tokens = u.total_tokens;
-    rec.usage_source = match outcome.usage_source {
-        UsageSource::Reported => LogUsageSource::Reported,
-        UsageSource::Estimated => LogUsageSource::Estimated,
-        UsageSource::None => LogUsageSource::None,
-    } as i32;
-    rec.cost = outcome.cost.unwrap_or(0.0);
-    rec.ttft_us = outcome.ttft.map_or(0, |d| d.as_micros() as u64);
-    rec.tpot_us = outcome.tpot.map_or(0, |d| d.as_micros() as u64);
-    rec.latency_us = outcome.latency.as_micros() as u64;
-    rec.upstream_connect_us = obs.forward.connect.map_or(0, |d| d.as_micros() as u64);
-    rec.upstream_header_us = outcome.upstream_header.map_or(0, |d| d.as_micros() as u64);
-    rec.overhead_us = outcome.overhead.as_micros() as u64;
-    rec.bytes_in = obs.bytes_in;
-    rec.bytes_out = match error {
-        // Sluice's own answer is written after this record: count what it will be.
-        Some(e) => e.response_len(request.head.keep_alive, false, request.dialect()) as u64,
-        None => obs.bytes_out,
-    };
-    set_str(&mut rec.error_class, error_class(obs, error));
-    rec.fallback_attempts = obs.fallbacks + obs.forward.retries;
-    set_str(&mut rec.fallback_reason, obs.fallback_reason);
-    rec.sticky_id_hash = obs.sticky_id_hash;
-    rec.worker_id = sink.worker_id as u32;
-    log.record(&rec);
+    log.record_view(&RecordView {
+        time_unix_us: crate::sys::time::unix_us().saturating_sub(since_receipt.as_micros() as u64),
+        client_addr: &client_addr,
+        method: "POST",
+        path: &path,
+        status: u32::from(status),
+        key_id: key.map_or("", |k| &k.id),
+        entity: key
+            .and_then(|k| k.entity)
+            .and_then(|e| snapshot.limits.entities.get(e))
+            .map_or("", String::as_str),
+        tags: key.map_or(&[], |k| k.tags.as_slice()),
+        requested_model: &inspection.model,
+        mapped_model,
+        cluster: cluster_name,
+        backend,
+        stream: inspection.stream,
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        cached_tokens: u.cached_tokens,
+        total_tokens: u.total_tokens,
+        usage_source: match outcome.usage_source {
+            UsageSource::Reported => LogUsageSource::Reported,
+            UsageSource::Estimated => LogUsageSource::Estimated,
+            UsageSource::None => LogUsageSource::None,
+        } as i32,
+        cost: outcome.cost.unwrap_or(0.0),
+        ttft_us: outcome.ttft.map_or(0, |d| d.as_micros() as u64),
+        tpot_us: outcome.tpot.map_or(0, |d| d.as_micros() as u64),
+        latency_us: outcome.latency.as_micros() as u64,
+        upstream_connect_us: obs.forward.connect.map_or(0, |d| d.as_micros() as u64),
+        upstream_header_us: outcome.upstream_header.map_or(0, |d| d.as_micros() as u64),
+        overhead_us: outcome.overhead.as_micros() as u64,
+        bytes_in: obs.bytes_in,
+        bytes_out: match error {
+            // Sluice's own answer is written after this record: count what it will be.
+            Some(e) => e.response_len(request.head.keep_alive, false, request.dialect()) as u64,
+            None => obs.bytes_out,
+        },
+        rejected_policy,
+        rejected_dimension,
+        auth_rejection_reason: caller.auth_failure.unwrap_or(""),
+        error_class: error_class(obs, error),
+        fallback_attempts: obs.fallbacks + obs.forward.retries,
+        sticky_id_hash: obs.sticky_id_hash,
+        worker_id: sink.worker_id as u32,
+        fallback_reason: obs.fallback_reason,
+        cache_write_tokens: u.cache_write_tokens,
+    });
 }
 
 /// Count an attempt that failed and was followed by another (the request's last attempt is
@@ -743,12 +733,6 @@ fn fault_kind(fault: UpstreamFault) -> UpstreamErrorKind {
         UpstreamFault::Io => UpstreamErrorKind::Io,
         UpstreamFault::Protocol => UpstreamErrorKind::Protocol,
     }
-}
-
-/// Replace a string's contents, keeping its allocation.
-fn set_str(field: &mut String, value: &str) {
-    field.clear();
-    field.push_str(value);
 }
 
 /// `peer` as `Display` writes it (`1.2.3.4:5`, `[::1]:5`), an IPv4 one without core::fmt:

@@ -43,6 +43,9 @@ use serde::Serialize;
 
 pub use sluice_proto::{AccessRecord, UsageSource};
 
+mod wire;
+pub(crate) use wire::RecordView;
+
 /// Where and how the access log is written. A plain struct: the config layer fills it in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AccessLogConfig {
@@ -224,12 +227,14 @@ impl AccessLog {
     /// Appends `rec` to the batch; hands the batch to the writer once it reaches `batch_bytes`.
     /// Never blocks and never does file I/O.
     pub fn record(&mut self, rec: &AccessRecord) {
+        self.record_view(&RecordView::of(rec));
+    }
+
+    /// [`record`](Self::record) for a record whose fields are borrowed where they lie: what
+    /// the gateway logs each request with, copying no field into an owned record first.
+    pub(crate) fn record_view(&mut self, rec: &RecordView<'_>) {
         self.records += 1;
-        if rec.encode_length_delimited(&mut self.buf).is_err() {
-            // Unreachable with a Vec (it grows), but never panic on the request path.
-            self.dropped_records += 1;
-            return;
-        }
+        rec.encode_length_delimited(&mut self.buf);
         self.buf_records += 1;
         if self.buf.len() >= self.batch_bytes {
             self.hand_over(Instant::now());
