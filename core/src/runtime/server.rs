@@ -18,6 +18,7 @@
 //! `run` returns once every worker has reported, so the process exits 0. A second signal while
 //! draining exits at once, with status 1.
 
+use std::fmt::Write as _;
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::rc::Rc;
@@ -248,18 +249,25 @@ pub fn run(
         eprintln!("sluice: io_uring unavailable or disabled; running on the epoll (legacy) driver");
     }
     ready.store(true, Ordering::Release);
+    // Written whole, with one call: `eprintln!` with arguments writes each piece with a syscall
+    // of its own, and the scripts that wait for these lines in a file could read "listening on"
+    // before the address.
+    let mut listening = String::new();
     if let Some(tls_addr) = tls_addr {
-        eprintln!("sluice: tls listening on {tls_addr}");
+        let _ = writeln!(listening, "sluice: tls listening on {tls_addr}");
     }
-    eprintln!(
+    let _ = writeln!(
+        listening,
         "sluice: listening on {addr} (workers={workers}, driver={})",
         driver.name()
     );
     if let Some(admin) = admin {
-        eprintln!(
+        let _ = writeln!(
+            listening,
             "sluice: admin listening on {admin} (/metrics, /healthz, /readyz, /admin/reload)"
         );
     }
+    let _ = io::Write::write_all(&mut io::stderr(), listening.as_bytes());
     // Offer the sockets to a successor in turn — before telling the previous process to drain,
     // so that nothing after that can fail and leave nobody serving.
     let handover_state = Arc::new(takeover::Handover::default());
