@@ -22,7 +22,7 @@ use crate::gateway::context::{Io, Request};
 use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
 use crate::gateway::route::Target;
 use crate::http::response::{parse_response_head, ResponseHead};
-use crate::http::{is_hop_by_hop, push_decimal};
+use crate::http::{is_hop_by_hop, push_decimal, NameSet};
 use crate::openai::anthropic::upstream::{chat_to_messages, RequestOptions};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
 use crate::sys::clock;
@@ -35,7 +35,7 @@ use crate::upstream::{connect, ConnectError, UpstreamConn};
 fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
     // `accept-encoding`: a compressed answer could not be metered (usage, TTFT) nor relayed as
     // events; the client gets identity, which every HTTP client accepts.
-    const WITHHELD: [&[u8]; 8] = [
+    const WITHHELD: NameSet = NameSet::new(&[
         b"host",
         b"authorization",
         b"x-api-key",
@@ -44,9 +44,9 @@ fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
         b"openai-organization",
         b"openai-project",
         b"accept-encoding",
-    ];
+    ]);
     is_hop_by_hop(name)
-        || WITHHELD.iter().any(|h| h.eq_ignore_ascii_case(name))
+        || WITHHELD.contains(name)
         || credential_header.is_some_and(|c| c.as_bytes().eq_ignore_ascii_case(name))
 }
 
