@@ -18,11 +18,16 @@ use std::net::IpAddr;
 use crate::config::limits::{ApiKey, KeyIdx, LimitsConfig};
 use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError};
+use crate::http::Name;
 use crate::openai::json::truncate;
 
 pub(crate) use crate::config::limits::digest;
 
 use crate::config::limits::constant_time_eq;
+
+const AUTHORIZATION: Name = Name::new(b"authorization");
+const BEARER: Name = Name::new(b"bearer ");
+const X_API_KEY: Name = Name::new(b"x-api-key");
 
 /// The key the request presents, if any: the `Bearer` token of `Authorization`, or `x-api-key`.
 fn presented_key<'a>(request: &Request<'a>) -> Result<Option<&'a [u8]>, GatewayError> {
@@ -30,13 +35,13 @@ fn presented_key<'a>(request: &Request<'a>) -> Result<Option<&'a [u8]>, GatewayE
     for h in &request.head.headers {
         let name = h.name(request.buf);
         let value = h.value(request.buf);
-        let key = if name.eq_ignore_ascii_case(b"authorization") {
+        let key = if AUTHORIZATION.matches(name) {
             match value.get(..7) {
-                Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => trim(&value[7..]),
+                Some(scheme) if BEARER.matches(scheme) => trim(&value[7..]),
                 // Another scheme (Basic, …) carries no API key for us.
                 _ => continue,
             }
-        } else if name.eq_ignore_ascii_case(b"x-api-key") {
+        } else if X_API_KEY.matches(name) {
             trim(value)
         } else {
             continue;

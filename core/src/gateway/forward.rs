@@ -22,7 +22,7 @@ use crate::gateway::context::{Io, Request};
 use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
 use crate::gateway::route::Target;
 use crate::http::response::{parse_response_head, ResponseHead};
-use crate::http::{is_hop_by_hop, push_decimal, NameSet};
+use crate::http::{is_hop_by_hop, push_decimal, Name, NameSet};
 use crate::openai::anthropic::upstream::{chat_to_messages, RequestOptions};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
 use crate::sys::clock;
@@ -36,14 +36,14 @@ fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
     // `accept-encoding`: a compressed answer could not be metered (usage, TTFT) nor relayed as
     // events; the client gets identity, which every HTTP client accepts.
     const WITHHELD: NameSet = NameSet::new(&[
-        b"host",
-        b"authorization",
-        b"x-api-key",
-        b"api-key",
-        b"expect",
-        b"openai-organization",
-        b"openai-project",
-        b"accept-encoding",
+        Name::new(b"host"),
+        Name::new(b"authorization"),
+        Name::new(b"x-api-key"),
+        Name::new(b"api-key"),
+        Name::new(b"expect"),
+        Name::new(b"openai-organization"),
+        Name::new(b"openai-project"),
+        Name::new(b"accept-encoding"),
     ]);
     is_hop_by_hop(name)
         || WITHHELD.contains(name)

@@ -159,84 +159,76 @@ pub(crate) enum BodyFraming {
     UntilClose,
 }
 
+pub(crate) const CONTENT_LENGTH: Name = Name::new(b"content-length");
+pub(crate) const TRANSFER_ENCODING: Name = Name::new(b"transfer-encoding");
+pub(crate) const CONNECTION: Name = Name::new(b"connection");
+pub(crate) const CHUNKED: Name = Name::new(b"chunked");
+
 /// Hop-by-hop headers (RFC 9110 §7.6.1) and framing headers: never forwarded as received,
 /// since each hop sets its own.
 pub(crate) fn is_hop_by_hop(name: &[u8]) -> bool {
     const HOP: NameSet = NameSet::new(&[
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"content-length",
+        Name::new(b"connection"),
+        Name::new(b"keep-alive"),
+        Name::new(b"proxy-connection"),
+        Name::new(b"proxy-authenticate"),
+        Name::new(b"proxy-authorization"),
+        Name::new(b"te"),
+        Name::new(b"trailer"),
+        Name::new(b"transfer-encoding"),
+        Name::new(b"upgrade"),
+        CONTENT_LENGTH,
     ]);
     HOP.contains(name)
 }
 
-/// A fixed set of header names, matched ASCII case aside. Every header of every request and
-/// answer is checked against such a set; most (`content-type`, `user-agent`, `accept`) are in
-/// none, and a name whose length no member has is turned away on one bit test instead of a
-/// comparison with each member.
-pub(crate) struct NameSet {
-    names: &'static [&'static [u8]],
-    /// Bit `n` set: some member is `n` bytes long.
-    lengths: u64,
-}
+/// A header name (or a token in a header's value) that received bytes are compared with, ASCII
+/// case aside, eight bytes at a time ([`Name::matches`]). Built in constants:
+/// [`Name::new`] turns away, at compile time, the bytes the word-wise comparison cannot take.
+#[derive(Clone, Copy)]
+pub(crate) struct Name(&'static [u8]);
 
-impl NameSet {
-    /// Members are lower case: `a`–`z`, `0`–`9` and `-`, at most 63 bytes; others do not
-    /// compile.
-    pub(crate) const fn new(names: &'static [&'static [u8]]) -> NameSet {
-        let mut lengths = 0u64;
+impl Name {
+    /// Lower-case letters, and bytes with bit 6 clear (digits, `-`, `/`, `.`, …); not upper
+    /// case, nor `@`, `[`, `_` and the other bytes from 0x40 that are not lower-case letters.
+    pub(crate) const fn new(name: &'static [u8]) -> Name {
         let mut i = 0;
-        while i < names.len() {
-            let name = names[i];
-            assert!(name.len() < 64, "a NameSet member is at most 63 bytes");
-            let mut j = 0;
-            while j < name.len() {
-                assert!(
-                    matches!(name[j], b'a'..=b'z' | b'0'..=b'9' | b'-'),
-                    "a NameSet member is a-z, 0-9 and -"
-                );
-                j += 1;
-            }
-            lengths |= 1 << name.len();
+        while i < name.len() {
+            let b = name[i];
+            assert!(
+                b & 0x40 == 0 || b.is_ascii_lowercase(),
+                "a Name is lower-case letters and bytes below 0x40 or from 0x80 to 0xbf"
+            );
             i += 1;
         }
-        NameSet { names, lengths }
+        Name(name)
     }
 
+    /// `received` is this name, ASCII case aside.
     #[inline]
-    pub(crate) fn contains(&self, name: &[u8]) -> bool {
-        name.len() < 64
-            && self.lengths & (1 << name.len()) != 0
-            && self.names.iter().any(|m| eq_member(name, m))
+    pub(crate) fn matches(self, received: &[u8]) -> bool {
+        eq_name(received, self.0)
     }
 }
 
-/// `name` equals the `NameSet` member `member` (same length, which the caller checked or this
-/// does), ASCII case aside: eight bytes at a time, where `eq_ignore_ascii_case` lower-cases
-/// each byte of both (~7 instructions a byte: `content-length` in every request and answer cost
-/// ~200 a request). A member's letters are the bytes with bit 6 set (`-` and digits have it
-/// clear), so setting bit 5 of the name's bytes there, and nowhere else, makes an upper-case
-/// letter its lower-case one and nothing else equal to the member's byte.
+/// `received` equals `name` (a [`Name`]'s bytes), ASCII case aside: eight bytes at a time,
+/// where `eq_ignore_ascii_case` lower-cases each byte of both (~7 instructions a byte:
+/// `content-length` in every request and answer cost ~200 a request). `name`'s letters are its
+/// bytes with bit 6 set; setting bit 5 of the received bytes there, and nowhere else, makes an
+/// upper-case letter its lower-case one and nothing else equal to `name`'s byte.
 #[inline]
-fn eq_member(name: &[u8], member: &[u8]) -> bool {
+fn eq_name(received: &[u8], name: &[u8]) -> bool {
     const BIT6: u64 = 0x4040_4040_4040_4040;
-    let word_eq = |n: u64, m: u64| n | ((m & BIT6) >> 1) == m;
-    let len = member.len();
-    if name.len() != len {
+    let word_eq = |r: u64, n: u64| r | ((n & BIT6) >> 1) == n;
+    let len = name.len();
+    if received.len() != len {
         return false;
     }
     if len < 8 {
-        let (mut n, mut m) = ([0u8; 8], [0u8; 8]);
+        let (mut r, mut n) = ([0u8; 8], [0u8; 8]);
+        r[..len].copy_from_slice(received);
         n[..len].copy_from_slice(name);
-        m[..len].copy_from_slice(member);
-        return word_eq(u64::from_le_bytes(n), u64::from_le_bytes(m));
+        return word_eq(u64::from_le_bytes(r), u64::from_le_bytes(n));
     }
     let word = |b: &[u8], at: usize| {
         b.get(at..at + 8)
@@ -245,8 +237,42 @@ fn eq_member(name: &[u8], member: &[u8]) -> bool {
     };
     // Whole words, then the last eight bytes (overlapping the words before when the length is
     // not a multiple of eight).
-    (0..len / 8).all(|i| word_eq(word(name, 8 * i), word(member, 8 * i)))
-        && word_eq(word(name, len - 8), word(member, len - 8))
+    (0..len / 8).all(|i| word_eq(word(received, 8 * i), word(name, 8 * i)))
+        && word_eq(word(received, len - 8), word(name, len - 8))
+}
+
+/// A fixed set of header [`Name`]s. Every header of every request and answer is checked
+/// against such a set; most (`content-type`, `user-agent`, `accept`) are in none, and a name
+/// whose length no member has is turned away on one bit test instead of a comparison with each
+/// member.
+pub(crate) struct NameSet {
+    names: &'static [Name],
+    /// Bit `n` set: some member is `n` bytes long.
+    lengths: u64,
+}
+
+impl NameSet {
+    /// Members longer than 63 bytes do not compile.
+    pub(crate) const fn new(names: &'static [Name]) -> NameSet {
+        let mut lengths = 0u64;
+        let mut i = 0;
+        while i < names.len() {
+            assert!(
+                names[i].0.len() < 64,
+                "a NameSet member is at most 63 bytes"
+            );
+            lengths |= 1 << names[i].0.len();
+            i += 1;
+        }
+        NameSet { names, lengths }
+    }
+
+    #[inline]
+    pub(crate) fn contains(&self, received: &[u8]) -> bool {
+        received.len() < 64
+            && self.lengths & (1 << received.len()) != 0
+            && self.names.iter().any(|n| n.matches(received))
+    }
 }
 
 /// Parse a Content-Length value strictly: one or more comma-separated runs of digits that all
@@ -361,22 +387,22 @@ mod tests {
         }
     }
 
-    /// Against `eq_ignore_ascii_case`: every member length up to 63 bytes, every byte value
-    /// in every position of each member.
+    /// Against `eq_ignore_ascii_case`: every length up to 63 bytes, names of letters and of
+    /// the bytes below 0x40 (digits, `-`, `/`, `.`), every byte value in every position.
     #[test]
-    fn a_member_compares_as_eq_ignore_ascii_case_does() {
-        let alphabet = b"abcdefghijklmnopqrstuvwxyz0123456789-";
+    fn a_name_compares_as_eq_ignore_ascii_case_does() {
+        let alphabet = b"abcdefghijklmnopqrstuvwxyz0123456789-/.:";
         for len in 1..64 {
-            let member: Vec<u8> = (0..len).map(|i| alphabet[(i * 7 + len) % 37]).collect();
-            assert!(eq_member(&member.to_ascii_uppercase(), &member));
+            let name: Vec<u8> = (0..len).map(|i| alphabet[(i * 7 + len) % 40]).collect();
+            assert!(eq_name(&name.to_ascii_uppercase(), &name));
             for at in 0..len {
-                let mut name = member.clone();
+                let mut received = name.clone();
                 for b in 0..=255u8 {
-                    name[at] = b;
+                    received[at] = b;
                     assert_eq!(
-                        eq_member(&name, &member),
-                        name.eq_ignore_ascii_case(&member),
-                        "{name:?} against {member:?}"
+                        eq_name(&received, &name),
+                        received.eq_ignore_ascii_case(&name),
+                        "{received:?} against {name:?}"
                     );
                 }
             }
@@ -386,7 +412,12 @@ mod tests {
     #[test]
     fn a_name_set_matches_its_members_in_any_case_and_nothing_else() {
         const LONGEST: &[u8] = &[b'x'; 63];
-        const SET: NameSet = NameSet::new(&[b"te", b"trailer", b"upgrade", LONGEST]);
+        const SET: NameSet = NameSet::new(&[
+            Name::new(b"te"),
+            Name::new(b"trailer"),
+            Name::new(b"upgrade"),
+            Name::new(LONGEST),
+        ]);
         for member in [&b"te"[..], b"trailer", b"upgrade", LONGEST] {
             assert!(SET.contains(member));
             assert!(SET.contains(&member.to_ascii_uppercase()));

@@ -11,6 +11,11 @@
 
 use super::{has_token, parse_content_length, trim_ows, BodyFraming, HeaderPos};
 use super::{HttpError, HttpLimits};
+use super::{Name, CHUNKED, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+
+const HOST: Name = Name::new(b"host");
+const EXPECT: Name = Name::new(b"expect");
+const CONTINUE: Name = Name::new(b"100-continue");
 
 /// Hard ceiling on header fields parsed at once (the stack array httparse fills);
 /// `http.max_headers` is checked against the count below it.
@@ -150,7 +155,7 @@ pub(crate) fn parse_request_head(
         let name = field.name.as_bytes();
         let value = field.value;
         head.headers.push(HeaderPos::from_slices(buf, name, value));
-        if name.eq_ignore_ascii_case(b"content-length") {
+        if CONTENT_LENGTH.matches(name) {
             let Some(n) = parse_content_length(value) else {
                 return Err(HttpError::malformed("invalid Content-Length"));
             };
@@ -158,26 +163,26 @@ pub(crate) fn parse_request_head(
                 return Err(HttpError::malformed("conflicting Content-Length headers"));
             }
             content_length = Some(n);
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+        } else if TRANSFER_ENCODING.matches(name) {
             // Only a lone `chunked` is accepted: any other coding (or chunked twice, or not
             // last) is something we cannot decode, and a classic smuggling ingredient.
-            if transfer_encoding || !trim_ows(value).eq_ignore_ascii_case(b"chunked") {
+            if transfer_encoding || !CHUNKED.matches(trim_ows(value)) {
                 return Err(HttpError::malformed(
                     "unsupported Transfer-Encoding: only `chunked` is accepted",
                 ));
             }
             transfer_encoding = true;
             chunked = true;
-        } else if name.eq_ignore_ascii_case(b"host") {
+        } else if HOST.matches(name) {
             hosts += 1;
-        } else if name.eq_ignore_ascii_case(b"connection") {
+        } else if CONNECTION.matches(name) {
             if has_token(value, b"close") {
                 head.keep_alive = false;
             } else if minor == 0 && has_token(value, b"keep-alive") {
                 head.keep_alive = true;
             }
-        } else if name.eq_ignore_ascii_case(b"expect") {
-            if trim_ows(value).eq_ignore_ascii_case(b"100-continue") {
+        } else if EXPECT.matches(name) {
+            if CONTINUE.matches(trim_ows(value)) {
                 head.expect_continue = true;
             } else {
                 return Err(HttpError::ExpectationFailed);

@@ -8,6 +8,10 @@
 //! bad upstream, answered 502 to the client.
 
 use super::{has_token, parse_content_length, BodyFraming, HeaderPos};
+use super::{Name, CHUNKED, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+
+const CONTENT_TYPE: Name = Name::new(b"content-type");
+const EVENT_STREAM: Name = Name::new(b"text/event-stream");
 
 /// Largest upstream response head accepted.
 pub(crate) const MAX_RESPONSE_HEAD_BYTES: usize = 64 * 1024;
@@ -84,25 +88,23 @@ pub(crate) fn parse_response_head(
         let name = field.name.as_bytes();
         let value = field.value;
         head.headers.push(HeaderPos::from_slices(buf, name, value));
-        if name.eq_ignore_ascii_case(b"content-length") {
+        if CONTENT_LENGTH.matches(name) {
             let n = parse_content_length(value)
                 .ok_or(ResponseError("invalid Content-Length from upstream"))?;
             if content_length.is_some_and(|prev| prev != n) {
                 return Err(ResponseError("conflicting Content-Length from upstream"));
             }
             content_length = Some(n);
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+        } else if TRANSFER_ENCODING.matches(name) {
             transfer_encoding = Some(value);
-        } else if name.eq_ignore_ascii_case(b"connection") {
+        } else if CONNECTION.matches(name) {
             if has_token(value, b"close") {
                 head.keep_alive = false;
             } else if minor == 0 && has_token(value, b"keep-alive") {
                 head.keep_alive = true;
             }
-        } else if name.eq_ignore_ascii_case(b"content-type") {
-            head.event_stream = value
-                .get(..17)
-                .is_some_and(|v| v.eq_ignore_ascii_case(b"text/event-stream"));
+        } else if CONTENT_TYPE.matches(name) {
+            head.event_stream = value.get(..17).is_some_and(|v| EVENT_STREAM.matches(v));
         }
     }
     head.body = Some(
@@ -110,7 +112,7 @@ pub(crate) fn parse_response_head(
             BodyFraming::None
         } else if let Some(te) = transfer_encoding {
             let last = te.rsplit(|&b| b == b',').next().unwrap_or(b"");
-            if super::trim_ows(last).eq_ignore_ascii_case(b"chunked") {
+            if CHUNKED.matches(super::trim_ows(last)) {
                 BodyFraming::Chunked
             } else {
                 BodyFraming::UntilClose
