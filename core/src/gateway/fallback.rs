@@ -130,7 +130,11 @@ pub(crate) async fn judge_response(
             broken: None,
         };
     }
-    let retry_after_ms = retry_after_ms(response);
+    // Only the statuses that cool a backend read it: looking for two names among every
+    // answer's headers cost ~150 instructions a request.
+    let retry_after_ms = matches!(status, 429 | 529 | 503)
+        .then(|| retry_after_ms(response))
+        .flatten();
     let (reason, health) = match status_verdict(status, retry_after_ms) {
         Some(verdict) => verdict,
         None if status == 200 && head.event_stream && may_retry() => {
