@@ -130,12 +130,7 @@ pub(crate) async fn judge_response(
             broken: None,
         };
     }
-    // Only the statuses that cool a backend read it: looking for two names among every
-    // answer's headers cost ~150 instructions a request.
-    let retry_after_ms = matches!(status, 429 | 529 | 503)
-        .then(|| retry_after_ms(response))
-        .flatten();
-    let (reason, health) = match status_verdict(status, retry_after_ms) {
+    let (reason, health) = match status_verdict(status, || retry_after_ms(response)) {
         Some(verdict) => verdict,
         None if status == 200 && head.event_stream && may_retry() => {
             // A chunked body is decoded into a pooled buffer to be judged.
@@ -185,19 +180,22 @@ pub(crate) async fn judge_response(
 /// The statuses another backend may do better on, with what each says of the backend: a 429
 /// or 529 cools it down (it is busy, not dead), a 503 with `Retry-After` too and counts as a
 /// failure, 500 / 502 / 503 / 504 are failures. Any other status is the answer.
+///
+/// `retry_after_ms` is called only for the statuses that cool a backend: looking for two names
+/// among every answer's headers, 200s too, cost ~150 instructions a request.
 fn status_verdict(
     status: u16,
-    retry_after_ms: Option<u64>,
+    retry_after_ms: impl FnOnce() -> Option<u64>,
 ) -> Option<(FallbackReason, AttemptResult)> {
-    let cool = |failed| AttemptResult::Cool {
-        ms: retry_after_ms,
-        failed,
-    };
+    let cool = |ms, failed| AttemptResult::Cool { ms, failed };
     Some(match status {
-        429 => (FallbackReason::Status429, cool(false)),
-        529 => (FallbackReason::Overloaded, cool(false)),
-        503 if retry_after_ms.is_some() => (FallbackReason::Status5xx, cool(true)),
-        500 | 502 | 503 | 504 => (FallbackReason::Status5xx, AttemptResult::Failed),
+        429 => (FallbackReason::Status429, cool(retry_after_ms(), false)),
+        529 => (FallbackReason::Overloaded, cool(retry_after_ms(), false)),
+        503 => match retry_after_ms() {
+            Some(ms) => (FallbackReason::Status5xx, cool(Some(ms), true)),
+            None => (FallbackReason::Status5xx, AttemptResult::Failed),
+        },
+        500 | 502 | 504 => (FallbackReason::Status5xx, AttemptResult::Failed),
         _ => return None,
     })
 }
@@ -488,22 +486,31 @@ mod tests {
     #[test]
     fn statuses_that_move_on_and_statuses_that_do_not() {
         for status in [429, 500, 502, 503, 504, 529] {
-            assert!(status_verdict(status, None).is_some(), "{status}");
+            assert!(status_verdict(status, || None).is_some(), "{status}");
         }
         for status in [200, 400, 401, 403, 404, 408, 413, 422, 501] {
-            assert!(status_verdict(status, None).is_none(), "{status}");
+            let verdict = status_verdict(status, || panic!("{status} read Retry-After"));
+            assert!(verdict.is_none(), "{status}");
+        }
+        // Failures that do not cool the backend do not read Retry-After either.
+        for status in [500, 502, 504] {
+            let verdict = status_verdict(status, || panic!("{status} read Retry-After"));
+            assert_eq!(verdict.unwrap().1, AttemptResult::Failed);
         }
         let cool = |ms, failed| AttemptResult::Cool { ms, failed };
         assert_eq!(
-            status_verdict(429, Some(2_000)).unwrap().1,
+            status_verdict(429, || Some(2_000)).unwrap().1,
             cool(Some(2_000), false)
         );
-        assert_eq!(status_verdict(529, None).unwrap().1, cool(None, false));
+        assert_eq!(status_verdict(529, || None).unwrap().1, cool(None, false));
         assert_eq!(
-            status_verdict(503, Some(1_000)).unwrap().1,
+            status_verdict(503, || Some(1_000)).unwrap().1,
             cool(Some(1_000), true)
         );
-        assert_eq!(status_verdict(503, None).unwrap().1, AttemptResult::Failed);
+        assert_eq!(
+            status_verdict(503, || None).unwrap().1,
+            AttemptResult::Failed
+        );
     }
 
     #[test]

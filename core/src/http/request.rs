@@ -15,7 +15,7 @@ use super::{Name, CHUNKED, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 
 const HOST: Name = Name::new(b"host");
 const EXPECT: Name = Name::new(b"expect");
-const CONTINUE: Name = Name::new(b"100-continue");
+const HUNDRED_CONTINUE: Name = Name::new(b"100-continue");
 
 /// Hard ceiling on header fields parsed at once (the stack array httparse fills);
 /// `http.max_headers` is checked against the count below it.
@@ -182,7 +182,7 @@ pub(crate) fn parse_request_head(
                 head.keep_alive = true;
             }
         } else if EXPECT.matches(name) {
-            if CONTINUE.matches(trim_ows(value)) {
+            if HUNDRED_CONTINUE.matches(trim_ows(value)) {
                 head.expect_continue = true;
             } else {
                 return Err(HttpError::ExpectationFailed);

@@ -1,11 +1,12 @@
 //! Access log: one protobuf [`AccessRecord`] per request, written to disk off the worker thread.
 //!
-//! **When it runs.** After a request settles, the worker calls [`AccessLog::record`]; a worker
+//! **When it runs.** After a request settles, the worker calls `AccessLog::record_view` (the
+//! gateway's records, fields borrowed; [`AccessLog::record`] takes an owned one); a worker
 //! timer calls [`AccessLog::flush_if_due`] every [`AccessLogConfig::flush_interval`]. Reading a
 //! log back ([`dump`], [`JsonDecoder`]) is for the `sluice logs` command, never the gateway.
 //!
-//! **What it takes and returns.** `record` takes a filled-in record and returns nothing: it
-//! encodes the record length-delimited (varint length, then the message) into an in-memory batch
+//! **What it takes and returns.** Either takes a record and returns nothing: it encodes the
+//! record length-delimited (varint length, then the message) into an in-memory batch
 //! and, once the batch reaches [`AccessLogConfig::batch_bytes`] or the flush interval has passed,
 //! hands the batch to this worker's writer thread with a non-blocking `try_send` on a bounded
 //! channel ([`AccessLogConfig::queue_batches`] batches deep). The worker thread never blocks and
@@ -234,7 +235,11 @@ impl AccessLog {
     /// the gateway logs each request with, copying no field into an owned record first.
     pub(crate) fn record_view(&mut self, rec: &RecordView<'_>) {
         self.records += 1;
-        rec.encode_length_delimited(&mut self.buf);
+        if !rec.encode_length_delimited(&mut self.buf) {
+            // Not reached (the encoder's room is a bound), but never a corrupt file.
+            self.dropped_records += 1;
+            return;
+        }
         self.buf_records += 1;
         if self.buf.len() >= self.batch_bytes {
             self.hand_over(Instant::now());
@@ -367,10 +372,11 @@ impl AccessLog {
     }
 }
 
-/// Capacity to reserve for a batch: its size plus room for the record that crosses it, capped
-/// so a huge `batch_bytes` does not reserve memory up front.
+/// Capacity to reserve for a batch: its size plus room for the record that crosses it (the
+/// encoder makes room for a record's longest encoding before writing it; a record with up to
+/// 1 KiB of strings fits), capped so a huge `batch_bytes` does not reserve memory up front.
 fn batch_capacity(batch_bytes: usize) -> usize {
-    batch_bytes.min(4 << 20) + 1024
+    batch_bytes.min(4 << 20) + wire::ROOM_BESIDES_STRINGS + 1024
 }
 
 impl Drop for AccessLog {

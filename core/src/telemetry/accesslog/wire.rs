@@ -12,11 +12,12 @@
 //!
 //! **Why not prost's encoder.** prost encodes an owned `AccessRecord`, so each string had first
 //! to be copied into one, and it walks the message twice (`encoded_len`, then `encode`), pushing
-//! every byte through `BufMut`'s capacity check: about 2,400 instructions a request, 6% of the
-//! AI pipeline's user space (perf/RESULTS.md, tenth session). The schema, the generated type and
-//! every reader stay prost's; `the_hand_encoder_writes_what_prost_writes` holds this file to
-//! prost's bytes for every field, and [`RecordView::of`] names every field of the generated
-//! struct, so a field added to `accesslog.proto` does not compile until it is encoded here.
+//! every byte through `BufMut`'s capacity check: `observe::emit` cost 3,683 instructions a
+//! request in the AI pipeline with it, 2,539 with this (perf/RESULTS.md, tenth session). The
+//! schema, the generated type and every reader stay prost's;
+//! `the_hand_encoder_writes_what_prost_writes` holds this file to prost's bytes for every
+//! field, and [`RecordView::of`] names every field of the generated struct, so a field added to
+//! `accesslog.proto` does not compile until it is encoded here.
 
 use super::AccessRecord;
 
@@ -61,6 +62,15 @@ pub(crate) struct RecordView<'a> {
     pub(crate) fallback_reason: &'a str,
     pub(crate) cache_write_tokens: u64,
 }
+
+/// The schema's fields, and the most bytes one takes besides a string's own: a two-byte key
+/// and a ten-byte varint (or a string's length).
+const FIELDS: usize = 36;
+const FIELD: usize = 12;
+
+/// The room [`RecordView::encode_length_delimited`] makes in the batch beyond the strings' and
+/// tags' bytes: the length prefix held, and every field at its longest.
+pub(super) const ROOM_BESIDES_STRINGS: usize = 2 + FIELDS * FIELD;
 
 /// Protobuf wire types.
 const VARINT: u32 = 0;
@@ -149,8 +159,11 @@ impl<'a> RecordView<'a> {
         }
     }
 
-    /// Appends the record to `out`: its length as a varint, then the message.
-    pub(crate) fn encode_length_delimited(&self, out: &mut Vec<u8>) {
+    /// Appends the record to `out`: its length as a varint, then the message. Returns false,
+    /// leaving `out` as it was, if the message outgrew the room made for it, which
+    /// [`longest_message`](Self::longest_message) rules out: a record cut short would make the
+    /// rest of its file unreadable.
+    pub(crate) fn encode_length_delimited(&self, out: &mut Vec<u8>) -> bool {
         // The message is written once, into room made for the longest it could be, behind two
         // bytes held for its length: that fits nearly every record (128 to 16,383 bytes), and
         // the rare record of another size moves its bytes to fit its prefix.
@@ -163,7 +176,11 @@ impl<'a> RecordView<'a> {
         };
         self.encode_message(&mut w);
         let len = w.at;
-        debug_assert!(len <= room, "longest_message is not a bound");
+        if len > room {
+            debug_assert!(false, "longest_message is not a bound");
+            out.truncate(start);
+            return false;
+        }
         out.truncate(start + 2 + len);
         let mut prefix = [0u8; 10];
         let n = varint_bytes(len as u64, &mut prefix);
@@ -185,13 +202,12 @@ impl<'a> RecordView<'a> {
                 out.splice(start..start + 2, prefix.iter().copied());
             }
         }
+        true
     }
 
     /// At least the message's encoded length: every field at its longest (a two-byte key and a
     /// ten-byte varint or length), the strings' bytes, and each tag as a field of its own.
     fn longest_message(&self) -> usize {
-        const FIELDS: usize = 36;
-        const FIELD: usize = 12;
         let strings = [
             self.client_addr,
             self.method,
@@ -446,7 +462,7 @@ mod tests {
         for case in 0..3_000 {
             let rec = values.record();
             // Appended behind earlier records, as in a batch.
-            RecordView::of(&rec).encode_length_delimited(&mut ours);
+            assert!(RecordView::of(&rec).encode_length_delimited(&mut ours));
             rec.encode_length_delimited(&mut theirs).unwrap();
             assert_eq!(ours, theirs, "case {case}: {rec:?}");
             lengths.insert(prost::encoding::encoded_len_varint(rec.encoded_len() as u64));
@@ -455,10 +471,34 @@ mod tests {
         assert_eq!(lengths.into_iter().collect::<Vec<_>>(), vec![1, 2, 3]);
     }
 
+    /// Messages of 127, 128, 16,383 and 16,384 bytes: each side of the one- and two-byte length
+    /// prefixes. A path alone of `n` bytes is a message of 1 + (its length's varint) + `n`.
+    #[test]
+    fn the_length_prefix_is_right_at_its_edges() {
+        for (path_len, message_len, prefix_len) in [
+            (125, 127, 1),
+            (126, 128, 2),
+            (16_380, 16_383, 2),
+            (16_381, 16_384, 3),
+        ] {
+            let rec = AccessRecord {
+                path: "p".repeat(path_len),
+                ..AccessRecord::default()
+            };
+            assert_eq!(rec.encoded_len(), message_len);
+            let mut ours = vec![9];
+            assert!(RecordView::of(&rec).encode_length_delimited(&mut ours));
+            assert_eq!(ours.len(), 1 + prefix_len + message_len);
+            let mut theirs = vec![9];
+            rec.encode_length_delimited(&mut theirs).unwrap();
+            assert_eq!(ours, theirs, "{message_len}-byte message");
+        }
+    }
+
     #[test]
     fn an_empty_record_is_one_zero_byte() {
         let mut out = vec![7];
-        RecordView::default().encode_length_delimited(&mut out);
+        assert!(RecordView::default().encode_length_delimited(&mut out));
         assert_eq!(out, [7, 0]);
         let rec = AccessRecord::decode_length_delimited(&out[1..]).unwrap();
         assert_eq!(rec, AccessRecord::default());
@@ -470,7 +510,7 @@ mod tests {
         for _ in 0..200 {
             let rec = values.record();
             let mut out = Vec::new();
-            RecordView::of(&rec).encode_length_delimited(&mut out);
+            assert!(RecordView::of(&rec).encode_length_delimited(&mut out));
             let back = AccessRecord::decode_length_delimited(out.as_slice()).unwrap();
             // NaN is not equal to itself: compare its bits; -0.0 is left out, as prost does, and
             // reads back as 0.0.
