@@ -323,6 +323,14 @@ mod tests {
         assert_eq!(parse_content_length(b"5"), Some(5));
         assert_eq!(parse_content_length(b"5, 5"), Some(5));
         assert_eq!(parse_content_length(b"0"), Some(0));
+        assert_eq!(parse_content_length(b" 7\t"), Some(7));
+        assert_eq!(parse_content_length(b"007"), Some(7));
+        // Nineteen digits are read, twenty refused (nineteen hold any length a body can have).
+        assert_eq!(
+            parse_content_length(b"9999999999999999999"),
+            Some(9_999_999_999_999_999_999)
+        );
+        assert_eq!(parse_content_length(b"18446744073709551615"), None);
         for bad in [
             &b"+5"[..],
             b"-1",
