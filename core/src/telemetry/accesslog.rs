@@ -40,7 +40,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use prost::Message;
-use serde::Serialize;
 
 pub use sluice_proto::{AccessRecord, UsageSource};
 
@@ -648,140 +647,12 @@ impl std::fmt::Display for LogError {
 
 impl std::error::Error for LogError {}
 
-/// The JSON form of one record, fields in proto order with the proto's names.
-#[derive(Serialize)]
-struct JsonRecord<'a> {
-    time_unix_us: u64,
-    client_addr: &'a str,
-    method: &'a str,
-    path: &'a str,
-    status: u32,
-    key_id: &'a str,
-    entity: &'a str,
-    tags: &'a [String],
-    requested_model: &'a str,
-    mapped_model: &'a str,
-    cluster: &'a str,
-    backend: &'a str,
-    stream: bool,
-    prompt_tokens: u64,
-    completion_tokens: u64,
-    cached_tokens: u64,
-    total_tokens: u64,
-    usage_source: EnumValue,
-    cost: f64,
-    ttft_us: u64,
-    tpot_us: u64,
-    latency_us: u64,
-    upstream_connect_us: u64,
-    upstream_header_us: u64,
-    overhead_us: u64,
-    bytes_in: u64,
-    bytes_out: u64,
-    rejected_policy: &'a str,
-    rejected_dimension: &'a str,
-    auth_rejection_reason: &'a str,
-    error_class: &'a str,
-    fallback_attempts: u32,
-    sticky_id_hash: u64,
-    worker_id: u32,
-    fallback_reason: &'a str,
-    cache_write_tokens: u64,
-}
-
-/// An enum as its proto name, or its number when this build does not know it.
-#[derive(Serialize)]
-#[serde(untagged)]
-enum EnumValue {
-    Name(&'static str),
-    Number(i32),
-}
-
 /// Writes `rec` as one JSON object followed by `\n`: every field (defaults included) under its
 /// proto name, in proto order; enums as their proto value names (`"USAGE_SOURCE_REPORTED"`);
-/// 64-bit integers as exact JSON numbers; a non-finite `cost` as `null`.
+/// 64-bit integers as exact JSON numbers; a non-finite `cost` as `null`. The fields are
+/// [`RecordView`]'s, which names every field of the generated struct.
 pub(crate) fn write_json_line<W: Write>(rec: &AccessRecord, out: &mut W) -> io::Result<()> {
-    // Exhaustive on purpose: a field added to the proto fails to compile here until it is added.
-    let AccessRecord {
-        time_unix_us,
-        client_addr,
-        method,
-        path,
-        status,
-        key_id,
-        entity,
-        tags,
-        requested_model,
-        mapped_model,
-        cluster,
-        backend,
-        stream,
-        prompt_tokens,
-        completion_tokens,
-        cached_tokens,
-        total_tokens,
-        usage_source,
-        cost,
-        ttft_us,
-        tpot_us,
-        latency_us,
-        upstream_connect_us,
-        upstream_header_us,
-        overhead_us,
-        bytes_in,
-        bytes_out,
-        rejected_policy,
-        rejected_dimension,
-        auth_rejection_reason,
-        error_class,
-        fallback_attempts,
-        sticky_id_hash,
-        worker_id,
-        fallback_reason,
-        cache_write_tokens,
-    } = rec;
-    let view = JsonRecord {
-        time_unix_us: *time_unix_us,
-        client_addr,
-        method,
-        path,
-        status: *status,
-        key_id,
-        entity,
-        tags,
-        requested_model,
-        mapped_model,
-        cluster,
-        backend,
-        stream: *stream,
-        prompt_tokens: *prompt_tokens,
-        completion_tokens: *completion_tokens,
-        cached_tokens: *cached_tokens,
-        total_tokens: *total_tokens,
-        usage_source: match UsageSource::try_from(*usage_source) {
-            Ok(u) => EnumValue::Name(u.as_str_name()),
-            Err(_) => EnumValue::Number(*usage_source),
-        },
-        cost: *cost,
-        ttft_us: *ttft_us,
-        tpot_us: *tpot_us,
-        latency_us: *latency_us,
-        upstream_connect_us: *upstream_connect_us,
-        upstream_header_us: *upstream_header_us,
-        overhead_us: *overhead_us,
-        bytes_in: *bytes_in,
-        bytes_out: *bytes_out,
-        rejected_policy,
-        rejected_dimension,
-        auth_rejection_reason,
-        error_class,
-        fallback_attempts: *fallback_attempts,
-        sticky_id_hash: *sticky_id_hash,
-        worker_id: *worker_id,
-        fallback_reason,
-        cache_write_tokens: *cache_write_tokens,
-    };
-    serde_json::to_writer(&mut *out, &view).map_err(io::Error::from)?;
+    serde_json::to_writer(&mut *out, &RecordView::of(rec)).map_err(io::Error::from)?;
     out.write_all(b"\n")
 }
 
@@ -1192,12 +1063,14 @@ mod tests {
         let mut out = Vec::new();
         let unknown = AccessRecord {
             usage_source: 9,
+            cost: f64::NAN,
             ..AccessRecord::default()
         };
         write_json_line(&unknown, &mut out).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v.as_object().unwrap().len(), 36);
         assert_eq!(v["usage_source"], 9);
+        assert!(v["cost"].is_null(), "{v}");
         assert_eq!(v["path"], "");
         assert_eq!(v["tags"], serde_json::json!([]));
     }

@@ -1,4 +1,5 @@
-//! The access record's protobuf encoding, written out by hand for the request path.
+//! The access record's protobuf encoding, written out by hand for the request path; and its
+//! JSON form, for `sluice logs`.
 //!
 //! **When it runs.** Once per logged request, from [`AccessLog::record_view`](super::AccessLog::record_view)
 //! (and from [`AccessLog::record`](super::AccessLog::record), which borrows its record as a view).
@@ -8,7 +9,7 @@
 //! appends the record length-delimited (a varint length, then the message) to a batch, byte for
 //! byte what prost's `AccessRecord::encode_length_delimited` writes for the same values: fields
 //! in number order, proto3 defaults (0, "", false) left out, every element of `tags` written.
-//! Raises nothing.
+//! Its `Serialize` writes the same fields as JSON. Raises nothing.
 //!
 //! **Why not prost's encoder.** prost encodes an owned `AccessRecord`, so each string had first
 //! to be copied into one, and it walks the message twice (`encoded_len`, then `encode`), pushing
@@ -19,10 +20,16 @@
 //! field, and [`RecordView::of`] names every field of the generated struct, so a field added to
 //! `accesslog.proto` does not compile until it is encoded here.
 
-use super::AccessRecord;
+use serde::{Serialize, Serializer};
+
+use super::{AccessRecord, UsageSource};
 
 /// One access record, its fields borrowed. The meaning of each is in `proto/accesslog.proto`.
-#[derive(Debug, Clone, Copy, Default)]
+///
+/// Its `Serialize` is the record's JSON form (`sluice logs`): the fields in proto order under
+/// their proto names, the enum as its value name (its number when this build does not know
+/// it), 64-bit integers as exact numbers, a non-finite `cost` as `null`.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
 pub(crate) struct RecordView<'a> {
     pub(crate) time_unix_us: u64,
     pub(crate) client_addr: &'a str,
@@ -41,7 +48,8 @@ pub(crate) struct RecordView<'a> {
     pub(crate) completion_tokens: u64,
     pub(crate) cached_tokens: u64,
     pub(crate) total_tokens: u64,
-    /// A [`UsageSource`](super::UsageSource) as its number.
+    /// A [`UsageSource`] as its number.
+    #[serde(serialize_with = "usage_source_name")]
     pub(crate) usage_source: i32,
     pub(crate) cost: f64,
     pub(crate) ttft_us: u64,
@@ -61,6 +69,14 @@ pub(crate) struct RecordView<'a> {
     pub(crate) worker_id: u32,
     pub(crate) fallback_reason: &'a str,
     pub(crate) cache_write_tokens: u64,
+}
+
+/// The enum's proto name, or its number when this build does not know it.
+fn usage_source_name<S: Serializer>(value: &i32, s: S) -> Result<S::Ok, S::Error> {
+    match UsageSource::try_from(*value) {
+        Ok(known) => s.serialize_str(known.as_str_name()),
+        Err(_) => s.serialize_i32(*value),
+    }
 }
 
 /// The schema's fields, and the most bytes one takes besides a string's own: a two-byte key
