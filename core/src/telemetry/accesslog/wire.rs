@@ -199,7 +199,12 @@ impl<'a> RecordView<'a> {
         }
         out.truncate(start + 2 + len);
         let mut prefix = [0u8; 10];
-        let n = varint_bytes(len as u64, &mut prefix);
+        let mut p = Cursor {
+            buf: &mut prefix,
+            at: 0,
+        };
+        p.varint(len as u64);
+        let n = p.at;
         let prefix = prefix.get(..n).unwrap_or_default();
         match n {
             2 => {
@@ -342,7 +347,8 @@ impl Cursor<'_> {
     }
 
     // The room is made for the longest message, so the writes below always land; were it ever
-    // short, a byte is dropped (and `at` still counts it) rather than a worker panicking.
+    // short, a byte is skipped rather than a worker panicking, and `at` still counts it, which
+    // is how `encode_length_delimited` sees the record outgrew its room and drops it.
     #[inline(always)]
     fn byte(&mut self, b: u8) {
         if let Some(slot) = self.buf.get_mut(self.at) {
@@ -358,21 +364,6 @@ impl Cursor<'_> {
         }
         self.at += b.len();
     }
-}
-
-/// `value` as a base-128 varint into `bytes`; returns how many it took (1 to 10).
-fn varint_bytes(mut value: u64, bytes: &mut [u8; 10]) -> usize {
-    let mut n = 0;
-    for slot in bytes.iter_mut() {
-        n += 1;
-        if value < 0x80 {
-            *slot = value as u8;
-            break;
-        }
-        *slot = value as u8 | 0x80;
-        value >>= 7;
-    }
-    n
 }
 
 #[cfg(test)]
