@@ -25,9 +25,10 @@ pub(crate) use crate::config::limits::digest;
 
 use crate::config::limits::constant_time_eq;
 
-const AUTHORIZATION: Name = Name::new(b"authorization");
+/// The headers a key is presented in (which the forward phase also withholds from upstreams).
+pub(crate) const AUTHORIZATION: Name = Name::new(b"authorization");
+pub(crate) const X_API_KEY: Name = Name::new(b"x-api-key");
 const BEARER: Name = Name::new(b"bearer ");
-const X_API_KEY: Name = Name::new(b"x-api-key");
 
 /// The key the request presents, if any: the `Bearer` token of `Authorization`, or `x-api-key`.
 fn presented_key<'a>(request: &Request<'a>) -> Result<Option<&'a [u8]>, GatewayError> {

@@ -18,6 +18,7 @@
 use std::time::{Duration, Instant};
 
 use crate::config::dialect::AnthropicSettings;
+use crate::gateway::auth::{AUTHORIZATION, X_API_KEY};
 use crate::gateway::context::{Io, Request};
 use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
 use crate::gateway::route::Target;
@@ -37,8 +38,8 @@ fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
     // events; the client gets identity, which every HTTP client accepts.
     const WITHHELD: NameSet = NameSet::new(&[
         Name::new(b"host"),
-        Name::new(b"authorization"),
-        Name::new(b"x-api-key"),
+        AUTHORIZATION,
+        X_API_KEY,
         Name::new(b"api-key"),
         Name::new(b"expect"),
         Name::new(b"openai-organization"),

@@ -168,14 +168,14 @@ pub(crate) const CHUNKED: Name = Name::new(b"chunked");
 /// since each hop sets its own.
 pub(crate) fn is_hop_by_hop(name: &[u8]) -> bool {
     const HOP: NameSet = NameSet::new(&[
-        Name::new(b"connection"),
+        CONNECTION,
         Name::new(b"keep-alive"),
         Name::new(b"proxy-connection"),
         Name::new(b"proxy-authenticate"),
         Name::new(b"proxy-authorization"),
         Name::new(b"te"),
         Name::new(b"trailer"),
-        Name::new(b"transfer-encoding"),
+        TRANSFER_ENCODING,
         Name::new(b"upgrade"),
         CONTENT_LENGTH,
     ]);
