@@ -4,7 +4,7 @@
 //! the `fuzz` feature; the test suite replays every committed corpus file through them on
 //! stable (the tests below), so a crash once found stays fixed.
 
-use std::time::Instant;
+use crate::sys::clock::Mono;
 
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, RequestHead};
@@ -113,7 +113,7 @@ pub fn response_head(data: &[u8]) {
 /// unbounded growth (the meter's held partial event stays within its cap).
 pub fn sse(data: &[u8]) {
     let mut meter = SseMeter::new();
-    let now = Instant::now();
+    let now = Mono::now();
     for piece in data.chunks(97) {
         meter.feed(piece, now);
     }

@@ -115,6 +115,8 @@ pub mod meter {
     pub use crate::openai::meter::sse::SseSplitter;
     pub use crate::openai::meter::usage::MeterSummary;
     pub use crate::openai::meter::SseMeter;
+    /// The monotonic clock reading [`SseMeter::feed`] takes with each read.
+    pub use crate::sys::clock::Mono;
 }
 
 /// The fuzz targets' bodies (`fuzz/`): compiled in with the `fuzz` feature, and in tests, which

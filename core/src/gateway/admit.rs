@@ -308,8 +308,8 @@ mod tests {
     use super::*;
     use crate::gateway::observe::{Estimator, Observation};
     use crate::gateway::relay::RelayEnd;
+    use crate::sys::clock::Mono;
     use crate::upstream::UpstreamFault;
-    use std::time::Instant;
 
     const PROMPT: &[u8] = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"tell me a story about a gateway"}]}"#;
 
@@ -333,12 +333,12 @@ mod tests {
     fn billed(status: u16, events: &[String], end: Option<RelayEnd>) -> u64 {
         let snapshot = snapshot();
         let mut obs = Observation::default();
-        let now = Instant::now();
+        let now = Mono::now();
         obs.start(now, PROMPT.len() as u64);
         if end.is_some() {
             obs.response_started(status, true, true);
             for e in events {
-                obs.body(e.as_bytes(), Instant::now());
+                obs.body(e.as_bytes(), Mono::now());
             }
         }
         obs.end = end;

@@ -8,7 +8,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::io;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
@@ -19,6 +19,7 @@ use crate::gateway::observe::{LogSink, ObservationPool};
 use crate::http::request::RequestHead;
 use crate::limits::shard::LimiterShard;
 use crate::openai::inspect::Inspector;
+use crate::sys::clock::Mono;
 use crate::sys::{sock, stream};
 use crate::telemetry::metrics::MetricsView;
 #[cfg(test)]
@@ -218,7 +219,7 @@ pub(crate) struct Request<'a> {
     /// The read buffer; `head`'s ranges point into it.
     pub(crate) buf: &'a [u8],
     /// When the head and body were in.
-    pub(crate) received_at: Instant,
+    pub(crate) received_at: Mono,
     pub(crate) peer: Option<std::net::SocketAddr>,
     pub(crate) head: &'a RequestHead,
     pub(crate) body: &'a [u8],
@@ -546,7 +547,7 @@ pub(crate) mod testing {
     pub(crate) fn request<'a>(raw: &'a [u8], head: &'a RequestHead) -> Request<'a> {
         Request {
             buf: raw,
-            received_at: Instant::now(),
+            received_at: Mono::now(),
             peer: Some(([10, 0, 0, 1], 40_000).into()),
             head,
             body: &raw[head.head_len..],

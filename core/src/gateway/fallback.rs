@@ -14,7 +14,7 @@
 //! fault, and another backend would answer the same. Raises nothing itself: a response it reads
 //! more of and cannot finish reading is judged an upstream failure.
 
-use std::time::Instant;
+use crate::sys::clock::Mono;
 
 use crate::gateway::context::BufPool;
 use crate::gateway::error::{ErrorKind, GatewayError};
@@ -118,7 +118,7 @@ pub(crate) async fn judge_response(
     response: &mut UpstreamResponse<'_>,
     may_retry: impl FnOnce() -> bool,
     key_pool: bool,
-    deadline: Instant,
+    deadline: Mono,
     bufs: &BufPool,
 ) -> Judgement {
     let head = &response.head;
@@ -227,7 +227,7 @@ fn retry_after_ms(response: &UpstreamResponse<'_>) -> Option<u64> {
 async fn spend_limit(
     response: &mut UpstreamResponse<'_>,
     status: u16,
-    deadline: Instant,
+    deadline: Mono,
 ) -> Result<bool, GatewayError> {
     if status != 429 {
         return Ok(false);
@@ -265,7 +265,7 @@ enum FirstEvent {
 /// Read until the stream's first `data:` line is in, and tell whether it is an error.
 async fn first_event(
     response: &mut UpstreamResponse<'_>,
-    deadline: Instant,
+    deadline: Mono,
     decoded: &mut Vec<u8>,
 ) -> FirstEvent {
     let chunked = response.head.framing() == BodyFraming::Chunked;
@@ -292,7 +292,7 @@ async fn first_event(
 /// upstream closing): the error to answer with; a timed-out read takes the buffer with it.
 async fn read_more(
     response: &mut UpstreamResponse<'_>,
-    deadline: Instant,
+    deadline: Mono,
 ) -> Result<(), GatewayError> {
     use crate::gateway::error::UpstreamFault;
     let limit = deadline.saturating_duration_since(crate::sys::clock::recent());

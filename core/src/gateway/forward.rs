@@ -15,7 +15,7 @@
 //! grace is over: then nothing more is sent, and a failure of the exchange — the runtime shut the
 //! upstream connections down — is neither retried nor blamed on the upstream).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::config::dialect::AnthropicSettings;
 use crate::gateway::auth::{AUTHORIZATION, X_API_KEY};
@@ -26,7 +26,7 @@ use crate::http::response::{parse_response_head, ResponseHead};
 use crate::http::{is_hop_by_hop, push_decimal, Name, NameSet};
 use crate::openai::anthropic::upstream::{chat_to_messages, RequestOptions};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
-use crate::sys::clock;
+use crate::sys::clock::{self, Mono};
 use crate::sys::stream::{self, ReadOutcome};
 use crate::telemetry::metrics::InFlight;
 use crate::upstream::{connect, ConnectError, UpstreamConn};
@@ -371,7 +371,7 @@ pub(crate) struct UpstreamResponse<'w> {
     pub(crate) in_flight: InFlight<'w>,
     /// When the last bytes in `buf` were read, if after the head (the fallback phase read on
     /// to judge the response).
-    pub(crate) read_at: Option<Instant>,
+    pub(crate) read_at: Option<Mono>,
 }
 
 /// Why an attempt failed, and whether it may be retried on a fresh connection.
@@ -386,11 +386,11 @@ struct AttemptError {
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct ForwardTimings {
     /// When the request started out to the upstream (`None`: it never did).
-    pub(crate) started_at: Option<Instant>,
+    pub(crate) started_at: Option<Mono>,
     /// How long opening a new connection took (`None`: a pooled one served).
     pub(crate) connect: Option<Duration>,
     /// When the response head was in.
-    pub(crate) head_at: Option<Instant>,
+    pub(crate) head_at: Option<Mono>,
     /// Stale pooled connections retried on a fresh one.
     pub(crate) retries: u32,
 }
@@ -408,7 +408,7 @@ pub(crate) async fn send<'w>(
     let backend = io.metrics.labels.backend(target.backend.id);
     let mut fresh_only = false;
     // When a wait for room on a capped backend must end (set by the first wait).
-    let mut pool_wait_until: Option<Instant> = None;
+    let mut pool_wait_until: Option<Mono> = None;
     // Read afresh: the gateway's work on the request so far (its overhead) ends here.
     let mut timings = ForwardTimings {
         started_at: Some(clock::now()),
@@ -489,7 +489,7 @@ async fn attempt<'w>(
     in_flight: InFlight<'w>,
     request: Vec<u8>,
     tail: &[u8],
-    deadline: Instant,
+    deadline: Mono,
 ) -> (Result<UpstreamResponse<'w>, AttemptError>, Vec<u8>) {
     let reused = conn.reused;
     let timed_out = || AttemptError {

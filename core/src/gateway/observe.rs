@@ -9,7 +9,7 @@
 //! first token, time per output token, total latency and Sluice's overhead. Raises nothing.
 
 use std::fmt::Write as _;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::config::Snapshot;
 use crate::gateway::admit::Caller;
@@ -21,6 +21,7 @@ use crate::openai::anthropic::client::{message_usage, AnthropicStreamMeter};
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
 use crate::openai::meter::{event_data, MeterSummary, SseMeter, SseSplitter, Usage};
+use crate::sys::clock::Mono;
 use crate::telemetry::accesslog::UsageSource as LogUsageSource;
 use crate::telemetry::accesslog::{AccessLog, RecordView};
 use crate::telemetry::metrics::MetricsView;
@@ -95,8 +96,8 @@ struct AnthropicMetering {
     splitter: SseSplitter,
     data: Vec<u8>,
     meter: AnthropicStreamMeter,
-    first_content_at: Option<Instant>,
-    last_content_at: Option<Instant>,
+    first_content_at: Option<Mono>,
+    last_content_at: Option<Mono>,
     content_bytes: u64,
 }
 
@@ -110,7 +111,7 @@ impl AnthropicMetering {
         self.content_bytes = 0;
     }
 
-    fn feed(&mut self, input: &[u8], now: Instant) {
+    fn feed(&mut self, input: &[u8], now: Mono) {
         let AnthropicMetering {
             splitter,
             data,
@@ -141,10 +142,10 @@ impl AnthropicMetering {
 
 /// One request's observations. Reused per connection; [`Observation::start`] resets it.
 pub(crate) struct Observation {
-    pub(crate) received_at: Instant,
+    pub(crate) received_at: Mono,
     /// When the forward phase's steps happened (default: it never ran).
     pub(crate) forward: ForwardTimings,
-    pub(crate) finished_at: Option<Instant>,
+    pub(crate) finished_at: Option<Mono>,
     /// Sluice's own time while relaying: from each upstream read to handing its bytes to the
     /// client, summed.
     pub(crate) relay_overhead: Duration,
@@ -181,7 +182,7 @@ pub(crate) struct Observation {
 impl Default for Observation {
     fn default() -> Self {
         Observation {
-            received_at: Instant::now(),
+            received_at: Mono::now(),
             forward: ForwardTimings::default(),
             finished_at: None,
             relay_overhead: Duration::ZERO,
@@ -230,7 +231,7 @@ pub(crate) struct Outcome<'m> {
 
 impl Observation {
     /// Begin observing a request whose head and body arrived at `received_at`.
-    pub(crate) fn start(&mut self, received_at: Instant, bytes_in: u64) {
+    pub(crate) fn start(&mut self, received_at: Mono, bytes_in: u64) {
         self.received_at = received_at;
         self.forward = ForwardTimings::default();
         self.finished_at = None;
@@ -307,7 +308,7 @@ impl Observation {
     }
 
     /// Decoded body bytes on their way to the client, read at `now`.
-    pub(crate) fn body(&mut self, data: &[u8], now: Instant) {
+    pub(crate) fn body(&mut self, data: &[u8], now: Mono) {
         match &mut self.metering {
             Metering::Off => {}
             Metering::Stream => self.meter.feed(data, now),
@@ -344,7 +345,7 @@ impl Observation {
 
     /// Sluice's time before the request left for the upstream, plus the response head's own
     /// handling so far: the `x-sluice-overhead-us` a client sees.
-    pub(crate) fn overhead_so_far(&self, now: Instant) -> Duration {
+    pub(crate) fn overhead_so_far(&self, now: Mono) -> Duration {
         let before = self.forward.started_at.map_or(Duration::ZERO, |f| {
             f.saturating_duration_since(self.received_at)
         });
@@ -366,7 +367,7 @@ impl Observation {
         prompt_body: &[u8],
         estimate: Estimator,
     ) -> Outcome<'m> {
-        let finished = self.finished_at.unwrap_or_else(Instant::now);
+        let finished = self.finished_at.unwrap_or_else(Mono::now);
         let (summary, captured) = match (&self.metering, self.anthropic) {
             (Metering::Json { truncated: false }, false) => {
                 self.meter.on_json_body(&mut self.json, self.json_from);
@@ -797,11 +798,11 @@ mod tests {
     /// An observation of a 200 whose body arrives in `reads`, metered as Anthropic's or not.
     fn observe(anthropic: bool, stream: bool, reads: &[&[u8]]) -> Box<Observation> {
         let mut obs = Box::<Observation>::default();
-        obs.start(Instant::now(), 100);
+        obs.start(Mono::now(), 100);
         obs.meter_anthropic(anthropic);
         obs.response_started(200, stream, true);
         for read in reads {
-            obs.body(read, Instant::now());
+            obs.body(read, Mono::now());
         }
         obs
     }
@@ -829,10 +830,10 @@ mod tests {
         assert!(obs.stream_unfinished());
         // The same observation, reused for an OpenAI request, meters OpenAI's way again.
         let mut obs = obs;
-        obs.start(Instant::now(), 10);
+        obs.start(Mono::now(), 10);
         obs.meter_anthropic(false);
         obs.response_started(200, true, true);
-        obs.body(b"data: [DONE]\n\n", Instant::now());
+        obs.body(b"data: [DONE]\n\n", Mono::now());
         assert!(!obs.stream_unfinished());
         // An OpenAI meter never takes Anthropic's end for its own.
         let obs = observe(false, true, &[TEXT]);

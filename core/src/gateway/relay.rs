@@ -29,7 +29,6 @@
 //! event at the end of a read is then held until it ends (bounded by the meter's event limit).
 
 use std::pin::pin;
-use std::time::Instant;
 
 use crate::gateway::context::{ClientSocket, Io};
 use crate::gateway::error::{GatewayError, UpstreamFault};
@@ -41,7 +40,7 @@ use crate::http::response::ResponseHead;
 use crate::http::{is_hop_by_hop, push_decimal, BodyFraming};
 use crate::openai::endpoint::ClientDialect;
 use crate::openai::meter::DEFAULT_MAX_EVENT;
-use crate::sys::clock;
+use crate::sys::clock::{self, Mono};
 use crate::sys::stream::{self, ReadOutcome};
 use crate::upstream::UpstreamConn;
 
@@ -419,7 +418,7 @@ struct Relay<'r, 'w> {
     terminated: bool,
     /// When the upstream read behind the last bytes written to the client arrived (the
     /// response head's, to begin with): the client watch counts its delay from here.
-    last_output: Instant,
+    last_output: Mono,
 }
 
 /// A Content-Length body passed through unchanged and kept whole for the meter
@@ -508,7 +507,7 @@ impl Relay<'_, '_> {
     /// The body bytes that came with the response head (`ubuf[head_len..]`): kept where they
     /// are when the whole body is ([`KeptBody`]), else fed into `out` as any read. An upstream
     /// framing fault is returned.
-    fn feed_first_read(&mut self, head_len: usize, read_at: Instant) -> Result<(), GatewayError> {
+    fn feed_first_read(&mut self, head_len: usize, read_at: Mono) -> Result<(), GatewayError> {
         let unchanged = self.plan.framing == ClientFraming::Passthrough
             && self.strip.is_none()
             && self.translate.is_none();
@@ -556,7 +555,7 @@ impl Relay<'_, '_> {
     fn feed_read(
         &mut self,
         range: impl std::slice::SliceIndex<[u8], Output = [u8]>,
-        read_at: Instant,
+        read_at: Mono,
     ) -> Result<(), GatewayError> {
         let extra = feed(
             &mut self.body,
@@ -576,7 +575,7 @@ impl Relay<'_, '_> {
 
     /// Write `out` to the client (if it holds anything), the gateway's work since the upstream
     /// read at `read_at` counted as overhead; `Some(Cut::Client)` if it is gone.
-    async fn send_out(&mut self, read_at: Instant) -> Option<Cut> {
+    async fn send_out(&mut self, read_at: Mono) -> Option<Cut> {
         // Read afresh: this is the gateway's work on the read so far.
         self.obs.relay_overhead += clock::now().saturating_duration_since(read_at);
         // Only output counts: a read that produced none (pings) leaves the client unwatched
@@ -774,7 +773,7 @@ impl Relay<'_, '_> {
         // read: upstream bytes that produce none (events a translation drops, an event held
         // whole) must not keep the watch from ever arming. A client that leaves is noticed by
         // the next write, or within `WATCH_AFTER` of its last output.
-        let watch_from = monoio::time::Instant::from_std(self.last_output + WATCH_AFTER);
+        let watch_from = self.last_output + WATCH_AFTER;
         let mut watch = pin!(async {
             clock::sleep_until(watch_from).await;
             client.readable().await
@@ -952,7 +951,7 @@ fn feed(
     out: &mut Vec<u8>,
     obs: &mut Observation,
     filters: Filters<'_>,
-    now: Instant,
+    now: Mono,
 ) -> Result<bool, GatewayError> {
     let Filters {
         translate,

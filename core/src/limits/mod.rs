@@ -27,6 +27,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 use std::time::Instant;
 
+use crate::sys::clock::Mono;
+
 use shard::LimiterShard;
 use sync::{BudgetState, BudgetSync, SyncBackend};
 
@@ -104,11 +106,14 @@ pub(crate) async fn run_sync<B: SyncBackend>(
             }
             continue;
         }
-        let sent_at = Instant::now();
+        let sent_at = Mono::now();
         let result = backend
             .exchange(&node, lease_ttl_ms, &batch, &mut states, settings.timeout)
             .await;
-        on_exchange(sent_at.elapsed(), result.is_ok());
+        on_exchange(
+            Mono::now().saturating_duration_since(sent_at),
+            result.is_ok(),
+        );
         // State changes only, so a flapping backend can't flood stderr: one line each way.
         let was_ok = limiter.borrow().backend_ok();
         match (&result, was_ok) {
@@ -205,9 +210,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
             .borrow_mut()
             .prepare(crate::sys::time::unix_ms(), cfg.sync.interval, &mut batch);
         ledger.exchange_at(Instant::now(), "n1", 60_000, &batch, &mut states);
-        shard
-            .borrow_mut()
-            .apply(Ok(&states), &batch, Instant::now());
+        shard.borrow_mut().apply(Ok(&states), &batch, Mono::now());
         let key = batch[0].key.clone();
         let mut permit = Permit::default();
         shard

@@ -26,8 +26,9 @@
 
 use std::collections::HashMap;
 use std::task::Waker;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::sys::clock::Mono;
 use crate::sys::time::unix_ms;
 
 use super::sync::{slid_limit, BudgetState, BudgetSync, Slide};
@@ -343,7 +344,7 @@ pub(crate) struct LimiterShard {
     /// The last exchange succeeded.
     backend_ok: bool,
     /// When the last successful exchange was sent: leases are valid for `lease_ttl` from it.
-    last_ok_sent: Option<Instant>,
+    last_ok_sent: Option<Mono>,
     lease_ttl: Duration,
     /// Completed exchanges (ok or not): requests waiting for a lease wait for this to move.
     pub(crate) epoch: u64,
@@ -457,7 +458,7 @@ impl LimiterShard {
         self.backend_ok
     }
 
-    fn lease_valid(&self, now: Instant) -> bool {
+    fn lease_valid(&self, now: Mono) -> bool {
         // Before the first exchange nothing is held, so validity does not matter.
         self.last_ok_sent
             .is_none_or(|t| now.saturating_duration_since(t) < self.lease_ttl)
@@ -1065,7 +1066,7 @@ impl LimiterShard {
         &mut self,
         result: Result<&[BudgetState], ()>,
         sent: &[BudgetSync],
-        sent_at: Instant,
+        sent_at: Mono,
     ) {
         match result {
             Ok(states) => {
@@ -1497,8 +1498,14 @@ plans = [{{ id = "q", tokens = 10000 }}]
             let s = &mut shards[i];
             s.prepare(unix_ms(), Duration::from_millis(50), &mut batch);
             let node = s.node().to_string();
-            ledger.exchange_at(Instant::now(), &node, 60_000, &batch, &mut states);
-            s.apply(Ok(&states), &batch, Instant::now());
+            ledger.exchange_at(
+                std::time::Instant::now(),
+                &node,
+                60_000,
+                &batch,
+                &mut states,
+            );
+            s.apply(Ok(&states), &batch, Mono::now());
         }
     }
 
@@ -1695,8 +1702,14 @@ mod tests {
         for s in shards.iter_mut() {
             s.prepare(now_ms, Duration::from_millis(50), &mut batch);
             let node = s.node().to_string();
-            ledger.exchange_at(Instant::now(), &node, 60_000, &batch, &mut states);
-            s.apply(Ok(&states), &batch, Instant::now());
+            ledger.exchange_at(
+                std::time::Instant::now(),
+                &node,
+                60_000,
+                &batch,
+                &mut states,
+            );
+            s.apply(Ok(&states), &batch, Mono::now());
         }
     }
 
@@ -1876,7 +1889,7 @@ mod tests {
         s.settle(&mut p, 30);
         let mut batch = Vec::new();
         s.prepare(unix_ms(), Duration::from_millis(50), &mut batch);
-        s.apply(Err(()), &batch, Instant::now());
+        s.apply(Err(()), &batch, Mono::now());
         assert!(!s.backend_ok());
         // Concurrency now runs on this core's share: 8 / (2 nodes × 1 worker) = 4 slots.
         let mut held = Vec::new();
@@ -2035,13 +2048,19 @@ mod concurrency_tests {
             let mut states: Vec<Vec<BudgetState>> = Vec::new();
             for (i, s) in shards.iter().enumerate() {
                 let mut out = Vec::new();
-                ledger.exchange_at(Instant::now(), s.node(), 60_000, &batches[i], &mut out);
+                ledger.exchange_at(
+                    std::time::Instant::now(),
+                    s.node(),
+                    60_000,
+                    &batches[i],
+                    &mut out,
+                );
                 states.push(out);
                 let _ = i;
             }
             work(&mut shards, &mut inflight, &mut rng);
             for (i, s) in shards.iter_mut().enumerate() {
-                s.apply(Ok(&states[i]), &batches[i], Instant::now());
+                s.apply(Ok(&states[i]), &batches[i], Mono::now());
             }
         }
     }
@@ -2056,8 +2075,14 @@ mod concurrency_tests {
         let mut states = Vec::new();
         s.prepare(now_ms, Duration::from_millis(50), &mut batch);
         let node = s.node().to_string();
-        ledger.exchange_at(Instant::now(), &node, 60_000, &batch, &mut states);
-        s.apply(Ok(&states), &batch, Instant::now());
+        ledger.exchange_at(
+            std::time::Instant::now(),
+            &node,
+            60_000,
+            &batch,
+            &mut states,
+        );
+        s.apply(Ok(&states), &batch, Mono::now());
     }
 
     /// Issue #11: a concurrency limit of 2 over two cores refused a caller who sent one request
@@ -2167,8 +2192,8 @@ mod concurrency_tests {
         let mut states = Vec::new();
         let mut exchange = |s: &mut LimiterShard, now_ms: u64, batch: &mut Vec<BudgetSync>| {
             s.prepare(now_ms, Duration::from_millis(50), batch);
-            ledger.exchange_at(Instant::now(), "n", 60_000, batch, &mut states);
-            s.apply(Ok(&states), batch, Instant::now());
+            ledger.exchange_at(std::time::Instant::now(), "n", 60_000, batch, &mut states);
+            s.apply(Ok(&states), batch, Mono::now());
         };
         let t = unix_ms();
         // The first request finds no lease and asks for one.
@@ -2210,8 +2235,8 @@ mod concurrency_tests {
         let t = unix_ms();
         let mut at = |s: &mut LimiterShard, i: u64| {
             s.prepare(t + 50 * i, Duration::from_millis(50), &mut batch);
-            ledger.exchange_at(Instant::now(), "n", 60_000, &batch, &mut states);
-            s.apply(Ok(&states), &batch, Instant::now());
+            ledger.exchange_at(std::time::Instant::now(), "n", 60_000, &batch, &mut states);
+            s.apply(Ok(&states), &batch, Mono::now());
         };
         at(&mut s, 0);
         assert!(s.try_admit(&cfg, &anon, &mut p, &mut |_, _| {}).is_ok());

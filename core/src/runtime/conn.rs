@@ -17,7 +17,7 @@
 
 use std::os::fd::RawFd;
 use std::rc::Rc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use monoio::net::TcpStream;
 
@@ -32,6 +32,7 @@ use crate::openai::endpoint::{ClientDialect, Endpoint, COUNT_TOKENS_PATH};
 use crate::openai::inspect::Inspection;
 use crate::runtime::worker::{Generation, Worker};
 use crate::sys::clock;
+use crate::sys::clock::Mono;
 use crate::sys::stream::{self, ReadOutcome};
 
 /// Smallest read buffer; grows as a request needs, shrinks back after it.
@@ -708,7 +709,7 @@ async fn read_body_bytes(
     client: &mut ClientSocket,
     rbuf: &mut Vec<u8>,
     limit: Duration,
-    deadline: Instant,
+    deadline: Mono,
 ) -> Result<(), GatewayError> {
     let left = deadline.saturating_duration_since(clock::recent());
     let whole_body_first = left < limit;

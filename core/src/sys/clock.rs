@@ -19,15 +19,95 @@
 use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::mem::MaybeUninit;
+use std::num::NonZeroU64;
+use std::ops::Add;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+
+/// A reading of the monotonic clock — the one `Instant` reads on Linux (`CLOCK_MONOTONIC`) —
+/// as whole nanoseconds in a `u64`.
+///
+/// Why not `Instant`: on Linux its difference goes through std's out-of-line
+/// `Timespec::sub_timespec` (seconds and nanoseconds apart, borrow, checks), ~37 instructions,
+/// and a request took about seventeen (its timings, deadlines, pool ages, `mono_ms`). Here a
+/// difference is a subtraction; the change took 3% off a 1 KB request's user-space
+/// instructions (perf/RESULTS.md, #15). A `u64` of nanoseconds holds 584 years of uptime. Only
+/// the runtime's timers take an `Instant`: a [`Sleep`] makes one ([`Mono::to_instant`]) when
+/// it has to make its timer, so a wait that ends at once converts nothing.
+///
+/// Never zero (the clock counts from boot, and a zero reading is taken as a nanosecond), so an
+/// `Option<Mono>` — most of a request's timings — is eight bytes, as the reading alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Mono(NonZeroU64);
+
+impl Mono {
+    /// A fresh reading (a vDSO call, as `Instant::now`). On a worker, take the poll's reading
+    /// with [`recent`] or [`now`] instead.
+    pub fn now() -> Mono {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC exists on every Linux,
+        // so the call cannot fail (std's `Instant::now` makes the same call and asserts it).
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        Mono::from_nanos((ts.tv_sec as u64).wrapping_mul(1_000_000_000) + ts.tv_nsec as u64)
+    }
+
+    fn from_nanos(nanos: u64) -> Mono {
+        Mono(NonZeroU64::new(nanos).unwrap_or(NonZeroU64::MIN))
+    }
+
+    /// The time from `earlier` to this reading, zero when `earlier` is later.
+    #[inline]
+    pub(crate) fn saturating_duration_since(self, earlier: Mono) -> Duration {
+        Duration::from_nanos(self.0.get().saturating_sub(earlier.0.get()))
+    }
+
+    /// This reading `by` later, or `None` past the type's range (584 years of uptime).
+    #[inline]
+    pub(crate) fn checked_add(self, by: Duration) -> Option<Mono> {
+        let by = u64::try_from(by.as_nanos()).ok()?;
+        self.0.checked_add(by).map(Mono)
+    }
+
+    /// Nanoseconds on the clock (since the machine started).
+    pub(crate) fn as_nanos(self) -> u64 {
+        self.0.get()
+    }
+
+    /// The same moment as an `Instant`, for the runtime's timers: one anchor pair read at the
+    /// first call (both clocks back to back, so within a few tens of nanoseconds of each
+    /// other), then an addition.
+    pub(crate) fn to_instant(self) -> Instant {
+        static ANCHOR: std::sync::OnceLock<(Instant, Mono)> = std::sync::OnceLock::new();
+        let (instant, mono) = *ANCHOR.get_or_init(|| (Instant::now(), Mono::now()));
+        let moved = if self >= mono {
+            instant.checked_add(self.saturating_duration_since(mono))
+        } else {
+            instant.checked_sub(mono.saturating_duration_since(self))
+        };
+        moved.unwrap_or(instant)
+    }
+}
+
+impl Add<Duration> for Mono {
+    type Output = Mono;
+
+    /// Saturating at the type's end, where `Instant` would panic: a configured "never" added
+    /// to a reading is simply the far future.
+    #[inline]
+    fn add(self, by: Duration) -> Mono {
+        self.checked_add(by).unwrap_or(Mono(NonZeroU64::MAX))
+    }
+}
 
 /// Whether a stamped poll is running, and the readings it has taken (`Some`): the monotonic
 /// clock's and the wall clock's.
 struct PollClock {
     stamped: Cell<bool>,
-    reading: Cell<Option<Instant>>,
+    reading: Cell<Option<Mono>>,
     wall: Cell<Option<Duration>>,
 }
 
@@ -43,8 +123,8 @@ thread_local! {
 
 /// The time now, to within this poll's run: the reading already taken in this poll of a
 /// [`Stamped`] task, or a fresh one (kept for the rest of the poll when stamped).
-pub(crate) fn recent() -> Instant {
-    once_per_poll(|p| &p.reading, Instant::now)
+pub(crate) fn recent() -> Mono {
+    once_per_poll(|p| &p.reading, Mono::now)
 }
 
 /// What `slot` holds in this stamped poll, or a fresh reading from `read`, kept in `slot` for
@@ -70,8 +150,8 @@ fn once_per_poll<T: Copy>(
 /// it is also what [`recent`] returns from now on in this poll. The poll's wall-clock reading
 /// is dropped with it, so the two never drift apart (the access log puts one against the
 /// other).
-pub(crate) fn now() -> Instant {
-    let t = Instant::now();
+pub(crate) fn now() -> Mono {
+    let t = Mono::now();
     POLL.with(|p| {
         if p.stamped.get() {
             p.reading.set(Some(t));
@@ -109,7 +189,7 @@ pub(crate) fn sleep(limit: Duration) -> Sleep {
 }
 
 /// Resolves at `deadline`; see [`Sleep`].
-pub(crate) fn sleep_until(deadline: monoio::time::Instant) -> Sleep {
+pub(crate) fn sleep_until(deadline: Mono) -> Sleep {
     Sleep {
         deadline,
         timer: None,
@@ -134,7 +214,8 @@ pub(crate) struct Elapsed;
 /// to 128 takes mimalloc's slow path, ~300 instructions, for every wait that parks.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub(crate) struct Sleep {
-    deadline: monoio::time::Instant,
+    /// As the worker reads the clock; made the runtime's `Instant` only with the timer.
+    deadline: Mono,
     /// Holds a live timer once polled, pinned there (never moved out) until [`Drop`] drops it
     /// in place.
     timer: Option<Box<MaybeUninit<monoio::time::Sleep>>>,
@@ -163,6 +244,7 @@ impl Future for Sleep {
                 .ok()
                 .flatten();
             let mut slot = spare.unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
+            let deadline = monoio::time::Instant::from_std(deadline.to_instant());
             slot.write(monoio::time::sleep_until(deadline));
             slot
         });
@@ -218,15 +300,9 @@ impl<F: Future> Future for Timeout<F> {
 }
 
 /// When a wait of `limit` from this poll's reading ends (a limit too large to add — a
-/// configured "never" — ends in the far future), as the runtime's timers take it.
-pub(crate) fn deadline(limit: Duration) -> monoio::time::Instant {
-    let deadline = recent().checked_add(limit).unwrap_or_else(far_future);
-    monoio::time::Instant::from_std(deadline)
-}
-
-/// A deadline no wait reaches (about 30 years ahead), for a limit too large to add.
-fn far_future() -> Instant {
-    Instant::now() + Duration::from_secs(86_400 * 365 * 30)
+/// configured "never" — ends at the end of the clock's range, centuries ahead).
+pub(crate) fn deadline(limit: Duration) -> Mono {
+    recent() + limit
 }
 
 /// A task whose polls share one clock reading each (see the module comment).
@@ -256,7 +332,7 @@ impl<F: Future> Future for Stamped<F> {
 
 /// What was there before a stamped poll, put back when it ends, even by a panic (which would
 /// otherwise leave the thread with a frozen reading).
-struct Restore((bool, Option<Instant>, Option<Duration>));
+struct Restore((bool, Option<Mono>, Option<Duration>));
 
 impl Drop for Restore {
     fn drop(&mut self) {
@@ -280,6 +356,67 @@ mod tests {
     fn poll_stamped<T>(f: impl Future<Output = T>) -> Poll<T> {
         let mut task = std::pin::pin!(Stamped::new(f));
         task.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    #[test]
+    fn a_mono_reading_is_the_instant_read_at_the_same_moment() {
+        let before = Instant::now();
+        let reading = Mono::now();
+        let after = Instant::now();
+        // The anchor pair was read back to back, at most a preemption apart.
+        let slack = Duration::from_millis(100);
+        let at = reading.to_instant();
+        assert!(
+            at + slack >= before && at <= after + slack,
+            "{before:?} {at:?} {after:?}"
+        );
+        // A span is the same span on both: the runtime's timers see the deadlines we compute.
+        let later = reading + Duration::from_millis(1500);
+        assert_eq!(
+            later.to_instant().saturating_duration_since(at),
+            Duration::from_millis(1500)
+        );
+        let earlier = Mono::from_nanos(reading.as_nanos() - 2_000_000);
+        assert_eq!(
+            at.saturating_duration_since(earlier.to_instant()),
+            Duration::from_millis(2)
+        );
+        // Both move with the one clock.
+        std::thread::sleep(Duration::from_millis(3));
+        let (i, m) = (Instant::now(), Mono::now());
+        let by_instant = i.saturating_duration_since(before);
+        let by_mono = m.saturating_duration_since(reading);
+        assert!(by_mono >= Duration::from_millis(3));
+        assert!(
+            by_mono.abs_diff(by_instant) < slack,
+            "{by_mono:?} {by_instant:?}"
+        );
+    }
+
+    #[test]
+    fn mono_arithmetic_is_exact_and_saturates_where_instant_would_panic() {
+        let t = Mono::from_nanos(1_234_567_891);
+        assert_eq!(t + Duration::new(2, 5), Mono::from_nanos(3_234_567_896));
+        assert_eq!(
+            Mono::from_nanos(3_234_567_896).saturating_duration_since(t),
+            Duration::new(2, 5)
+        );
+        assert_eq!(
+            t.saturating_duration_since(Mono::from_nanos(1_234_567_892)),
+            Duration::ZERO
+        );
+        assert_eq!(t.checked_add(Duration::MAX), None);
+        assert_eq!(
+            Mono::from_nanos(u64::MAX - 1).checked_add(Duration::from_nanos(2)),
+            None
+        );
+        assert_eq!(t + Duration::MAX, Mono::from_nanos(u64::MAX));
+        // Zero is not a reading: it is taken as the first nanosecond, so `None` has room.
+        assert_eq!(Mono::from_nanos(0), Mono::from_nanos(1));
+        assert_eq!(std::mem::size_of::<Option<Mono>>(), 8);
+        // A configured "never" still makes a deadline the timers can take.
+        let far = (Mono::now() + Duration::MAX).to_instant();
+        assert!(far > Instant::now() + Duration::from_secs(86_400 * 365));
     }
 
     #[test]
@@ -432,7 +569,7 @@ mod tests {
             }
         })));
         let mut cx = Context::from_waker(Waker::noop());
-        let started = Instant::now();
+        let started = Mono::now();
         assert!(task.as_mut().poll(&mut cx).is_pending());
         std::thread::sleep(Duration::from_millis(2));
         let Poll::Ready(woke) = task.as_mut().poll(&mut cx) else {

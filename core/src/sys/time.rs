@@ -1,7 +1,8 @@
 //! Wall-clock time as the numbers the gateway stores and compares: milliseconds, seconds and
 //! microseconds since the Unix epoch (0 for a clock set before 1970, never a panic). Windows,
-//! key expiry and log file names are wall-clock; durations use `Instant`. Read as
-//! [`crate::sys::clock`] reads them: once per wake-up of a connection's task.
+//! key expiry and log file names are wall-clock; durations use the monotonic clock
+//! ([`crate::sys::clock::Mono`]). Read as [`crate::sys::clock`] reads them: once per wake-up
+//! of a connection's task.
 
 use crate::sys::clock::since_epoch;
 
@@ -30,10 +31,11 @@ pub(crate) fn subsec_nanos() -> u32 {
 /// cool-down, where 0 means "none". Read as [`crate::sys::clock::recent`]: once per wake-up of
 /// a connection's task.
 pub(crate) fn mono_ms() -> u64 {
-    static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    let base = BASE.get_or_init(std::time::Instant::now);
+    static BASE: std::sync::OnceLock<crate::sys::clock::Mono> = std::sync::OnceLock::new();
+    let base = *BASE.get_or_init(crate::sys::clock::Mono::now);
     crate::sys::clock::recent()
-        .saturating_duration_since(*base)
-        .as_millis() as u64
+        .as_nanos()
+        .saturating_sub(base.as_nanos())
+        / 1_000_000
         + 1
 }

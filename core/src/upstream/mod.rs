@@ -23,7 +23,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
@@ -32,6 +32,7 @@ use rustls_pki_types::ServerName;
 
 use crate::config::{Backend, Cluster, Snapshot, Timeouts, UpstreamLimits};
 use crate::sys::clock::Elapsed;
+use crate::sys::clock::Mono;
 
 /// A plain or TLS connection to a backend.
 pub(crate) enum UpstreamIo {
@@ -100,7 +101,7 @@ pub(crate) struct UpstreamConn {
     pool: Rc<BackendPool>,
     /// Came from the pool (so it may have been closed by the backend while idle).
     pub(crate) reused: bool,
-    idle_since: Instant,
+    idle_since: Mono,
     fd: RawFd,
     /// Its slot in the worker's [`OpenConns`].
     slot: usize,
@@ -229,7 +230,7 @@ struct BackendPool {
     busy_peak_before: Cell<usize>,
     /// When the current interval began (intervals are `idle_timeout` long, turned over when a
     /// connection is checked in).
-    interval_began: Cell<Instant>,
+    interval_began: Cell<Mono>,
     /// Requests waiting for room under the cap.
     waiters: Waiters,
     /// How many [`Pools`] (one per live snapshot) include it. At 0 no request can check a
@@ -289,7 +290,7 @@ impl Pools {
                         open: Cell::new(0),
                         busy_peak: Cell::new(0),
                         busy_peak_before: Cell::new(0),
-                        interval_began: Cell::new(Instant::now()),
+                        interval_began: Cell::new(Mono::now()),
                         waiters: Waiters::default(),
                         views: Cell::new(0),
                         conns: Rc::clone(&conns),

@@ -2,7 +2,7 @@
 //!
 //! Runs beside the relay phase, on the body bytes after transfer decoding, and never holds them
 //! back: the relay writes each upstream read to the client as it is and then shows it here.
-//! [`SseMeter::feed`] takes each read of an event stream with the [`Instant`] the relay saw it
+//! [`SseMeter::feed`] takes each read of an event stream with the [`Mono`] the relay saw it
 //! (the meter never reads the clock) and splits it into events ([`sse::SseSplitter`], zero-copy
 //! for events within one read, bounded memory for events spanning reads); each event's `data`
 //! goes to [`usage::StreamMeter`]. A non-streamed JSON body goes to
@@ -18,7 +18,7 @@
 pub(crate) mod sse;
 pub(crate) mod usage;
 
-use std::time::Instant;
+use crate::sys::clock::Mono;
 
 pub(crate) use sse::{event_data, SseSplitter, DEFAULT_MAX_EVENT};
 pub(crate) use usage::{MeterSummary, StreamMeter, Usage};
@@ -53,7 +53,7 @@ impl SseMeter {
     }
 
     /// Look at the next decoded body bytes of the stream, seen at `now`.
-    pub fn feed(&mut self, chunk: &[u8], now: Instant) {
+    pub fn feed(&mut self, chunk: &[u8], now: Mono) {
         let Self {
             splitter,
             meter,
@@ -136,10 +136,10 @@ mod tests {
     /// Bytes of generated content in [`CHAT_STREAM`]: "你好，", "中文 😀 ok", " 🎉\n".
     const CHAT_CONTENT_BYTES: u64 = 9 + 14 + 6;
 
-    fn t(ms: u64) -> Instant {
+    fn t(ms: u64) -> Mono {
         // A fixed base keeps summaries comparable across meters.
-        static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-        *BASE.get_or_init(Instant::now) + Duration::from_millis(ms)
+        static BASE: std::sync::OnceLock<Mono> = std::sync::OnceLock::new();
+        *BASE.get_or_init(Mono::now) + Duration::from_millis(ms)
     }
 
     #[test]

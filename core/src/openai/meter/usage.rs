@@ -17,7 +17,7 @@
 
 use crate::openai::inspect::scan::{unescape, Kind, Scanner, Value};
 use crate::openai::json::truncate;
-use std::time::Instant;
+use crate::sys::clock::Mono;
 
 use simd_json::{Buffers, Node, StaticNode, Tape, INPUT_PADDING};
 
@@ -59,11 +59,11 @@ pub struct MeterSummary {
     /// The last usage the upstream reported (some send it on every chunk, cumulatively).
     pub usage: Option<Usage>,
     /// When the first event (of any kind) arrived.
-    pub(crate) first_event_at: Option<Instant>,
+    pub(crate) first_event_at: Option<Mono>,
     /// When the first event carrying generated content arrived: time to first token.
-    pub(crate) first_content_at: Option<Instant>,
+    pub(crate) first_content_at: Option<Mono>,
     /// When the last event carrying generated content arrived.
-    pub(crate) last_content_at: Option<Instant>,
+    pub(crate) last_content_at: Option<Mono>,
     /// Events that carried generated content.
     pub(crate) content_events: u64,
     /// Bytes of generated content (text, reasoning, tool-call arguments), as decoded UTF-8: the
@@ -140,7 +140,7 @@ impl StreamMeter {
     }
 
     /// The data of one SSE event (see [`super::sse::event_data`]), seen at `now`.
-    pub(crate) fn on_data(&mut self, data: &[u8], now: Instant) {
+    pub(crate) fn on_data(&mut self, data: &[u8], now: Mono) {
         let s = &mut self.summary;
         s.events += 1;
         s.first_event_at.get_or_insert(now);

@@ -11,7 +11,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use sluice::meter::{MeterSummary, SseMeter, SseSplitter};
+use sluice::meter::{MeterSummary, Mono, SseMeter, SseSplitter};
 
 fn main() {
     let mib: usize = match std::env::args().nth(1) {
@@ -48,7 +48,7 @@ fn main() {
     }
     let events = i;
     let gb = stream.len() as f64 / 1e9;
-    let now = Instant::now();
+    let now = Mono::now();
 
     let mut best_split = f64::MAX;
     for _ in 0..3 {

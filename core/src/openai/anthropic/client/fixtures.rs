@@ -686,7 +686,7 @@ fn anthropic_stream_usage_matches_the_openai_meter() {
     // reads from the upstream's stream: limits and cost see one count whatever the dialect.
     for (name, body) in STREAMS {
         let mut openai = SseMeter::new();
-        openai.feed(body.as_bytes(), std::time::Instant::now());
+        openai.feed(body.as_bytes(), crate::sys::clock::Mono::now());
         let want = openai.summary().usage;
         let (out, _) = translate(body);
         let mut anthropic = AnthropicStreamMeter::new();

@@ -363,8 +363,8 @@ mod tests {
 
     use super::*;
     use crate::openai::meter::{event_data, SseMeter, SseSplitter, Usage};
+    use crate::sys::clock::Mono;
     use serde_json::{json, Value};
-    use std::time::Instant;
 
     const TEXT: &[u8] = include_bytes!("../testdata/anthropic_text.sse");
     const TOOLS: &[u8] = include_bytes!("../testdata/anthropic_tools_parallel.sse");
@@ -549,7 +549,7 @@ mod tests {
     /// The same stream read by the gateway's meter: what billing and the access log see.
     fn metered(out: &[u8]) -> crate::openai::meter::MeterSummary {
         let mut meter = SseMeter::new();
-        meter.feed(out, Instant::now());
+        meter.feed(out, Mono::now());
         meter.summary()
     }
 
