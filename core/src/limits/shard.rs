@@ -1431,6 +1431,7 @@ mod tests_support {
     use crate::config::limits::LimitsConfig;
     use crate::limits::ledger::InProcessLedger;
     use std::sync::Arc;
+    use std::time::Instant;
 
     pub(super) fn limits(extra: &str) -> Arc<LimitsConfig> {
         let text = format!(
@@ -1498,13 +1499,7 @@ plans = [{{ id = "q", tokens = 10000 }}]
             let s = &mut shards[i];
             s.prepare(unix_ms(), Duration::from_millis(50), &mut batch);
             let node = s.node().to_string();
-            ledger.exchange_at(
-                std::time::Instant::now(),
-                &node,
-                60_000,
-                &batch,
-                &mut states,
-            );
+            ledger.exchange_at(Instant::now(), &node, 60_000, &batch, &mut states);
             s.apply(Ok(&states), &batch, Mono::now());
         }
     }
@@ -1531,6 +1526,7 @@ mod tests {
     use super::tests_support::*;
     use super::*;
     use crate::limits::ledger::InProcessLedger;
+    use std::time::Instant;
 
     #[test]
     fn a_reconfigured_shard_keeps_each_budget_under_its_name() {
@@ -1702,13 +1698,7 @@ mod tests {
         for s in shards.iter_mut() {
             s.prepare(now_ms, Duration::from_millis(50), &mut batch);
             let node = s.node().to_string();
-            ledger.exchange_at(
-                std::time::Instant::now(),
-                &node,
-                60_000,
-                &batch,
-                &mut states,
-            );
+            ledger.exchange_at(Instant::now(), &node, 60_000, &batch, &mut states);
             s.apply(Ok(&states), &batch, Mono::now());
         }
     }
@@ -1985,6 +1975,7 @@ mod concurrency_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
     use super::tests_support::*;
     use super::*;
+    use std::time::Instant;
 
     #[test]
     fn concurrency_slots_never_exceed_the_limit_across_cores() {
@@ -2048,13 +2039,7 @@ mod concurrency_tests {
             let mut states: Vec<Vec<BudgetState>> = Vec::new();
             for (i, s) in shards.iter().enumerate() {
                 let mut out = Vec::new();
-                ledger.exchange_at(
-                    std::time::Instant::now(),
-                    s.node(),
-                    60_000,
-                    &batches[i],
-                    &mut out,
-                );
+                ledger.exchange_at(Instant::now(), s.node(), 60_000, &batches[i], &mut out);
                 states.push(out);
                 let _ = i;
             }
@@ -2075,13 +2060,7 @@ mod concurrency_tests {
         let mut states = Vec::new();
         s.prepare(now_ms, Duration::from_millis(50), &mut batch);
         let node = s.node().to_string();
-        ledger.exchange_at(
-            std::time::Instant::now(),
-            &node,
-            60_000,
-            &batch,
-            &mut states,
-        );
+        ledger.exchange_at(Instant::now(), &node, 60_000, &batch, &mut states);
         s.apply(Ok(&states), &batch, Mono::now());
     }
 
@@ -2192,7 +2171,7 @@ mod concurrency_tests {
         let mut states = Vec::new();
         let mut exchange = |s: &mut LimiterShard, now_ms: u64, batch: &mut Vec<BudgetSync>| {
             s.prepare(now_ms, Duration::from_millis(50), batch);
-            ledger.exchange_at(std::time::Instant::now(), "n", 60_000, batch, &mut states);
+            ledger.exchange_at(Instant::now(), "n", 60_000, batch, &mut states);
             s.apply(Ok(&states), batch, Mono::now());
         };
         let t = unix_ms();
@@ -2235,7 +2214,7 @@ mod concurrency_tests {
         let t = unix_ms();
         let mut at = |s: &mut LimiterShard, i: u64| {
             s.prepare(t + 50 * i, Duration::from_millis(50), &mut batch);
-            ledger.exchange_at(std::time::Instant::now(), "n", 60_000, &batch, &mut states);
+            ledger.exchange_at(Instant::now(), "n", 60_000, &batch, &mut states);
             s.apply(Ok(&states), &batch, Mono::now());
         };
         at(&mut s, 0);
