@@ -52,7 +52,11 @@ impl Mono {
         // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC exists on every Linux,
         // so the call cannot fail (std's `Instant::now` makes the same call and asserts it).
         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-        Mono::from_nanos((ts.tv_sec as u64).wrapping_mul(1_000_000_000) + ts.tv_nsec as u64)
+        Mono::from_nanos(
+            (ts.tv_sec as u64)
+                .wrapping_mul(1_000_000_000)
+                .wrapping_add(ts.tv_nsec as u64),
+        )
     }
 
     fn from_nanos(nanos: u64) -> Mono {
