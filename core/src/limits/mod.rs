@@ -25,7 +25,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use std::time::Instant;
 
 use crate::sys::clock::Mono;
 
@@ -65,7 +64,7 @@ pub(crate) async fn run_sync<B: SyncBackend>(
     let lease_ttl_ms = settings.lease_ttl.as_millis() as u64;
     let mut batch: Vec<BudgetSync> = Vec::new();
     let mut states: Vec<BudgetState> = Vec::new();
-    let mut last_exchange: Option<Instant> = None;
+    let mut last_exchange: Option<Mono> = None;
     let mut stop = std::pin::pin!(stop);
     let mut stopping = false;
     monoio::select! {
@@ -86,7 +85,7 @@ pub(crate) async fn run_sync<B: SyncBackend>(
         // exchanges per interval per worker, whatever the request rate. The final one does not.
         if let (Some(last), false) = (last_exchange, stopping) {
             let gap = settings.interval / 10;
-            let since = last.elapsed();
+            let since = Mono::now().saturating_duration_since(last);
             if since < gap {
                 monoio::select! {
                     _ = monoio::time::sleep(gap - since) => {}
@@ -94,7 +93,7 @@ pub(crate) async fn run_sync<B: SyncBackend>(
                 }
             }
         }
-        last_exchange = Some(Instant::now());
+        last_exchange = Some(Mono::now());
         let now_ms = crate::sys::time::unix_ms();
         limiter
             .borrow_mut()
@@ -164,6 +163,7 @@ mod tests {
     use super::*;
     use crate::limits::ledger::InProcessLedger;
     use crate::limits::shard::{Ask, Permit, RefusalKind};
+    use std::time::Instant;
 
     /// A stop asks the sync task for its last exchange: it makes it at once (not at the end of
     /// its 10 s interval), the spend settled since the exchange before reaches the ledger, and
