@@ -9,6 +9,8 @@
 //! too long), 431 (head too large, too many fields) and 417 (an `Expect` other than
 //! `100-continue`). Every one of these closes the connection.
 
+use std::mem::MaybeUninit;
+
 use super::{has_token, parse_content_length, trim_ows, BodyFraming, HeaderPos};
 use super::{HttpError, HttpLimits};
 use super::{Name, CHUNKED, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
@@ -111,9 +113,11 @@ pub(crate) fn parse_request_head(
         return Err(HttpError::limit(431, "request header fields too large"));
     }
 
-    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS_CEILING];
-    let mut req = httparse::Request::new(&mut fields);
-    match req.parse(&buf[..head_len]) {
+    // Left uninitialized: httparse writes the fields it parses and hands back only those. An
+    // array of empty headers was 8 KB of stores a request.
+    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS_CEILING];
+    let mut req = httparse::Request::new(&mut []);
+    match req.parse_with_uninit_headers(&buf[..head_len], &mut fields) {
         Ok(httparse::Status::Complete(n)) if n == head_len => {}
         Ok(_) => return Err(HttpError::malformed("malformed request head")),
         Err(httparse::Error::TooManyHeaders) => {

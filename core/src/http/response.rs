@@ -7,6 +7,8 @@
 //! Raises [`ResponseError`] for a malformed or oversized head or an invalid Content-Length — a
 //! bad upstream, answered 502 to the client.
 
+use std::mem::MaybeUninit;
+
 use super::{has_token, parse_content_length, BodyFraming, HeaderPos};
 use super::{Name, CHUNKED, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 
@@ -47,9 +49,16 @@ pub(crate) fn parse_response_head(
     request_was_head: bool,
     head: &mut ResponseHead,
 ) -> Result<bool, ResponseError> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
-    let mut resp = httparse::Response::new(&mut fields);
-    let head_len = match resp.parse(buf) {
+    // Left uninitialized, as the request's (`request::parse_request_head`).
+    let mut fields =
+        [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_RESPONSE_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut resp,
+        buf,
+        &mut fields,
+    );
+    let head_len = match parsed {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => {
             if buf.len() > MAX_RESPONSE_HEAD_BYTES {
@@ -79,6 +88,8 @@ pub(crate) fn parse_response_head(
     head.reason = (reason_start, reason_start + reason.len());
     head.head_len = head_len;
     head.headers.clear();
+    // One allocation for a new head's list, not a doubling per few headers.
+    head.headers.reserve(resp.headers.len());
     head.keep_alive = minor == 1;
     head.event_stream = false;
 
