@@ -33,6 +33,7 @@ use crate::openai::inspect::Inspection;
 use crate::runtime::worker::{Generation, Worker};
 use crate::sys::clock;
 use crate::sys::clock::Mono;
+use crate::sys::spare::SpareBox;
 use crate::sys::stream::{self, ReadOutcome};
 
 /// Smallest read buffer; grows as a request needs, shrinks back after it.
@@ -55,9 +56,10 @@ struct ConnState {
 /// Between requests the connection waits on a readiness poll holding no read buffer, and the
 /// work of a request runs in a boxed future. So an idle keep-alive connection costs only this
 /// small future: the request's state machines (the proxy's above all) are several KB, and
-/// 10,000 idle connections would otherwise hold tens of MB. The price is one allocation per
-/// request, served from mimalloc's thread-local free list. A poll, unlike a read, can be
-/// cancelled by the idle timeout without losing bytes.
+/// 10,000 idle connections would otherwise hold tens of MB. The box's cell is the worker's,
+/// taken for the request and shelved after it ([`SpareBox`]), so a busy connection does not
+/// allocate it. A poll, unlike a read, can be cancelled by the idle timeout without losing
+/// bytes.
 pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::SocketAddr) {
     let _ = stream.set_nodelay(true);
     serve_client(worker, ClientSocket::new(stream), peer).await;
@@ -197,7 +199,7 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
             }
         }
         first_request = false;
-        if !Box::pin(serve_request(&worker, &mut client, &mut state)).await {
+        if !SpareBox::new(serve_request(&worker, &mut client, &mut state)).await {
             return;
         }
     }

@@ -16,14 +16,15 @@
 //! ([`since_epoch`]: key expiry, limit windows, the access log's timestamps) is read the same
 //! way, once per stamped poll.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::future::Future;
-use std::mem::MaybeUninit;
 use std::num::NonZeroU64;
 use std::ops::Add;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+
+use super::spare::SpareBox;
 
 /// A reading of the monotonic clock — the one `Instant` reads on Linux (`CLOCK_MONOTONIC`) —
 /// as whole nanoseconds in a `u64`.
@@ -211,69 +212,29 @@ pub(crate) struct Elapsed;
 /// threads tokio's design (which it comes from) shares entries between, which a monoio worker
 /// never does. Held inline, one per timed wait, it made every future around a wait that large
 /// and that aligned: a request's future grew past 10 KB, mostly timers and padding, and each
-/// level of it is copied into its parent when awaited. This one is 24 bytes; its timer, made
+/// level of it is copied into its parent when awaited. This one is 16 bytes; its timer, made
 /// when first polled, lives on the heap. A [`Timeout`] polls it only once its future has to
 /// wait, so the reads and writes that finish at once (most of them, on a busy connection)
-/// never make a timer at all. The boxes are reused ([`SPARE_TIMERS`]): an allocation aligned
-/// to 128 takes mimalloc's slow path, ~300 instructions, for every wait that parks.
+/// never make a timer at all. The timer's cell is reused ([`SpareBox`]): an allocation aligned
+/// to 128 takes mimalloc's slow path, ~300 instructions, for every wait that parks. Dropping
+/// the timer takes it out of the runtime's wheel.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub(crate) struct Sleep {
     /// As the worker reads the clock; made the runtime's `Instant` only with the timer.
     deadline: Mono,
-    /// Holds a live timer once polled, pinned there (never moved out) until [`Drop`] drops it
-    /// in place.
-    timer: Option<Box<MaybeUninit<monoio::time::Sleep>>>,
+    timer: Option<SpareBox<monoio::time::Sleep>>,
 }
-
-/// Boxes of timers whose waits have ended, emptied (the timer dropped in place, so out of the
-/// runtime's wheel), for the next wait on this thread to fill.
-type SpareTimers = RefCell<Vec<Box<MaybeUninit<monoio::time::Sleep>>>>;
-
-thread_local! {
-    static SPARE_TIMERS: SpareTimers = const { RefCell::new(Vec::new()) };
-}
-
-/// How many empty timer boxes a thread keeps (640 bytes each): enough for the waits that end
-/// between two that start on a busy worker; a wave of ten thousand streams ending frees the rest.
-const SPARE_TIMERS_KEPT: usize = 256;
 
 impl Future for Sleep {
     type Output = ();
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let deadline = self.deadline;
-        let slot = self.timer.get_or_insert_with(|| {
-            let spare = SPARE_TIMERS
-                .try_with(|s| s.borrow_mut().pop())
-                .ok()
-                .flatten();
-            let mut slot = spare.unwrap_or_else(|| Box::new(MaybeUninit::uninit()));
+        let timer = self.timer.get_or_insert_with(|| {
             let deadline = monoio::time::Instant::from_std(deadline.to_instant());
-            slot.write(monoio::time::sleep_until(deadline));
-            slot
+            SpareBox::new(monoio::time::sleep_until(deadline))
         });
-        // SAFETY: `slot` holds the timer written when it was put in `timer`, which stays at
-        // this heap address until `drop` drops it in place: pinned.
-        unsafe { Pin::new_unchecked(slot.assume_init_mut()) }.poll(cx)
-    }
-}
-
-impl Drop for Sleep {
-    fn drop(&mut self) {
-        let Some(mut slot) = self.timer.take() else {
-            return;
-        };
-        // SAFETY: initialized when put in `timer`, and dropped only here, once. Its drop takes
-        // it out of the runtime's wheel, so the emptied box can be reused.
-        unsafe { slot.assume_init_drop() };
-        // The box outlives its spare list at thread exit: then it is simply freed.
-        let _ = SPARE_TIMERS.try_with(|s| {
-            if let Ok(mut s) = s.try_borrow_mut() {
-                if s.len() < SPARE_TIMERS_KEPT {
-                    s.push(slot);
-                }
-            }
-        });
+        Pin::new(timer).poll(cx)
     }
 }
 
@@ -511,7 +472,7 @@ mod tests {
     #[test]
     fn a_timer_box_is_emptied_and_reused_by_the_next_wait() {
         crate::sys::testing::block_on(async {
-            let spare = || SPARE_TIMERS.with(|s| s.borrow().len());
+            let spare = crate::sys::spare::shelved::<monoio::time::Sleep>;
             let before = spare();
             // A wait that parks makes its timer; ending it early empties the box into the
             // spare list, where the next wait finds it.
@@ -522,7 +483,7 @@ mod tests {
                 ));
                 let polled = std::future::poll_fn(|cx| Poll::Ready(parked.as_mut().poll(cx))).await;
                 assert_eq!(polled, Poll::Pending);
-                parked.expiry.timer.as_deref().map(|b| b as *const _)
+                parked.expiry.timer.as_ref().map(SpareBox::cell)
             };
             assert!(made.is_some());
             assert_eq!(spare(), before + 1);
@@ -536,7 +497,7 @@ mod tests {
             ));
             let first = std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await;
             assert_eq!(first, Poll::Pending);
-            assert_eq!(next.expiry.timer.as_deref().map(|b| b as *const _), made);
+            assert_eq!(next.expiry.timer.as_ref().map(SpareBox::cell), made);
             assert_eq!(spare(), before);
             assert_eq!(next.await, Err(Elapsed));
             assert!(started.elapsed() >= Duration::from_millis(10));
