@@ -37,7 +37,7 @@ use crate::sys::spare::SpareBox;
 use crate::sys::stream::{self, ReadOutcome};
 
 /// Smallest read buffer; grows as a request needs, shrinks back after it.
-const MIN_READ_BUF: usize = 2048;
+pub(crate) const MIN_READ_BUF: usize = 2048;
 /// A read buffer larger than this after a request is replaced by a small one.
 const KEEP_READ_BUF: usize = 64 * 1024;
 
@@ -56,10 +56,10 @@ struct ConnState {
 /// Between requests the connection waits on a readiness poll holding no read buffer, and the
 /// work of a request runs in a boxed future. So an idle keep-alive connection costs only this
 /// small future: the request's state machines (the proxy's above all) are several KB, and
-/// 10,000 idle connections would otherwise hold tens of MB. The box's cell is the worker's,
-/// taken for the request and shelved after it ([`SpareBox`]), so a busy connection does not
-/// allocate it. A poll, unlike a read, can be cancelled by the idle timeout without losing
-/// bytes.
+/// 10,000 idle connections would otherwise hold tens of MB. The box's cell and the read buffer
+/// are the worker's, taken for the request and given back after it ([`SpareBox`], the worker's
+/// `read_bufs`), so a busy connection allocates neither. A poll, unlike a read, can be
+/// cancelled by the idle timeout without losing bytes.
 pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: std::net::SocketAddr) {
     let _ = stream.set_nodelay(true);
     serve_client(worker, ClientSocket::new(stream), peer).await;
@@ -154,7 +154,8 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
             } else {
                 timeouts.keepalive_idle
             };
-            state.rbuf = Vec::new();
+            // The read buffer waits in the worker's pool, not with the connection.
+            worker.read_bufs.give(std::mem::take(&mut state.rbuf));
             // Only kept-alive connections are marked: a drain shuts those at once.
             slot.waiting(!first_request);
             let idle_limit = if first_request && worker.drain.draining() {
@@ -192,7 +193,7 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
             if !client.is_tls() {
                 // The bytes are there: take them now rather than with one more trip around
                 // the event loop (this is most of a keep-alive request's wake-up latency).
-                state.rbuf.reserve(MIN_READ_BUF);
+                state.rbuf = worker.read_bufs.take();
                 if client.read_ready(&mut state.rbuf) == Some(0) {
                     return;
                 }

@@ -60,6 +60,8 @@ pub struct Worker {
     pub(crate) inspector: RefCell<Inspector>,
     pub(crate) rng: Cell<u64>,
     pub(crate) bufs: BufPool,
+    /// Client read buffers, between a connection's requests (an idle connection holds none).
+    pub(crate) read_bufs: BufPool,
     /// Open client connections on this worker.
     pub(crate) connections: Cell<usize>,
     /// Requests being served on this worker right now.
@@ -232,6 +234,7 @@ impl Worker {
             inspector: RefCell::new(Inspector::default()),
             rng: Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
             bufs: BufPool::new(16 * 1024, 256),
+            read_bufs: BufPool::new(crate::runtime::conn::MIN_READ_BUF, 128),
             connections: Cell::new(0),
             load: Load::default(),
             observations: ObservationPool::default(),
