@@ -28,8 +28,9 @@
 # Knobs: SECS (10), CONNS (8), BODY_BYTES (1024), UPSTREAM_DELAY_MS (0), MOCK_ECHO (unset; "none":
 # answers without mock-llm's echo of the request, as large as a provider's), CONFIGS ("sluice";
 # also "sluice-ai": API keys, three policies on a redis-server it starts, metrics and the
-# access log), BASE_BIN (adds "<config>-base" runs of that binary), TOP (25), KEEP (a directory
-# to keep the callgrind files in, for callgrind_annotate).
+# access log), BASE_BIN (adds "<config>-base" runs of that binary), SLUICE_BIN (the build to
+# measure, when not this tree's: to compare two saved builds, one change at a time), TOP (25),
+# KEEP (a directory to keep the callgrind files in, for callgrind_annotate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LC_ALL=C
@@ -123,7 +124,7 @@ echo "| run | requests | instructions / request |"
 echo "| --- | ---: | ---: |"
 for run in "${runs[@]}"; do
   config=${run%-base}
-  bin=$BIN/sluice
+  bin=${SLUICE_BIN:-$BIN/sluice}
   [ "$config" != "$run" ] && bin=$BASE_BIN
   measure "$config" "$bin" 0 "$DIR/$run-idle.out"
   idle=$IR
