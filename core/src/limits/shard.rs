@@ -576,7 +576,8 @@ impl LimiterShard {
                 let remaining = budget.remaining().saturating_sub(limit.cost);
                 out.headers
                     .keep_tightest(limit.kind, (limit.limit, remaining, reset_ms));
-                match self.check(&id, limit.cost, a.lease_valid) {
+                // The budget just read, not looked up again.
+                match self.check_budget(budget, id.kind, limit.cost, a.lease_valid) {
                     Ok(()) => passed.push((id, limit.cost)),
                     Err(kind) => {
                         if kind == RefusalKind::NeedLease {
@@ -955,6 +956,17 @@ impl LimiterShard {
         let Some(b) = self.budgets.get(id) else {
             return Err(RefusalKind::Exhausted);
         };
+        self.check_budget(b, id.kind, cost, lease_valid)
+    }
+
+    /// [`Self::check`] of a budget already looked up (`kind`: its id's).
+    fn check_budget(
+        &self,
+        b: &Budget,
+        kind: u8,
+        cost: u64,
+        lease_valid: bool,
+    ) -> Result<(), RefusalKind> {
         if b.free(lease_valid) >= cost as i64 {
             return Ok(());
         }
@@ -963,7 +975,7 @@ impl LimiterShard {
         if !self.backend_ok {
             // The ledger is unreachable. Rate limits and concurrency may serve on this core's
             // share when so configured; quotas spend only what is held.
-            let plan = id.kind == KIND_PLAN;
+            let plan = kind == KIND_PLAN;
             if self.down_allow && !plan {
                 // This core's use of the budget (a window's or the slots) within its share.
                 let share = b.limit.div_ceil(self.down_share).max(1);
