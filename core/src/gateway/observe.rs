@@ -214,6 +214,27 @@ pub(crate) enum UsageSource {
     None,
 }
 
+/// What [`Observation::outcome`] reads of a response's metering: the usage reported, and the
+/// generated content's timing and size.
+#[derive(Debug, Default, Clone, Copy)]
+struct Metered {
+    usage: Option<Usage>,
+    first_content_at: Option<Mono>,
+    last_content_at: Option<Mono>,
+    content_bytes: u64,
+}
+
+impl Metered {
+    fn of(summary: &MeterSummary) -> Metered {
+        Metered {
+            usage: summary.usage,
+            first_content_at: summary.first_content_at,
+            last_content_at: summary.last_content_at,
+            content_bytes: summary.content_bytes,
+        }
+    }
+}
+
 /// A finished request, summed up.
 #[derive(Debug, Clone)]
 pub(crate) struct Outcome<'m> {
@@ -368,33 +389,34 @@ impl Observation {
         estimate: Estimator,
     ) -> Outcome<'m> {
         let finished = self.finished_at.unwrap_or_else(Mono::now);
+        // The numbers only: the meter's summary is read in place (a copy would clone its
+        // finish reason, an allocation per request).
         let (summary, captured) = match (&self.metering, self.anthropic) {
             (Metering::Json { truncated: false }, false) => {
                 self.meter.on_json_body(&mut self.json, self.json_from);
-                (self.meter.summary(), self.meter.captured())
+                (Metered::of(self.meter.recorded()), self.meter.captured())
             }
             (Metering::Json { truncated: false }, true) => {
                 let usage = message_usage(self.json.get(self.json_from..).unwrap_or_default());
                 (
-                    MeterSummary {
+                    Metered {
                         usage,
-                        ..MeterSummary::default()
+                        ..Metered::default()
                     },
                     &[][..],
                 )
             }
             (Metering::AnthropicStream, _) => {
                 let a = &self.anthropic_meter;
-                let summary = MeterSummary {
+                let summary = Metered {
                     usage: a.meter.usage(),
                     first_content_at: a.first_content_at,
                     last_content_at: a.last_content_at,
                     content_bytes: a.content_bytes,
-                    ..MeterSummary::default()
                 };
                 (summary, &[][..])
             }
-            _ => (self.meter.summary(), self.meter.captured()),
+            _ => (Metered::of(self.meter.recorded()), self.meter.captured()),
         };
         let (usage, usage_source) = match summary.usage {
             Some(u) => (u, UsageSource::Reported),

@@ -96,6 +96,13 @@ impl SseMeter {
             || self.splitter.oversized_events() > 0
     }
 
+    /// What the events recorded so far, borrowed: [`Self::summary`] without the splitter's
+    /// counts (`oversized_events`, `partial_event`, left at zero) and without cloning the
+    /// finish reason, for a caller that reads the numbers.
+    pub(crate) fn recorded(&self) -> &MeterSummary {
+        self.meter.summary()
+    }
+
     /// What has been recorded so far.
     pub fn summary(&self) -> MeterSummary {
         let mut s = self.meter.summary().clone();

@@ -270,7 +270,12 @@ fn reported_usage_members(text: &str) -> Option<(Value, Option<Value>)> {
             "object" => {
                 let v = sc.value(1).ok()?;
                 let v = text.get(v.start..v.end)?;
-                if v == "\"error\"" || v == "\"response\"" || v.contains('\\') {
+                // The usual values are compared first: a search for an escape in them (std's
+                // or memchr's) cost 70-110 instructions a response, for a 17-byte value.
+                let usual = matches!(v, "\"chat.completion\"" | "\"text_completion\"");
+                if !usual
+                    && (v == "\"error\"" || v == "\"response\"" || v.bytes().any(|b| b == b'\\'))
+                {
                     return None;
                 }
             }
