@@ -109,29 +109,36 @@ pub(crate) async fn proxy<'s>(
         ..Caller::default()
     };
 
-    // Inspect, authorize, route, admit: decided before anything goes upstream.
-    let admitted = admit_request(core, request, inspection, &mut caller, &mut obs).await;
-
-    // Forward and relay, on the admission's reservation: to the candidates in turn while a
-    // failure leaves the client untouched and another backend may do better.
+    // Inspect, authorize, route, then admit: decided before anything goes upstream. The
+    // targets stay where routing made them (a `Candidates` is ~550 bytes: passed on through
+    // the admission's future and a tuple, it was copied five times).
     let mut provider = Permit::default();
-    let (mut result, mapped, admission) = match admitted {
-        Ok((mut candidates, admission)) => {
-            admission.rate_headers().write(&mut obs.rate_headers);
-            let (served, mapped) = serve(
-                core,
-                client,
-                request,
-                inspection,
-                &mut candidates,
-                &mut obs,
-                &mut provider,
-            )
-            .await;
-            (served, mapped, Some(admission))
-        }
-        Err(e) => (Err(e), None, None),
-    };
+    let (mut result, mapped, admission) =
+        match route_request(core, request, inspection, &mut caller, &mut obs) {
+            Err(e) => (Err(e), None, None),
+            Ok(mut candidates) => {
+                match admit_routed(core, request, inspection, &mut caller).await {
+                    Err(e) => (Err(e), None, None),
+                    // Forward and relay, on the admission's reservation: to the candidates in
+                    // turn while a failure leaves the client untouched and another backend may
+                    // do better.
+                    Ok(admission) => {
+                        admission.rate_headers().write(&mut obs.rate_headers);
+                        let (served, mapped) = serve(
+                            core,
+                            client,
+                            request,
+                            inspection,
+                            &mut candidates,
+                            &mut obs,
+                            &mut provider,
+                        )
+                        .await;
+                        (served, mapped, Some(admission))
+                    }
+                }
+            }
+        };
 
     // Observe: usage, cost and timings of what happened, whatever happened.
     let estimator =
@@ -200,17 +207,15 @@ pub(crate) async fn proxy<'s>(
     result.map(|relayed| relayed.keep_alive)
 }
 
-/// Inspect, authorize, route and admit, for the caller's principal (authenticated from the
-/// head): the targets to try and the admission to settle, or the error to answer with (nothing
-/// was sent upstream).
-pub(crate) async fn admit_request<'s>(
+/// Inspect, authorize and route, for the caller's principal (authenticated from the head): the
+/// targets to try, or the error to answer with. [`admit_routed`] follows.
+pub(crate) fn route_request<'s>(
     core: PerCore<'s>,
     request: &Request<'_>,
     inspection: &mut Inspection,
     caller: &mut Caller<'s>,
     obs: &mut Observation,
-) -> Result<(Candidates<'s>, Admission), GatewayError> {
-    let limits = &*core.snapshot.limits;
+) -> Result<Candidates<'s>, GatewayError> {
     let principal = caller.principal;
 
     // Inspect: the top-level model and friends, exactly as the upstream will read them. A
@@ -256,20 +261,29 @@ pub(crate) async fn admit_request<'s>(
     )?;
     let primary = candidates.primary();
     obs.routed = Some((primary.cluster_id, primary.backend.id));
+    Ok(candidates)
+}
 
-    // Admit: a reservation under every policy and quota plan that applies (waits at most one
-    // sync for a lease).
+/// Admit a routed request: a reservation under every policy and quota plan that applies (waits
+/// at most one sync for a lease), or the refusal to answer with (nothing was sent upstream).
+pub(crate) async fn admit_routed<'s>(
+    core: PerCore<'s>,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    caller: &mut Caller<'s>,
+) -> Result<Admission, GatewayError> {
+    let limits = &*core.snapshot.limits;
     let admitted = admit::admit(
         core.limiter,
         core.metrics,
         limits,
-        principal,
+        caller.principal,
         inspection,
         request.body,
     )
     .await;
     match admitted {
-        Ok(admission) => Ok((candidates, admission)),
+        Ok(admission) => Ok(admission),
         Err(rejection) => {
             let mut error = admit::refusal_error(limits, &rejection.refusal);
             caller.refused(core.metrics, rejection.refusal);
@@ -696,8 +710,8 @@ fn keep_session(
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
-    //! The pipeline's decisions without a socket: [`authenticate_head`] then [`admit_request`]
-    //! on a per-core state built
+    //! The pipeline's decisions without a socket: [`authenticate_head`], [`route_request`] and
+    //! [`admit_routed`] on a per-core state built
     //! from a config (`context::testing`), with the real limiter shard exchanging with the
     //! in-process ledger through the real sync task.
     use super::*;
@@ -822,6 +836,19 @@ mod tests {
             error_headers,
             retry_after,
         }
+    }
+
+    /// Route, then admit, as [`proxy`] does.
+    async fn admit_request<'s>(
+        core: PerCore<'s>,
+        request: &Request<'_>,
+        inspection: &mut Inspection,
+        caller: &mut Caller<'s>,
+        obs: &mut Observation,
+    ) -> Result<(Candidates<'s>, Admission), GatewayError> {
+        let candidates = route_request(core, request, inspection, caller, obs)?;
+        let admission = admit_routed(core, request, inspection, caller).await?;
+        Ok((candidates, admission))
     }
 
     /// [`admit_request`] with the limiter's sync task (on an in-process ledger) running beside
