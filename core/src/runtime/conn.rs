@@ -181,10 +181,12 @@ async fn serve_client(worker: Rc<Worker>, mut client: ClientSocket, peer: std::n
                     }
                 }
             } else {
-                matches!(
-                    clock::timeout(idle_limit, client.readable()).await,
-                    Ok(Ok(()))
-                )
+                // No timer of its own: the worker's idle sweep shuts the socket down once the
+                // limit has passed (see `runtime::server::sweep_idle_connections`), which ends
+                // this wait with the end of the stream. A timer here was made and cancelled
+                // for every request of a busy connection.
+                slot.waiting_until(clock::deadline(idle_limit));
+                matches!(client.readable().await, Ok(()))
             };
             slot.waiting(false);
             if !waited {
@@ -226,6 +228,11 @@ impl<'w> ClientSlot<'w> {
 
     fn waiting(&self, waiting: bool) {
         self.clients.borrow_mut().mark(self.slot, waiting);
+    }
+
+    /// Marked as waiting, to be shut down by the worker's idle sweep past `deadline`.
+    fn waiting_until(&self, deadline: Mono) {
+        self.clients.borrow_mut().mark_until(self.slot, deadline);
     }
 }
 

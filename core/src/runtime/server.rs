@@ -799,6 +799,7 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
         };
         let worker = Rc::new(Worker::with_health(id, snapshot, health, hub, access_log));
         monoio::spawn(publish_metrics(Rc::clone(&worker)));
+        monoio::spawn(sweep_idle_connections(Rc::clone(&worker)));
         // Always: a reload may turn the access log on.
         monoio::spawn(flush_access_log(Rc::clone(&worker)));
         let limits = Arc::clone(&worker.snapshot().limits);
@@ -1046,6 +1047,31 @@ async fn publish_metrics(worker: Rc<Worker>) {
         worker.metrics.connections_open(worker.connections.get());
         worker.metrics.publish(&worker.hub);
     }
+}
+
+/// Close the kept-alive connections that waited for their next request past
+/// `timeouts.keepalive_idle_ms`: one timer for the worker instead of one made and cancelled per
+/// request. Each sweep shuts down the expired ones' sockets (`conn::serve_client` marks each
+/// wait with its deadline), which ends their waits; a connection closes within an eighth of the
+/// limit after it (at most a second, at least 5 ms).
+async fn sweep_idle_connections(worker: Rc<Worker>) {
+    loop {
+        // The current snapshot's limit: a reload may change it.
+        let every = idle_sweep_interval(worker.snapshot().timeouts.keepalive_idle);
+        monoio::time::sleep(every).await;
+        worker
+            .clients
+            .borrow_mut()
+            .shut_down_expired(crate::sys::clock::Mono::now());
+    }
+}
+
+/// How often [`sweep_idle_connections`] looks: an eighth of the limit, 5 ms to 1 s.
+fn idle_sweep_interval(limit: std::time::Duration) -> std::time::Duration {
+    (limit / 8).clamp(
+        std::time::Duration::from_millis(5),
+        std::time::Duration::from_secs(1),
+    )
 }
 
 async fn flush_access_log(worker: Rc<Worker>) {

@@ -6,6 +6,8 @@
 use std::io;
 use std::os::fd::RawFd;
 
+use super::clock::Mono;
+
 /// Send as much of `data` as the socket takes now. `Ok(0)` when it would block.
 pub(crate) fn send_now(fd: RawFd, data: &[u8]) -> io::Result<usize> {
     // SAFETY: `data` is a valid slice; MSG_DONTWAIT never blocks, MSG_NOSIGNAL turns a closed
@@ -124,27 +126,41 @@ pub(crate) fn shutdown(fd: RawFd) {
 }
 
 /// Sockets one thread holds open, each with a mark (what it means is the holder's: "waiting
-/// for a request", say), so they can be shut down together. Adding one returns its slot, which
-/// marks and removes it; slots are reused. One thread's: the holder keeps it in a `RefCell`.
+/// for a request", say) and maybe a deadline for it, so they can be shut down together, or
+/// those whose deadline has passed. Adding one returns its slot, which marks and removes it;
+/// slots are reused. One thread's: the holder keeps it in a `RefCell`.
 #[derive(Debug, Default)]
 pub(crate) struct SocketSet {
-    /// `(fd, marked)`; a free slot has fd -1.
-    slots: Vec<(RawFd, bool)>,
+    /// A free slot has fd -1.
+    slots: Vec<Slot>,
     free: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    fd: RawFd,
+    marked: bool,
+    /// When a marked socket is to be shut down ([`SocketSet::shut_down_expired`]).
+    deadline: Option<Mono>,
 }
 
 impl SocketSet {
     /// Add `fd` (with `marked`); returns its slot.
     pub(crate) fn insert(&mut self, fd: RawFd, marked: bool) -> usize {
+        let entry = Slot {
+            fd,
+            marked,
+            deadline: None,
+        };
         match self.free.pop() {
             Some(slot) => {
-                if let Some(entry) = self.slots.get_mut(slot) {
-                    *entry = (fd, marked);
+                if let Some(free) = self.slots.get_mut(slot) {
+                    *free = entry;
                 }
                 slot
             }
             None => {
-                self.slots.push((fd, marked));
+                self.slots.push(entry);
                 self.slots.len() - 1
             }
         }
@@ -153,17 +169,49 @@ impl SocketSet {
     /// Forget the socket in `slot` (before it is closed: its number may be reused).
     pub(crate) fn remove(&mut self, slot: usize) {
         if let Some(entry) = self.slots.get_mut(slot) {
-            if entry.0 >= 0 {
-                *entry = (-1, false);
+            if entry.fd >= 0 {
+                entry.fd = -1;
+                entry.marked = false;
+                entry.deadline = None;
                 self.free.push(slot);
             }
         }
     }
 
+    /// Mark or unmark the socket in `slot`, with no deadline.
     pub(crate) fn mark(&mut self, slot: usize, marked: bool) {
         if let Some(entry) = self.slots.get_mut(slot) {
-            entry.1 = marked;
+            entry.marked = marked;
+            entry.deadline = None;
         }
+    }
+
+    /// Mark the socket in `slot` until `deadline`: past it, [`Self::shut_down_expired`] shuts
+    /// it down.
+    pub(crate) fn mark_until(&mut self, slot: usize, deadline: Mono) {
+        if let Some(entry) = self.slots.get_mut(slot) {
+            entry.marked = true;
+            entry.deadline = Some(deadline);
+        }
+    }
+
+    /// Shut down the marked sockets whose deadline is before `now` and that have no bytes
+    /// waiting to be read (those are about to be read); returns how many. Each is shut down
+    /// once: its deadline goes with it.
+    pub(crate) fn shut_down_expired(&mut self, now: Mono) -> usize {
+        let mut n = 0;
+        for entry in &mut self.slots {
+            if entry.fd >= 0
+                && entry.marked
+                && entry.deadline.is_some_and(|d| d <= now)
+                && !has_bytes(entry.fd)
+            {
+                shutdown(entry.fd);
+                entry.deadline = None;
+                n += 1;
+            }
+        }
+        n
     }
 
     /// How many sockets are in the set.
@@ -175,7 +223,7 @@ impl SocketSet {
     /// Shut down (see [`shutdown`]) every socket in the set; returns how many.
     pub(crate) fn shut_down_all(&self) -> usize {
         let mut n = 0;
-        for &(fd, _) in &self.slots {
+        for &Slot { fd, .. } in &self.slots {
             if fd >= 0 {
                 shutdown(fd);
                 n += 1;
@@ -187,7 +235,7 @@ impl SocketSet {
     /// Shut down the marked sockets that have no bytes waiting to be read; returns how many.
     pub(crate) fn shut_down_quiet_marked(&self) -> usize {
         let mut n = 0;
-        for &(fd, marked) in &self.slots {
+        for &Slot { fd, marked, .. } in &self.slots {
             if fd >= 0 && marked && !has_bytes(fd) {
                 shutdown(fd);
                 n += 1;
@@ -299,5 +347,36 @@ mod tests {
         assert_eq!(set.shut_down_all(), 3);
         assert!(peer_gone(busy.as_raw_fd()));
         assert_eq!(waiting_peer.read(&mut buf).unwrap(), 0);
+    }
+
+    #[test]
+    fn only_marked_sockets_past_their_deadline_and_quiet_are_shut_down_and_once() {
+        let pairs: Vec<_> = (0..5).map(|_| UnixStream::pair().unwrap()).collect();
+        let fd = |i: usize| pairs[i].0.as_raw_fd();
+        let past = Mono::now();
+        let now = past + std::time::Duration::from_millis(1);
+        let mut set = SocketSet::default();
+        let slots: Vec<usize> = (0..5).map(|i| set.insert(fd(i), false)).collect();
+        set.mark_until(slots[0], past); // expired: shut down
+        set.mark_until(slots[1], now + std::time::Duration::from_secs(60)); // not yet
+        set.mark_until(slots[2], past);
+        set.mark(slots[2], true); // marked again without a deadline: only a drain shuts it
+        set.mark_until(slots[3], past);
+        (&pairs[3].1).write_all(b"GET").unwrap(); // a request is on its way: left to be read
+                                                  // slots[4]: never marked.
+
+        assert_eq!(set.shut_down_expired(now), 1);
+        assert!(peer_gone(fd(0)));
+        for i in 1..5 {
+            assert!(!peer_gone(fd(i)), "socket {i} was shut down");
+        }
+        // Its deadline went with it: the next sweep does not shut it again.
+        assert_eq!(set.shut_down_expired(now), 0);
+        // The one not yet due is shut down once its deadline has passed.
+        assert_eq!(
+            set.shut_down_expired(now + std::time::Duration::from_secs(61)),
+            1
+        );
+        assert!(peer_gone(fd(1)));
     }
 }

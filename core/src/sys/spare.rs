@@ -217,8 +217,10 @@ mod tests {
     #[test]
     fn cells_of_other_layouts_are_not_mixed() {
         #[repr(align(128))]
-        struct Aligned([u8; 640]);
-        let small = SpareBox::new(Aligned([1; 640]));
+        struct Aligned {
+            _bytes: [u8; 640],
+        }
+        let small = SpareBox::new(Aligned { _bytes: [1; 640] });
         drop(small);
         let before = shelved::<Counted>();
         let drops = Rc::new(Cell::new(0));
@@ -227,7 +229,7 @@ mod tests {
         assert_eq!(shelved::<Aligned>(), 1);
         assert_eq!(other.cell() as usize % align_of::<Counted>(), 0);
         assert_eq!(shelved::<Counted>(), before.saturating_sub(1));
-        let aligned = SpareBox::new(Aligned([2; 640]));
+        let aligned = SpareBox::new(Aligned { _bytes: [2; 640] });
         assert_eq!(aligned.cell() as usize % 128, 0);
         assert_eq!(shelved::<Aligned>(), 0);
     }
