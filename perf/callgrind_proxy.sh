@@ -20,12 +20,15 @@
 # costs. Under callgrind the proxy runs ~50x slower than the client and mock-llm, so its reads
 # nearly always find data and its writes room: few timers are armed and few tasks are parked.
 # UPSTREAM_DELAY_MS=3 has mock-llm hold each answer that long (`x-mock-delay-ms`), so the
-# read of every answer's head parks, with its timer, as it does at full speed. The runtime is
+# read of every answer's head parks, with its timer, as it does at full speed; CLIENT_DELAY_MS=2
+# has wrk pause that long before each connection's next request, so the proxy's wait for it
+# parks too (a keep-alive connection's idle wait). The runtime is
 # monoio's epoll driver (`MONOIO_FORCE_LEGACY_DRIVER=1`): valgrind does not treat a waiting
 # `io_uring_enter` as a blocking call, and the io_uring worker stalls under it. Everything above
 # the driver — parsing, routing, metering, the access log — runs the same code on both.
 #
-# Knobs: SECS (10), CONNS (8), BODY_BYTES (1024), UPSTREAM_DELAY_MS (0), MOCK_ECHO (unset; "none":
+# Knobs: SECS (10), CONNS (8), BODY_BYTES (1024), UPSTREAM_DELAY_MS (0), CLIENT_DELAY_MS (0),
+# MOCK_ECHO (unset; "none":
 # answers without mock-llm's echo of the request, as large as a provider's), CONFIGS ("sluice";
 # also "sluice-ai": API keys, three policies on a redis-server it starts, metrics and the
 # access log), BASE_BIN (adds "<config>-base" runs of that binary), SLUICE_BIN (the build to
@@ -35,8 +38,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export LC_ALL=C
 : "${SECS:=10}" "${CONNS:=8}" "${BODY_BYTES:=1024}" "${CONFIGS:=sluice}" "${TOP:=25}"
-: "${UPSTREAM_DELAY_MS:=0}"
+: "${UPSTREAM_DELAY_MS:=0}" "${CLIENT_DELAY_MS:=0}"
 [[ $UPSTREAM_DELAY_MS =~ ^[0-9]+$ ]] || { echo "UPSTREAM_DELAY_MS: whole milliseconds" >&2; exit 2; }
+[[ $CLIENT_DELAY_MS =~ ^[0-9]+$ ]] || { echo "CLIENT_DELAY_MS: whole milliseconds" >&2; exit 2; }
 for tool in valgrind wrk redis-server; do
   command -v "$tool" >/dev/null || {
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind wrk redis-server >/dev/null
@@ -52,6 +56,9 @@ start_mock
 write_post_lua "$TMP/post.lua" "$BODY_BYTES"
 if [ "$UPSTREAM_DELAY_MS" != 0 ]; then
   echo "wrk.headers[\"x-mock-delay-ms\"] = \"$UPSTREAM_DELAY_MS\"" >>"$TMP/post.lua"
+fi
+if [ "$CLIENT_DELAY_MS" != 0 ]; then
+  echo "function delay() return $CLIENT_DELAY_MS end" >>"$TMP/post.lua"
 fi
 KEY=sk-callgrind-1
 { cat "$TMP/post.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $KEY\""; } >"$TMP/post-ai.lua"
@@ -118,7 +125,7 @@ by_function() { # callgrind file
 
 DIR=${KEEP:-$TMP/cg}
 mkdir -p "$DIR"
-echo "callgrind, ${SECS}s of wrk, $CONNS connections, $BODY_BYTES-byte chat POSTs, answers held ${UPSTREAM_DELAY_MS} ms${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}; $(git rev-parse --short HEAD)"
+echo "callgrind, ${SECS}s of wrk, $CONNS connections, $BODY_BYTES-byte chat POSTs, answers held ${UPSTREAM_DELAY_MS} ms, requests ${CLIENT_DELAY_MS} ms apart${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}; $(git rev-parse --short HEAD)"
 echo
 echo "| run | requests | instructions / request |"
 echo "| --- | ---: | ---: |"
