@@ -357,13 +357,17 @@ mod tests {
         let now = past + std::time::Duration::from_millis(1);
         let mut set = SocketSet::default();
         let slots: Vec<usize> = (0..5).map(|i| set.insert(fd(i), false)).collect();
-        set.mark_until(slots[0], past); // expired: shut down
-        set.mark_until(slots[1], now + std::time::Duration::from_secs(60)); // not yet
+        // Expired: shut down.
+        set.mark_until(slots[0], past);
+        // Not yet due.
+        set.mark_until(slots[1], now + std::time::Duration::from_secs(60));
+        // Marked again without a deadline: only a drain shuts it.
         set.mark_until(slots[2], past);
-        set.mark(slots[2], true); // marked again without a deadline: only a drain shuts it
+        set.mark(slots[2], true);
+        // Expired, but a request is on its way: left to be read.
         set.mark_until(slots[3], past);
-        (&pairs[3].1).write_all(b"GET").unwrap(); // a request is on its way: left to be read
-                                                  // slots[4]: never marked.
+        (&pairs[3].1).write_all(b"GET").unwrap();
+        // slots[4] is never marked.
 
         assert_eq!(set.shut_down_expired(now), 1);
         assert!(peer_gone(fd(0)));
