@@ -266,18 +266,14 @@ impl RateHeaders {
             "\r\nx-ratelimit-remaining-tokens: ",
             "\r\nx-ratelimit-reset-tokens: ",
         ];
+        // One digit buffer, and each kind's lines by reference: an array of (names, numbers)
+        // pairs to loop over was copied whole first.
         let mut num = itoa::Buffer::new();
-        for (names, v) in [(REQUESTS, self.requests), (TOKENS, self.tokens)] {
-            if let Some((limit, remaining, reset_ms)) = v {
-                let [limit_name, remaining_name, reset_name] = names;
-                let _ = out.write_str(limit_name);
-                let _ = out.write_str(num.format(limit));
-                let _ = out.write_str(remaining_name);
-                let _ = out.write_str(num.format(remaining));
-                let _ = out.write_str(reset_name);
-                write_duration(out, reset_ms);
-                let _ = out.write_str("\r\n");
-            }
+        if let Some(numbers) = &self.requests {
+            write_lines(out, &mut num, &REQUESTS, numbers);
+        }
+        if let Some(numbers) = &self.tokens {
+            write_lines(out, &mut num, &TOKENS, numbers);
         }
     }
 
@@ -295,9 +291,25 @@ impl RateHeaders {
     }
 }
 
+/// One kind's three header lines: `names` then `(limit, remaining, reset ms)`.
+fn write_lines(
+    out: &mut impl std::fmt::Write,
+    num: &mut itoa::Buffer,
+    names: &[&str; 3],
+    &(limit, remaining, reset_ms): &(u64, u64, u64),
+) {
+    let [limit_name, remaining_name, reset_name] = names;
+    let _ = out.write_str(limit_name);
+    let _ = out.write_str(num.format(limit));
+    let _ = out.write_str(remaining_name);
+    let _ = out.write_str(num.format(remaining));
+    let _ = out.write_str(reset_name);
+    write_duration(out, num, reset_ms);
+    let _ = out.write_str("\r\n");
+}
+
 /// OpenAI's reset format: `20ms`, `1s`, `6m0s`, `1h2m3s`.
-fn write_duration(out: &mut impl std::fmt::Write, ms: u64) {
-    let mut num = itoa::Buffer::new();
+fn write_duration(out: &mut impl std::fmt::Write, num: &mut itoa::Buffer, ms: u64) {
     let mut part = |n: u64, unit: &str| {
         let _ = out.write_str(num.format(n));
         let _ = out.write_str(unit);
@@ -1942,7 +1954,7 @@ mod tests {
     fn reset_durations_in_openai_format() {
         let f = |ms| {
             let mut s = String::new();
-            write_duration(&mut s, ms);
+            write_duration(&mut s, &mut itoa::Buffer::new(), ms);
             s
         };
         assert_eq!(f(20), "20ms");
