@@ -838,21 +838,9 @@ mod tests {
         }
     }
 
-    /// Route, then admit, as [`proxy`] does.
-    async fn admit_request<'s>(
-        core: PerCore<'s>,
-        request: &Request<'_>,
-        inspection: &mut Inspection,
-        caller: &mut Caller<'s>,
-        obs: &mut Observation,
-    ) -> Result<(Candidates<'s>, Admission), GatewayError> {
-        let candidates = route_request(core, request, inspection, caller, obs)?;
-        let admission = admit_routed(core, request, inspection, caller).await?;
-        Ok((candidates, admission))
-    }
-
-    /// [`admit_request`] with the limiter's sync task (on an in-process ledger) running beside
-    /// it, as on a worker: admission may wait for a lease the sync brings.
+    /// Route, then admit, as [`proxy`] does, with the limiter's sync task (on an in-process
+    /// ledger) running beside the admission, as on a worker: it may wait for a lease the sync
+    /// brings.
     async fn admit_beside_sync<'s>(
         per_core: PerCore<'s>,
         request: &Request<'_>,
@@ -868,9 +856,10 @@ mod tests {
             InProcessLedger::new(),
             std::future::pending(),
         );
-        let decide = admit_request(per_core, request, inspection, caller, obs);
+        let candidates = route_request(per_core, request, inspection, caller, obs)?;
+        let decide = admit_routed(per_core, request, inspection, caller);
         monoio::select! {
-            decided = decide => decided,
+            decided = decide => decided.map(|admission| (candidates, admission)),
             () = sync => unreachable!("the sync task runs for the worker's life"),
         }
     }
@@ -1100,15 +1089,15 @@ mod tests {
             ..Caller::default()
         };
         let mut obs = Observation::default();
-        let mut runtime = runtime();
-        let decided = runtime.block_on(admit_request(
+        // Refused by the route phase (authorize), before any admission.
+        let routed = route_request(
             core.per_core(),
             &request,
             &mut inspection,
             &mut caller,
             &mut obs,
-        ));
-        let e = decided.expect_err("refused");
+        );
+        let e = routed.expect_err("refused");
         assert_eq!((e.status(), e.code()), (403, Some("source_not_allowed")));
         assert_eq!(caller.auth_failure, Some("source_not_allowed"));
     }
