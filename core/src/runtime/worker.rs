@@ -256,7 +256,7 @@ impl Worker {
         self.stop.draining.set();
         // Each one's task wakes to a closed socket and ends; one that has bytes waiting (a
         // request on its way) is served, with `connection: close`.
-        self.clients.borrow().shut_down_quiet_marked();
+        self.clients.borrow_mut().shut_down_quiet_marked();
         if self.connections.get() == 0 {
             self.stop.all_closed.set();
         }

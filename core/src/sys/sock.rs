@@ -199,19 +199,7 @@ impl SocketSet {
     /// waiting to be read (those are about to be read); returns how many. Each is shut down
     /// once: its deadline goes with it.
     pub(crate) fn shut_down_expired(&mut self, now: Mono) -> usize {
-        let mut n = 0;
-        for entry in &mut self.slots {
-            if entry.fd >= 0
-                && entry.marked
-                && entry.deadline.is_some_and(|d| d <= now)
-                && !has_bytes(entry.fd)
-            {
-                shutdown(entry.fd);
-                entry.deadline = None;
-                n += 1;
-            }
-        }
-        n
+        self.shut_down_quiet_marked_where(|entry| entry.deadline.is_some_and(|d| d <= now))
     }
 
     /// How many sockets are in the set.
@@ -233,11 +221,18 @@ impl SocketSet {
     }
 
     /// Shut down the marked sockets that have no bytes waiting to be read; returns how many.
-    pub(crate) fn shut_down_quiet_marked(&self) -> usize {
+    pub(crate) fn shut_down_quiet_marked(&mut self) -> usize {
+        self.shut_down_quiet_marked_where(|_| true)
+    }
+
+    /// Shut down the marked sockets that `due` picks and that have no bytes waiting to be
+    /// read, dropping their deadlines (so none is shut down twice); returns how many.
+    fn shut_down_quiet_marked_where(&mut self, due: impl Fn(&Slot) -> bool) -> usize {
         let mut n = 0;
-        for &Slot { fd, marked, .. } in &self.slots {
-            if fd >= 0 && marked && !has_bytes(fd) {
-                shutdown(fd);
+        for entry in &mut self.slots {
+            if entry.fd >= 0 && entry.marked && due(entry) && !has_bytes(entry.fd) {
+                shutdown(entry.fd);
+                entry.deadline = None;
                 n += 1;
             }
         }
