@@ -18,10 +18,12 @@ mod sys {
     //! Socket syscalls monoio does not offer (non-blocking send / recv / peek on a raw fd), and
     //! the owned-buffer I/O steps over monoio streams that the client and upstream sides share;
     //! the clocks (the worker's one reading per wake-up, and wall-clock numbers), a small
-    //! random-number generator, what the CPU can do (AVX2), and the heap cells a worker reuses
-    //! for the futures and timers it boxes per request.
+    //! random-number generator, what the CPU can do (AVX2), the heap cells a worker reuses
+    //! for the futures and timers it boxes per request, and the worker's list of deadlines its
+    //! timed waits park on.
     pub(crate) mod clock;
     pub(crate) mod cpu;
+    pub(crate) mod deadlines;
     pub(crate) mod rand;
     pub(crate) mod sock;
     pub(crate) mod spare;

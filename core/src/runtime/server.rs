@@ -797,6 +797,8 @@ fn worker_thread(setup: WorkerSetup, ready: mpsc::Sender<io::Result<Driver>>) {
             let _ = ready.send(Err(io::Error::other("a worker has no listening socket")));
             return None;
         };
+        // First: every timed wait from here on parks on the worker's list of deadlines.
+        monoio::spawn(crate::sys::deadlines::run_sweeper());
         let worker = Rc::new(Worker::with_health(id, snapshot, health, hub, access_log));
         monoio::spawn(publish_metrics(Rc::clone(&worker)));
         monoio::spawn(sweep_idle_connections(Rc::clone(&worker)));

@@ -24,6 +24,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use super::deadlines::{self, Standing, Wait};
 use super::spare::SpareBox;
 
 /// A reading of the monotonic clock — the one `Instant` reads on Linux (`CLOCK_MONOTONIC`) —
@@ -197,7 +198,7 @@ pub(crate) fn sleep(limit: Duration) -> Sleep {
 pub(crate) fn sleep_until(deadline: Mono) -> Sleep {
     Sleep {
         deadline,
-        timer: None,
+        timer: Timer::Unset,
     }
 }
 
@@ -205,24 +206,46 @@ pub(crate) fn sleep_until(deadline: Mono) -> Sleep {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Elapsed;
 
-/// A runtime timer made on the heap the first time it is polled, not held inside the future
-/// that waits on it.
+/// A wait until a deadline, which takes its timer the first time it is polled: on a worker, a
+/// slot in the worker's list of deadlines ([`deadlines`](super::deadlines), woken by the
+/// worker's sweeper); elsewhere (tests, the control thread), a runtime timer on the heap.
 ///
-/// monoio's `Sleep` is 640 bytes aligned to 128: its timer entry is cache-padded, for the
-/// threads tokio's design (which it comes from) shares entries between, which a monoio worker
-/// never does. Held inline, one per timed wait, it made every future around a wait that large
-/// and that aligned: a request's future grew past 10 KB, mostly timers and padding, and each
-/// level of it is copied into its parent when awaited. This one is 16 bytes; its timer, made
-/// when first polled, lives on the heap. A [`Timeout`] polls it only once its future has to
-/// wait, so the reads and writes that finish at once (most of them, on a busy connection)
-/// never make a timer at all. The timer's cell is reused ([`SpareBox`]): an allocation aligned
-/// to 128 takes mimalloc's slow path, ~300 instructions, for every wait that parks. Dropping
-/// the timer takes it out of the runtime's wheel.
+/// Either way the future itself is 24 bytes. monoio's `Sleep` is 640 bytes aligned to 128: its
+/// timer entry is cache-padded, for the threads tokio's design (which it comes from) shares
+/// entries between, which a monoio worker never does. Held inline, one per timed wait, it made
+/// every future around a wait that large and that aligned: a request's future grew past 10 KB,
+/// mostly timers and padding, and each level of it is copied into its parent when awaited. A
+/// [`Timeout`] polls its `Sleep` only once its future has to wait, so the reads and writes that
+/// finish at once (most of them, on a busy connection) take no timer at all; a deadline already
+/// past when first polled takes none either. A runtime timer's cell is reused ([`SpareBox`]):
+/// an allocation aligned to 128 takes mimalloc's slow path, ~300 instructions. Dropping the
+/// sleep gives its slot back, or takes its timer out of the runtime's wheel.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub(crate) struct Sleep {
-    /// As the worker reads the clock; made the runtime's `Instant` only with the timer.
+    /// As the worker reads the clock; made the runtime's `Instant` only for a runtime timer.
     deadline: Mono,
-    timer: Option<SpareBox<monoio::time::Sleep>>,
+    timer: Timer,
+}
+
+#[cfg(test)]
+impl Sleep {
+    /// The cell of its runtime timer, if it made one.
+    fn runtime_cell(&self) -> Option<*const monoio::time::Sleep> {
+        match &self.timer {
+            Timer::Runtime(timer) => Some(timer.cell()),
+            _ => None,
+        }
+    }
+}
+
+/// What a [`Sleep`] waits on.
+enum Timer {
+    /// Nothing yet: not polled.
+    Unset,
+    /// A slot in this worker's list of deadlines.
+    Swept(Wait),
+    /// The runtime's own timer: no sweeper runs on this thread (or it stopped).
+    Runtime(SpareBox<monoio::time::Sleep>),
 }
 
 impl Future for Sleep {
@@ -230,11 +253,28 @@ impl Future for Sleep {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let deadline = self.deadline;
-        let timer = self.timer.get_or_insert_with(|| {
-            let deadline = monoio::time::Instant::from_std(deadline.to_instant());
-            SpareBox::new(monoio::time::sleep_until(deadline))
-        });
-        Pin::new(timer).poll(cx)
+        loop {
+            match &mut self.timer {
+                Timer::Swept(wait) => match wait.poll(cx) {
+                    Standing::Due => return Poll::Ready(()),
+                    Standing::Waiting => return Poll::Pending,
+                    Standing::Orphaned => self.timer = Timer::Unset,
+                },
+                Timer::Runtime(timer) => return Pin::new(timer).poll(cx),
+                Timer::Unset => {
+                    if deadline <= recent() {
+                        return Poll::Ready(());
+                    }
+                    self.timer = match deadlines::register(deadline, cx.waker()) {
+                        Some(wait) => Timer::Swept(wait),
+                        None => {
+                            let at = monoio::time::Instant::from_std(deadline.to_instant());
+                            Timer::Runtime(SpareBox::new(monoio::time::sleep_until(at)))
+                        }
+                    };
+                }
+            }
+        }
     }
 }
 
@@ -446,7 +486,7 @@ mod tests {
         let mut wait = std::pin::pin!(timeout(Duration::ZERO, async { 7 }));
         let polled = wait.as_mut().poll(&mut Context::from_waker(Waker::noop()));
         assert_eq!(polled, Poll::Ready(Ok(7)));
-        assert!(wait.expiry.timer.is_none());
+        assert!(matches!(wait.expiry.timer, Timer::Unset));
     }
 
     #[test]
@@ -483,7 +523,7 @@ mod tests {
                 ));
                 let polled = std::future::poll_fn(|cx| Poll::Ready(parked.as_mut().poll(cx))).await;
                 assert_eq!(polled, Poll::Pending);
-                parked.expiry.timer.as_ref().map(SpareBox::cell)
+                parked.expiry.runtime_cell()
             };
             assert!(made.is_some());
             assert_eq!(spare(), before + 1);
@@ -497,7 +537,7 @@ mod tests {
             ));
             let first = std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await;
             assert_eq!(first, Poll::Pending);
-            assert_eq!(next.expiry.timer.as_ref().map(SpareBox::cell), made);
+            assert_eq!(next.expiry.runtime_cell(), made);
             assert_eq!(spare(), before);
             assert_eq!(next.await, Err(Elapsed));
             assert!(started.elapsed() >= Duration::from_millis(10));
