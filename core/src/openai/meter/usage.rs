@@ -197,8 +197,8 @@ impl StreamMeter {
     /// A whole chat completion, completion or embeddings body that reports its usage — nearly
     /// every non-streamed answer — read without building its tape: the inspector's scanner
     /// validates the body (refusing what the parse would) and passes over its members; `usage`
-    /// is read by [`scan_usage`] (or parsed, in the forms it leaves to the tape), and each
-    /// choice's `finish_reason` read. The content, which is most of
+    /// is read as it is scanned (or parsed, in the forms the scanner leaves to the tape), and
+    /// each choice's `finish_reason` read. The content, which is most of
     /// a large answer, is only scanned: its text and byte count serve the estimate of an answer
     /// that reports no usage, which this one does. Returns false, having recorded nothing, for
     /// anything else (no usage, an error or Responses API shape, a key written with escapes,
@@ -207,12 +207,17 @@ impl StreamMeter {
         let Ok(text) = simdutf8::basic::from_utf8(body) else {
             return false;
         };
-        let Some((usage, finish_reason)) = reported_usage_members(text) else {
+        let Some(Reported {
+            usage,
+            counts,
+            finish_reason,
+        }) = reported_usage_members(text)
+        else {
             return false;
         };
         // Read where it lies; the few `usage` objects the scanner cannot read exactly as the
         // tape does are parsed.
-        let usage = match scan_usage(text, usage) {
+        let usage = match counts {
             Ok(usage) => usage,
             Err(Unusual) => {
                 parse(&body[usage.start..usage.end], |nodes| read_usage(nodes, 0)).flatten()
@@ -240,13 +245,22 @@ impl StreamMeter {
     }
 }
 
-/// The top-level `usage` object of a valid JSON object body, and the last choice's string
-/// `finish_reason`; `None` when the body is not valid JSON, not an object, has no `usage`
-/// object, has a member that makes it another shape (`error`, `type`, `response`, `delta`, an
-/// `object` of `"error"` or `"response"`), or has a key written with escapes. Duplicate keys:
-/// the last one counts, as in the whole parse. One pass: the choices are walked as they are
-/// scanned.
-fn reported_usage_members(text: &str) -> Option<(Value, Option<Value>)> {
+/// What [`reported_usage_members`] found: the top-level `usage` object, its counts (or
+/// [`Unusual`]: to be parsed), and the last choice's string `finish_reason`.
+struct Reported {
+    usage: Value,
+    counts: Result<Option<Usage>, Unusual>,
+    finish_reason: Option<Value>,
+}
+
+/// The top-level `usage` object of a valid JSON object body, read, and the last choice's
+/// string `finish_reason`; `None` when the body is not valid JSON, not an object, has no
+/// `usage` object, has a member that makes it another shape (`error`, `type`, `response`,
+/// `delta`, an `object` of `"error"` or `"response"`), or has a key written with escapes.
+/// Duplicate keys: the last one counts, as in the whole parse. One pass: the choices and the
+/// usage are walked as they are scanned (a second walk of the usage cost ~400 instructions a
+/// response, its keys and counts scanned twice).
+fn reported_usage_members(text: &str) -> Option<Reported> {
     let mut sc = Scanner::new(text);
     if sc.skip_ws()? != b'{' {
         return None;
@@ -265,7 +279,8 @@ fn reported_usage_members(text: &str) -> Option<(Value, Option<Value>)> {
                 sc.value(1).ok()?;
                 finish_reason = None;
             }
-            "usage" => usage = Some(sc.value(1).ok()?),
+            "usage" if sc.skip_ws() == Some(b'{') => usage = Some(walk_usage(&mut sc, text)?),
+            "usage" => usage = Some((sc.value(1).ok()?, Ok(None))),
             "error" | "type" | "response" | "delta" => return None,
             "object" => {
                 let v = sc.value(1).ok()?;
@@ -287,39 +302,95 @@ fn reported_usage_members(text: &str) -> Option<(Value, Option<Value>)> {
     }
     sc.end().ok()?;
     usage
-        .filter(|u| u.kind == Kind::Object)
-        .map(|u| (u, finish_reason))
+        .filter(|(u, _)| u.kind == Kind::Object)
+        .map(|(usage, counts)| Reported {
+            usage,
+            counts,
+            finish_reason,
+        })
 }
 
-/// A `usage` object holds something [`scan_usage`] does not read as the tape does: a key
+/// The `usage` object at `sc` (on its `{`), validated and passed over, and its counts, read
+/// member by member as they are scanned; `None` when it is not JSON.
+fn walk_usage(sc: &mut Scanner<'_>, text: &str) -> Option<(Value, Result<Option<Usage>, Unusual>)> {
+    let start = sc.pos;
+    sc.pos += 1;
+    let mut counts = Ok(Counts::default());
+    let mut more = sc.skip_ws()? != b'}';
+    if !more {
+        sc.pos += 1;
+    }
+    while more {
+        let key = sc.key().ok()?;
+        let v = sc.value(2).ok()?;
+        if let Ok(read) = &mut counts {
+            let plain = match key.kind {
+                Kind::String { escaped: false } => text.get(key.start + 1..key.end - 1),
+                _ => None,
+            };
+            if plain
+                .ok_or(Unusual)
+                .and_then(|k| read.member(text, k, v))
+                .is_err()
+            {
+                counts = Err(Unusual);
+            }
+        }
+        more = sc.next_or_close(b'}').ok()?;
+    }
+    let usage = Value {
+        start,
+        end: sc.pos,
+        kind: Kind::Object,
+    };
+    Some((usage, counts.map(Counts::finish)))
+}
+
+/// A `usage` object holds something the scanner does not read as the tape does: a key
 /// written with escapes, or a count written as a float, `-0`, or 10^18 and above (where the
 /// tape's number types could differ from the scanner's).
 struct Unusual;
 
-/// [`read_usage`] on the scanner, without building a tape: the `usage` object `usage` of
-/// `text`, which the scanner has validated already.
+/// The counts of the `usage` object `usage` of `text` (validated already), read by a walk of
+/// its own: what [`walk_usage`] must agree with.
+#[cfg(test)]
 fn scan_usage(text: &str, usage: Value) -> Result<Option<Usage>, Unusual> {
-    let mut u = Usage::default();
-    let mut total = None;
-    let mut any = false;
+    let mut read = Counts::default();
     let mut members = Members::of(text, usage);
     while let Some((key, v)) = members.next()? {
+        read.member(text, key, v)?;
+    }
+    Ok(read.finish())
+}
+
+/// The counts of a `usage` object, read member by member.
+#[derive(Default)]
+struct Counts {
+    u: Usage,
+    total: Option<u64>,
+    any: bool,
+}
+
+impl Counts {
+    /// Read the member `key`: `v`, in `text`.
+    fn member(&mut self, text: &str, key: &str, v: Value) -> Result<(), Unusual> {
+        let Counts { u, total, any } = self;
         match key {
             "prompt_tokens" | "input_tokens" => {
                 if let Some(n) = scanned_count(v)? {
                     u.prompt_tokens = n;
-                    any = true;
+                    *any = true;
                 }
             }
             "completion_tokens" | "output_tokens" => {
                 if let Some(n) = scanned_count(v)? {
                     u.completion_tokens = n;
-                    any = true;
+                    *any = true;
                 }
             }
             "total_tokens" => {
-                total = scanned_count(v)?;
-                any |= total.is_some();
+                *total = scanned_count(v)?;
+                *any |= total.is_some();
             }
             "prompt_tokens_details" | "input_tokens_details" => {
                 if let Some(n) = scanned_detail(text, v, "cached_tokens")? {
@@ -340,12 +411,18 @@ fn scan_usage(text: &str, usage: Value) -> Result<Option<Usage>, Unusual> {
             }
             _ => {}
         }
+        Ok(())
     }
-    if !any {
-        return Ok(None);
+
+    /// The usage read, if any count was.
+    fn finish(self) -> Option<Usage> {
+        let Counts { mut u, total, any } = self;
+        if !any {
+            return None;
+        }
+        u.total_tokens = total.unwrap_or(u.prompt_tokens.saturating_add(u.completion_tokens));
+        Some(u)
     }
-    u.total_tokens = total.unwrap_or(u.prompt_tokens.saturating_add(u.completion_tokens));
-    Ok(Some(u))
 }
 
 /// [`detail`] on the scanner: the count of the first member `name` of the object `v`.
@@ -1076,8 +1153,11 @@ mod tests {
         let scanned: Vec<bool> = DOCS[25..]
             .iter()
             .map(|doc| {
-                let (usage, _) = reported_usage_members(doc).unwrap_or_else(|| panic!("{doc}"));
-                scan_usage(doc, usage).is_ok()
+                let reported = reported_usage_members(doc).unwrap_or_else(|| panic!("{doc}"));
+                // The walk reads as a second look at the object alone does.
+                let apart = scan_usage(doc, reported.usage);
+                assert_eq!(reported.counts.as_ref().ok(), apart.as_ref().ok(), "{doc}");
+                reported.counts.is_ok()
             })
             .collect();
         assert_eq!(
@@ -1085,7 +1165,7 @@ mod tests {
             [true, true, true, true, false, false, false, false, false, true, true]
         );
         let read = reported_usage_members(DOCS[27])
-            .and_then(|(usage, _)| scan_usage(DOCS[27], usage).ok())
+            .and_then(|r| r.counts.ok())
             .flatten();
         let want = Usage {
             prompt_tokens: 3,
