@@ -206,9 +206,10 @@ pub(crate) fn sleep_until(deadline: Mono) -> Sleep {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Elapsed;
 
-/// A wait until a deadline, which takes its timer the first time it is polled: on a worker, a
-/// slot in the worker's list of deadlines ([`deadlines`](super::deadlines), woken by the
-/// worker's sweeper); elsewhere (tests, the control thread), a runtime timer on the heap.
+/// A wait until a deadline, which takes its timer the first time it is polled: on a worker,
+/// for a wait with [`SWEPT_FROM`](super::deadlines::SWEPT_FROM) or more to go, a slot in the
+/// worker's list of deadlines ([`deadlines`](super::deadlines), woken by the worker's sweeper);
+/// otherwise (a shorter wait, tests, the control thread), a runtime timer on the heap.
 ///
 /// Either way the future itself is 24 bytes. monoio's `Sleep` is 640 bytes aligned to 128: its
 /// timer entry is cache-padded, for the threads tokio's design (which it comes from) shares
@@ -244,7 +245,8 @@ enum Timer {
     Unset,
     /// A slot in this worker's list of deadlines.
     Swept(Wait),
-    /// The runtime's own timer: no sweeper runs on this thread (or it stopped).
+    /// The runtime's own timer: a short wait, or no sweeper runs on this thread (or it
+    /// stopped).
     Runtime(SpareBox<monoio::time::Sleep>),
 }
 
@@ -262,10 +264,11 @@ impl Future for Sleep {
                 },
                 Timer::Runtime(timer) => return Pin::new(timer).poll(cx),
                 Timer::Unset => {
-                    if deadline <= recent() {
+                    let now = recent();
+                    if deadline <= now {
                         return Poll::Ready(());
                     }
-                    self.timer = match deadlines::register(deadline, cx.waker()) {
+                    self.timer = match deadlines::register(deadline, now, cx.waker()) {
                         Some(wait) => Timer::Swept(wait),
                         None => {
                             let at = monoio::time::Instant::from_std(deadline.to_instant());

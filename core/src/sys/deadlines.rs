@@ -17,30 +17,46 @@
 //! `due` lowers it and wakes the sweeper to set its timer again. The sweeper sleeps until `due`,
 //! wakes every wait whose deadline has passed, and computes the next `due` from those left.
 //!
-//! What a sweep costs: a look at every slot (a few instructions each), once per deadline the
-//! sweeper sleeps to. The waits of one kind share a limit, so each new deadline lies after
-//! those of its kind before it and lowers `due` only when a shorter kind arrives; sweeps come
-//! about once per the shortest limit in use — a relay's 100 ms client watch, the minutes of
-//! `upstream_first_byte_ms` otherwise — and at each real timeout. Ten thousand streams park two
-//! waits each: a sweep of their twenty thousand slots took ~30 µs on the development VM (best
-//! of 50), some ten times a second.
+//! What a sweep costs: a look at every slot (a few instructions each; twenty thousand took
+//! ~30 µs on the development VM, best of 50). So the list takes only waits that nearly never
+//! come due: those with [`SWEPT_FROM`] or more to go — a request's head, the answer's first
+//! byte, a stalled read or write, whose limits are seconds to minutes and which end first.
+//! Their sweeps are rare: the waits of one kind share a limit, so a new deadline lies after
+//! those of its kind before it and lowers `due` only when a shorter kind arrives, and a sweep
+//! that finds nothing due comes about once per the shortest limit in use, plus one per real
+//! timeout. Shorter waits, which mostly do run out (a relay's 100 ms watch of the client comes
+//! due on every quiet stream, ten thousand streams' watches fifty thousand times a second),
+//! keep runtime timers: swept, they would have the sweeper look at every slot every
+//! millisecond. And sweeps are at least [`SWEEP_GAP`] apart, so even a flood of timeouts (ten
+//! thousand slow clients' head waits) costs a bounded share of the core.
 //!
-//! Precision is the runtime timer's (a millisecond): the sweeper's timer is set to the earliest
-//! deadline itself. Threads with no sweeper (tests, the control thread) have no list:
-//! [`register`] says so, and their sleeps make runtime timers.
+//! Precision: a swept wait ends within [`SWEEP_GAP`] after its deadline (the runtime timer's
+//! millisecond beside), never before. Threads with no sweeper (tests, the control thread)
+//! have no list: [`register`] says so, and their sleeps make runtime timers.
 
 use std::cell::RefCell;
 use std::future::{poll_fn, Future};
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use super::clock::Mono;
+
+/// The least time to go for a wait to be swept: shorter ones keep runtime timers (see the
+/// module's doc).
+pub(crate) const SWEPT_FROM: Duration = Duration::from_secs(1);
+
+/// The least time between two sweeps: at most 1% of [`SWEPT_FROM`] late.
+pub(crate) const SWEEP_GAP: Duration = Duration::from_millis(10);
 
 /// One thread's waits; see the module's doc.
 struct Deadlines {
     /// A sweeper runs on this thread (waits may register).
     sweeping: bool,
+    /// [`SWEPT_FROM`] and [`SWEEP_GAP`] (tests change them).
+    swept_from: Duration,
+    gap: Duration,
     slots: Vec<Slot>,
     /// Indexes of the slots no wait holds.
     free: Vec<usize>,
@@ -73,6 +89,8 @@ thread_local! {
     static DEADLINES: RefCell<Deadlines> = const {
         RefCell::new(Deadlines {
             sweeping: false,
+            swept_from: SWEPT_FROM,
+            gap: SWEEP_GAP,
             slots: Vec::new(),
             free: Vec::new(),
             due: None,
@@ -102,13 +120,14 @@ pub(crate) enum Standing {
     Orphaned,
 }
 
-/// Register a wait until `deadline` for the task `waker` wakes; `None` on a thread with no
-/// sweeper.
-pub(crate) fn register(deadline: Mono, waker: &Waker) -> Option<Wait> {
+/// Register a wait until `deadline` (`now` being the time now, to within this poll) for the
+/// task `waker` wakes; `None` on a thread with no sweeper, or for a wait shorter than
+/// [`SWEPT_FROM`].
+pub(crate) fn register(deadline: Mono, now: Mono, waker: &Waker) -> Option<Wait> {
     let (slot, sweeper) = DEADLINES
         .try_with(|d| {
             let mut d = d.try_borrow_mut().ok()?;
-            if !d.sweeping {
+            if !d.sweeping || deadline.saturating_duration_since(now) < d.swept_from {
                 return None;
             }
             let entry = Slot {
@@ -199,22 +218,25 @@ pub(crate) async fn run_sweeper() {
     let _sweeping = Sweeping::start();
     // The runtime timer and the deadline it was set for.
     let mut timer: Option<(Mono, Pin<Box<monoio::time::Sleep>>)> = None;
+    let mut last_sweep: Option<Mono> = None;
     loop {
-        // Until `due` (or a registration lowers it), then the time to sweep at: the timer's
-        // deadline once it fired, as the runtime counts in whole milliseconds and may fire a
-        // moment before a nanosecond reading gets there.
+        // Until `due` (or a registration lowers it), no sooner than the gap after the last
+        // sweep; then the time to sweep at: the timer's deadline once it fired, as the runtime
+        // counts in whole milliseconds and may fire a moment before a nanosecond reading gets
+        // there.
         let now = poll_fn(|cx| {
-            let due = DEADLINES.with_borrow_mut(|d| {
+            let (due, gap) = DEADLINES.with_borrow_mut(|d| {
                 match &d.sweeper {
                     Some(w) if w.will_wake(cx.waker()) => {}
                     _ => d.sweeper = Some(cx.waker().clone()),
                 }
-                d.due
+                (d.due, d.gap)
             });
             let Some(due) = due else {
                 timer = None;
                 return Poll::Pending;
             };
+            let due = last_sweep.map_or(due, |last| due.max(last + gap));
             let now = Mono::now();
             if due <= now {
                 return Poll::Ready(now);
@@ -231,6 +253,7 @@ pub(crate) async fn run_sweeper() {
             sleep.as_mut().poll(cx).map(|()| due.max(now))
         })
         .await;
+        last_sweep = Some(now);
         let mut woken = DEADLINES.with_borrow_mut(|d| d.sweep(now));
         for waker in woken.drain(..) {
             waker.wake();
@@ -318,8 +341,18 @@ mod tests {
     use std::rc::Rc;
     use std::time::{Duration, Instant};
 
-    /// Spawn the sweeper and let it run once, as a worker does before its connections.
+    /// Swept from `from` to go, sweeps at least `gap` apart, on this test's thread.
+    fn sweep_with(from: Duration, gap: Duration) {
+        DEADLINES.with_borrow_mut(|d| {
+            d.swept_from = from;
+            d.gap = gap;
+        });
+    }
+
+    /// Spawn the sweeper and let it run once, as a worker does before its connections; every
+    /// wait is swept, with no gap between sweeps, unless the test says otherwise.
     async fn start_sweeper() {
+        sweep_with(Duration::ZERO, Duration::ZERO);
         monoio::spawn(run_sweeper());
         // Parked, so the runtime runs its other tasks.
         monoio::time::sleep(Duration::from_millis(1)).await;
@@ -420,6 +453,55 @@ mod tests {
     }
 
     #[test]
+    fn only_waits_with_long_enough_to_go_are_swept() {
+        block_on(async {
+            start_sweeper().await;
+            sweep_with(Duration::from_millis(500), Duration::ZERO);
+            let mut short = Box::pin(clock::sleep(Duration::from_millis(100)));
+            assert_eq!(poll_once(&mut short).await, Poll::Pending);
+            assert_eq!(registered().0, 0, "a runtime timer");
+            let mut long = Box::pin(clock::sleep(Duration::from_secs(5)));
+            assert_eq!(poll_once(&mut long).await, Poll::Pending);
+            assert_eq!(registered().0, 1, "swept");
+            short.await;
+        });
+    }
+
+    #[test]
+    fn sweeps_are_at_least_the_gap_apart() {
+        block_on(async {
+            start_sweeper().await;
+            sweep_with(Duration::ZERO, Duration::from_millis(60));
+            let started = Instant::now();
+            // The first sweep ends the first wait on time; the second wait's deadline comes
+            // 10 ms after, but its sweep waits out the gap.
+            let ended = Rc::new(RefCell::new(Vec::new()));
+            let tasks: Vec<_> = [10u64, 20]
+                .into_iter()
+                .map(|ms| {
+                    let ended = Rc::clone(&ended);
+                    monoio::spawn(async move {
+                        clock::sleep(Duration::from_millis(ms)).await;
+                        ended.borrow_mut().push((ms, started.elapsed()));
+                    })
+                })
+                .collect();
+            for task in tasks {
+                task.await;
+            }
+            let ended = ended.borrow();
+            assert_eq!(ended.len(), 2);
+            let (first, second) = (ended[0], ended[1]);
+            assert_eq!((first.0, second.0), (10, 20));
+            assert!(first.1 >= Duration::from_millis(10), "{first:?}");
+            assert!(
+                second.1 >= first.1 + Duration::from_millis(60),
+                "{first:?} {second:?}"
+            );
+        });
+    }
+
+    #[test]
     fn a_deadline_already_past_takes_no_slot() {
         block_on(async {
             start_sweeper().await;
@@ -432,6 +514,7 @@ mod tests {
     #[test]
     fn waits_left_when_the_sweeper_stops_time_themselves() {
         block_on(async {
+            sweep_with(Duration::ZERO, Duration::ZERO);
             let mut sweeper = Box::pin(run_sweeper());
             assert_eq!(poll_once(&mut sweeper).await, Poll::Pending);
             let started = Instant::now();
