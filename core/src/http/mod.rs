@@ -278,6 +278,16 @@ impl NameSet {
 /// Parse a Content-Length value strictly: one or more comma-separated runs of digits that all
 /// agree (RFC 9110 §8.6). `+5`, `-1`, empty, differing lists and overflow are errors.
 pub(crate) fn parse_content_length(value: &[u8]) -> Option<u64> {
+    // Nearly every value is one run of digits: read at once, without the list's splitting and
+    // trimming (~80 instructions a value, two values a request). Nineteen digits cannot
+    // overflow.
+    if (1..=19).contains(&value.len()) && value.iter().all(u8::is_ascii_digit) {
+        return Some(
+            value
+                .iter()
+                .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0')),
+        );
+    }
     let mut result: Option<u64> = None;
     for part in value.split(|&b| b == b',') {
         let part = trim_ows(part);
