@@ -19,12 +19,14 @@ mod sys {
     //! the owned-buffer I/O steps over monoio streams that the client and upstream sides share;
     //! the clocks (the worker's one reading per wake-up, and wall-clock numbers), a small
     //! random-number generator, what the CPU can do (AVX2), the heap cells a worker reuses
-    //! for the futures and timers it boxes per request, and the worker's list of deadlines its
-    //! timed waits park on.
+    //! for the futures and timers it boxes per request, the worker's list of deadlines its
+    //! timed waits park on, and the slab both that list and the client socket set keep their
+    //! entries in.
     pub(crate) mod clock;
     pub(crate) mod cpu;
     pub(crate) mod deadlines;
     pub(crate) mod rand;
+    pub(crate) mod slab;
     pub(crate) mod sock;
     pub(crate) mod spare;
     pub(crate) mod stream;

@@ -42,6 +42,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use super::clock::Mono;
+use super::slab::Slab;
 
 /// The least time to go for a wait to be swept: shorter ones keep runtime timers (see the
 /// module's doc).
@@ -57,9 +58,8 @@ struct Deadlines {
     /// [`SWEPT_FROM`] and [`SWEEP_GAP`] (tests change them).
     swept_from: Duration,
     gap: Duration,
-    slots: Vec<Slot>,
-    /// Indexes of the slots no wait holds.
-    free: Vec<usize>,
+    /// A slot no wait holds is `State::Free`.
+    slots: Slab<Slot>,
     /// No registered wait is due before this (`None`: none is registered, as of the last sweep).
     due: Option<Mono>,
     /// The sweeper's task, while it sleeps.
@@ -91,8 +91,7 @@ thread_local! {
             sweeping: false,
             swept_from: SWEPT_FROM,
             gap: SWEEP_GAP,
-            slots: Vec::new(),
-            free: Vec::new(),
+            slots: Slab::new(),
             due: None,
             sweeper: None,
             woken: Vec::new(),
@@ -135,18 +134,7 @@ pub(crate) fn register(deadline: Mono, now: Mono, waker: &Waker) -> Option<Wait>
                 waker: Some(waker.clone()),
                 state: State::Waiting,
             };
-            let slot = match d.free.pop() {
-                Some(slot) => {
-                    if let Some(free) = d.slots.get_mut(slot) {
-                        *free = entry;
-                    }
-                    slot
-                }
-                None => {
-                    d.slots.push(entry);
-                    d.slots.len() - 1
-                }
-            };
+            let slot = d.slots.insert(entry);
             let sooner = d.due.is_none_or(|due| deadline < due);
             if sooner {
                 d.due = Some(deadline);
@@ -202,7 +190,7 @@ impl Drop for Wait {
                 let slot = d.slots.get_mut(self.slot)?;
                 slot.state = State::Free;
                 let waker = slot.waker.take();
-                d.free.push(self.slot);
+                d.slots.give_back(self.slot);
                 waker
             })
             .ok()
@@ -274,7 +262,7 @@ impl Deadlines {
     fn sweep(&mut self, now: Mono) -> Vec<(Mono, Waker)> {
         let mut woken = std::mem::take(&mut self.woken);
         let mut next: Option<Mono> = None;
-        for slot in &mut self.slots {
+        for slot in self.slots.iter_mut() {
             if slot.state != State::Waiting {
                 continue;
             }
@@ -330,7 +318,7 @@ impl Drop for Sweeping {
 /// How many waits are registered on this thread, and how many slots it has made.
 #[cfg(test)]
 fn registered() -> (usize, usize) {
-    DEADLINES.with_borrow(|d| (d.slots.len() - d.free.len(), d.slots.len()))
+    DEADLINES.with_borrow(|d| d.slots.counts())
 }
 
 #[cfg(test)]

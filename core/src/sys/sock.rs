@@ -7,6 +7,7 @@ use std::io;
 use std::os::fd::RawFd;
 
 use super::clock::Mono;
+use super::slab::Slab;
 
 /// Send as much of `data` as the socket takes now. `Ok(0)` when it would block.
 pub(crate) fn send_now(fd: RawFd, data: &[u8]) -> io::Result<usize> {
@@ -132,8 +133,7 @@ pub(crate) fn shutdown(fd: RawFd) {
 #[derive(Debug, Default)]
 pub(crate) struct SocketSet {
     /// A free slot has fd -1.
-    slots: Vec<Slot>,
-    free: Vec<usize>,
+    slots: Slab<Slot>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -152,18 +152,7 @@ impl SocketSet {
             marked,
             deadline: None,
         };
-        match self.free.pop() {
-            Some(slot) => {
-                if let Some(free) = self.slots.get_mut(slot) {
-                    *free = entry;
-                }
-                slot
-            }
-            None => {
-                self.slots.push(entry);
-                self.slots.len() - 1
-            }
-        }
+        self.slots.insert(entry)
     }
 
     /// Forget the socket in `slot` (before it is closed: its number may be reused).
@@ -173,7 +162,7 @@ impl SocketSet {
                 entry.fd = -1;
                 entry.marked = false;
                 entry.deadline = None;
-                self.free.push(slot);
+                self.slots.give_back(slot);
             }
         }
     }
@@ -205,13 +194,13 @@ impl SocketSet {
     /// How many sockets are in the set.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.slots.len() - self.free.len()
+        self.slots.counts().0
     }
 
     /// Shut down (see [`shutdown`]) every socket in the set; returns how many.
     pub(crate) fn shut_down_all(&self) -> usize {
         let mut n = 0;
-        for &Slot { fd, .. } in &self.slots {
+        for &Slot { fd, .. } in self.slots.iter() {
             if fd >= 0 {
                 shutdown(fd);
                 n += 1;
@@ -229,7 +218,7 @@ impl SocketSet {
     /// read, dropping their deadlines (so none is shut down twice); returns how many.
     fn shut_down_quiet_marked_where(&mut self, due: impl Fn(&Slot) -> bool) -> usize {
         let mut n = 0;
-        for entry in &mut self.slots {
+        for entry in self.slots.iter_mut() {
             if entry.fd >= 0 && entry.marked && due(entry) && !has_bytes(entry.fd) {
                 shutdown(entry.fd);
                 entry.deadline = None;
