@@ -26,6 +26,10 @@ fn benches(c: &mut Criterion) {
     g.bench_function("model_1kb", |b| b.iter(|| black_box(f.inspect())));
     g.throughput(Throughput::Bytes(f.body_64k.len() as u64));
     g.bench_function("model_64kb", |b| b.iter(|| black_box(f.inspect_64k())));
+    g.throughput(Throughput::Bytes(f.body_64k_plain.len() as u64));
+    g.bench_function("model_64kb_plain", |b| {
+        b.iter(|| black_box(f.inspect_64k_plain()))
+    });
     g.finish();
 
     let mut g = c.benchmark_group("sse");
