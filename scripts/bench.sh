@@ -112,7 +112,8 @@ else
 fi
 rm -rf "$RAW"
 mkdir -p "$RAW" "$CHARTS"
-rm -f "$CHARTS"/*.svg
+# Only the charts this kit writes: perf/charts also holds other scripts' (scripts/soak.sh).
+rm -f "$CHARTS"/{cost,latency,frontier,p99-vs-load,sse-gap}-*.svg
 # perf/raw holds megabytes of histograms: never commit it.
 [ "$RAW" = perf/raw ] && printf '*\n' >"$RAW/.gitignore"
 

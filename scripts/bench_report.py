@@ -150,6 +150,9 @@ def hist_of(run_json, name):
 # Above this share of busy time the latency rig's client core (load generator + mock-llm) is
 # queueing requests itself.
 CLIENT_BUSY_LIMIT = 0.9
+# Issue #15's bar for a latency rig whose tails mean something: the client core under this
+# share of busy time at every level up to 90% of nginx's capacity.
+CLIENT_BUSY_TARGET = 0.7
 
 
 def median(xs):
@@ -600,6 +603,8 @@ class Report:
             curves[p] = curve_ms(merged_hist(rs, "latency"))
             if scenario == "small" and p in ("sluice", "sluice-ai") and nginx:
                 self.cost_targets(p, rr, cr)
+        if scenario == "large":
+            self.large_target(runs)
         m = self.meta
         bytes_ = m["small_bytes"] if scenario == "small" else m["large_bytes"]
         chart = f"cost-{scenario}-latency.svg"
@@ -637,17 +642,27 @@ class Report:
         return "\n".join(text)
 
     def cost_targets(self, p, rr, cr):
-        if p == "sluice":
-            v = median(rr)
-            self.targets.append(("Sluice plain proxy ≥ 1.2× nginx req/s (cost rig, 1 KB)", v,
-                                 v is not None and v >= 1.2, f_range(rr, f_num), None))
-            v = median(cr)
-            self.targets.append(("Sluice plain proxy ≤ 0.8× nginx CPU µs/request", v,
-                                 v is not None and v <= 0.8, f_range(cr, f_num), None))
-        else:
-            v = median(rr)
-            self.targets.append(("Sluice with the AI pipeline ≥ 1.0× nginx req/s", v,
-                                 v is not None and v >= 1.0, f_range(rr, f_num), None))
+        """Issue #15's cost-rig targets (1 KB): by the median of the interleaved rounds."""
+        want_rps, want_cpu = (1.25, 0.75) if p == "sluice" else (1.1, 0.9)
+        what = "Sluice plain proxy" if p == "sluice" else "Sluice with the AI pipeline"
+        v = median(rr)
+        self.targets.append((f"{what} ≥ {want_rps:g}× nginx req/s (cost rig, 1 KB)", v,
+                             v is not None and v >= want_rps, f_range(rr, f_num), None))
+        v = median(cr)
+        self.targets.append((f"{what} ≤ {want_cpu:g}× nginx CPU µs/request (cost rig, 1 KB)",
+                             v, v is not None and v <= want_cpu, f_range(cr, f_num), None))
+
+    def large_target(self, runs):
+        """Issue #15 item 5: 64 KB prompts at or below monolake's CPU per request."""
+        sluice = [r for r in runs if r.proxy == "sluice"]
+        monolake = [r for r in runs if r.proxy == "monolake"]
+        if not sluice or not monolake:
+            return
+        mr = ratios(sluice, monolake, "cpu_us")
+        v = median(mr)
+        self.targets.append(("Sluice plain proxy ≤ 1.0× monolake's CPU µs/request (cost rig, "
+                             "64 KB prompts; the ratio is to monolake)", v,
+                             v is not None and v <= 1.0, f_range(mr, f_num), None))
 
     # -- latency rig ------------------------------------------------------------------------
 
@@ -684,6 +699,7 @@ class Report:
         rows = []
         series = {}
         frontier = {}
+        client_busy = []
         thresholds = [1.0, 5.0, 10.0]
         for level in levels:
             lr = [r for r in runs if r.level == level]
@@ -723,13 +739,17 @@ class Report:
                     client = median([r.core_b_busy for r in rs + nginx
                                      if r.core_b_busy is not None])
                     caveat = None
-                    if client is not None and client > CLIENT_BUSY_LIMIT:
-                        caveat = (f"the client core was {client * 100:.0f}% busy in these runs, "
-                                  "so their tails are the load generator's queueing: not "
+                    if client is not None and client > CLIENT_BUSY_TARGET:
+                        caveat = (f"the client core was {client * 100:.0f}% busy in these runs "
+                                  f"(the issue asks < {CLIENT_BUSY_TARGET * 100:.0f}%), so their "
+                                  "tails are partly the load generator's queueing: not "
                                   "conclusive")
                     self.targets.append((
                         "Sluice p99.9 ≤ nginx's at 75% of nginx's capacity (latency rig)", v,
                         v is not None and v <= 1.0, f_range(pr, f_num), caveat))
+            busy = median([r.core_b_busy for r in lr if r.core_b_busy is not None])
+            if busy is not None and level <= 90:
+                client_busy.append((level, busy))
             curves = {p: curve_ms(merged_hist([r for r in lr if r.proxy == p], "latency"))
                       for p in self.order}
             self.write_chart(
@@ -738,6 +758,13 @@ class Report:
                 f"{title}, latency rig, open loop at {level}% of nginx's capacity "
                 f"({f_int(lr[0].j.get('rate'))} req/s): latency by percentile, rounds merged",
             )
+        if client_busy:
+            level, worst = max(client_busy, key=lambda lb: lb[1])
+            self.targets.append((
+                f"Latency rig: client core < {CLIENT_BUSY_TARGET * 100:.0f}% busy up to 90% of "
+                f"nginx's capacity (its busiest level's median, as a fraction: {level}%)", worst,
+                worst < CLIENT_BUSY_TARGET,
+                f_range([b for _, b in client_busy], f_num), None))
         text.append(table(
             ["load", "proxy", "offered req/s", "served req/s", "p50 ms", "p99 ms", "p99.9 ms",
              "p99.9 ratio to nginx", "ratio min–max", "CPU µs/req", "proxy core busy %",
@@ -917,7 +944,7 @@ class Report:
                          "release figures.**"]
         out = head + [""]
         if self.targets:
-            out += ["### The issue's targets", ""]
+            out += ["### Issue #15's targets", ""]
             rows = []
             # (name, median ratio, met, min–max, caveat or None)
             for name, v, ok, rng, caveat in self.targets:

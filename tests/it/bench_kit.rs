@@ -241,6 +241,50 @@ fn quick_run_compares_every_proxy() {
         assert_eq!(nginx[t.col("ratio to nginx")], "1.00", "{nginx:?}");
     }
 
+    // Issue #15's targets: each line's verdict follows from its measured median.
+    let targets = table_after(&md, "### Issue #15's targets");
+    let judged = |row: &Vec<String>, met: fn(f64) -> bool| {
+        let v = num(&row[1], &row[0]);
+        let verdict = &row[3];
+        assert_eq!(
+            verdict == "met",
+            met(v),
+            "{:?} judged {verdict:?} at {v}",
+            row[0]
+        );
+        assert!(
+            verdict == "met" || verdict.starts_with("**not met**"),
+            "{row:?}"
+        );
+    };
+    for (line, met) in [
+        (
+            "Sluice plain proxy ≥ 1.25× nginx req/s (cost rig, 1 KB)",
+            (|v| v >= 1.25) as fn(f64) -> bool,
+        ),
+        (
+            "Sluice plain proxy ≤ 0.75× nginx CPU µs/request (cost rig, 1 KB)",
+            |v| v <= 0.75,
+        ),
+        (
+            "Sluice with the AI pipeline ≥ 1.1× nginx req/s (cost rig, 1 KB)",
+            |v| v >= 1.1,
+        ),
+        (
+            "Sluice with the AI pipeline ≤ 0.9× nginx CPU µs/request (cost rig, 1 KB)",
+            |v| v <= 0.9,
+        ),
+    ] {
+        judged(targets.row(&[line]), met);
+    }
+    let client_core: Vec<_> = targets
+        .rows
+        .iter()
+        .filter(|r| r[0].starts_with("Latency rig: client core < 70% busy"))
+        .collect();
+    assert_eq!(client_core.len(), 1, "{:?}", targets.rows);
+    judged(client_core[0], |v| v < 0.7);
+
     // Latency rig: every proxy at every load level.
     let lat = table_after(&md, "### Latency rig: small");
     for level in ["25%", "50%", "75%", "90%"] {
