@@ -514,3 +514,48 @@ fn settlement_counts_the_streamed_text_when_the_upstream_reports_no_usage() {
         assert_eq!(rec["completion_tokens"], completion, "{tokenizer}: {rec}");
     }
 }
+
+/// A provider's TPM budget settles on the tokens its answers used even where nothing else
+/// reads usage (no metrics exported, no access log, no key budgets): the provider is sent no
+/// more than its budget, and what it would not take goes to the next target. (Sluice leaves a
+/// non-streamed answer's usage unread when nothing uses it; a provider budget does.)
+#[test]
+fn a_provider_tpm_budget_settles_on_usage_with_nothing_else_reading_it() {
+    const BUDGET: u64 = 300;
+    let a = Mock::start(&["--tokens", "8"]);
+    let b = Mock::start(&["--tokens", "8"]);
+    let gw = Sluice::start(&Config::new().raw(&format!(
+        r#"
+[clusters.a]
+backends = [{{ base_url = "{}" }}]
+provider_limits = {{ max_tokens = {BUDGET}, window_secs = 60 }}
+
+[clusters.b]
+backends = [{{ base_url = "{}" }}]
+
+[[routes]]
+model = "gpt-4o"
+groups = [{{ targets = [{{ cluster = "a" }}] }}, {{ targets = [{{ cluster = "b" }}] }}]
+"#,
+        a.base_url(),
+        b.base_url(),
+    )));
+    let body = body_with_max_tokens(16);
+    for i in 0..40 {
+        let r = gw.chat(&body);
+        assert_eq!(r.status, 200, "request {i}: {}", r.dump());
+    }
+    let used_at_a = a.stat("usage_prompt_tokens") + a.stat("usage_completion_tokens");
+    let (at_a, at_b) = (a.stat("requests"), b.stat("requests"));
+    assert_eq!(at_a + at_b, 40, "a served {at_a}, b {at_b}");
+    // Unsettled (usage taken as 0), every request would have gone to a.
+    assert!(
+        used_at_a <= BUDGET,
+        "provider a was sent {used_at_a} tokens ({at_a} requests) on a budget of {BUDGET}"
+    );
+    let per_request = used_at_a / at_a.max(1);
+    assert!(
+        at_a >= BUDGET / (per_request + 16) - 1,
+        "a served only {at_a} at {per_request} tokens each"
+    );
+}

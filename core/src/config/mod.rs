@@ -1166,6 +1166,13 @@ fn validate(
 }
 
 impl Snapshot {
+    /// Whether anything outside a request reads its usage: the metrics the admin listener
+    /// exports, or the access log. (A budget that settles on tokens is the request's own
+    /// matter: [`crate::gateway::admit::Admission::spends_tokens`].)
+    pub(crate) fn usage_observed(&self) -> bool {
+        self.admin_listen.is_some() || self.access_log.is_some()
+    }
+
     /// For a reload: keep `running`'s values of the settings a running process cannot change
     /// (the listeners, the worker threads, the admin token, the limits sync backend and its
     /// cadence), so every worker sees one coherent config; returns the keys whose new values

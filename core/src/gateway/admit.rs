@@ -56,6 +56,11 @@ impl Admission {
         &self.permit.headers
     }
 
+    /// Whether settling needs what the request used (a token budget or a quota plan).
+    pub(crate) fn spends_tokens(&self) -> bool {
+        self.permit.spends_tokens()
+    }
+
     /// Turn the reservations into spend: `tokens` used (0 releases them).
     pub(crate) fn settle(mut self, limiter: &RefCell<LimiterShard>, tokens: u64) {
         limiter.borrow_mut().settle(&mut self.permit, tokens);

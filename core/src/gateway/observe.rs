@@ -84,6 +84,9 @@ enum Metering {
     Stream,
     /// A JSON body, copied aside (bounded) and read whole at the end.
     Json { truncated: bool },
+    /// A JSON body whose usage nothing reads ([`Observation::usage_wanted`] is false): passed
+    /// on unread, and the request's usage is unknown rather than estimated.
+    Unread,
     /// An Anthropic event stream passed through ([`Observation::meter_anthropic`]).
     AnthropicStream,
 }
@@ -164,6 +167,11 @@ pub(crate) struct Observation {
     /// Header lines Sluice adds to the client's response: the `x-ratelimit-*` set once
     /// admitted, and a sticky route's affinity cookie.
     pub(crate) rate_headers: String,
+    /// Whether anything reads this request's usage: exported metrics, the access log, or a
+    /// budget that settles on tokens. When nothing does, a non-streamed answer's body is not
+    /// kept and read for it (a stream's still is: the relay needs its end and its usage-only
+    /// event). Each request starts with it set; the pipeline clears it.
+    pub(crate) usage_wanted: bool,
     metering: Metering,
     meter: SseMeter,
     /// A non-streamed body kept whole for the meter: `json[json_from..]` (a body the relay kept
@@ -195,6 +203,7 @@ impl Default for Observation {
             fallback_reason: "",
             sticky_id_hash: 0,
             rate_headers: String::new(),
+            usage_wanted: true,
             metering: Metering::Off,
             meter: SseMeter::new(),
             json: Vec::new(),
@@ -266,6 +275,7 @@ impl Observation {
         self.fallback_reason = "";
         self.sticky_id_hash = 0;
         self.rate_headers.clear();
+        self.usage_wanted = true;
         self.metering = Metering::Off;
         if std::mem::take(&mut self.anthropic) {
             self.anthropic_meter.reset();
@@ -296,6 +306,7 @@ impl Observation {
             (false, _) => Metering::Off,
             (true, true) if self.anthropic => Metering::AnthropicStream,
             (true, true) => Metering::Stream,
+            (true, false) if !self.usage_wanted => Metering::Unread,
             (true, false) => Metering::Json { truncated: false },
         };
     }
@@ -331,7 +342,7 @@ impl Observation {
     /// Decoded body bytes on their way to the client, read at `now`.
     pub(crate) fn body(&mut self, data: &[u8], now: Mono) {
         match &mut self.metering {
-            Metering::Off => {}
+            Metering::Off | Metering::Unread => {}
             Metering::Stream => self.meter.feed(data, now),
             Metering::AnthropicStream => self.anthropic_meter.feed(data, now),
             Metering::Json { truncated } => {
@@ -352,7 +363,7 @@ impl Observation {
             Metering::Stream => self.meter.events_ended(),
             // Anthropic's streams end with `message_stop` (or an error event).
             Metering::AnthropicStream => self.anthropic_meter.ended(),
-            Metering::Off | Metering::Json { .. } => return false,
+            Metering::Off | Metering::Json { .. } | Metering::Unread => return false,
         };
         (200..300).contains(&self.status) && !ended
     }
@@ -416,11 +427,13 @@ impl Observation {
                 };
                 (summary, &[][..])
             }
+            (Metering::Unread, _) => (Metered::default(), &[][..]),
             _ => (Metered::of(self.meter.recorded()), self.meter.captured()),
         };
+        let unread = matches!(self.metering, Metering::Unread);
         let (usage, usage_source) = match summary.usage {
             Some(u) => (u, UsageSource::Reported),
-            None if self.status == 0 || !(200..300).contains(&self.status) => {
+            None if unread || self.status == 0 || !(200..300).contains(&self.status) => {
                 (Usage::default(), UsageSource::None)
             }
             None => {
@@ -860,6 +873,47 @@ mod tests {
         // An OpenAI meter never takes Anthropic's end for its own.
         let obs = observe(false, true, &[TEXT]);
         assert!(obs.stream_unfinished());
+    }
+
+    #[test]
+    fn an_answer_nobody_reads_the_usage_of_is_left_unread_but_a_stream_is_not() {
+        let core = core();
+        let body = br#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":9,"completion_tokens":4,"total_tokens":13}}"#;
+        let outcome = |wanted: bool, stream: bool, reads: &[&[u8]]| {
+            let mut obs = Box::<Observation>::default();
+            obs.start(Mono::now(), 100);
+            obs.usage_wanted = wanted;
+            obs.response_started(200, stream, true);
+            for read in reads {
+                obs.body(read, Mono::now());
+            }
+            let unfinished = obs.stream_unfinished();
+            let o = obs.outcome(&core.snapshot, "m", None, b"{}", Estimator::Bytes);
+            (o.usage_source, o.usage.total_tokens, unfinished)
+        };
+        assert_eq!(
+            outcome(true, false, &[body]),
+            (UsageSource::Reported, 13, false)
+        );
+        // Not kept, not read, and not estimated either: nothing would use the figure.
+        assert_eq!(
+            outcome(false, false, &[body]),
+            (UsageSource::None, 0, false)
+        );
+        // A stream is metered all the same: the relay needs its end.
+        let events: &[u8] = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let (_, _, unfinished) = outcome(false, true, &[events]);
+        assert!(unfinished, "a stream without its end is seen as cut");
+        let usage = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4,\"total_tokens\":13}}\n\ndata: [DONE]\n\n";
+        assert_eq!(
+            outcome(false, true, &[events, usage]),
+            (UsageSource::Reported, 13, false)
+        );
+        // Each request starts wanting it again (a pooled observation is reused).
+        let mut obs = Box::<Observation>::default();
+        obs.usage_wanted = false;
+        obs.start(Mono::now(), 1);
+        assert!(obs.usage_wanted);
     }
 
     #[test]

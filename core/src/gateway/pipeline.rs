@@ -124,6 +124,10 @@ pub(crate) async fn proxy<'s>(
                     // do better.
                     Ok(admission) => {
                         admission.rate_headers().write(&mut obs.rate_headers);
+                        // An answer's usage is read only for something that uses it (a
+                        // provider's token limits may still ask, in `serve`).
+                        obs.usage_wanted =
+                            core.snapshot.usage_observed() || admission.spends_tokens();
                         let (served, mapped) = serve(
                             core,
                             client,
@@ -405,6 +409,10 @@ async fn serve<'s>(
                     return (Err(GatewayError::upstream_unavailable(model, retry)), None);
                 }
             }
+        }
+        // A provider whose limits count tokens settles on what this attempt used.
+        if provider.spends_tokens() {
+            obs.usage_wanted = true;
         }
         // A half-open backend takes one probe at a time: one that lost the race is passed over.
         // The guard counts the attempt in flight, and records its outcome exactly once.

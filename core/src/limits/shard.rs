@@ -346,6 +346,17 @@ pub(crate) struct Permit {
     settled: bool,
 }
 
+impl Permit {
+    /// Whether settling it spends the request's tokens: it holds a token budget or a quota
+    /// plan (a permit of request counts and concurrency slots only settles the same whatever
+    /// the request used).
+    pub(crate) fn spends_tokens(&self) -> bool {
+        self.entries
+            .iter()
+            .any(|(id, _)| !matches!(id.kind, KIND_REQUESTS | KIND_CONCURRENCY))
+    }
+}
+
 pub(crate) struct LimiterShard {
     node: String,
     prefix: String,
@@ -1627,6 +1638,47 @@ mod tests {
         // One more for alice under `a` (4 of 4), then refused.
         assert!(admit(&mut shards, &new, 1));
         assert!(!admit(&mut shards, &new, 1));
+    }
+
+    #[test]
+    fn a_permit_spends_tokens_only_with_a_token_budget_or_a_plan() {
+        let policy = |limit: &str| format!("[[policies]]\nid = \"p\"\nper = \"key\"\n{limit}\n");
+        let admitted = |cfg: &LimitsConfig| {
+            let ledger = InProcessLedger::new();
+            let mut shards = vec![LimiterShard::new(cfg, "n0".into())];
+            for _ in 0..10 {
+                let mut p = Permit::default();
+                match shards[0].try_admit(cfg, &ask(5), &mut p, &mut |_, _| {}) {
+                    Ok(()) => return p,
+                    Err(r) if r.kind == RefusalKind::NeedLease => {
+                        sync_all(&mut shards, &ledger, &[0]);
+                    }
+                    Err(r) => panic!("refused: {r:?}"),
+                }
+            }
+            panic!("no lease after 10 rounds");
+        };
+        // `limits` gives the key a quota plan: settled on tokens.
+        assert!(admitted(&limits("")).spends_tokens());
+        assert!(admitted(&limits(&policy(
+            "max_tokens = 1000\ntokens_window_secs = 60"
+        )))
+        .spends_tokens());
+        // Counts and slots only (a plan-less key): what the request used changes nothing.
+        let plain = |extra: &str| {
+            let sha = crate::config::limits::hex(&crate::config::limits::digest(b"k"));
+            let text = format!(
+                "[clusters.main]\nbackends = [{{ base_url = \"http://127.0.0.1:9/v1\" }}]\n\
+                 [[routes]]\nmodel = \"m\"\ncluster = \"main\"\n\
+                 [[keys]]\nid = \"k\"\nsha256 = \"{sha}\"\n{extra}"
+            );
+            crate::config::load(&text, &|_| None).unwrap().limits
+        };
+        let counted = admitted(&plain(&policy(
+            "max_requests = 10\nrequests_window_secs = 60\nmax_concurrency = 2",
+        )));
+        assert!(!counted.spends_tokens(), "{counted:?}");
+        assert!(admitted(&plain(&policy("max_requests = 10\nrequests_window_secs = 60\nmax_tokens = 1000\ntokens_window_secs = 60"))).spends_tokens());
     }
 
     #[test]
