@@ -201,6 +201,10 @@ if want monolake; then
 fi
 
 if [ -z "${BIN_DIR:-}" ] && [ -n "${SLUICE_BIN_DIR:-}" ]; then BIN_DIR=$SLUICE_BIN_DIR; fi
+# The revision the report names is the tree's as the binaries are built: an edit made while the
+# run goes on (it takes half an hour) is not in what was measured.
+SLUICE_REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+git diff --quiet HEAD -- core bench proto 2>/dev/null || SLUICE_REV+="+uncommitted"
 if [ -z "${BIN_DIR:-}" ]; then
   echo "== building release binaries"
   cargo build --release -q -p sluice -p sluice-bench
@@ -515,8 +519,6 @@ echo "== measured in $((SECONDS - START)) s"
 
 # --- report --------------------------------------------------------------------------------------
 version_of() { "$@" 2>&1 | head -n 1 || true; }
-SLUICE_REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-git diff --quiet HEAD -- core bench proto 2>/dev/null || SLUICE_REV+="+uncommitted"
 for p in $ALL_PROXIES; do [ -n "${NOTES[$p]+x}" ] && export "NOTE_${p//-/_}=${NOTES[$p]}"; done
 capacity_json=$(for k in "${!CAPACITY[@]}"; do printf '"%s":%s,' "$k" "${CAPACITY[$k]}"; done)
 export B_COMMAND=$COMMAND B_QUICK=$QUICK B_BUILD=$BUILD B_CORE_A=$CORE_A B_CORE_B=$CORE_B \
