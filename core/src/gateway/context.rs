@@ -283,11 +283,27 @@ pub(crate) struct Load {
 impl Load {
     /// Is this the only request on the worker? Then writes go straight to the socket
     /// (lowest latency); under load they go through io_uring, where one submission carries
-    /// many connections' operations (lowest CPU per request: measured ~3 µs less). One
-    /// exception whatever this says: a long prompt's end goes straight to the socket from the
-    /// client's buffer (`UpstreamIo::write_with_tail`), since the ring would need it copied.
+    /// many connections' operations (lowest CPU per request: measured ~3 µs less). Two
+    /// exceptions whatever this says: the writes a stream's first token waits on
+    /// ([`Self::direct_writes_for`]), and a long prompt's end, which goes straight to the
+    /// socket from the client's buffer (`UpstreamIo::write_with_tail`), since the ring would
+    /// need it copied.
     pub(crate) fn direct_writes(&self) -> bool {
         self.active_requests.get() <= 1
+    }
+
+    /// Does a write go straight to the socket? When [`Self::direct_writes`] says so, and always
+    /// when it lies on a stream's way to its first token (`first_token`): a streamed request
+    /// to the upstream, and the stream's head with the events read with it to the client.
+    /// Through io_uring a write goes out only once the loop turn's every ready task has run,
+    /// and the task learns it went a turn later; on a worker near its full CPU those turns are
+    /// what a new stream's first token waits on. Both writes straight roughly halved the time
+    /// to first byte at 1,000–1,150 streams on one worker (perf/RESULTS.md, "The first token at
+    /// 1,000 streams"); either one alone was within the noise. A stream is one request and
+    /// dozens of writes, so the two syscalls cost it nothing measurable; a short answer keeps
+    /// the ring's batching.
+    pub(crate) fn direct_writes_for(&self, first_token: bool) -> bool {
+        first_token || self.direct_writes()
     }
 
     /// Requests being read or served now.
@@ -552,5 +568,30 @@ pub(crate) mod testing {
             head,
             body: &raw[head.head_len..],
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Load;
+
+    #[test]
+    fn a_streams_first_token_path_writes_straight_even_under_load() {
+        let load = Load::default();
+        let _only = load.enter();
+        assert!(load.direct_writes() && load.direct_writes_for(false));
+        let _second = load.enter();
+        assert!(
+            !load.direct_writes(),
+            "two requests: writes go through the ring"
+        );
+        assert!(
+            !load.direct_writes_for(false),
+            "a short answer keeps the batching"
+        );
+        assert!(
+            load.direct_writes_for(true),
+            "a first token does not wait on the ring"
+        );
     }
 }

@@ -397,12 +397,14 @@ pub(crate) struct ForwardTimings {
 
 /// Send `request` (as built by [`build_request`]), then `tail` (the end of the client's body it
 /// left out), and read the response head: the response or the error to answer with, and when
-/// each step happened.
+/// each step happened. `streamed`: the client asked for a stream, whose first token waits on
+/// this write ([`Load::direct_writes_for`](crate::gateway::context::Load::direct_writes_for)).
 pub(crate) async fn send<'w>(
     io: Io<'w>,
     target: &Target<'_>,
     mut request: Vec<u8>,
     tail: &[u8],
+    streamed: bool,
 ) -> (Result<UpstreamResponse<'w>, GatewayError>, ForwardTimings) {
     let timeouts = io.timeouts;
     let backend = io.metrics.labels.backend(target.backend.id);
@@ -459,7 +461,8 @@ pub(crate) async fn send<'w>(
         };
         let deadline = clock::recent() + target.first_byte_timeout;
         let in_flight = io.metrics.shard.upstream_in_flight(backend);
-        let (result, returned) = attempt(io, conn, in_flight, request, tail, deadline).await;
+        let (result, returned) =
+            attempt(io, conn, in_flight, request, tail, streamed, deadline).await;
         request = returned;
         match result {
             Ok(response) => {
@@ -489,6 +492,7 @@ async fn attempt<'w>(
     in_flight: InFlight<'w>,
     request: Vec<u8>,
     tail: &[u8],
+    streamed: bool,
     deadline: Mono,
 ) -> (Result<UpstreamResponse<'w>, AttemptError>, Vec<u8>) {
     let reused = conn.reused;
@@ -499,7 +503,7 @@ async fn attempt<'w>(
     let limit = deadline.saturating_duration_since(clock::recent());
     let request = match conn
         .io
-        .write_with_tail(request, tail, io.load.direct_writes(), limit)
+        .write_with_tail(request, tail, io.load.direct_writes_for(streamed), limit)
         .await
     {
         Ok((Ok(_), request)) => request,

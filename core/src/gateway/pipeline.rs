@@ -501,7 +501,14 @@ async fn serve<'s>(
             }
         };
         let tail = request.body.get(tail_from..).unwrap_or_default();
-        let (mut sent, timings) = forward::send(core.io(), &target, upstream_request, tail).await;
+        let (mut sent, timings) = forward::send(
+            core.io(),
+            &target,
+            upstream_request,
+            tail,
+            inspection.stream,
+        )
+        .await;
         obs.forward = timings;
 
         // Fallback: may another backend (or credential) do better? Decided before a byte

@@ -167,6 +167,7 @@ pub(crate) async fn relay(
         clean: true,
         terminated: false,
         last_output: head_read_at,
+        head_sent: false,
     };
 
     // The head, and the body bytes that came with it, in one write (an upstream fault in
@@ -419,6 +420,8 @@ struct Relay<'r, 'w> {
     /// When the upstream read behind the last bytes written to the client arrived (the
     /// response head's, to begin with): the client watch counts its delay from here.
     last_output: Mono,
+    /// The head has gone to the client (with the body bytes read with it).
+    head_sent: bool,
 }
 
 /// A Content-Length body passed through unchanged and kept whole for the meter
@@ -594,7 +597,11 @@ impl Relay<'_, '_> {
             return None;
         }
         self.obs.bytes_out += pending as u64;
-        let (limit, direct) = (self.io.timeouts.stream_idle, self.io.load.direct_writes());
+        // An event stream's head and first events are what its client waits on most.
+        let first_token = self.plan.event_stream && !self.head_sent;
+        self.head_sent = true;
+        let limit = self.io.timeouts.stream_idle;
+        let direct = self.io.load.direct_writes_for(first_token);
         let res = match self.kept {
             // The kept body's new bytes go from where they were read, behind `out` (the head,
             // on the first write) in one vectored write.
