@@ -26,13 +26,8 @@ DURATION=${DURATION:-8}
 SMALL_RATE=${SMALL_RATE:-3000}
 LARGE_RATE=${LARGE_RATE:-200}
 CHURN_CONNS=${CHURN_CONNS:-500}
-cargo build --release -q -p sluice -p sluice-bench
-BIN=target/release
-ulimit -n "$(ulimit -Hn)"
-CORE=1
 . scripts/bench-lib.sh
-init_scratch
-command -v nginx >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null; }
+release_rig nginx
 
 start_mock
 declare -A PID PORT

@@ -14,13 +14,9 @@ cd "$(dirname "$0")/.."
 CONNS=${CONNS:-256}
 STREAMS=${STREAMS:-1100}
 DURATION=${DURATION:-10}
-cargo build --release -q -p sluice -p sluice-bench
-BIN=target/release
-SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
-ulimit -n "$(ulimit -Hn)"
-CORE=1
 . scripts/bench-lib.sh
-init_scratch
+release_rig
+SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
 
 
 start_mock

@@ -20,12 +20,8 @@ cd "$(dirname "$0")/.."
 PROXIES=${PROXIES:-nginx sluice}
 ROUNDS=${ROUNDS:-10}
 STREAMS=${STREAMS:-1000}
-cargo build --release -q -p sluice -p sluice-bench
-BIN=target/release
-ulimit -n "$(ulimit -Hn)"
-CORE=1
 . scripts/bench-lib.sh
-init_scratch
+release_rig nginx
 declare -A PID PORT
 start_mock
 RATE=$(python3 -c "print(round($STREAMS / 1.344, 1))")

@@ -29,13 +29,9 @@ STREAMS=${STREAMS:-9900}
 EVENTS=${EVENTS:-64}
 GAP_MS=${GAP_MS:-200}
 RAMP=${RAMP:-5}
-cargo build --release -q -p sluice -p sluice-bench
-BIN=target/release
-SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
-ulimit -n "$(ulimit -Hn)"
-CORE=1
 . scripts/bench-lib.sh
-init_scratch
+release_rig
+SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
 
 
 start_mock

@@ -280,6 +280,20 @@ start_pinned_redis() { # core
   for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
 }
 
+# The start of a perf/ script's rig: the release binaries built (BIN), the open-file limit
+# lifted to the hard one, CORE=1 (mock-llm's and the load generator's core), a scratch directory
+# (init_scratch). With `nginx`: nginx-light installed when it is missing.
+release_rig() { # [nginx]
+  cargo build --release -q -p sluice -p sluice-bench
+  BIN=target/release
+  ulimit -n "$(ulimit -Hn)"
+  CORE=1
+  init_scratch
+  if [ "${1:-}" = nginx ] && ! command -v nginx >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null
+  fi
+}
+
 # A scratch directory (TMP) and an empty PIDS array, both cleaned up when the script exits:
 # every process in PIDS is killed and TMP removed.
 init_scratch() {
