@@ -20,14 +20,9 @@ RATE=${RATE:-8000}
 ROUNDS=${ROUNDS:-3}
 WARMUP=${WARMUP:-3}
 DURATION=${DURATION:-8}
-cargo build --release -q -p sluice -p sluice-bench
-BIN=target/release
-SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
-ulimit -n "$(ulimit -Hn)"
-CORE=1
 . scripts/bench-lib.sh
-init_scratch
-command -v nginx >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null; }
+release_rig nginx
+SLUICE_BIN=${SLUICE_BIN:-$BIN/sluice}
 
 
 start_mock
