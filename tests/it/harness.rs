@@ -1689,6 +1689,39 @@ fn mock_messages_faults_answer_in_anthropic_shapes() {
     assert_eq!(s["invalid_requests"], 0, "{s}");
 }
 
+/// `x-mock-headers: provider` adds a provider's fields to the head, of an answer and of a
+/// stream, and leaves the answer as it was; without it the head has mock-llm's few fields.
+#[test]
+fn provider_headers_add_a_providers_fields() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let provider = [("x-mock-headers", "provider")];
+    let plain = ask(&mock, "/v1/chat/completions", &chat_body("m"), &[]);
+    let r = ask(&mock, "/v1/chat/completions", &chat_body("m"), &provider);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(r.headers.len(), plain.headers.len() + 20, "{}", r.dump());
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("9999"));
+    let cookies = r
+        .headers
+        .iter()
+        .filter(|(n, _)| n.eq_ignore_ascii_case("set-cookie"));
+    assert_eq!(cookies.count(), 2);
+    assert!(plain.header("x-ratelimit-remaining-requests").is_none());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 3);
+    let s = ask(
+        &mock,
+        "/v1/chat/completions",
+        &chat_stream_body("m"),
+        &provider,
+    );
+    assert_eq!(
+        s.header("openai-version"),
+        Some("2020-10-01"),
+        "{}",
+        s.dump()
+    );
+    assert!(s.text().contains("data: [DONE]"));
+}
+
 /// `x-mock-echo: none` leaves the echo out — of a chat answer, a stream and a Messages answer —
 /// and nothing else: the answers stay whole JSON with their usage. Without it the echo is there.
 #[test]

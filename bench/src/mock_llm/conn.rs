@@ -171,6 +171,31 @@ enum Content {
     ToolArgs(u64, u64),
 }
 
+/// The fields OpenAI's API sends with an answer besides its framing and type (values made up,
+/// names and sizes as sent, twenty of them): with `x-mock-headers: provider`, so that what a
+/// proxy spends reading and relaying an answer's head is what it spends on a provider's, not on
+/// mock-llm's three fields.
+const PROVIDER_FIELDS: &[u8] = b"date: Tue, 01 Dec 2026 12:00:00 GMT\r\n\
+access-control-expose-headers: X-Request-ID\r\n\
+openai-organization: user-abcdefghijklmnopqrstuvwx\r\n\
+openai-processing-ms: 412\r\n\
+openai-version: 2020-10-01\r\n\
+x-ratelimit-limit-requests: 10000\r\n\
+x-ratelimit-limit-tokens: 30000000\r\n\
+x-ratelimit-remaining-requests: 9999\r\n\
+x-ratelimit-remaining-tokens: 29999968\r\n\
+x-ratelimit-reset-requests: 6ms\r\n\
+x-ratelimit-reset-tokens: 0s\r\n\
+x-request-id: req_0123456789abcdef0123456789abcdef\r\n\
+strict-transport-security: max-age=31536000; includeSubDomains; preload\r\n\
+cf-cache-status: DYNAMIC\r\n\
+set-cookie: __cf_bm=AbCdEfGhIjKlMnOpQrStUvWxYz0123456789.abcdefghij-1764590400-1.0.1.1-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOpQrStUvWxYz0123456789abcd; path=/; expires=Tue, 01-Dec-26 12:30:00 GMT; domain=.api.openai.com; HttpOnly; Secure; SameSite=None\r\n\
+x-content-type-options: nosniff\r\n\
+set-cookie: _cfuvid=AbCdEfGhIjKlMnOpQrStUvWxYz0123456789.abc-1764590400000-0.0.1.1-604800000; path=/; domain=.api.openai.com; HttpOnly; Secure; SameSite=None\r\n\
+server: cloudflare\r\n\
+cf-ray: 8f0123456789abcd-FRA\r\n\
+alt-svc: h3=\":443\"; ma=86400\r\n";
+
 /// Everything a response needs, taken out of the request before any I/O.
 struct Plan {
     route: Route,
@@ -191,6 +216,9 @@ struct Plan {
     delay_ms: u64,
     /// `x-mock-echo: none`: the answer carries no echo, as a provider's does not.
     no_echo: bool,
+    /// `x-mock-headers: provider`: the head carries the fields a provider's does
+    /// ([`PROVIDER_FIELDS`]).
+    provider_fields: bool,
     fault: Option<Fault>,
     status: Option<u16>,
     /// `error.code` of an injected error (and of an `error-event`); None: by status.
@@ -634,6 +662,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             ping_ms: 0,
             delay_ms: 0,
             no_echo: false,
+            provider_fields: false,
             fault: st.fault.get(),
             status: None,
             error_code: cfg.error_code.clone(),
@@ -763,6 +792,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 plan.delay_ms = parse_num(value).unwrap_or(0);
             } else if ctl.eq_ignore_ascii_case(b"echo") {
                 plan.no_echo = value.eq_ignore_ascii_case(b"none");
+            } else if ctl.eq_ignore_ascii_case(b"headers") {
+                plan.provider_fields = value.eq_ignore_ascii_case(b"provider");
             } else if ctl.eq_ignore_ascii_case(b"tool-calls") {
                 plan.tool_calls = parse_num(value).unwrap_or(0);
             } else if ctl.eq_ignore_ascii_case(b"cache-read") {
@@ -907,6 +938,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             w.extend_from_slice(b"x-mock-model: ");
             w.extend_from_slice(&p.model_header);
             w.extend_from_slice(b"\r\n");
+        }
+        if p.provider_fields {
+            w.extend_from_slice(PROVIDER_FIELDS);
         }
         if p.route == Route::Messages {
             // Anthropic names each request; error bodies carry the same id.
