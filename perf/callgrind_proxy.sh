@@ -29,7 +29,8 @@
 #
 # Knobs: SECS (10), CONNS (8), BODY_BYTES (1024), UPSTREAM_DELAY_MS (0), CLIENT_DELAY_MS (0),
 # MOCK_ECHO (unset; "none":
-# answers without mock-llm's echo of the request, as large as a provider's), CONFIGS ("sluice";
+# answers without mock-llm's echo of the request, as large as a provider's), HEADS (unset;
+# "provider": openai-python's request fields and a provider's answer fields), CONFIGS ("sluice";
 # also "sluice-ai": API keys, three policies on a redis-server it starts, metrics and the
 # access log), BASE_BIN (adds "<config>-base" runs of that binary), SLUICE_BIN (the build to
 # measure, when not this tree's: to compare two saved builds, one change at a time), TOP (25),
@@ -125,7 +126,7 @@ by_function() { # callgrind file
 
 DIR=${KEEP:-$TMP/cg}
 mkdir -p "$DIR"
-echo "callgrind, ${SECS}s of wrk, $CONNS connections, $BODY_BYTES-byte chat POSTs, answers held ${UPSTREAM_DELAY_MS} ms, requests ${CLIENT_DELAY_MS} ms apart${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}; $(git rev-parse --short HEAD)"
+echo "callgrind, ${SECS}s of wrk, $CONNS connections, $BODY_BYTES-byte chat POSTs, answers held ${UPSTREAM_DELAY_MS} ms, requests ${CLIENT_DELAY_MS} ms apart${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}${HEADS:+, $HEADS-sized heads}; $(git rev-parse --short HEAD)"
 echo
 echo "| run | requests | instructions / request |"
 echo "| --- | ---: | ---: |"

@@ -12,6 +12,8 @@
 #   BODY_BYTES=65536 perf/cost_wrk.sh # 64 KB prompts (mock-llm's answer echoes them: 64 KB too)
 #   MOCK_ECHO=none perf/cost_wrk.sh   # answers without mock-llm's echo of the request: the size
 #                                     # a provider's answer is (~330 bytes, not ~1.6 KB for 1 KB)
+#   HEADS=provider perf/cost_wrk.sh   # heads of real traffic's size: openai-python's seventeen
+#                                     # request fields, a provider's twenty more answer fields
 #   BASE_BIN=/tmp/sluice-before PROXIES="nginx sluice-base sluice sluice-ai-base sluice-ai" \
 #     perf/cost_wrk.sh                # a change against the build before it, same rounds
 set -euo pipefail
@@ -46,7 +48,7 @@ lua_of() { case $1 in sluice-ai*) echo "$TMP/post-ai.lua" ;; *) echo "$TMP/post.
 
 HZ=$(getconf CLK_TCK)
 echo "machine: $(nproc) CPU(s), $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"
-echo "$(nginx -v 2>&1); $(wrk --version 2>&1 | head -1 | cut -d' ' -f1-2); core $CORE; $ROUNDS round(s) of ${DURATION}s, $CONNS connections, $BODY_BYTES-byte bodies${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}"
+echo "$(nginx -v 2>&1); $(wrk --version 2>&1 | head -1 | cut -d' ' -f1-2); core $CORE; $ROUNDS round(s) of ${DURATION}s, $CONNS connections, $BODY_BYTES-byte bodies${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}${HEADS:+, $HEADS-sized heads}"
 # Warm every proxy (pools, page tables) before round 1.
 for proxy in $PROXIES; do
   taskset -c "$CORE" wrk -t1 -c"$CONNS" -d1s -s "$(lua_of "$proxy")" \

@@ -45,11 +45,45 @@ TOML
   fi
 }
 
+# openai-python 1.x's request fields besides host, content-type, content-length and
+# authorization, and the control asking mock-llm for the twenty more answer fields OpenAI's API
+# sends (`x-mock-headers: provider`): with HEADS=provider, the wrk scripts below and
+# scripts/bench.sh's cost and latency rigs send them, so heads are real traffic's size (a
+# request head of seventeen fields, ~600 bytes; an answer head of ~1.3 KB).
+PROVIDER_HEAD_FIELDS=(
+  "accept-encoding: gzip, deflate"
+  "connection: keep-alive"
+  "accept: application/json"
+  "user-agent: OpenAI/Python 1.54.4"
+  "x-stainless-lang: python"
+  "x-stainless-package-version: 1.54.4"
+  "x-stainless-os: Linux"
+  "x-stainless-arch: x64"
+  "x-stainless-runtime: CPython"
+  "x-stainless-runtime-version: 3.12.7"
+  "x-stainless-async: false"
+  "x-stainless-retry-count: 0"
+  "x-stainless-read-timeout: 600"
+  "x-mock-headers: provider"
+)
+
+# The fields HEADS asks for (none when unset), one per line.
+head_fields() {
+  case ${HEADS:-} in
+    "") ;;
+    provider) printf '%s\n' "${PROVIDER_HEAD_FIELDS[@]}" ;;
+    *) echo "HEADS: provider, or unset" >&2; return 1 ;;
+  esac
+}
+
 # A wrk script POSTing exactly 1,024 bytes of chat-completions JSON.
 # With MOCK_ECHO=none in the environment the requests carry `x-mock-echo: none`: mock-llm then
 # answers without its echo of the request, a provider-sized answer (~330 bytes for chat).
+# With HEADS=provider they carry the fields above.
 write_post_lua() { # file [body bytes, default 1024]
-  python3 - "$1" "${2:-1024}" "${MOCK_ECHO:-}" <<'PY'
+  local fields
+  fields=$(head_fields) || return 1
+  python3 - "$1" "${2:-1024}" "${MOCK_ECHO:-}" "$fields" <<'PY'
 import json, sys
 size = int(sys.argv[2])
 echo = sys.argv[3]
@@ -58,9 +92,13 @@ if echo not in ("", "none"):
 base = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": ""}]})
 body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * (size - len(base))}]})
 assert len(body) == size, len(body)
+fields = [("Content-Type", "application/json")]
+if echo == "none":
+    fields.append(("x-mock-echo", "none"))
+fields += [tuple(f.split(": ", 1)) for f in sys.argv[4].splitlines()]
 open(sys.argv[1], "w").write(
-    'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\nwrk.body = [[' + body + ']]\n'
-    + ('wrk.headers["x-mock-echo"] = "none"\n' if echo == "none" else "")
+    'wrk.method = "POST"\nwrk.body = [[' + body + ']]\n'
+    + "".join('wrk.headers["%s"] = "%s"\n' % kv for kv in fields)
 )
 PY
 }

@@ -37,6 +37,8 @@
 #   IDLE_CONNS 10000 / 1000  IDLE_HOLD 3 / 1   SMALL_BYTES 1024  LARGE_BYTES 65536
 #   CORE_A, CORE_B  the two cores (default: the first two this process may run on)
 #   IDLE_MAX_PCT 10  (busier than this, a should-be-idle core flags the run as disturbed)
+#   HEADS=provider   heads of real traffic's size in the cost and latency rigs: openai-python's
+#                    request fields, and mock-llm answering with a provider's (scripts/bench-lib.sh)
 #   NO_INSTALL=1     never install anything; a missing nginx/haproxy is then an error
 #   KEEP_TMP=1       keep the scratch directory (configs, logs, Sluice's access log)
 #   MONOLAKE_BIN     a monolake binary to use (else monolake on PATH or in ~/.cargo/bin, else built)
@@ -61,7 +63,7 @@ done
 # The exact command, with the settings given in the environment.
 KNOBS="BIN_DIR SLUICE_BIN_DIR OUT MONOLAKE_BIN MONOLAKE_VERSION MONOLAKE_TOOLCHAIN PROXIES SCENARIOS LAT_SCENARIOS ROUNDS DURATION WARMUP CONNS
 LEVELS CAP_RUNS LAT_DURATION LAT_WARMUP LAT_CONNS SSE_CONCS SSE_TOKENS SSE_GAP_MS SSE_DURATION
-SSE_WARMUP IDLE_CONNS IDLE_HOLD SMALL_BYTES LARGE_BYTES CORE_A CORE_B IDLE_MAX_PCT NO_INSTALL"
+SSE_WARMUP IDLE_CONNS IDLE_HOLD SMALL_BYTES LARGE_BYTES CORE_A CORE_B IDLE_MAX_PCT HEADS NO_INSTALL"
 COMMAND=""
 for k in $KNOBS; do
   if [ -n "${!k+x}" ]; then
@@ -257,6 +259,12 @@ trap 'exit 130' INT TERM
 
 CORE=$CORE_A
 . scripts/bench-lib.sh
+# sluice-load's --header arguments for HEADS (none when unset).
+HEAD_ARGS=()
+HEAD_FIELDS=$(head_fields) || die "HEADS: provider, or unset"
+while IFS= read -r field; do
+  [ -z "$field" ] || HEAD_ARGS+=(--header "$field")
+done <<<"$HEAD_FIELDS"
 
 # Wait until FILE holds PATTERN, failing if PID exits first or after SECS.
 wait_for_line() { # file pattern pid secs
@@ -413,11 +421,11 @@ warm() { # core sluice-load args...
 cost_scenario() { # name body_bytes
   echo "== cost rig, $1 ($2-byte body): everything on core $CORE_A, $ROUNDS round(s)"
   set_rig cost
-  warm "$CORE_A" --connections "$CONNS" --duration "${WARMUP}s" --body-bytes "$2"
+  warm "$CORE_A" --connections "$CONNS" --duration "${WARMUP}s" --body-bytes "$2" "${HEAD_ARGS[@]}"
   for r in $(seq "$ROUNDS"); do
     for proxy in $PROXIES; do
       measure "$1" cost "$r" "$proxy" 0 "$CONNS" -- --connections "$CONNS" \
-        --duration "${DURATION}s" --warmup "${WARMUP}s" --body-bytes "$2"
+        --duration "${DURATION}s" --warmup "${WARMUP}s" --body-bytes "$2" "${HEAD_ARGS[@]}"
     done
   done
 }
@@ -426,11 +434,11 @@ declare -A CAPACITY=()
 latency_scenario() { # name body_bytes
   echo "== latency rig, $1 ($2-byte body): proxy on core $CORE_A, client + mock-llm on core $CORE_B"
   set_rig latency
-  warm "$CORE_B" --connections "$CONNS" --duration "${WARMUP}s" --body-bytes "$2"
+  warm "$CORE_B" --connections "$CONNS" --duration "${WARMUP}s" --body-bytes "$2" "${HEAD_ARGS[@]}"
   local caps=() cap rate
   for i in $(seq "$CAP_RUNS"); do
     measure "$1" capacity "$i" nginx 0 "$CONNS" -- --connections "$CONNS" \
-      --duration "${DURATION}s" --warmup "${WARMUP}s" --body-bytes "$2"
+      --duration "${DURATION}s" --warmup "${WARMUP}s" --body-bytes "$2" "${HEAD_ARGS[@]}"
     caps+=("$RAW/$(printf '%04d' "$RUN_N")-$1-capacity-nginx-r$i.json")
   done
   cap=$(python3 scripts/bench_report.py capacity "${caps[@]}")
@@ -444,7 +452,7 @@ latency_scenario() { # name body_bytes
       for proxy in $PROXIES; do
         measure "$1" latency "$r" "$proxy" "$level" "$LAT_CONNS" -- --rate "$rate" \
           --connections "$LAT_CONNS" --duration "${LAT_DURATION}s" --warmup "${LAT_WARMUP}s" \
-          --body-bytes "$2"
+          --body-bytes "$2" "${HEAD_ARGS[@]}"
       done
     done
   done
