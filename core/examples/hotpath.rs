@@ -1,6 +1,6 @@
 //! Run one hot path N times (for instruction counts under callgrind; see perf/callgrind.sh).
 //!
-//!   hotpath <inspect|inspect_64k|inspect_64k_plain|meter_64k|sse|estimate|admit|route|pipeline|anthropic_request|anthropic_response|anthropic_stream> <iterations>
+//!   hotpath <inspect|inspect_64k|inspect_64k_plain|meter_64k|sse|estimate|admit|route|pipeline|request_head|response_head|anthropic_request|anthropic_response|anthropic_stream> <iterations>
 //!
 //! The fixture is the criterion benchmarks' (`core/benches/fixture/mod.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -13,7 +13,7 @@ fn main() {
         args.first(),
         args.get(1).and_then(|n| n.parse::<u64>().ok()),
     ) else {
-        eprintln!("usage: hotpath <inspect|inspect_64k|inspect_64k_plain|meter_64k|sse|estimate|admit|route|pipeline|anthropic_request|anthropic_response|anthropic_stream> <iterations>");
+        eprintln!("usage: hotpath <inspect|inspect_64k|inspect_64k_plain|meter_64k|sse|estimate|admit|route|pipeline|request_head|response_head|anthropic_request|anthropic_response|anthropic_stream> <iterations>");
         std::process::exit(2);
     };
     let mut f = sluice::hotpath::Fixture::new();
@@ -29,6 +29,8 @@ fn main() {
             "admit" => u64::from(f.admit_settle()),
             "route" => f.route() as u64,
             "pipeline" => f.pipeline() as u64,
+            "request_head" => f.request_head() as u64,
+            "response_head" => f.response_head() as u64,
             "anthropic_request" => f.anthropic_request() as u64,
             "anthropic_response" => f.anthropic_response() as u64,
             "anthropic_stream" => f.anthropic_stream() as u64,
