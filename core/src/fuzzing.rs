@@ -4,12 +4,14 @@
 //! the `fuzz` feature; the test suite replays every committed corpus file through them on
 //! stable (the tests below), so a crash once found stays fixed.
 
+use std::mem::MaybeUninit;
+
 use crate::sys::clock::Mono;
 
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, RequestHead};
 use crate::http::response::{parse_response_head, ResponseHead};
-use crate::http::HttpLimits;
+use crate::http::{HeaderPos, HttpLimits};
 use crate::openai::inspect::{Inspection, Inspector};
 use crate::openai::meter::SseMeter;
 
@@ -42,6 +44,14 @@ pub fn request_head(data: &[u8]) {
         assert!(head.head_len <= data.len());
         let _ = head.path(data);
         let _ = head.target(data);
+        // What httparse, which this head reader replaced, makes of the same head.
+        let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; 256];
+        let mut req = httparse::Request::new(&mut []);
+        let parsed = req.parse_with_uninit_headers(&data[..head.head_len], &mut fields);
+        assert_eq!(parsed, Ok(httparse::Status::Complete(head.head_len)));
+        assert_eq!(req.path.map(str::as_bytes), Some(head.target(data)));
+        assert_eq!(req.version, Some(head.minor_version));
+        assert_same_fields(req.headers, &head.headers, data);
     }
     // Incrementally, as bytes trickle in (the scan state carries over between calls).
     let mut scan = HeadScan::default();
@@ -103,9 +113,34 @@ pub fn chunked(data: &[u8]) {
 pub fn response_head(data: &[u8]) {
     for head_only in [false, true] {
         let mut head = ResponseHead::default();
-        if let Ok(true) = parse_response_head(data, head_only, &mut head) {
-            assert!(head.head_len <= data.len());
+        let ours = parse_response_head(data, head_only, &mut head);
+        let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; 128];
+        let mut resp = httparse::Response::new(&mut []);
+        let theirs = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut resp,
+            data,
+            &mut fields,
+        );
+        match ours {
+            Ok(true) => {
+                assert!(head.head_len <= data.len());
+                // What httparse, which this head reader replaced, makes of the same head.
+                assert_eq!(theirs, Ok(httparse::Status::Complete(head.head_len)));
+                assert_eq!(resp.code, Some(head.status));
+                assert_same_fields(resp.headers, &head.headers, data);
+            }
+            // Still waiting only where httparse would wait too.
+            Ok(false) => assert!(!matches!(theirs, Ok(httparse::Status::Complete(_)))),
+            Err(_) => {}
         }
+    }
+}
+
+/// The fields httparse found are the ones found here, in order.
+fn assert_same_fields(theirs: &[httparse::Header<'_>], ours: &[HeaderPos], buf: &[u8]) {
+    assert_eq!(theirs.len(), ours.len());
+    for (t, o) in theirs.iter().zip(ours) {
+        assert_eq!((t.name.as_bytes(), t.value), (o.name(buf), o.value(buf)));
     }
 }
 

@@ -8,6 +8,7 @@
 //! gateway that answers it.
 
 pub(crate) mod chunked;
+mod lines;
 pub(crate) mod request;
 pub(crate) mod response;
 
@@ -125,25 +126,6 @@ impl HeaderPos {
     pub(crate) fn value<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
         &buf[self.value.0 as usize..self.value.1 as usize]
     }
-    /// Offsets of `name` / `value` (which borrow from `base`) relative to `base`'s start.
-    fn from_slices(base: &[u8], name: &[u8], value: &[u8]) -> HeaderPos {
-        let n = offset_in(base, name);
-        // An empty value may not point into `base`; place it right after the name.
-        let v = if value.is_empty() {
-            n + name.len()
-        } else {
-            offset_in(base, value)
-        };
-        HeaderPos {
-            name: (n as u32, (n + name.len()) as u32),
-            value: (v as u32, (v + value.len()) as u32),
-        }
-    }
-}
-
-/// Where `part` (a subslice of `base`, as httparse returns) starts within `base`.
-fn offset_in(base: &[u8], part: &[u8]) -> usize {
-    (part.as_ptr() as usize).saturating_sub(base.as_ptr() as usize)
 }
 
 /// How a message body is delimited.

@@ -9,8 +9,7 @@
 //! too long), 431 (head too large, too many fields) and 417 (an `Expect` other than
 //! `100-continue`). Every one of these closes the connection.
 
-use std::mem::MaybeUninit;
-
+use super::lines::{LineError, Lines};
 use super::{has_token, parse_content_length, trim_ows, BodyFraming, HeaderPos};
 use super::{HttpError, HttpLimits};
 use super::{Name, CHUNKED, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
@@ -19,8 +18,8 @@ const HOST: Name = Name::new(b"host");
 const EXPECT: Name = Name::new(b"expect");
 const HUNDRED_CONTINUE: Name = Name::new(b"100-continue");
 
-/// Hard ceiling on header fields parsed at once (the stack array httparse fills);
-/// `http.max_headers` is checked against the count below it.
+/// Hard ceiling on header fields parsed at once; `http.max_headers` is checked against the
+/// count below it.
 pub(crate) const MAX_HEADERS_CEILING: usize = 256;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,42 +112,43 @@ pub(crate) fn parse_request_head(
         return Err(HttpError::limit(431, "request header fields too large"));
     }
 
-    // Left uninitialized: httparse writes the fields it parses and hands back only those. An
-    // array of empty headers was 8 KB of stores a request.
-    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS_CEILING];
-    let mut req = httparse::Request::new(&mut []);
-    match req.parse_with_uninit_headers(&buf[..head_len], &mut fields) {
-        Ok(httparse::Status::Complete(n)) if n == head_len => {}
+    // The head and up to sixteen bytes after it, where the buffer has them: the last lines are
+    // then read with whole sixteen-byte loads too. The blank line ends the reading either way.
+    let lines = Lines::new(&buf[..buf.len().min(head_len + 16)]);
+    let line = match lines.request_line() {
+        Ok(Some(line)) => line,
+        // Only empty lines before the blank one.
+        Ok(None) => return Err(HttpError::malformed("malformed request head")),
+        Err(e) => return Err(malformed_head(e)),
+    };
+    let minor = line.minor_version;
+    head.headers.clear();
+    match lines.fields(line.fields_at, MAX_HEADERS_CEILING, &mut head.headers) {
+        Ok(Some(n)) if n == head_len => {}
         Ok(_) => return Err(HttpError::malformed("malformed request head")),
-        Err(httparse::Error::TooManyHeaders) => {
-            return Err(HttpError::limit(431, "too many header fields"))
-        }
-        Err(e) => return Err(HttpError::malformed(format!("malformed request head: {e}"))),
+        Err(e) => return Err(malformed_head(e)),
     }
-    if req.headers.len() > limits.max_headers {
+    if head.headers.len() > limits.max_headers {
         return Err(HttpError::limit(431, "too many header fields"));
     }
-    let (Some(method), Some(target), Some(minor)) = (req.method, req.path, req.version) else {
-        return Err(HttpError::malformed("malformed request line"));
-    };
-    if !target.starts_with('/') {
+    let (target_start, target_end) = line.target;
+    if buf[target_start] != b'/' {
         return Err(HttpError::malformed(
             "request target must be in origin form",
         ));
     }
 
-    head.method = match method {
-        "GET" => Method::Get,
-        "HEAD" => Method::Head,
-        "POST" => Method::Post,
+    head.method = match &buf[line.method.0..line.method.1] {
+        b"GET" => Method::Get,
+        b"HEAD" => Method::Head,
+        b"POST" => Method::Post,
         _ => Method::Other,
     };
-    let target_start = super::offset_in(buf, target.as_bytes());
-    head.target = (target_start, target_start + target.len());
-    head.path_end = target_start + memchr::memchr(b'?', target.as_bytes()).unwrap_or(target.len());
+    head.target = (target_start, target_end);
+    head.path_end = target_start
+        + memchr::memchr(b'?', &buf[target_start..target_end]).unwrap_or(target_end - target_start);
     head.minor_version = minor;
     head.head_len = head_len;
-    head.headers.clear();
     head.expect_continue = false;
     head.keep_alive = minor == 1;
 
@@ -156,10 +156,9 @@ pub(crate) fn parse_request_head(
     let mut chunked = false;
     let mut transfer_encoding = false;
     let mut hosts = 0;
-    for field in req.headers.iter() {
-        let name = field.name.as_bytes();
-        let value = field.value;
-        head.headers.push(HeaderPos::from_slices(buf, name, value));
+    for field in head.headers.iter() {
+        let name = field.name(buf);
+        let value = field.value(buf);
         if CONTENT_LENGTH.matches(name) {
             let Some(n) = parse_content_length(value) else {
                 return Err(HttpError::malformed("invalid Content-Length"));
@@ -221,6 +220,14 @@ pub(crate) fn parse_request_head(
         }
     }
     Ok(HeadStatus::Complete)
+}
+
+/// A head the line reader refused: 400 (431 past the ceiling on fields).
+fn malformed_head(e: LineError) -> HttpError {
+    match e {
+        LineError::TooManyHeaders => HttpError::limit(431, "too many header fields"),
+        e => HttpError::malformed(format!("malformed request head: {}", e.as_str())),
+    }
 }
 
 /// Check every CR / LF from `scan.scanned` on: each LF must follow a CR, each CR must precede

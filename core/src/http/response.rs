@@ -7,8 +7,7 @@
 //! Raises [`ResponseError`] for a malformed or oversized head or an invalid Content-Length — a
 //! bad upstream, answered 502 to the client.
 
-use std::mem::MaybeUninit;
-
+use super::lines::{LineError, Lines};
 use super::{has_token, parse_content_length, BodyFraming, HeaderPos};
 use super::{Name, CHUNKED, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 
@@ -49,24 +48,26 @@ pub(crate) fn parse_response_head(
     request_was_head: bool,
     head: &mut ResponseHead,
 ) -> Result<bool, ResponseError> {
-    // Left uninitialized, as the request's (`request::parse_request_head`).
-    let mut fields =
-        [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_RESPONSE_HEADERS];
-    let mut resp = httparse::Response::new(&mut []);
-    let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
-        &mut resp,
-        buf,
-        &mut fields,
-    );
-    let head_len = match parsed {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => {
+    let lines = Lines::new(buf);
+    let parsed = match lines.status_line() {
+        Ok(Some(line)) => {
+            head.headers.clear();
+            lines
+                .fields(line.fields_at, MAX_RESPONSE_HEADERS, &mut head.headers)
+                .map(|len| len.map(|len| (line, len)))
+        }
+        Ok(None) => Ok(None),
+        Err(e) => Err(e),
+    };
+    let (line, head_len) = match parsed {
+        Ok(Some(done)) => done,
+        Ok(None) => {
             if buf.len() > MAX_RESPONSE_HEAD_BYTES {
                 return Err(ResponseError("upstream response head too large"));
             }
             return Ok(false);
         }
-        Err(httparse::Error::TooManyHeaders) => {
+        Err(LineError::TooManyHeaders) => {
             return Err(ResponseError("upstream response has too many headers"))
         }
         Err(_) => return Err(ResponseError("malformed upstream response head")),
@@ -74,31 +75,19 @@ pub(crate) fn parse_response_head(
     if head_len > MAX_RESPONSE_HEAD_BYTES {
         return Err(ResponseError("upstream response head too large"));
     }
-    let (Some(status), Some(minor)) = (resp.code, resp.version) else {
-        return Err(ResponseError("malformed upstream status line"));
-    };
+    let (status, minor) = (line.code, line.minor_version);
     head.status = status;
     head.minor_version = minor;
-    let reason = resp.reason.unwrap_or("").as_bytes();
-    let reason_start = if reason.is_empty() {
-        0
-    } else {
-        super::offset_in(buf, reason)
-    };
-    head.reason = (reason_start, reason_start + reason.len());
+    head.reason = line.reason;
     head.head_len = head_len;
-    head.headers.clear();
-    // One allocation for a new head's list, not a doubling per few headers.
-    head.headers.reserve(resp.headers.len());
     head.keep_alive = minor == 1;
     head.event_stream = false;
 
     let mut content_length: Option<u64> = None;
     let mut transfer_encoding: Option<&[u8]> = None;
-    for field in resp.headers.iter() {
-        let name = field.name.as_bytes();
-        let value = field.value;
-        head.headers.push(HeaderPos::from_slices(buf, name, value));
+    for field in head.headers.iter() {
+        let name = field.name(buf);
+        let value = field.value(buf);
         if CONTENT_LENGTH.matches(name) {
             let n = parse_content_length(value)
                 .ok_or(ResponseError("invalid Content-Length from upstream"))?;
