@@ -175,26 +175,7 @@ enum Content {
 /// names and sizes as sent, twenty of them): with `x-mock-headers: provider`, so that what a
 /// proxy spends reading and relaying an answer's head is what it spends on a provider's, not on
 /// mock-llm's three fields.
-const PROVIDER_FIELDS: &[u8] = b"date: Tue, 01 Dec 2026 12:00:00 GMT\r\n\
-access-control-expose-headers: X-Request-ID\r\n\
-openai-organization: user-abcdefghijklmnopqrstuvwx\r\n\
-openai-processing-ms: 412\r\n\
-openai-version: 2020-10-01\r\n\
-x-ratelimit-limit-requests: 10000\r\n\
-x-ratelimit-limit-tokens: 30000000\r\n\
-x-ratelimit-remaining-requests: 9999\r\n\
-x-ratelimit-remaining-tokens: 29999968\r\n\
-x-ratelimit-reset-requests: 6ms\r\n\
-x-ratelimit-reset-tokens: 0s\r\n\
-x-request-id: req_0123456789abcdef0123456789abcdef\r\n\
-strict-transport-security: max-age=31536000; includeSubDomains; preload\r\n\
-cf-cache-status: DYNAMIC\r\n\
-set-cookie: __cf_bm=AbCdEfGhIjKlMnOpQrStUvWxYz0123456789.abcdefghij-1764590400-1.0.1.1-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOpQrStUvWxYz0123456789abcd; path=/; expires=Tue, 01-Dec-26 12:30:00 GMT; domain=.api.openai.com; HttpOnly; Secure; SameSite=None\r\n\
-x-content-type-options: nosniff\r\n\
-set-cookie: _cfuvid=AbCdEfGhIjKlMnOpQrStUvWxYz0123456789.abc-1764590400000-0.0.1.1-604800000; path=/; domain=.api.openai.com; HttpOnly; Secure; SameSite=None\r\n\
-server: cloudflare\r\n\
-cf-ray: 8f0123456789abcd-FRA\r\n\
-alt-svc: h3=\":443\"; ma=86400\r\n";
+const PROVIDER_FIELDS: &[u8] = include!("provider_fields.rs");
 
 /// Everything a response needs, taken out of the request before any I/O.
 struct Plan {
