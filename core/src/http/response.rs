@@ -52,6 +52,11 @@ pub(crate) fn parse_response_head(
     let parsed = match lines.status_line() {
         Ok(Some(line)) => {
             head.headers.clear();
+            // A provider's answer has two dozen fields: one allocation for them (a head is new
+            // for each answer), not a doubling every few.
+            if head.headers.capacity() == 0 {
+                head.headers.reserve(32);
+            }
             lines
                 .fields(line.fields_at, MAX_RESPONSE_HEADERS, &mut head.headers)
                 .map(|len| len.map(|len| (line, len)))
