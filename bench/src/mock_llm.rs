@@ -115,8 +115,8 @@ REQUEST HEADERS:
     x-mock-retry-after: S, x-mock-ttft-ms: N, x-mock-inter-token-ms: N, x-mock-tokens: N,
     x-mock-delay-ms: N, x-mock-echo: none (no echo object in the answer, no `: echo` comment
     in a stream), x-mock-headers: provider (the twenty fields OpenAI's API adds to a head:
-    date, openai-*, x-ratelimit-*, set-cookie, ...), x-mock-prompt-tokens: N (the uncached prompt count reported, instead
-    of the body's length / 4; on /v1/messages its input_tokens)
+    date, openai-*, x-ratelimit-*, set-cookie, ...), x-mock-prompt-tokens: N (the uncached
+    prompt count reported, instead of the body's length / 4; on /v1/messages its input_tokens)
     /v1/messages and /v1/chat/completions only:
     x-mock-tool-calls: N     when the request has tools, answer with N tool calls: on
                              /v1/messages N tool_use blocks; on /v1/chat/completions

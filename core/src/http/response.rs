@@ -7,7 +7,7 @@
 //! Raises [`ResponseError`] for a malformed or oversized head or an invalid Content-Length — a
 //! bad upstream, answered 502 to the client.
 
-use super::lines::{LineError, Lines};
+use super::lines::{LineError, Lines, StatusLine};
 use super::{has_token, parse_content_length, BodyFraming, HeaderPos};
 use super::{Name, CHUNKED, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 
@@ -48,23 +48,7 @@ pub(crate) fn parse_response_head(
     request_was_head: bool,
     head: &mut ResponseHead,
 ) -> Result<bool, ResponseError> {
-    let lines = Lines::new(buf);
-    let parsed = match lines.status_line() {
-        Ok(Some(line)) => {
-            head.headers.clear();
-            // A provider's answer has two dozen fields: one allocation for them (a head is new
-            // for each answer), not a doubling every few.
-            if head.headers.capacity() == 0 {
-                head.headers.reserve(32);
-            }
-            lines
-                .fields(line.fields_at, MAX_RESPONSE_HEADERS, &mut head.headers)
-                .map(|len| len.map(|len| (line, len)))
-        }
-        Ok(None) => Ok(None),
-        Err(e) => Err(e),
-    };
-    let (line, head_len) = match parsed {
+    let (line, head_len) = match read_lines(buf, &mut head.headers) {
         Ok(Some(done)) => done,
         Ok(None) => {
             if buf.len() > MAX_RESPONSE_HEAD_BYTES {
@@ -134,6 +118,26 @@ pub(crate) fn parse_response_head(
         head.keep_alive = false;
     }
     Ok(true)
+}
+
+/// The status line, and the fields into `fields`, with the head's length; `None` while the
+/// blank line has not arrived.
+fn read_lines(
+    buf: &[u8],
+    fields: &mut Vec<HeaderPos>,
+) -> Result<Option<(StatusLine, usize)>, LineError> {
+    let lines = Lines::new(buf);
+    let Some(line) = lines.status_line()? else {
+        return Ok(None);
+    };
+    fields.clear();
+    // A provider's answer has two dozen fields: one allocation for them (a head is new for each
+    // answer), not a doubling every few.
+    if fields.capacity() == 0 {
+        fields.reserve(32);
+    }
+    let len = lines.fields(line.fields_at, MAX_RESPONSE_HEADERS, fields)?;
+    Ok(len.map(|len| (line, len)))
 }
 
 #[cfg(test)]
