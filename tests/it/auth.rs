@@ -155,6 +155,58 @@ fn unknown_disabled_and_expired_keys_get_the_same_401() {
     assert_eq!(mock.stat("requests"), 0, "nothing was forwarded");
 }
 
+/// One kept-alive connection presenting different keys in turn (as a proxy in front pooling
+/// its connections does): each request is its own key's, though a connection remembers the
+/// digest of the key it presented last.
+#[test]
+fn keys_taking_turns_on_one_connection_are_each_their_own() {
+    let mock = Mock::start(&[]);
+    let gw = gateway(&mock);
+    let mut c = gw.conn();
+    let mut chat = |key: &str, model: &str| {
+        c.send(
+            &Req::post("/v1/chat/completions", &chat_body(model))
+                .header("authorization", &format!("Bearer {key}"))
+                .build(),
+        );
+        c.read_response()
+    };
+    for round in 0..2 {
+        // Alice may use gpt-4o from here; bob only from 10/8, so not from loopback.
+        let r = chat(ALICE, "gpt-4o");
+        assert_eq!(r.status, 200, "round {round}, alice: {}", r.dump());
+        let r = chat(BOB, "gpt-4o");
+        assert_eq!(r.status, 403, "round {round}, bob: {}", r.dump());
+        assert_eq!(error_code(&r), "source_not_allowed");
+        // Alice again, and her own block list: bob's turn left nothing of his behind.
+        let r = chat(ALICE, "mock-secret");
+        assert_eq!(r.status, 403, "round {round}: {}", r.dump());
+        assert_eq!(error_code(&r), "model_not_allowed");
+    }
+    // A key as long as the last one (bob's) but not it, and a key one byte short of the last
+    // one (alice's), are nobody's. A refused key closes its connection: one each.
+    assert_eq!(OLD.len(), BOB.len());
+    assert_eq!(chat(BOB, "gpt-4o").status, 403);
+    let r = chat(OLD, "gpt-4o");
+    assert_eq!(r.status, 401, "{}", r.dump());
+    assert_eq!(error_code(&r), "invalid_api_key");
+    let mut c = gw.conn();
+    for (key, status) in [(ALICE, 200), (&ALICE[..ALICE.len() - 1], 401)] {
+        c.send(
+            &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+                .header("authorization", &format!("Bearer {key}"))
+                .build(),
+        );
+        let r = c.read_response();
+        assert_eq!(r.status, status, "{key}: {}", r.dump());
+    }
+    assert_eq!(
+        mock.stat("requests"),
+        3,
+        "only alice's gpt-4o requests went upstream"
+    );
+}
+
 #[test]
 fn model_lists_decide_403_and_block_wins() {
     let mock = Mock::start(&[]);

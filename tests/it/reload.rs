@@ -234,6 +234,33 @@ fn limiter_spend_survives_a_reload_that_reorders_policies_and_keys() {
     assert_eq!(chat_as(&gw, BOB, "gpt-4o").status, 200);
 }
 
+/// A key the reload turns off is refused on a connection that has already used it: the
+/// connection remembers the key's digest, never the decision.
+#[test]
+fn a_key_turned_off_by_a_reload_is_refused_on_a_connection_it_used() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&base(&mock).raw(&key_toml("alice", ALICE)));
+    let mut c = gw.conn();
+    let mut chat = || {
+        c.send(
+            &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+                .header("Authorization", &format!("Bearer {ALICE}"))
+                .build(),
+        );
+        c.read_response()
+    };
+    for i in 0..2 {
+        let r = chat();
+        assert_eq!(r.status, 200, "request {i}: {}", r.dump());
+    }
+    gw.rewrite_config(&base(&mock).raw(&format!("{}enabled = false\n", key_toml("alice", ALICE))));
+    let r = gw.admin_reload(Some(TOKEN));
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let r = chat();
+    assert_eq!(r.status, 401, "{}", r.dump());
+    assert_eq!(mock.stat("requests"), 2);
+}
+
 #[test]
 fn a_reload_can_turn_the_access_log_on() {
     let mock = Mock::start(&[]);

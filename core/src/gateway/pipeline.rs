@@ -40,8 +40,9 @@ pub(crate) struct Authenticated<'s> {
 pub(crate) fn authenticate_head<'s>(
     core: PerCore<'s>,
     request: &Request<'_>,
+    memo: &mut auth::KeyDigestMemo,
 ) -> Result<Authenticated<'s>, GatewayError> {
-    let error = match auth::authenticate(&core.snapshot.limits, request) {
+    let error = match auth::authenticate(&core.snapshot.limits, request, Some(memo)) {
         Ok(principal) => return Ok(Authenticated { principal }),
         Err(e) => e,
     };
@@ -806,7 +807,7 @@ mod tests {
             body: &[],
             ..request
         };
-        let decided = match authenticate_head(per_core, &head_only) {
+        let decided = match authenticate_head(per_core, &head_only, &mut Default::default()) {
             Ok(authenticated) => {
                 caller.principal = authenticated.principal;
                 Ok(())
@@ -1098,7 +1099,7 @@ mod tests {
         request.peer = Some(([192, 168, 1, 1], 40_000).into());
         let mut inspection = Inspection::default();
         let mut caller = Caller {
-            principal: authenticate_head(core.per_core(), &request)
+            principal: authenticate_head(core.per_core(), &request, &mut Default::default())
                 .unwrap()
                 .principal,
             ..Caller::default()

@@ -22,6 +22,7 @@ use std::time::Duration;
 use monoio::net::TcpStream;
 
 use crate::config::Timeouts;
+use crate::gateway::auth::KeyDigestMemo;
 use crate::gateway::context::{ClientSocket, Request};
 use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::gateway::pipeline;
@@ -49,6 +50,8 @@ struct ConnState {
     head: RequestHead,
     inspection: Inspection,
     chunked_body: Vec<u8>,
+    /// The key this connection presented last and its digest.
+    key_memo: KeyDigestMemo,
 }
 
 /// Serve one client connection until it ends.
@@ -261,6 +264,7 @@ async fn serve_request(
         head,
         inspection,
         chunked_body,
+        key_memo,
     } = state;
 
     match read_head(client, rbuf, head, limits, timeouts.header_read).await {
@@ -292,6 +296,7 @@ async fn serve_request(
         chunked_body,
         inspection,
         *peer,
+        key_memo,
     )
     .await
     else {
@@ -323,6 +328,7 @@ async fn read_body_and_dispatch(
     chunked_body: &mut Vec<u8>,
     inspection: &mut Inspection,
     peer: Option<std::net::SocketAddr>,
+    key_memo: &mut KeyDigestMemo,
 ) -> Option<usize> {
     let snapshot = &generation.snapshot;
     let server = &snapshot.server;
@@ -360,7 +366,7 @@ async fn read_body_and_dispatch(
             Err(e)
         }
         None if proxied => {
-            pipeline::authenticate_head(worker.per_core(generation), &head_only).map(Some)
+            pipeline::authenticate_head(worker.per_core(generation), &head_only, key_memo).map(Some)
         }
         None => Ok(None),
     };
@@ -477,7 +483,8 @@ async fn dispatch(
         }
         b"/v1/models" => match head.method {
             Method::Get | Method::Head => {
-                crate::gateway::auth::authenticate(&generation.snapshot.limits, request)
+                // Not memoized: a listing is rare, and its connection's memo is not at hand.
+                crate::gateway::auth::authenticate(&generation.snapshot.limits, request, None)
             }
             _ => Err(GatewayError::method_not_allowed(
                 "/v1/models only accepts GET",
