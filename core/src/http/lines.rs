@@ -80,11 +80,28 @@ pub(crate) struct StatusLine {
 /// A head's bytes (and maybe what follows them: a body already read).
 pub(crate) struct Lines<'a> {
     buf: &'a [u8],
+    /// Refuse a line that ends in a lone LF ([`LineError::NewLine`]): a request head that has
+    /// not been through the line-ending scan is read this way, and is then checked by it.
+    crlf_only: bool,
 }
 
 impl<'a> Lines<'a> {
     pub(crate) fn new(buf: &'a [u8]) -> Lines<'a> {
-        Lines { buf }
+        Lines {
+            buf,
+            crlf_only: false,
+        }
+    }
+
+    /// Lines that end in CR LF only, and no empty line before the request line: a lone LF
+    /// ending a line (or making the blank line), or a request line not at the start, is
+    /// refused ([`LineError::NewLine`]). With a CR refused anywhere but before an LF, as it
+    /// always is here, every CR and LF of a head read so is part of a CR LF.
+    pub(crate) fn crlf_only(buf: &'a [u8]) -> Lines<'a> {
+        Lines {
+            buf,
+            crlf_only: true,
+        }
     }
 
     /// The request line, after any empty lines. `None`: its LF has not arrived.
@@ -93,9 +110,15 @@ impl<'a> Lines<'a> {
         let Some(start) = skip_empty_lines(buf)? else {
             return Ok(None);
         };
+        if self.crlf_only && start != 0 {
+            return Err(LineError::NewLine);
+        }
         let Some((end, next)) = line_at(buf, start) else {
             return Ok(None);
         };
+        if self.crlf_only && next - end != 2 {
+            return Err(LineError::NewLine);
+        }
         let line = &buf[start..end];
         // The method: a token, then one SP.
         let method_len = match line {
@@ -195,6 +218,7 @@ impl<'a> Lines<'a> {
         loop {
             match buf.get(at) {
                 None => return Ok(None),
+                Some(b'\n') if self.crlf_only => return Err(LineError::NewLine),
                 Some(b'\n') => return Ok(Some(at + 1)),
                 Some(b'\r') => {
                     return match buf.get(at + 1) {
@@ -216,6 +240,7 @@ impl<'a> Lines<'a> {
                 return Ok(None);
             };
             let (end, next) = match buf.get(stop..stop + 2) {
+                _ if buf[stop] == b'\n' && self.crlf_only => return Err(LineError::NewLine),
                 _ if buf[stop] == b'\n' => (stop, stop + 1),
                 Some(b"\r\n") => (stop, stop + 2),
                 // A CR with its LF still to come.

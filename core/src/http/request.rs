@@ -9,7 +9,7 @@
 //! too long), 431 (head too large, too many fields) and 417 (an `Expect` other than
 //! `100-continue`). Every one of these closes the connection.
 
-use super::lines::{LineError, Lines};
+use super::lines::{LineError, Lines, RequestLine};
 use super::{has_token, parse_content_length, trim_ows, BodyFraming, HeaderPos};
 use super::{HttpError, HttpLimits};
 use super::{Name, CHUNKED, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
@@ -94,40 +94,47 @@ pub(crate) fn parse_request_head(
     limits: &HttpLimits,
     head: &mut RequestHead,
 ) -> Result<HeadStatus, HttpError> {
-    let Some(head_len) = scan_line_endings(buf, scan)? else {
-        match scan.request_line_end {
-            None if buf.len() > limits.max_request_line_bytes => {
-                return Err(HttpError::limit(414, "request line too long"))
-            }
-            _ if buf.len() > limits.max_header_bytes => {
-                return Err(HttpError::limit(431, "request header fields too large"))
-            }
-            _ => return Ok(HeadStatus::Partial),
-        }
+    parse_head(buf, scan, limits, head, true)
+}
+
+/// [`parse_request_head`]; `read_whole: false` takes the scan's way for every head (the
+/// tests hold the two ways to the same answers).
+fn parse_head(
+    buf: &[u8],
+    scan: &mut HeadScan,
+    limits: &HttpLimits,
+    head: &mut RequestHead,
+    read_whole: bool,
+) -> Result<HeadStatus, HttpError> {
+    // A head that is whole the first time it is looked at (nearly every request's, in one
+    // read) is read once, its line endings checked by the reader as it goes. Any other —
+    // partial, or with something the reader in that mode refuses — is scanned for its line
+    // endings first: the scan keeps a trickled head at linear cost, and it and the checks that
+    // follow it word every refusal. Both ways give a head the same reading.
+    let whole = match scan.scanned {
+        0 if read_whole => read_whole_head(buf, head),
+        _ => None,
     };
+    let (line, head_len) = match whole {
+        Some((line, head_len)) => {
+            scan.request_line_end = Some(line.fields_at - 2);
+            scan.scanned = head_len;
+            (line, head_len)
+        }
+        None => match scan_and_read_head(buf, scan, limits, head)? {
+            Some(read) => read,
+            None => return Ok(HeadStatus::Partial),
+        },
+    };
+    // Checked before the fields are read on the scan's way (its errors come first there);
+    // again here for a head read whole.
     if scan.request_line_end.unwrap_or(0) > limits.max_request_line_bytes {
         return Err(HttpError::limit(414, "request line too long"));
     }
     if head_len > limits.max_header_bytes {
         return Err(HttpError::limit(431, "request header fields too large"));
     }
-
-    // The head and up to sixteen bytes after it, where the buffer has them: the last lines are
-    // then read with whole sixteen-byte loads too. The blank line ends the reading either way.
-    let lines = Lines::new(&buf[..buf.len().min(head_len + 16)]);
-    let line = match lines.request_line() {
-        Ok(Some(line)) => line,
-        // Only empty lines before the blank one.
-        Ok(None) => return Err(HttpError::malformed("malformed request head")),
-        Err(e) => return Err(malformed_head(e)),
-    };
     let minor = line.minor_version;
-    head.headers.clear();
-    match lines.fields(line.fields_at, MAX_HEADERS_CEILING, &mut head.headers) {
-        Ok(Some(n)) if n == head_len => {}
-        Ok(_) => return Err(HttpError::malformed("malformed request head")),
-        Err(e) => return Err(malformed_head(e)),
-    }
     if head.headers.len() > limits.max_headers {
         return Err(HttpError::limit(431, "too many header fields"));
     }
@@ -220,6 +227,63 @@ pub(crate) fn parse_request_head(
         }
     }
     Ok(HeadStatus::Complete)
+}
+
+/// The head at the start of `buf`, read in one pass by the line reader allowing CR LF line
+/// endings only: its request line and length, its fields in `head.headers`. `None` when it is
+/// not all there or the reader refuses it (the scan's way then reads it, and words why).
+fn read_whole_head(buf: &[u8], head: &mut RequestHead) -> Option<(RequestLine, usize)> {
+    let lines = Lines::crlf_only(buf);
+    let line = lines.request_line().ok()??;
+    head.headers.clear();
+    let head_len = lines
+        .fields(line.fields_at, MAX_HEADERS_CEILING, &mut head.headers)
+        .ok()??;
+    Some((line, head_len))
+}
+
+/// The head at the start of `buf` the careful way: its line endings scanned from where
+/// `scan` stopped, its size checked against `limits`, then its lines read. `None` while it is
+/// not all there.
+fn scan_and_read_head(
+    buf: &[u8],
+    scan: &mut HeadScan,
+    limits: &HttpLimits,
+    head: &mut RequestHead,
+) -> Result<Option<(RequestLine, usize)>, HttpError> {
+    let Some(head_len) = scan_line_endings(buf, scan)? else {
+        return match scan.request_line_end {
+            None if buf.len() > limits.max_request_line_bytes => {
+                Err(HttpError::limit(414, "request line too long"))
+            }
+            _ if buf.len() > limits.max_header_bytes => {
+                Err(HttpError::limit(431, "request header fields too large"))
+            }
+            _ => Ok(None),
+        };
+    };
+    if scan.request_line_end.unwrap_or(0) > limits.max_request_line_bytes {
+        return Err(HttpError::limit(414, "request line too long"));
+    }
+    if head_len > limits.max_header_bytes {
+        return Err(HttpError::limit(431, "request header fields too large"));
+    }
+    // The head and up to sixteen bytes after it, where the buffer has them: the last lines are
+    // then read with whole sixteen-byte loads too. The blank line ends the reading either way.
+    let lines = Lines::new(&buf[..buf.len().min(head_len + 16)]);
+    let line = match lines.request_line() {
+        Ok(Some(line)) => line,
+        // Only empty lines before the blank one.
+        Ok(None) => return Err(HttpError::malformed("malformed request head")),
+        Err(e) => return Err(malformed_head(e)),
+    };
+    head.headers.clear();
+    match lines.fields(line.fields_at, MAX_HEADERS_CEILING, &mut head.headers) {
+        Ok(Some(n)) if n == head_len => {}
+        Ok(_) => return Err(HttpError::malformed("malformed request head")),
+        Err(e) => return Err(malformed_head(e)),
+    }
+    Ok(Some((line, head_len)))
 }
 
 /// A head the line reader refused: 400 (431 past the ceiling on fields).
@@ -437,6 +501,110 @@ mod tests {
         }
         // Both ways of ending were exercised, not only refusals.
         assert!(heads_ended > 5_000, "{heads_ended}");
+    }
+
+    /// Read whole at first sight or scanned first, a head gets the same answer: the same
+    /// refusal (status and words) or the same reading, whole or arriving in pieces.
+    #[test]
+    fn a_head_read_whole_is_read_as_the_scan_reads_it() {
+        let mut state = 0x6a09_e667_f3bc_c908u64;
+        let mut next = move |below: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % below as u64) as usize
+        };
+        // The test limits' longest request line is 64 bytes: one of 64, one of 65.
+        const STARTS: [&[u8]; 8] = [
+            b"POST /v1/xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx HTTP/1.1",
+            b"POST /v1/xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx HTTP/1.1",
+            b"POST /v1/chat/completions HTTP/1.1",
+            b"GET /v1/models?limit=2 HTTP/1.1",
+            b"POST /v1/embeddings HTTP/1.0",
+            b"HEAD / HTTP/1.1",
+            b"POST /a-request-line-longer-than-sixty-four-bytes/v1/chat/completions HTTP/1.1",
+            b"GET /\xc3\xa9 HTTP/1.1",
+        ];
+        const FIELDS: [&[u8]; 12] = [
+            b"Host: 127.0.0.1:8080",
+            b"Content-Length: 12",
+            b"content-length: 12",
+            b"Content-Length: 2000",
+            b"Transfer-Encoding: chunked",
+            b"Connection: close",
+            b"Connection: keep-alive",
+            b"Expect: 100-continue",
+            b"Authorization: Bearer sk-0123456789abcdef",
+            b"x-stainless-package-version: 1.54.4",
+            b"X-Empty:",
+            b"user-agent: OpenAI/Python 1.54.4",
+        ];
+        const NOISE: [u8; 10] = [b'\r', b'\n', b' ', b'\t', b':', 0, 0x7f, 0x80, b'a', b'1'];
+        let roomy = HttpLimits {
+            max_request_line_bytes: 8192,
+            max_header_bytes: 65536,
+            max_headers: 100,
+            max_body_bytes: 1 << 20,
+        };
+        let answer = |buf: &[u8], scan: &mut HeadScan, limits: &HttpLimits, whole: bool| {
+            let mut head = RequestHead::default();
+            // What a refused head's parse left behind is never read.
+            match parse_head(buf, scan, limits, &mut head, whole) {
+                Ok(HeadStatus::Complete) => format!("Ok(Complete) {head:?}"),
+                status => format!("{status:?}"),
+            }
+        };
+        let mut read_whole = 0;
+        for round in 0..40_000 {
+            let mut head = Vec::new();
+            if next(16) == 0 {
+                head.extend_from_slice(b"\r\n");
+            }
+            head.extend_from_slice(STARTS[next(STARTS.len())]);
+            head.extend_from_slice(b"\r\n");
+            if next(8) != 0 {
+                head.extend_from_slice(b"Host: sluice\r\n");
+            }
+            for _ in 0..next(8) {
+                head.extend_from_slice(FIELDS[next(FIELDS.len())]);
+                head.extend_from_slice(b"\r\n");
+            }
+            head.extend_from_slice(b"\r\n");
+            if round % 2 == 1 {
+                for _ in 0..1 + next(3) {
+                    let at = next(head.len());
+                    if next(4) == 0 {
+                        head.remove(at);
+                    } else {
+                        head[at] = NOISE[next(NOISE.len())];
+                    }
+                }
+            }
+            if next(2) == 0 {
+                head.extend_from_slice(b"{\"model\":\"x\"}\r\n");
+            }
+            let limits = if next(4) == 0 { limits() } else { roomy };
+            let shown = String::from_utf8_lossy(&head);
+            // Whole, at first sight.
+            let want = answer(&head, &mut HeadScan::default(), &limits, false);
+            let got = answer(&head, &mut HeadScan::default(), &limits, true);
+            assert_eq!(got, want, "{shown:?}");
+            read_whole += usize::from(got.starts_with("Ok(Complete)"));
+            // In pieces, each look resuming where the last stopped.
+            let (mut scanned, mut whole) = (HeadScan::default(), HeadScan::default());
+            let mut end = 0;
+            while end < head.len() {
+                end = (end + 1 + next(40)).min(head.len());
+                let want = answer(&head[..end], &mut scanned, &limits, false);
+                let got = answer(&head[..end], &mut whole, &limits, true);
+                assert_eq!(got, want, "{shown:?} up to {end}");
+                if !want.starts_with("Ok(Partial)") {
+                    break;
+                }
+            }
+        }
+        // Heads read to the end both ways, not only refusals.
+        assert!(read_whole > 10_000, "{read_whole}");
     }
 
     #[test]
