@@ -42,6 +42,9 @@ fn benches(c: &mut Criterion) {
     g.bench_function("estimate_1kb", |b| b.iter(|| black_box(f.estimate())));
     g.finish();
 
+    c.bench_function("meter/usage_of_a_small_answer", |b| {
+        b.iter(|| black_box(f.meter_answer()))
+    });
     c.bench_function("limiter/admit_settle_3_policies_and_quota", |b| {
         b.iter(|| black_box(f.admit_settle()))
     });
