@@ -1,8 +1,9 @@
 //! The lines of an HTTP/1.x head — request line, status line, field lines — read sixteen
 //! bytes at a time.
 //!
-//! Runs inside [`request`](super::request) once a request head's line endings are checked, and
-//! inside [`response`](super::response) on an upstream answer's bytes so far. Takes the head's
+//! Runs inside [`request`](super::request) on a request head that came whole (its line endings
+//! checked as it reads, [`Lines::crlf_only`]) or once the line-ending scan has checked them,
+//! and inside [`response`](super::response) on an upstream answer's bytes so far. Takes the head's
 //! bytes; returns the start line's parts and each field as a [`HeaderPos`], `None` while the
 //! blank line that ends the head has not arrived, or a [`LineError`] naming what is malformed.
 //!
@@ -77,46 +78,44 @@ pub(crate) struct StatusLine {
     pub(crate) fields_at: usize,
 }
 
-/// A head's bytes (and maybe what follows them: a body already read).
-pub(crate) struct Lines<'a> {
+/// A head's bytes (and maybe what follows them: a body already read). `CRLF_ONLY`: refuse a
+/// line that ends in a lone LF ([`Lines::crlf_only`]); a parameter of the type, not a field, so
+/// that the answers' reader carries no test of it.
+pub(crate) struct Lines<'a, const CRLF_ONLY: bool = false> {
     buf: &'a [u8],
-    /// Refuse a line that ends in a lone LF ([`LineError::NewLine`]): a request head that has
-    /// not been through the line-ending scan is read this way, and is then checked by it.
-    crlf_only: bool,
 }
 
 impl<'a> Lines<'a> {
     pub(crate) fn new(buf: &'a [u8]) -> Lines<'a> {
-        Lines {
-            buf,
-            crlf_only: false,
-        }
+        Lines { buf }
     }
+}
 
+impl<'a> Lines<'a, true> {
     /// Lines that end in CR LF only, and no empty line before the request line: a lone LF
     /// ending a line (or making the blank line), or a request line not at the start, is
     /// refused ([`LineError::NewLine`]). With a CR refused anywhere but before an LF, as it
-    /// always is here, every CR and LF of a head read so is part of a CR LF.
-    pub(crate) fn crlf_only(buf: &'a [u8]) -> Lines<'a> {
-        Lines {
-            buf,
-            crlf_only: true,
-        }
+    /// always is here, every CR and LF of a head read so is part of a CR LF: a request head
+    /// that has not been through the line-ending scan is read this way.
+    pub(crate) fn crlf_only(buf: &'a [u8]) -> Lines<'a, true> {
+        Lines { buf }
     }
+}
 
+impl<const CRLF_ONLY: bool> Lines<'_, CRLF_ONLY> {
     /// The request line, after any empty lines. `None`: its LF has not arrived.
     pub(crate) fn request_line(&self) -> Result<Option<RequestLine>, LineError> {
         let buf = self.buf;
         let Some(start) = skip_empty_lines(buf)? else {
             return Ok(None);
         };
-        if self.crlf_only && start != 0 {
+        if CRLF_ONLY && start != 0 {
             return Err(LineError::NewLine);
         }
         let Some((end, next)) = line_at(buf, start) else {
             return Ok(None);
         };
-        if self.crlf_only && next - end != 2 {
+        if CRLF_ONLY && next - end != 2 {
             return Err(LineError::NewLine);
         }
         let line = &buf[start..end];
@@ -218,7 +217,7 @@ impl<'a> Lines<'a> {
         loop {
             match buf.get(at) {
                 None => return Ok(None),
-                Some(b'\n') if self.crlf_only => return Err(LineError::NewLine),
+                Some(b'\n') if CRLF_ONLY => return Err(LineError::NewLine),
                 Some(b'\n') => return Ok(Some(at + 1)),
                 Some(b'\r') => {
                     return match buf.get(at + 1) {
@@ -240,7 +239,7 @@ impl<'a> Lines<'a> {
                 return Ok(None);
             };
             let (end, next) = match buf.get(stop..stop + 2) {
-                _ if buf[stop] == b'\n' && self.crlf_only => return Err(LineError::NewLine),
+                _ if CRLF_ONLY && buf[stop] == b'\n' => return Err(LineError::NewLine),
                 _ if buf[stop] == b'\n' => (stop, stop + 1),
                 Some(b"\r\n") => (stop, stop + 2),
                 // A CR with its LF still to come.
