@@ -671,13 +671,7 @@ mod tests {
     /// every refusal must be httparse's, and an accepted head's parts the same.
     #[test]
     fn heads_are_read_as_httparse_reads_them() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move |below: usize| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % below as u64) as usize
-        };
+        let mut next = crate::http::testing::numbers(0x2545_f491_4f6c_dd1d);
         const STARTS: [&[u8]; 12] = [
             b"GET / HTTP/1.1",
             b"POST /v1/chat/completions HTTP/1.1",
@@ -740,17 +734,7 @@ mod tests {
             head.extend_from_slice(eol);
             // Most heads stay whole; the rest get up to three bytes changed or dropped.
             if round % 2 == 1 {
-                for _ in 0..1 + next(3) {
-                    if head.is_empty() {
-                        break;
-                    }
-                    let at = next(head.len());
-                    if next(4) == 0 {
-                        head.remove(at);
-                    } else {
-                        head[at] = NOISE[next(NOISE.len())];
-                    }
-                }
+                crate::http::testing::damage(&mut head, &mut next, &NOISE);
             }
             if next(4) == 0 {
                 head.extend_from_slice(b"trailing body bytes");

@@ -11,6 +11,8 @@ pub(crate) mod chunked;
 mod lines;
 pub(crate) mod request;
 pub(crate) mod response;
+#[cfg(test)]
+mod testing;
 
 /// The reason phrase of a status Sluice answers with (or relays without one of its own).
 pub(crate) fn reason(status: u16) -> &'static str {

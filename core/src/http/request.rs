@@ -446,13 +446,7 @@ mod tests {
 
     #[test]
     fn the_block_scan_finds_what_a_stop_by_stop_scan_finds() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move |below: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % below
-        };
+        let mut next = crate::http::testing::numbers(0x9e37_79b9_7f4a_7c15);
         let mut heads_ended = 0;
         for _ in 0..20_000 {
             // Lines of text ending CRLF, a blank line after them, then a few bytes turned into
@@ -467,14 +461,14 @@ mod tests {
             }
             head.extend_from_slice(b"\r\n");
             for _ in 0..next(3) {
-                let at = next(head.len() as u64) as usize;
-                head[at] = [b'\r', b'\n', b'x'][next(3) as usize];
+                let at = next(head.len());
+                head[at] = [b'\r', b'\n', b'x'][next(3)];
             }
             // Fed as it might arrive: growing prefixes, each scan resuming where it stopped.
             let (mut blocks, mut stops) = (HeadScan::default(), HeadScan::default());
             let mut end = 0;
             while end < head.len() {
-                end = (end + 1 + next(24) as usize).min(head.len());
+                end = (end + 1 + next(24)).min(head.len());
                 let got = scan_line_endings(&head[..end], &mut blocks);
                 let want = scan_line_endings_by_memchr2(&head[..end], &mut stops);
                 assert_eq!(
@@ -507,13 +501,7 @@ mod tests {
     /// refusal (status and words) or the same reading, whole or arriving in pieces.
     #[test]
     fn a_head_read_whole_is_read_as_the_scan_reads_it() {
-        let mut state = 0x6a09_e667_f3bc_c908u64;
-        let mut next = move |below: usize| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % below as u64) as usize
-        };
+        let mut next = crate::http::testing::numbers(0x6a09_e667_f3bc_c908);
         // The test limits' longest request line is 64 bytes: one of 64, one of 65.
         const STARTS: [&[u8]; 8] = [
             b"POST /v1/xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx HTTP/1.1",
@@ -571,14 +559,7 @@ mod tests {
             }
             head.extend_from_slice(b"\r\n");
             if round % 2 == 1 {
-                for _ in 0..1 + next(3) {
-                    let at = next(head.len());
-                    if next(4) == 0 {
-                        head.remove(at);
-                    } else {
-                        head[at] = NOISE[next(NOISE.len())];
-                    }
-                }
+                crate::http::testing::damage(&mut head, &mut next, &NOISE);
             }
             if next(2) == 0 {
                 head.extend_from_slice(b"{\"model\":\"x\"}\r\n");
