@@ -21,7 +21,7 @@ ir() { # path iterations -> total instructions
 }
 echo "| hot path | instructions / operation |"
 echo "| --- | --- |"
-for path in ${PATHS:-inspect inspect_64k meter_64k meter_answer sse estimate admit route pipeline request_head response_head}; do
+for path in ${PATHS:-inspect inspect_64k meter_64k meter_answer encode_record sse estimate admit route pipeline request_head response_head}; do
   a=$(ir "$path" $((N / 2)))
   b=$(ir "$path" "$N")
   echo "| $path | $(( (b - a) / (N / 2) )) |"

@@ -45,6 +45,9 @@ fn benches(c: &mut Criterion) {
     c.bench_function("meter/usage_of_a_small_answer", |b| {
         b.iter(|| black_box(f.meter_answer()))
     });
+    c.bench_function("accesslog/encode_a_record", |b| {
+        b.iter(|| black_box(f.encode_record()))
+    });
     c.bench_function("limiter/admit_settle_3_policies_and_quota", |b| {
         b.iter(|| black_box(f.admit_settle()))
     });

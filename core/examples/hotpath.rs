@@ -1,6 +1,6 @@
 //! Run one hot path N times (for instruction counts under callgrind; see perf/callgrind.sh).
 //!
-//!   hotpath <inspect|inspect_64k|inspect_64k_plain|meter_64k|meter_answer|sse|estimate|admit|route|pipeline|request_head|response_head|anthropic_request|anthropic_response|anthropic_stream> <iterations>
+//!   hotpath <inspect|inspect_64k|inspect_64k_plain|meter_64k|meter_answer|encode_record|sse|estimate|admit|route|pipeline|request_head|response_head|anthropic_request|anthropic_response|anthropic_stream> <iterations>
 //!
 //! The fixture is the criterion benchmarks' (`core/benches/fixture/mod.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -13,7 +13,7 @@ fn main() {
         args.first(),
         args.get(1).and_then(|n| n.parse::<u64>().ok()),
     ) else {
-        eprintln!("usage: hotpath <inspect|inspect_64k|inspect_64k_plain|meter_64k|meter_answer|sse|estimate|admit|route|pipeline|request_head|response_head|anthropic_request|anthropic_response|anthropic_stream> <iterations>");
+        eprintln!("usage: hotpath <inspect|inspect_64k|inspect_64k_plain|meter_64k|meter_answer|encode_record|sse|estimate|admit|route|pipeline|request_head|response_head|anthropic_request|anthropic_response|anthropic_stream> <iterations>");
         std::process::exit(2);
     };
     let mut f = sluice::hotpath::Fixture::new();
@@ -25,6 +25,7 @@ fn main() {
             "inspect_64k_plain" => f.inspect_64k_plain() as u64,
             "meter_64k" => f.meter_64k(),
             "meter_answer" => f.meter_answer(),
+            "encode_record" => f.encode_record() as u64,
             "sse" => f.split_sse() as u64,
             "estimate" => f.estimate(),
             "admit" => u64::from(f.admit_settle()),
