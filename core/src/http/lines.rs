@@ -590,8 +590,29 @@ mod tests {
         assert_eq!(line.reason.0, line.reason.1);
     }
 
-    /// What httparse makes of a request head: its parts, or that it refuses it.
-    type Parsed = Option<(Vec<u8>, Vec<u8>, u8, Vec<(Vec<u8>, Vec<u8>)>, usize)>;
+    /// What a reader makes of a head: its start line's three parts, its fields, its length; or
+    /// that it refuses it (or waits for more).
+    type Parsed = Option<(Vec<u8>, Vec<u8>, u8, Fields, usize)>;
+    type Fields = Vec<(Vec<u8>, Vec<u8>)>;
+
+    fn httparse_fields(headers: &[httparse::Header<'_>]) -> Fields {
+        headers
+            .iter()
+            .map(|h| (h.name.as_bytes().to_vec(), h.value.to_vec()))
+            .collect()
+    }
+
+    /// The fields and the length the line reader finds from `at`, with the limit the httparse
+    /// readers below are given.
+    fn our_fields(lines: &Lines<'_>, head: &[u8], at: usize) -> Option<(Fields, usize)> {
+        let mut fields = Vec::new();
+        let n = lines.fields(at, 16, &mut fields).ok()??;
+        let owned = fields
+            .iter()
+            .map(|f| (f.name(head).to_vec(), f.value(head).to_vec()))
+            .collect();
+        Some((owned, n))
+    }
 
     fn by_httparse_request(head: &[u8]) -> Parsed {
         let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; 16];
@@ -601,10 +622,7 @@ mod tests {
                 req.method?.as_bytes().to_vec(),
                 req.path?.as_bytes().to_vec(),
                 req.version?,
-                req.headers
-                    .iter()
-                    .map(|h| (h.name.as_bytes().to_vec(), h.value.to_vec()))
-                    .collect(),
+                httparse_fields(req.headers),
                 n,
             )),
             _ => None,
@@ -614,16 +632,12 @@ mod tests {
     fn by_lines_request(head: &[u8]) -> Parsed {
         let lines = Lines::new(head);
         let line = lines.request_line().ok()??;
-        let mut fields = Vec::new();
-        let n = lines.fields(line.fields_at, 16, &mut fields).ok()??;
+        let (fields, n) = our_fields(&lines, head, line.fields_at)?;
         Some((
             head[line.method.0..line.method.1].to_vec(),
             head[line.target.0..line.target.1].to_vec(),
             line.minor_version,
-            fields
-                .iter()
-                .map(|f| (f.name(head).to_vec(), f.value(head).to_vec()))
-                .collect(),
+            fields,
             n,
         ))
     }
@@ -640,10 +654,7 @@ mod tests {
                 resp.code?.to_string().into_bytes(),
                 resp.reason?.as_bytes().to_vec(),
                 resp.version?,
-                resp.headers
-                    .iter()
-                    .map(|h| (h.name.as_bytes().to_vec(), h.value.to_vec()))
-                    .collect(),
+                httparse_fields(resp.headers),
                 n,
             )),
             _ => None,
@@ -653,16 +664,12 @@ mod tests {
     fn by_lines_response(head: &[u8]) -> Parsed {
         let lines = Lines::new(head);
         let line = lines.status_line().ok()??;
-        let mut fields = Vec::new();
-        let n = lines.fields(line.fields_at, 16, &mut fields).ok()??;
+        let (fields, n) = our_fields(&lines, head, line.fields_at)?;
         Some((
             line.code.to_string().into_bytes(),
             head[line.reason.0..line.reason.1].to_vec(),
             line.minor_version,
-            fields
-                .iter()
-                .map(|f| (f.name(head).to_vec(), f.value(head).to_vec()))
-                .collect(),
+            fields,
             n,
         ))
     }
