@@ -15,6 +15,8 @@
 
 use std::net::IpAddr;
 
+use zeroize::Zeroize;
+
 use crate::config::limits::{ApiKey, KeyIdx, LimitsConfig};
 use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError};
@@ -98,11 +100,21 @@ pub(crate) struct Principal<'s> {
 /// needs nothing here. The key is compared in constant time, as a digest is: on a connection
 /// shared by several clients (a proxy in front pooling its connections) a mismatch's timing
 /// says nothing of how much of the last key it matched.
+///
+/// The key's bytes are wiped, not just let go, when another key takes their place and when the
+/// connection ends: freed memory that still held a key could be read back by a later bug (a
+/// buffer read past its end, a core dump).
 #[derive(Default)]
 pub(crate) struct KeyDigestMemo {
     /// The key last presented (empty: none yet, or longer than [`Self::MAX_KEY`]).
     key: Vec<u8>,
     digest: [u8; 32],
+}
+
+impl Drop for KeyDigestMemo {
+    fn drop(&mut self) {
+        self.key.zeroize();
+    }
 }
 
 impl KeyDigestMemo {
@@ -116,7 +128,9 @@ impl KeyDigestMemo {
             return self.digest;
         }
         let presented = digest(key);
-        self.key.clear();
+        // All of the buffer, its spare capacity too (a longer key may have been there), then
+        // emptied.
+        self.key.zeroize();
         if key.len() <= Self::MAX_KEY {
             self.key.extend_from_slice(key);
             self.digest = presented;
@@ -240,6 +254,33 @@ mod tests {
         assert_eq!(memo.digest(&long), digest(&long));
         assert_eq!(memo.digest(b"sk-one"), digest(b"sk-one"));
         assert_eq!(memo.key, b"sk-one");
+    }
+
+    /// The bytes of the key held in the memo's buffer, up to its capacity: what a later reader
+    /// of the memory would find.
+    fn held_bytes(memo: &KeyDigestMemo) -> Vec<u8> {
+        let (ptr, cap) = (memo.key.as_ptr(), memo.key.capacity());
+        // SAFETY: every byte up to the capacity was written, by a key or by the wipe that
+        // preceded it (the test's first key fills the buffer it allocates).
+        (0..cap).map(|i| unsafe { *ptr.add(i) }).collect()
+    }
+
+    #[test]
+    fn a_replaced_key_leaves_nothing_of_itself_in_the_memo() {
+        let mut memo = KeyDigestMemo::default();
+        let first = b"sk-proj-the-first-key-of-forty-bytes-abc";
+        memo.key.reserve_exact(first.len());
+        memo.digest(first);
+        assert_eq!(memo.key.capacity(), first.len());
+        // A shorter key in its place: past its end, zeros, not the first key's tail.
+        memo.digest(b"sk-short");
+        let held = held_bytes(&memo);
+        assert_eq!(&held[..8], b"sk-short");
+        assert!(held[8..].iter().all(|&b| b == 0), "{held:?}");
+        // A key too long to hold: the buffer is emptied and wiped.
+        memo.digest(&[b'k'; KeyDigestMemo::MAX_KEY + 1]);
+        assert!(memo.key.is_empty());
+        assert!(held_bytes(&memo).iter().all(|&b| b == 0));
     }
 
     #[test]
