@@ -17,7 +17,8 @@
 #   - cost rig: sluice-load, mock-llm and the proxy all on core A; closed loop; req/s and the
 #     proxy's CPU µs per request (utime+stime from /proc/PID/stat over the requests mock-llm
 #     served); core B must stay idle;
-#   - latency rig: the proxy alone on core A, sluice-load + mock-llm on core B; nginx's closed-loop
+#   - latency rig: the proxy alone on core A, sluice-load + mock-llm on core B (mock-llm on core C
+#     when CORE_C names a third core); nginx's closed-loop
 #     capacity in this layout, then open loop at LEVELS % of it, p50 / p99 / p99.9; core A must
 #     run nothing but the proxy;
 #   - scenarios: 1 KB chat POST, 64 KB prompt, SSE streams (64 events 20 ms apart) at 1 / 100 /
@@ -36,6 +37,8 @@
 #   SSE_CONCS "1 100 1000" / "1 10"  SSE_TOKENS 64 / 16  SSE_GAP_MS 20 / 10  SSE_DURATION 5 / 1
 #   IDLE_CONNS 10000 / 1000  IDLE_HOLD 3 / 1   SMALL_BYTES 1024  LARGE_BYTES 65536
 #   CORE_A, CORE_B  the two cores (default: the first two this process may run on)
+#   CORE_C        mock-llm's (and redis-server's) core in the latency rig (default: CORE_B); a
+#                 third core leaves core B to the client, whose busy share the report gives
 #   IDLE_MAX_PCT 10  (busier than this, a should-be-idle core flags the run as disturbed)
 #   HEADS=provider   heads of real traffic's size in the cost and latency rigs: openai-python's
 #                    request fields, and mock-llm answering with a provider's (scripts/bench-lib.sh)
@@ -63,7 +66,7 @@ done
 # The exact command, with the settings given in the environment.
 KNOBS="BIN_DIR SLUICE_BIN_DIR OUT MONOLAKE_BIN MONOLAKE_VERSION MONOLAKE_TOOLCHAIN PROXIES SCENARIOS LAT_SCENARIOS ROUNDS DURATION WARMUP CONNS
 LEVELS CAP_RUNS LAT_DURATION LAT_WARMUP LAT_CONNS SSE_CONCS SSE_TOKENS SSE_GAP_MS SSE_DURATION
-SSE_WARMUP IDLE_CONNS IDLE_HOLD SMALL_BYTES LARGE_BYTES CORE_A CORE_B IDLE_MAX_PCT HEADS NO_INSTALL"
+SSE_WARMUP IDLE_CONNS IDLE_HOLD SMALL_BYTES LARGE_BYTES CORE_A CORE_B CORE_C IDLE_MAX_PCT HEADS NO_INSTALL"
 COMMAND=""
 for k in $KNOBS; do
   if [ -n "${!k+x}" ]; then
@@ -223,6 +226,8 @@ case $BIN in */debug) BUILD=debug ;; esac
 read -r FIRST SECOND < <(python3 -c 'import os; c = sorted(os.sched_getaffinity(0)); print(c[0], c[1] if len(c) > 1 else -1)')
 : "${CORE_A:=$FIRST}" "${CORE_B:=$SECOND}"
 [ "$CORE_B" -ge 0 ] && [ "$CORE_A" != "$CORE_B" ] || die "needs two CPUs to pin to (this process may use only core $FIRST)"
+: "${CORE_C:=$CORE_B}"
+[ "$CORE_C" != "$CORE_A" ] || die "CORE_C ($CORE_C) is the proxy's core: the latency rig keeps core A to the proxy"
 
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 NOFILE=$(ulimit -n)
@@ -376,7 +381,7 @@ snapshot() { # target_pid
 # Put mock-llm (and redis) where the rig wants them: with the proxy, or with the client.
 set_rig() { # cost|latency
   local core=$CORE_A
-  [ "$1" = latency ] && core=$CORE_B
+  [ "$1" = latency ] && core=$CORE_C
   taskset -a -p -c "$core" "$MOCK_PID" >/dev/null
   [ -z "$REDIS_PID" ] || taskset -a -p -c "$core" "$REDIS_PID" >/dev/null
 }
@@ -432,7 +437,7 @@ cost_scenario() { # name body_bytes
 
 declare -A CAPACITY=()
 latency_scenario() { # name body_bytes
-  echo "== latency rig, $1 ($2-byte body): proxy on core $CORE_A, client + mock-llm on core $CORE_B"
+  echo "== latency rig, $1 ($2-byte body): proxy on core $CORE_A, client on core $CORE_B, mock-llm on core $CORE_C"
   set_rig latency
   warm "$CORE_B" --connections "$CONNS" --duration "${WARMUP}s" --body-bytes "$2" "${HEAD_ARGS[@]}"
   local caps=() cap rate
@@ -529,7 +534,7 @@ echo "== measured in $((SECONDS - START)) s"
 version_of() { "$@" 2>&1 | head -n 1 || true; }
 for p in $ALL_PROXIES; do [ -n "${NOTES[$p]+x}" ] && export "NOTE_${p//-/_}=${NOTES[$p]}"; done
 capacity_json=$(for k in "${!CAPACITY[@]}"; do printf '"%s":%s,' "$k" "${CAPACITY[$k]}"; done)
-export B_COMMAND=$COMMAND B_QUICK=$QUICK B_BUILD=$BUILD B_CORE_A=$CORE_A B_CORE_B=$CORE_B \
+export B_COMMAND=$COMMAND B_QUICK=$QUICK B_BUILD=$BUILD B_CORE_A=$CORE_A B_CORE_B=$CORE_B B_CORE_C=$CORE_C \
   B_PROXIES=$PROXIES B_ALL=$ALL_PROXIES B_CAPACITY="{${capacity_json%,}}" \
   B_CHARTS_REL=$CHARTS_REL B_RAW_REL=$RAW_REL B_SLUICE=$SLUICE_REV \
   B_NGINX="$(version_of nginx -v | sed 's/^nginx version: //')" \
@@ -556,7 +561,7 @@ meta = {
     "date": __import__("datetime").datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
     "kernel": os.uname().release, "cpu_model": e["B_CPU"] or "unknown CPU",
     "cpus": os.cpu_count(), "mem_gib": mem, "clk_tck": os.sysconf("SC_CLK_TCK"),
-    "core_a": int(e["B_CORE_A"]), "core_b": int(e["B_CORE_B"]),
+    "core_a": int(e["B_CORE_A"]), "core_b": int(e["B_CORE_B"]), "core_c": int(e["B_CORE_C"]),
     "proxies": env_list(e["B_PROXIES"]), "all_proxies": all_proxies, "notes": notes,
     "capacity": json.loads(e["B_CAPACITY"]),
     "charts_rel": e["B_CHARTS_REL"], "raw_rel": e["B_RAW_REL"],

@@ -155,6 +155,11 @@ CLIENT_BUSY_LIMIT = 0.9
 CLIENT_BUSY_TARGET = 0.7
 
 
+def mock_core_apart(meta):
+    """Whether mock-llm had a core of its own in the latency rig (CORE_C), not the client's."""
+    return meta.get("core_c", meta["core_b"]) != meta["core_b"]
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -678,8 +683,11 @@ class Report:
         text = [
             f"### Latency rig: {title}, open loop",
             "",
-            f"The proxy alone on core {m['core_a']}; sluice-load and mock-llm on core "
-            f"{m['core_b']}. nginx's capacity in this layout (closed loop, {m['conns']} "
+            f"The proxy alone on core {m['core_a']}; "
+            + (f"sluice-load and mock-llm on core {m['core_b']}"
+               if not mock_core_apart(m)
+               else f"sluice-load on core {m['core_b']}, mock-llm on core {m['core_c']}")
+            + f". nginx's capacity in this layout (closed loop, {m['conns']} "
             f"connections, median of {len(caps)} run(s)): **{f_int(cap)} req/s**"
             + (f", with nginx's core {cap_busy * 100:.0f}% busy" if cap_busy is not None else "")
             + (" (below ~95%: the client side, not nginx, set the capacity)"
@@ -690,8 +698,11 @@ class Report:
             "Percentiles are medians over rounds; the p99.9 ratio is per round against nginx. "
             "*Served* counts every request mock-llm answered over the run's whole wall time "
             "(warm-up included), so a proxy that can't keep up serves less than offered. "
-            f"*Client core busy*: core {m['core_b']}, where sluice-load, mock-llm (and, for "
-            "sluice-ai, redis-server) run; above "
+            f"*Client core busy*: core {m['core_b']}, where sluice-load"
+            + (", mock-llm (and, for sluice-ai, redis-server) run"
+               if not mock_core_apart(m)
+               else f" runs (mock-llm and redis-server on core {m['core_c']})")
+            + "; above "
             f"{CLIENT_BUSY_LIMIT * 100:.0f}% requests queue on the client side before any proxy "
             "sees them, and the tail says more about that core than about the proxy.",
             "",
@@ -801,8 +812,11 @@ class Report:
         text = [
             f"### SSE streams: {m['sse_tokens']} events {m['sse_gap_ms']} ms apart",
             "",
-            f"Latency layout (proxy on core {m['core_a']}, client and mock-llm on core "
-            f"{m['core_b']}). Each of N connections streams one completion after another "
+            f"Latency layout (proxy on core {m['core_a']}, "
+            + (f"client and mock-llm on core {m['core_b']}"
+               if not mock_core_apart(m)
+               else f"client on core {m['core_b']}, mock-llm on core {m['core_c']}")
+            + "). Each of N connections streams one completion after another "
             "(open loop, scheduled so about N streams are in flight and staggered rather than "
             f"in lockstep), {m['sse_duration']} s per run. TTFT is the time to the first "
             "content event; *added* TTFT is the proxy's p50 (p99) minus direct's in the same "
@@ -928,7 +942,10 @@ class Report:
                                                   "more.**" if m["quick"] else ""),
             "",
             f"**Machine:** {m['cpu_model']}, {m['cpus']} CPU(s) online, {m['mem_gib']:.0f} GiB; "
-            f"kernel {m['kernel']}; cores used: {m['core_a']} (proxy) and {m['core_b']}. "
+            f"kernel {m['kernel']}; cores used: {m['core_a']} (proxy) and {m['core_b']}"
+            + (f", and {m['core_c']} (mock-llm in the latency rig)"
+               if mock_core_apart(m) else "")
+            + ". "
             f"**Date:** {m['date']}. **Sluice:** `{v.get('sluice')}` ({m['build']} build, "
             f"{v.get('rustc')}). **Versions:** {v.get('nginx')}, {v.get('haproxy')}, "
             f"{v.get('monolake') or 'monolake not run'}, {v.get('redis')}.",
