@@ -35,16 +35,7 @@ BIN=target/release
 . scripts/bench-lib.sh
 init_scratch
 
-start_mock
-write_post_lua "$TMP/post.lua" "$BODY_BYTES"
-KEY=sk-cost-wrk-1
-{ cat "$TMP/post.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $KEY\""; } >"$TMP/post-ai.lua"
-
-declare -A PID PORT
-start_pinned_redis "$CORE"
-for proxy in $PROXIES; do start_pinned_proxy "$proxy" "$CORE"; done
-
-lua_of() { case $1 in sluice-ai*) echo "$TMP/post-ai.lua" ;; *) echo "$TMP/post.lua" ;; esac; }
+start_wrk_rig
 
 HZ=$(getconf CLK_TCK)
 echo "machine: $(nproc) CPU(s), $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"

@@ -30,15 +30,7 @@ BIN=target/release
 . scripts/bench-lib.sh
 init_scratch
 
-start_mock
-MOCK_PID=${PIDS[-1]}
-write_post_lua "$TMP/post.lua" "$BODY_BYTES"
-KEY=sk-cost-wrk-1
-{ cat "$TMP/post.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $KEY\""; } >"$TMP/post-ai.lua"
-declare -A PID PORT
-start_pinned_redis "$CORE"
-for proxy in $PROXIES; do start_pinned_proxy "$proxy" "$CORE"; done
-lua_of() { case $1 in sluice-ai*) echo "$TMP/post-ai.lua" ;; *) echo "$TMP/post.lua" ;; esac; }
+start_wrk_rig
 
 # "voluntary involuntary" context switches of a process's threads, and of its children's (nginx's
 # workers).

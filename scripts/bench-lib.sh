@@ -308,6 +308,26 @@ start_pinned_proxy() { # proxy core
   esac
 }
 
+# The cost rig with wrk as the client (perf/cost_wrk.sh, perf/kernel_work.sh): mock-llm, a
+# redis-server and every proxy in PROXIES pinned to CORE, and wrk's request scripts, post.lua
+# (BODY_BYTES chat POSTs, as write_post_lua writes them) and post-ai.lua (the same with
+# sluice-ai's key; see lua_of). Sets MOCK, MOCK_PID, KEY, REDIS_PORT and the PID and PORT arrays.
+start_wrk_rig() {
+  start_mock
+  MOCK_PID=${PIDS[-1]}
+  write_post_lua "$TMP/post.lua" "$BODY_BYTES"
+  KEY=sk-cost-wrk-1
+  { cat "$TMP/post.lua"; echo "wrk.headers[\"Authorization\"] = \"Bearer $KEY\""; } >"$TMP/post-ai.lua"
+  declare -gA PID PORT
+  start_pinned_redis "$CORE"
+  local proxy
+  for proxy in $PROXIES; do start_pinned_proxy "$proxy" "$CORE"; done
+}
+
+# wrk's request script for a proxy of start_wrk_rig: the one with the key for sluice-ai (and
+# sluice-ai-base).
+lua_of() { case $1 in sluice-ai*) echo "$TMP/post-ai.lua" ;; *) echo "$TMP/post.lua" ;; esac; }
+
 # Start redis-server pinned to CORE (nothing persisted) and wait until it answers; sets
 # REDIS_PORT (for sluice-ai's limits) and adds the PID to PIDS.
 start_pinned_redis() { # core
