@@ -45,6 +45,9 @@ switches() {
   echo "$v $i"
 }
 
+# One counter of the run's nstat output (all of them are printed, zeros too).
+count() { awk -v k="$1" '$1 == k {print $2}' "$TMP/nstat.txt"; }
+
 echo "machine: $(nproc) CPU(s), $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"
 echo "core $CORE; $ROUNDS round(s) of ${SECS}s, $CONNS connections, $BODY_BYTES-byte bodies${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}${HEADS:+, $HEADS-sized heads}"
 for proxy in $PROXIES; do
@@ -64,7 +67,6 @@ for round in $(seq "$ROUNDS"); do
     read -r pv1 pi1 < <(switches "${PID[$proxy]}")
     read -r mv1 mi1 < <(switches "$MOCK_PID")
     s1=$(mock_stat requests)
-    count() { awk -v k="$1" '$1 == k {print $2}' "$TMP/nstat.txt"; }
     echo "$proxy $((s1 - s0)) $(count TcpOutSegs) $(count IpExtOutOctets) $(count TcpExtTCPPureAcks) $(count TcpExtDelayedACKs) $((pv1 - pv0)) $((pi1 - pi0)) $((mv1 - mv0)) $((mi1 - mi0))" >>"$TMP/runs.txt"
   done
 done
