@@ -40,17 +40,11 @@ start_wrk_rig
 HZ=$(getconf CLK_TCK)
 echo "machine: $(nproc) CPU(s), $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"
 echo "$(nginx -v 2>&1); $(wrk --version 2>&1 | head -1 | cut -d' ' -f1-2); core $CORE; $ROUNDS round(s) of ${DURATION}s, $CONNS connections, $BODY_BYTES-byte bodies${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}${HEADS:+, $HEADS-sized heads}"
-# Warm every proxy (pools, page tables) before round 1.
-for proxy in $PROXIES; do
-  taskset -c "$CORE" wrk -t1 -c"$CONNS" -d1s -s "$(lua_of "$proxy")" \
-    "http://127.0.0.1:${PORT[$proxy]}/v1/chat/completions" >/dev/null
-done
 : >"$TMP/runs.txt"
 for round in $(seq "$ROUNDS"); do
   for proxy in $PROXIES; do
     t0=$(proc_ticks "${PID[$proxy]}"); s0=$(mock_stat requests)
-    out=$(taskset -c "$CORE" wrk -t1 -c"$CONNS" -d"${DURATION}s" -s "$(lua_of "$proxy")" \
-      "http://127.0.0.1:${PORT[$proxy]}/v1/chat/completions")
+    out=$(wrk_at "$proxy" "$DURATION")
     t1=$(proc_ticks "${PID[$proxy]}"); s1=$(mock_stat requests)
     rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
     bad=$(echo "$out" | awk '/Non-2xx/ {print $NF} /Socket errors/ {print "socket"}' | head -1)

@@ -50,10 +50,6 @@ count() { awk -v k="$1" '$1 == k {print $2}' "$TMP/nstat.txt"; }
 
 echo "machine: $(nproc) CPU(s), $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"
 echo "core $CORE; $ROUNDS round(s) of ${SECS}s, $CONNS connections, $BODY_BYTES-byte bodies${MOCK_ECHO:+, x-mock-echo: $MOCK_ECHO}${HEADS:+, $HEADS-sized heads}"
-for proxy in $PROXIES; do
-  taskset -c "$CORE" wrk -t1 -c"$CONNS" -d1s -s "$(lua_of "$proxy")" \
-    "http://127.0.0.1:${PORT[$proxy]}/v1/chat/completions" >/dev/null
-done
 : >"$TMP/runs.txt"
 for round in $(seq "$ROUNDS"); do
   for proxy in $PROXIES; do
@@ -61,8 +57,7 @@ for round in $(seq "$ROUNDS"); do
     read -r pv0 pi0 < <(switches "${PID[$proxy]}")
     read -r mv0 mi0 < <(switches "$MOCK_PID")
     nstat -n >/dev/null
-    taskset -c "$CORE" wrk -t1 -c"$CONNS" -d"${SECS}s" -s "$(lua_of "$proxy")" \
-      "http://127.0.0.1:${PORT[$proxy]}/v1/chat/completions" >/dev/null
+    wrk_at "$proxy" "$SECS" >/dev/null
     nstat -z >"$TMP/nstat.txt"
     read -r pv1 pi1 < <(switches "${PID[$proxy]}")
     read -r mv1 mi1 < <(switches "$MOCK_PID")

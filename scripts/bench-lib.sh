@@ -311,7 +311,8 @@ start_pinned_proxy() { # proxy core
 # The cost rig with wrk as the client (perf/cost_wrk.sh, perf/kernel_work.sh): mock-llm, a
 # redis-server and every proxy in PROXIES pinned to CORE, and wrk's request scripts, post.lua
 # (BODY_BYTES chat POSTs, as write_post_lua writes them) and post-ai.lua (the same with
-# sluice-ai's key; see lua_of). Sets MOCK, MOCK_PID, KEY, REDIS_PORT and the PID and PORT arrays.
+# sluice-ai's key; see lua_of); then a second of load warms each proxy. Sets MOCK, MOCK_PID, KEY,
+# REDIS_PORT and the PID and PORT arrays.
 start_wrk_rig() {
   start_mock
   MOCK_PID=${PIDS[-1]}
@@ -322,11 +323,20 @@ start_wrk_rig() {
   start_pinned_redis "$CORE"
   local proxy
   for proxy in $PROXIES; do start_pinned_proxy "$proxy" "$CORE"; done
+  # Warm every proxy (pools, page tables) before the first measured run.
+  for proxy in $PROXIES; do wrk_at "$proxy" 1 >/dev/null; done
 }
 
 # wrk's request script for a proxy of start_wrk_rig: the one with the key for sluice-ai (and
 # sluice-ai-base).
 lua_of() { case $1 in sluice-ai*) echo "$TMP/post-ai.lua" ;; *) echo "$TMP/post.lua" ;; esac; }
+
+# One wrk run of the wrk cost rig: one thread on CORE, CONNS connections, for the given seconds,
+# against the proxy's chat endpoint with its request script; prints wrk's report.
+wrk_at() { # proxy seconds
+  taskset -c "$CORE" wrk -t1 -c"$CONNS" -d"$2s" -s "$(lua_of "$1")" \
+    "http://127.0.0.1:${PORT[$1]}/v1/chat/completions"
+}
 
 # Start redis-server pinned to CORE (nothing persisted) and wait until it answers; sets
 # REDIS_PORT (for sluice-ai's limits) and adds the PID to PIDS.
