@@ -119,6 +119,7 @@ fn parse_head(
         Some((line, head_len)) => {
             scan.request_line_end = Some(line.fields_at - 2);
             scan.scanned = head_len;
+            check_head_size(scan, head_len, limits)?;
             (line, head_len)
         }
         None => match scan_and_read_head(buf, scan, limits, head)? {
@@ -126,14 +127,6 @@ fn parse_head(
             None => return Ok(HeadStatus::Partial),
         },
     };
-    // Checked before the fields are read on the scan's way (its errors come first there);
-    // again here for a head read whole.
-    if scan.request_line_end.unwrap_or(0) > limits.max_request_line_bytes {
-        return Err(HttpError::limit(414, "request line too long"));
-    }
-    if head_len > limits.max_header_bytes {
-        return Err(HttpError::limit(431, "request header fields too large"));
-    }
     let minor = line.minor_version;
     if head.headers.len() > limits.max_headers {
         return Err(HttpError::limit(431, "too many header fields"));
@@ -262,12 +255,8 @@ fn scan_and_read_head(
             _ => Ok(None),
         };
     };
-    if scan.request_line_end.unwrap_or(0) > limits.max_request_line_bytes {
-        return Err(HttpError::limit(414, "request line too long"));
-    }
-    if head_len > limits.max_header_bytes {
-        return Err(HttpError::limit(431, "request header fields too large"));
-    }
+    // Before the lines are read: a head too large is refused as such, whatever its lines hold.
+    check_head_size(scan, head_len, limits)?;
     // The head and up to sixteen bytes after it, where the buffer has them: the last lines are
     // then read with whole sixteen-byte loads too. The blank line ends the reading either way.
     let lines = Lines::new(&buf[..buf.len().min(head_len + 16)]);
@@ -284,6 +273,18 @@ fn scan_and_read_head(
         Err(e) => return Err(malformed_head(e)),
     }
     Ok(Some((line, head_len)))
+}
+
+/// A whole head (`head_len` bytes, its request line's end in `scan`) within `limits`: else 414
+/// for its request line, 431 for the head.
+fn check_head_size(scan: &HeadScan, head_len: usize, limits: &HttpLimits) -> Result<(), HttpError> {
+    if scan.request_line_end.unwrap_or(0) > limits.max_request_line_bytes {
+        return Err(HttpError::limit(414, "request line too long"));
+    }
+    if head_len > limits.max_header_bytes {
+        return Err(HttpError::limit(431, "request header fields too large"));
+    }
+    Ok(())
 }
 
 /// A head the line reader refused: 400 (431 past the ceiling on fields).
