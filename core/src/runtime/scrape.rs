@@ -10,7 +10,8 @@
 //! (by its timeout at most). What it reads: vLLM's `vllm:num_requests_waiting`,
 //! `vllm:num_requests_running` and `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` in
 //! older versions), SGLang's `sglang:num_queue_reqs`, `sglang:num_running_reqs` and
-//! `sglang:token_usage`; counts are summed over the label sets (one per model), usage is the
+//! `sglang:token_usage`; counts are summed over the label sets (one per model) of each family,
+//! the larger family taken when a page has both (one engine, two names), usage is the
 //! largest. A backend that does not answer keeps its last reading, which ages out after
 //! `routing.queue_stale_ms`. A probe is `GET path` over plain HTTP/1.0 whose status must be the
 //! expected one, or a TCP connect, within the probe's `timeout_ms`; with `when = "open"` only
@@ -272,56 +273,65 @@ pub(crate) struct Queue {
     pub(crate) kv_usage: f64,
 }
 
+/// The engine families whose queue series Sluice reads.
+#[derive(Clone, Copy)]
+enum Family {
+    Vllm = 0,
+    Sglang = 1,
+}
+
 /// Read the queue from a Prometheus text page; `None` when it has none of the known series.
+/// Counts are summed over each family's label sets; a page that carries both families (an
+/// engine exporting both names, as mock-llm does) describes one queue, so the larger family's
+/// count is taken, never their sum.
 pub(crate) fn parse_queue(page: &str) -> Option<Queue> {
-    let mut q = Queue {
-        waiting: 0,
-        running: 0,
-        kv_usage: 0.0,
-    };
+    let mut waiting = [0u32; 2];
+    let mut running = [0u32; 2];
+    let mut kv_usage: f64 = 0.0;
     let mut found = false;
     for line in page.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let (name, rest) = match line.find(['{', ' ']) {
-            Some(i) => line.split_at(i),
-            None => continue,
-        };
-        // The value follows the label set (whose values may hold spaces).
-        let rest = match rest.strip_prefix('{') {
-            Some(labels) => match labels.rfind('}') {
-                Some(end) => &labels[end + 1..],
-                None => continue,
-            },
-            None => rest,
-        };
-        let Some(value) = rest
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        else {
+        let Some((name, value)) = sample(line) else {
             continue;
         };
-        if !value.is_finite() || value < 0.0 {
-            continue;
-        }
         match name {
-            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
-                q.waiting = q.waiting.saturating_add(value as u32);
-            }
-            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
-                q.running = q.running.saturating_add(value as u32);
-            }
+            "vllm:num_requests_waiting" => add(&mut waiting, Family::Vllm, value),
+            "sglang:num_queue_reqs" => add(&mut waiting, Family::Sglang, value),
+            "vllm:num_requests_running" => add(&mut running, Family::Vllm, value),
+            "sglang:num_running_reqs" => add(&mut running, Family::Sglang, value),
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
-                q.kv_usage = q.kv_usage.max(value);
+                kv_usage = kv_usage.max(value);
             }
             _ => continue,
         }
         found = true;
     }
-    found.then_some(q)
+    found.then_some(Queue {
+        waiting: waiting[0].max(waiting[1]),
+        running: running[0].max(running[1]),
+        kv_usage,
+    })
+}
+
+fn add(counts: &mut [u32; 2], family: Family, value: f64) {
+    let count = &mut counts[family as usize];
+    *count = count.saturating_add(value as u32);
+}
+
+/// One sample line's metric name and value (finite, not negative); `None` for comments, blank
+/// lines and anything unreadable.
+fn sample(line: &str) -> Option<(&str, f64)> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let (name, rest) = line.split_at(line.find(['{', ' '])?);
+    // The value follows the label set (whose values may hold spaces).
+    let rest = match rest.strip_prefix('{') {
+        Some(labels) => &labels[labels.rfind('}')? + 1..],
+        None => rest,
+    };
+    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+    (value.is_finite() && value >= 0.0).then_some((name, value))
 }
 
 #[cfg(test)]
@@ -368,6 +378,24 @@ vllm:prompt_tokens_total{model_name=\"m\"} 1234.0\n";
         assert_eq!(
             parse_queue("vllm:num_requests_waiting{x=\"1\"} NaN\n"),
             None
+        );
+    }
+
+    #[test]
+    fn a_page_with_both_families_is_one_queue_not_two() {
+        // mock-llm, and an engine exporting both names, report the same queue twice.
+        let both = "vllm:num_requests_waiting{model_name=\"m\"} 4\n\
+vllm:num_requests_running{model_name=\"m\"} 6\n\
+sglang:num_queue_reqs{model_name=\"m\"} 4\n\
+sglang:num_running_reqs{model_name=\"m\"} 6\n\
+sglang:num_running_reqs{model_name=\"n\"} 1\n";
+        assert_eq!(
+            parse_queue(both),
+            Some(Queue {
+                waiting: 4,
+                running: 7,
+                kv_usage: 0.0
+            })
         );
     }
 }
