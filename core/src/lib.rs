@@ -25,6 +25,7 @@ mod sys {
     pub(crate) mod clock;
     pub(crate) mod cpu;
     pub(crate) mod deadlines;
+    pub(crate) mod mono;
     pub(crate) mod rand;
     pub(crate) mod slab;
     pub(crate) mod sock;
@@ -65,6 +66,7 @@ mod gateway {
     //! One request's phases, each its own module, run top to bottom by [`pipeline::proxy`];
     //! [`error`] is the catalogue every phase answers with.
     pub(crate) mod admit;
+    pub(crate) mod attempt;
     pub(crate) mod auth;
     pub(crate) mod context;
     pub(crate) mod error;
@@ -73,9 +75,11 @@ mod gateway {
     pub(crate) mod models;
     pub(crate) mod observe;
     pub(crate) mod pipeline;
+    pub(crate) mod record;
     pub(crate) mod relay;
     pub(crate) mod route;
     pub(crate) mod sticky;
+    pub(crate) mod translation;
 }
 
 mod runtime {

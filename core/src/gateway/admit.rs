@@ -27,8 +27,7 @@ use crate::config::limits::LimitDimension;
 use crate::config::limits::LimitsConfig;
 use crate::gateway::auth::Principal;
 use crate::gateway::error::{ErrorKind, GatewayError};
-use crate::gateway::observe::{Outcome, UsageSource};
-use crate::gateway::relay::RelayEnd;
+use crate::gateway::record::{Outcome, RelayEnd, UsageSource};
 use crate::limits::shard::{Ask, LimiterShard, Permit, RateHeaders, Refusal, RefusalKind};
 use crate::openai::inspect::Inspection;
 use crate::telemetry::metrics::MetricsView;
@@ -311,8 +310,7 @@ mod tests {
     //! Settlement by how a request ended, through the same observation and outcome the pipeline
     //! computes (no sockets: the relay's part is what it feeds the observation).
     use super::*;
-    use crate::gateway::observe::{Estimator, Observation};
-    use crate::gateway::relay::RelayEnd;
+    use crate::gateway::record::{Estimator, Observation};
     use crate::sys::clock::Mono;
     use crate::upstream::UpstreamFault;
 

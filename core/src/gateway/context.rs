@@ -15,7 +15,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 
 use crate::config::{Snapshot, Timeouts};
-use crate::gateway::observe::{LogSink, ObservationPool};
+use crate::gateway::record::{LogSink, ObservationPool};
 use crate::http::request::RequestHead;
 use crate::limits::shard::LimiterShard;
 use crate::openai::inspect::Inspector;

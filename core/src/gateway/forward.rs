@@ -15,12 +15,11 @@
 //! grace is over: then nothing more is sent, and a failure of the exchange — the runtime shut the
 //! upstream connections down — is neither retried nor blamed on the upstream).
 
-use std::time::Duration;
-
 use crate::config::dialect::AnthropicSettings;
 use crate::gateway::auth::{AUTHORIZATION, X_API_KEY};
 use crate::gateway::context::{Io, Request};
 use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
+use crate::gateway::record::ForwardTimings;
 use crate::gateway::route::Target;
 use crate::http::response::{parse_response_head, ResponseHead};
 use crate::http::{is_hop_by_hop, push_decimal, Name, NameSet};
@@ -379,20 +378,6 @@ struct AttemptError {
     error: GatewayError,
     /// The connection came from the pool and died before a byte of response.
     stale: bool,
-}
-
-/// When the forward phase's steps happened, returned whether it succeeded or not (the
-/// observation times a failed exchange too).
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct ForwardTimings {
-    /// When the request started out to the upstream (`None`: it never did).
-    pub(crate) started_at: Option<Mono>,
-    /// How long opening a new connection took (`None`: a pooled one served).
-    pub(crate) connect: Option<Duration>,
-    /// When the response head was in.
-    pub(crate) head_at: Option<Mono>,
-    /// Stale pooled connections retried on a fresh one.
-    pub(crate) retries: u32,
 }
 
 /// Send `request` (as built by [`build_request`]), then `tail` (the end of the client's body it

@@ -8,23 +8,18 @@
 //! sent to the client yet (errors after the response started are the relay's to end); `proxy`
 //! otherwise returns whether the client connection can be kept.
 
-use crate::config::dialect::Dialect;
 use crate::gateway::admit::{Admission, Caller};
+use crate::gateway::attempt::{self, Tried, Walk};
 use crate::gateway::auth::Principal;
 use crate::gateway::context::{ClientSocket, PerCore, Request};
 use crate::gateway::error::GatewayError;
-use crate::gateway::error::{ErrorKind, UpstreamFault};
-use crate::gateway::observe::{Estimator, Observation};
-use crate::gateway::relay::translate::StreamTranslate;
-use crate::gateway::relay::{ClientSide, RelayEnd, Relayed};
+use crate::gateway::record::{Estimator, Observation};
+use crate::gateway::relay::Relayed;
 use crate::gateway::route::Candidates;
-use crate::gateway::{admit, auth, fallback, forward, observe, relay, route, sticky};
+use crate::gateway::{admit, auth, observe, route, sticky, translation};
 use crate::limits::shard::Permit;
 use crate::openai::anthropic::client as anthropic_client;
-use crate::openai::anthropic::upstream as anthropic_upstream;
-use crate::openai::endpoint::{ClientDialect, Endpoint};
 use crate::openai::inspect::Inspection;
-use crate::upstream::health::AttemptResult;
 
 /// Proof that a request's head was authenticated: only [`authenticate_head`] makes one, and
 /// [`proxy`] takes one, so no path can proxy a request nobody authenticated.
@@ -229,9 +224,7 @@ pub(crate) fn route_request<'s>(
     core.inspector
         .borrow_mut()
         .inspect_for(request.body, &core.snapshot.body_wants, inspection)?;
-    if request.dialect() == ClientDialect::Anthropic {
-        inspect_messages(request.body, inspection)?;
-    }
+    translation::read_client_request(request, inspection)?;
 
     // Authorize: may this key use this model, from this address.
     auth::authorize(principal, &inspection.model, request.peer.map(|p| p.ip()))
@@ -300,29 +293,12 @@ pub(crate) async fn admit_routed<'s>(
     }
 }
 
-/// A Messages request read by Anthropic's rules over what the inspector found: model (and its
-/// span), stream and the required `max_tokens`; 400 when they are broken. Out of line: the
-/// OpenAI endpoints' path never runs it.
-#[inline(never)]
-fn inspect_messages(body: &[u8], inspection: &mut Inspection) -> Result<(), GatewayError> {
-    let m = anthropic_client::inspect_messages(body)
-        .map_err(|e| GatewayError::invalid_request(e.message, None))?;
-    inspection.model.clear();
-    inspection.model.push_str(&m.model);
-    inspection.model_span = m.model_span;
-    inspection.stream = m.stream;
-    inspection.max_tokens = Some(m.max_tokens);
-    Ok(())
-}
-
 /// Forward the request to the candidates in turn and relay the first response that is not a
 /// failure another backend could do better than: how the relay ended, or the error to answer
 /// with when nothing reached the client; and the model name the last attempt's upstream saw.
-/// Each attempt's outcome goes into its backend's health; a retry is charged to the failed
-/// backend's retry budget and bounded by `routing.max_attempts`. A target whose provider
-/// limits (its cluster's, its credential's) would not take the request now is passed over
-/// without being sent anything; `provider` holds the reservation on the limits of the target
-/// that was sent the request last (settled by the caller with the usage).
+/// Each try is one [`attempt`]; a retry is charged to the failed backend's retry budget and
+/// bounded by `routing.max_attempts`. `provider` holds the reservation on the limits of the
+/// target that was sent the request last (settled by the caller with the usage).
 async fn serve<'s>(
     core: PerCore<'s>,
     client: &mut ClientSocket,
@@ -334,358 +310,45 @@ async fn serve<'s>(
     obs: &mut Observation,
     provider: &mut Permit,
 ) -> (Result<Relayed, GatewayError>, Option<&'s str>) {
-    let settings = &core.snapshot.routing;
     let model = inspection.model.as_str();
+    let mut walk = Walk::default();
     let mut target = candidates.primary();
-    let mut attempts = 1;
-    // The attempt's token estimate, as admission makes it (computed once, when needed), and
-    // the soonest a provider over its limits takes requests again.
-    let mut estimate: Option<u64> = None;
-    let mut over_limits: Option<u64> = None;
-    // An Anthropic-dialect cluster answers chat completions (translated) and Messages
-    // (passed through) only.
-    let endpoint = Endpoint::from_path(request.head.path(request.buf));
-    let translatable = matches!(
-        endpoint,
-        Some(Endpoint::ChatCompletions | Endpoint::Messages)
-    );
-    let dialect = request.dialect();
     loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
-        if !translatable && matches!(target.cluster.dialect, Dialect::Anthropic(_)) {
-            match candidates.next_fallback(model, None) {
-                Some(next) => {
-                    target = next;
-                    continue;
-                }
-                None => {
-                    let message = format!(
-                        "`{model}` is served by Anthropic's Messages API here, which answers \
-                         /v1/chat/completions only"
-                    );
-                    return (
-                        Err(GatewayError::new(ErrorKind::InvalidRequest, message)),
-                        None,
-                    );
-                }
-            }
-        }
-        // Provider limits: would this target take the request now? When it would not, the
-        // next candidate is tried; when none is left, the fast 503 of a route whose every
-        // backend is out, with `Retry-After` when the first provider has room again.
-        let mut tokens = || {
-            *estimate.get_or_insert_with(|| {
-                let reserve = &core.snapshot.limits.reserve;
-                let prompt = crate::openai::tokens::estimate_tokens(request.body);
-                reserve.tokens(prompt, inspection.max_tokens, inspection.n)
-            })
-        };
-        let limits = &core.snapshot.limits;
-        let mut reserved =
-            admit::reserve_provider(core.limiter, limits, &target, &mut tokens, provider).await;
-        if reserved.is_err() {
-            // A key pool: the full limit may be this credential's own; another may have room.
-            let now = crate::sys::time::mono_ms();
-            if let Some(other) = target.with_other_credential(core.health, core.rng, now) {
-                let again =
-                    admit::reserve_provider(core.limiter, limits, &other, &mut tokens, provider)
-                        .await;
-                if again.is_ok() {
-                    target = other;
-                    reserved = again;
-                }
-            }
-        }
-        if let Err(retry) = reserved {
-            observe::provider_skipped(core.metrics, target.backend.id);
-            obs.fallback_reason = "provider_limit";
-            over_limits = Some(over_limits.map_or(retry, |r| r.min(retry)));
-            match candidates.next_fallback(model, Some("provider_limit")) {
-                Some(next) => {
-                    target = next;
-                    continue;
-                }
-                None => {
-                    let retry = over_limits.unwrap_or(1);
-                    return (Err(GatewayError::upstream_unavailable(model, retry)), None);
-                }
-            }
-        }
-        // A provider whose limits count tokens settles on what this attempt used.
-        if provider.spends_tokens() {
-            obs.usage_wanted = true;
-        }
-        // A half-open backend takes one probe at a time: one that lost the race is passed over.
-        // The guard counts the attempt in flight, and records its outcome exactly once.
-        let mut attempt = match target.health {
-            Some(h) => match h.begin(crate::sys::time::mono_ms(), settings) {
-                Some(guard) => Some(guard),
-                None => {
-                    // Never sent: its provider reservation goes back untouched.
-                    core.limiter.borrow_mut().release(provider);
-                    match candidates.next_fallback(model, None) {
-                        Some(next) => {
-                            target = next;
-                            continue;
-                        }
-                        None => return (Err(GatewayError::upstream_unavailable(model, 1)), None),
-                    }
-                }
-            },
-            None => None,
-        };
-
-        // Forward: the rewritten request out (with stream usage asked for, so limits settle on
-        // reported usage), the response head back (one retry on a stale pooled connection). An
-        // Anthropic-dialect cluster gets the chat completion as a Messages request; its stream
-        // always ends with usage, withheld unless the client asked.
-        let mut upstream_request = core.bufs.take();
-        let anthropic = match &target.cluster.dialect {
-            Dialect::Anthropic(settings) => Some(settings),
-            Dialect::OpenAi => None,
-        };
-        // Where the end of the client's body that goes from where it lies starts (a long one
-        // is not copied into the upstream request).
-        let mut tail_from = request.body.len();
-        let usage_requested = match (dialect, anthropic) {
-            (ClientDialect::Anthropic, Some(settings)) => {
-                tail_from = forward::build_messages_passthrough(
-                    &mut upstream_request,
-                    request,
-                    inspection,
-                    &target,
-                    settings,
-                );
-                false
-            }
-            (ClientDialect::Anthropic, None) => {
-                let built = forward::build_chat_from_messages(
-                    &mut upstream_request,
-                    request,
-                    inspection,
-                    &target,
-                );
-                if let Err(e) = built {
-                    // Never sent: the request is the client's to fix, wherever it goes.
-                    core.bufs.give(upstream_request);
-                    core.limiter.borrow_mut().release(provider);
-                    return (Err(e), target.mapped_model);
-                }
-                false
-            }
-            (ClientDialect::OpenAi, Some(settings)) => {
-                let built = forward::build_anthropic_request(
-                    &mut upstream_request,
-                    request,
-                    inspection,
-                    &target,
-                    settings,
-                );
-                if let Err(e) = built {
-                    // Never sent: the request is the client's to fix, wherever it goes.
-                    core.bufs.give(upstream_request);
-                    core.limiter.borrow_mut().release(provider);
-                    return (Err(e), target.mapped_model);
-                }
-                inspection.include_usage != Some(true)
-            }
-            (ClientDialect::OpenAi, None) => {
-                let (from, usage_requested) = forward::build_request(
-                    &mut upstream_request,
-                    request,
-                    inspection,
-                    &target,
-                    core.snapshot.upstream.request_stream_usage,
-                );
-                tail_from = from;
-                usage_requested
-            }
-        };
-        let tail = request.body.get(tail_from..).unwrap_or_default();
-        let (mut sent, timings) = forward::send(
-            core.io(),
-            &target,
-            upstream_request,
-            tail,
-            inspection.stream,
+        let tried = attempt::send(
+            core, request, inspection, target, candidates, &mut walk, obs, provider,
         )
         .await;
-        obs.forward = timings;
-
-        // Fallback: may another backend (or credential) do better? Decided before a byte
-        // reaches the client. Reading on to judge (a 429's body, a stream's first event) is
-        // worth it only when another backend could take the request.
-        let may_retry = || {
-            attempts < settings.max_attempts
-                && candidates.clone().next_fallback(model, None).is_some()
-        };
-        let key_pool = target.cluster.credentials.len() > 1;
-        let judgement = match &mut sent {
-            Err(e) => fallback::judge_error(e),
-            Ok(response) => {
-                let deadline = crate::sys::clock::recent() + target.first_byte_timeout;
-                fallback::judge_response(response, may_retry, key_pool, deadline, core.bufs).await
-            }
-        };
-        // Read again: judging may have waited.
-        let now = crate::sys::time::mono_ms();
-        if let (Some(attempt), Some(result)) = (attempt.as_mut(), judgement.health) {
-            attempt.record(result, now, settings);
-        }
-        if judgement.retry == Some(fallback::FallbackReason::Credential) {
-            // Only the credential is benched: the backend answered.
-            if let Some((index, _)) = target.credential {
-                let until = now + settings.credential_bench_ms;
-                core.health
-                    .bench_credential(target.cluster_id, index, until);
-            }
-        }
-        if let Some(reason) = judgement.retry.filter(|_| attempts < settings.max_attempts) {
-            let next = match reason {
-                fallback::FallbackReason::Credential => {
-                    target.with_other_credential(core.health, core.rng, now)
+        let sent = match tried {
+            Tried::Sent(sent) => sent,
+            Tried::PassedOver { reason, last } => match candidates.next_fallback(model, reason) {
+                Some(next) => {
+                    target = next;
+                    continue;
                 }
-                _ => None,
-            }
-            .or_else(|| candidates.next_fallback(model, Some(reason.label())));
-            // Charged only when there is somewhere to go.
-            let next = next.filter(|_| target.health.is_none_or(|h| h.allow_retry(now, settings)));
-            if let Some(next) = next {
-                observe::failed_attempt(core.metrics, obs, target.backend.id, reason);
-                obs.fallbacks += 1;
-                obs.fallback_reason = reason.label();
-                if let Ok(response) = sent {
-                    // Not relayed: the connection's state is unknown, so it is not reused.
-                    response.conn.abort();
-                }
-                // The provider was sent a request that used nothing.
-                core.limiter.borrow_mut().settle(provider, 0);
-                target = next;
-                attempts += 1;
-                continue;
-            }
-        }
-
-        // Relay: the body to the client as it arrives, metered on the side; a usage chunk the
-        // client did not ask for is metered but not relayed.
-        let response = match sent {
-            Ok(response) => response,
-            Err(e) => return (Err(e), target.mapped_model),
+                None => return (Err(last), None),
+            },
+            Tried::Refused(e) => return (Err(e), target.mapped_model),
         };
-        if let Some(broken) = judgement.broken {
-            // Judging lost the response (a read timed out or failed), and nowhere else to go:
-            // answered as the upstream failure it is.
-            response.conn.abort();
-            return (Err(broken), target.mapped_model);
+        if let Some((next, reason)) = walk.retry_target(core, &sent, candidates, model) {
+            sent.abandon(core, obs, provider, reason);
+            target = next;
+            walk.attempts += 1;
+            continue;
         }
+        let mapped = sent.target.mapped_model;
+        let relayable = match sent.relayable() {
+            Ok(relayable) => relayable,
+            Err(e) => return (Err(e), mapped),
+        };
         // Sticky: the session stays with the backend that answered (a fallback re-pins it),
         // and an affinity cookie names it.
         if let Some((rule, session)) = candidates.sticky {
-            keep_session(
-                core,
-                candidates.route_pattern(),
-                rule,
-                session,
-                &target,
-                obs,
-            );
+            let route = candidates.route_pattern();
+            keep_session(core, route, rule, session, &relayable.target, obs);
         }
-        let side = ClientSide {
-            head_only: false,
-            minor_version: request.head.minor_version,
-            keep_alive: request.head.keep_alive,
-            strip_usage: usage_requested,
-            dialect,
-        };
-        // An Anthropic answer passed through is metered in Anthropic's terms.
-        obs.meter_anthropic(dialect == ClientDialect::Anthropic && anthropic.is_some());
-        let client_stream =
-            response.head.event_stream && (200..300).contains(&response.head.status);
-        let relayed = match (dialect, anthropic) {
-            (ClientDialect::Anthropic, Some(_)) => {
-                relay::relay(core.io(), client, response, side, obs, None).await
-            }
-            // An OpenAI-dialect answer for an Anthropic client: metered as the upstream sent
-            // it, translated on the way out.
-            (ClientDialect::Anthropic, None) if client_stream => {
-                let translate = StreamTranslate::to_messages(model);
-                relay::relay(core.io(), client, response, side, obs, Some(translate)).await
-            }
-            (ClientDialect::Anthropic, None) => {
-                let translate = |status: u16, body: &[u8], out: &mut Vec<u8>| {
-                    if (200..300).contains(&status) {
-                        anthropic_client::chat_to_message(body, model, out).map_err(|e| {
-                            GatewayError::bad_gateway(
-                                UpstreamFault::Protocol,
-                                format!("the upstream's answer could not be read: {}", e.message),
-                            )
-                        })?;
-                        Ok(status)
-                    } else {
-                        Ok(anthropic_client::error_to_anthropic(status, body, out))
-                    }
-                };
-                relay::relay_translated_whole(
-                    core.io(),
-                    client,
-                    response,
-                    side,
-                    obs,
-                    true,
-                    translate,
-                )
-                .await
-            }
-            // Streamed: translated event by event. Anything else (an answer, an error): read
-            // whole and translated.
-            (ClientDialect::OpenAi, Some(_)) if client_stream => {
-                let translate = StreamTranslate::anthropic(model);
-                relay::relay(core.io(), client, response, side, obs, Some(translate)).await
-            }
-            (ClientDialect::OpenAi, Some(_)) => {
-                let translate = |status: u16, body: &[u8], out: &mut Vec<u8>| {
-                    if (200..300).contains(&status) {
-                        anthropic_upstream::message_to_chat(body, out).map_err(|e| {
-                            GatewayError::bad_gateway(
-                                UpstreamFault::Protocol,
-                                format!(
-                                    "the Anthropic upstream's answer could not be read: {}",
-                                    e.message
-                                ),
-                            )
-                        })?;
-                        Ok(status)
-                    } else {
-                        Ok(anthropic_upstream::error_to_openai(status, body, out))
-                    }
-                };
-                relay::relay_translated_whole(
-                    core.io(),
-                    client,
-                    response,
-                    side,
-                    obs,
-                    false,
-                    translate,
-                )
-                .await
-            }
-            (ClientDialect::OpenAi, None) => {
-                relay::relay(core.io(), client, response, side, obs, None).await
-            }
-        };
-        if let Some(attempt) = attempt.as_mut().filter(|a| !a.recorded()) {
-            let result = match &relayed {
-                Ok(r) => match r.end {
-                    RelayEnd::UpstreamCut(_) => AttemptResult::Failed,
-                    RelayEnd::Complete => AttemptResult::Answered,
-                    RelayEnd::ClientLeft | RelayEnd::Shutdown => AttemptResult::Unknown,
-                },
-                Err(_) => AttemptResult::Failed,
-            };
-            attempt.record(result, crate::sys::time::mono_ms(), settings);
-        }
-        return (relayed, target.mapped_model);
+        let relayed = relayable.relay(core, client, request, obs, model).await;
+        return (relayed, mapped);
     }
 }
 
@@ -733,7 +396,9 @@ mod tests {
     use super::*;
     use crate::config::limits::{digest, hex};
     use crate::gateway::context::testing::{request, OwnedCore};
+    use crate::gateway::translation::Translation;
     use crate::limits::ledger::InProcessLedger;
+    use crate::openai::endpoint::Endpoint;
 
     const KEY: &str = "sk-pipeline-test";
 
@@ -976,23 +641,13 @@ mod tests {
             .unwrap();
         let target = candidates.primary();
         let mut out = Vec::new();
-        match &target.cluster.dialect {
-            Dialect::Anthropic(settings) => {
-                let tail_from = forward::build_messages_passthrough(
-                    &mut out,
-                    &request,
-                    &inspection,
-                    &target,
-                    settings,
-                );
-                // What the upstream gets: the request, then the body's end it left out.
-                out.extend_from_slice(&request.body[tail_from..]);
-            }
-            Dialect::OpenAi => {
-                forward::build_chat_from_messages(&mut out, &request, &inspection, &target)
-                    .unwrap();
-            }
-        }
+        let translation = Translation::plan(Some(Endpoint::Messages), target.cluster, true)
+            .expect("either dialect answers Messages");
+        let built = translation
+            .build(&mut out, &request, &inspection, &target)
+            .unwrap();
+        // What the upstream gets: the request, then the body's end it left out.
+        out.extend_from_slice(&request.body[built.tail_from..]);
         admission.settle(per_core.limiter, 0);
         String::from_utf8(out).unwrap()
     }

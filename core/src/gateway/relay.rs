@@ -33,7 +33,7 @@ use std::pin::pin;
 use crate::gateway::context::{ClientSocket, Io};
 use crate::gateway::error::{GatewayError, UpstreamFault};
 use crate::gateway::forward::UpstreamResponse;
-use crate::gateway::observe::Observation;
+use crate::gateway::record::{Observation, RelayEnd};
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::reason;
 use crate::http::response::ResponseHead;
@@ -70,21 +70,6 @@ pub(crate) struct ClientSide {
     pub(crate) strip_usage: bool,
     /// The API the client speaks: the shape of an error event that ends its stream early.
     pub(crate) dialect: ClientDialect,
-}
-
-/// How a relayed response ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RelayEnd {
-    /// The whole body reached the client.
-    Complete,
-    /// The client left, or stopped taking bytes, before the end.
-    ClientLeft,
-    /// The upstream failed, stalled or sent garbage mid-body; the client got an SSE error
-    /// event (event streams) or a cut connection.
-    UpstreamCut(UpstreamFault),
-    /// Sluice is stopping and the shutdown grace ran out mid-body; the client got an SSE error
-    /// event (`server_shutting_down`, event streams) or a cut connection.
-    Shutdown,
 }
 
 /// What [`relay`] returns once a response has started to the client.

@@ -31,14 +31,12 @@ use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, Req
 use crate::http::BodyFraming;
 use crate::openai::endpoint::{ClientDialect, Endpoint, COUNT_TOKENS_PATH};
 use crate::openai::inspect::Inspection;
-use crate::runtime::worker::{Generation, Worker};
+use crate::runtime::worker::{Generation, Worker, MIN_READ_BUF};
 use crate::sys::clock;
 use crate::sys::clock::Mono;
 use crate::sys::spare::SpareBox;
 use crate::sys::stream::{self, ReadOutcome};
 
-/// Smallest read buffer; grows as a request needs, shrinks back after it.
-pub(crate) const MIN_READ_BUF: usize = 2048;
 /// A read buffer larger than this after a request is replaced by a small one.
 const KEEP_READ_BUF: usize = 64 * 1024;
 

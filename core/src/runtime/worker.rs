@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::config::Snapshot;
 use crate::gateway::context::{BufPool, Drain, Load, PerCore};
-use crate::gateway::observe::{LogSink, ObservationPool};
+use crate::gateway::record::{LogSink, ObservationPool};
 use crate::limits::shard::LimiterShard;
 use crate::openai::inspect::Inspector;
 use crate::telemetry::accesslog::AccessLog;
@@ -83,6 +83,9 @@ pub struct Worker {
     /// those at once). Registered once per connection; a request only flips its mark.
     pub(crate) clients: RefCell<crate::sys::sock::SocketSet>,
 }
+
+/// Smallest read buffer of a connection; grows as a request needs, shrinks back after it.
+pub(crate) const MIN_READ_BUF: usize = 2048;
 
 /// A worker's stop, as its tasks see it.
 #[derive(Default)]
@@ -234,7 +237,7 @@ impl Worker {
             inspector: RefCell::new(Inspector::default()),
             rng: Cell::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
             bufs: BufPool::new(16 * 1024, 256),
-            read_bufs: BufPool::new(crate::runtime::conn::MIN_READ_BUF, 128),
+            read_bufs: BufPool::new(MIN_READ_BUF, 128),
             connections: Cell::new(0),
             load: Load::default(),
             observations: ObservationPool::default(),

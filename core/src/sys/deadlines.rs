@@ -41,7 +41,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use super::clock::Mono;
+use super::mono::Mono;
 use super::slab::Slab;
 
 /// The least time to go for a wait to be swept: shorter ones keep runtime timers (see the

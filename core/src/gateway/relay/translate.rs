@@ -15,7 +15,7 @@
 
 use crate::openai::anthropic::client::ChatStreamToMessages;
 use crate::openai::anthropic::upstream::StreamTranslator;
-use crate::openai::meter::{event_data, SseSplitter};
+use crate::openai::meter::{event_data, event_name, SseSplitter};
 
 /// A stream on its way to a client of the other dialect.
 pub(crate) struct StreamTranslate {
@@ -98,28 +98,5 @@ impl StreamTranslate {
             emit(&self.out);
             self.out.clear();
         }
-    }
-}
-
-/// The `event:` field of an event (its first such line), without the optional space.
-pub(crate) fn event_name(event: &[u8]) -> Option<&[u8]> {
-    event
-        .split(|&b| b == b'\n' || b == b'\r')
-        .find_map(|line| line.strip_prefix(b"event:"))
-        .map(|v| v.strip_prefix(b" ").unwrap_or(v))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn event_names_are_read_with_or_without_the_space() {
-        assert_eq!(
-            event_name(b"event: message_start\ndata: {}"),
-            Some(&b"message_start"[..])
-        );
-        assert_eq!(event_name(b"data: {}\r\nevent:ping"), Some(&b"ping"[..]));
-        assert_eq!(event_name(b"data: {}"), None);
     }
 }

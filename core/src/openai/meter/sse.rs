@@ -238,6 +238,15 @@ impl<'a> Iterator for DataLines<'a> {
     }
 }
 
+/// The `event:` field of an event (its first such line), without the optional space; a
+/// line may end in LF, CRLF or CR.
+pub(crate) fn event_name(event: &[u8]) -> Option<&[u8]> {
+    event
+        .split(|&b| b == b'\n' || b == b'\r')
+        .find_map(|line| line.strip_prefix(b"event:"))
+        .map(|v| v.strip_prefix(b" ").unwrap_or(v))
+}
+
 /// An event's data: its `data` lines joined with LF, or `None` when it has none. One data line
 /// (the usual case) is returned as a slice of `event`; several are joined into `buf`.
 pub(crate) fn event_data<'a>(event: &'a [u8], buf: &'a mut Vec<u8>) -> Option<&'a [u8]> {
@@ -261,6 +270,16 @@ pub(crate) fn event_data<'a>(event: &'a [u8], buf: &'a mut Vec<u8>) -> Option<&'
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn event_names_are_read_with_or_without_the_space() {
+        assert_eq!(
+            event_name(b"event: message_start\ndata: {}"),
+            Some(&b"message_start"[..])
+        );
+        assert_eq!(event_name(b"data: {}\r\nevent:ping"), Some(&b"ping"[..]));
+        assert_eq!(event_name(b"data: {}"), None);
+    }
 
     fn split_whole(input: &[u8]) -> Vec<Vec<u8>> {
         let mut s = SseSplitter::new();

@@ -362,7 +362,7 @@ mod tests {
     //! event), with usage that includes the cache fields.
 
     use super::*;
-    use crate::openai::meter::{event_data, SseMeter, SseSplitter, Usage};
+    use crate::openai::meter::{event_data, event_name, SseMeter, SseSplitter, Usage};
     use crate::sys::clock::Mono;
     use serde_json::{json, Value};
 
@@ -373,15 +373,6 @@ mod tests {
 
     const MODEL: &str = "my-claude";
     const CREATED: u64 = 1_700_000_123;
-
-    /// The value of an event's `event:` line.
-    fn event_name(event: &[u8]) -> Option<&[u8]> {
-        event.split(|&b| b == b'\n').find_map(|line| {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            let value = line.strip_prefix(b"event:")?;
-            Some(value.strip_prefix(b" ").unwrap_or(value))
-        })
-    }
 
     /// Feed an Anthropic stream through the SSE splitter and a translator, one event at a
     /// time; the OpenAI stream it writes.

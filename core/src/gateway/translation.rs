@@ -1,0 +1,256 @@
+//! Translation: how one attempt's request is built for its target, and how the answer goes back
+//! to the client, by the client's dialect and the target's.
+//!
+//! Runs inside each attempt (see [`attempt`](crate::gateway::attempt)). [`Translation::plan`]
+//! takes the client's endpoint and the target cluster and returns the plan for that pair — or
+//! `None` when the target's dialect cannot answer that endpoint (the attempt passes it over,
+//! [`unservable`] is the answer when none is left). [`Translation::build`] writes the upstream
+//! request (400 when the client's request cannot be said in the target's dialect);
+//! [`Translation::relay`] relays the answer (see [`relay`](crate::gateway::relay) for what
+//! it raises). [`read_client_request`] reads a client's body by its own dialect's rules, once,
+//! before routing.
+//!
+//! This is the one place that knows dialects: the pipeline, the attempt and the fallback walk
+//! hold a plan and call it. A new client or upstream dialect is a new variant here, its
+//! translator modules under `openai`, and nothing else.
+
+use crate::config::dialect::{AnthropicSettings, Dialect};
+use crate::config::Cluster;
+use crate::gateway::context::{ClientSocket, Io, Request};
+use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
+use crate::gateway::forward::{self, UpstreamResponse};
+use crate::gateway::record::Observation;
+use crate::gateway::relay::translate::StreamTranslate;
+use crate::gateway::relay::{self, ClientSide, Relayed};
+use crate::gateway::route::Target;
+use crate::openai::anthropic::client as anthropic_client;
+use crate::openai::anthropic::upstream as anthropic_upstream;
+use crate::openai::endpoint::{ClientDialect, Endpoint};
+use crate::openai::inspect::Inspection;
+
+/// How one client endpoint meets one target's dialect.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Translation<'s> {
+    /// An OpenAI client, an OpenAI-compatible upstream: the body byte for byte but the mapped
+    /// model (and, per `upstream.request_stream_usage`, the stream's usage asked for).
+    OpenAiPassthrough { request_usage: bool },
+    /// A chat completion for an Anthropic upstream: sent as a Messages request, its answer (or
+    /// stream) translated back.
+    ChatToMessages(&'s AnthropicSettings),
+    /// An Anthropic client's Messages request for an OpenAI-compatible upstream: sent as a chat
+    /// completion asking for usage, its answer (or stream) translated back.
+    MessagesToChat,
+    /// An Anthropic client, an Anthropic upstream: passed through but the mapped model.
+    AnthropicPassthrough(&'s AnthropicSettings),
+}
+
+/// What [`Translation::build`] wrote.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Built {
+    /// Where the end of the client's body that goes from where it lies starts (a long one is
+    /// not copied into the upstream request).
+    pub(crate) tail_from: usize,
+    /// Usage was asked of the upstream for a client that did not ask: the usage-only chunk is
+    /// metered, not relayed.
+    pub(crate) strip_usage: bool,
+}
+
+impl<'s> Translation<'s> {
+    /// The plan for a request to `endpoint` sent to `cluster`, or `None` when the cluster's
+    /// dialect cannot answer it (an Anthropic cluster answers chat completions and Messages).
+    /// `request_usage` is `upstream.request_stream_usage`.
+    pub(crate) fn plan(
+        endpoint: Option<Endpoint>,
+        cluster: &'s Cluster,
+        request_usage: bool,
+    ) -> Option<Translation<'s>> {
+        let client = match endpoint {
+            Some(Endpoint::Messages) => ClientDialect::Anthropic,
+            _ => ClientDialect::OpenAi,
+        };
+        Some(match (client, &cluster.dialect) {
+            (ClientDialect::OpenAi, Dialect::OpenAi) => {
+                Translation::OpenAiPassthrough { request_usage }
+            }
+            (ClientDialect::OpenAi, Dialect::Anthropic(settings)) => {
+                if endpoint != Some(Endpoint::ChatCompletions) {
+                    return None;
+                }
+                Translation::ChatToMessages(settings)
+            }
+            (ClientDialect::Anthropic, Dialect::OpenAi) => Translation::MessagesToChat,
+            (ClientDialect::Anthropic, Dialect::Anthropic(settings)) => {
+                Translation::AnthropicPassthrough(settings)
+            }
+        })
+    }
+
+    /// Build the upstream request into `out` (see the builders in
+    /// [`forward`](crate::gateway::forward)), or the client's 400 when its request cannot be
+    /// said in the target's dialect.
+    pub(crate) fn build(
+        self,
+        out: &mut Vec<u8>,
+        request: &Request<'_>,
+        inspection: &Inspection,
+        target: &Target<'_>,
+    ) -> Result<Built, GatewayError> {
+        let whole = request.body.len();
+        Ok(match self {
+            Translation::OpenAiPassthrough { request_usage } => {
+                let (tail_from, strip_usage) =
+                    forward::build_request(out, request, inspection, target, request_usage);
+                Built {
+                    tail_from,
+                    strip_usage,
+                }
+            }
+            Translation::ChatToMessages(settings) => {
+                forward::build_anthropic_request(out, request, inspection, target, settings)?;
+                Built {
+                    tail_from: whole,
+                    strip_usage: inspection.include_usage != Some(true),
+                }
+            }
+            Translation::MessagesToChat => {
+                forward::build_chat_from_messages(out, request, inspection, target)?;
+                Built {
+                    tail_from: whole,
+                    strip_usage: false,
+                }
+            }
+            Translation::AnthropicPassthrough(settings) => Built {
+                tail_from: forward::build_messages_passthrough(
+                    out, request, inspection, target, settings,
+                ),
+                strip_usage: false,
+            },
+        })
+    }
+
+    /// Relay `response` to the client, translated where the dialects differ: a stream event by
+    /// event, anything else read whole and translated. `model` is the one the client asked for
+    /// (a translated answer names it).
+    pub(crate) async fn relay(
+        self,
+        io: Io<'_>,
+        client: &mut ClientSocket,
+        response: UpstreamResponse<'_>,
+        side: ClientSide,
+        obs: &mut Observation,
+        model: &str,
+    ) -> Result<Relayed, GatewayError> {
+        // An Anthropic answer passed through is metered in Anthropic's terms.
+        obs.meter_anthropic(matches!(self, Translation::AnthropicPassthrough(_)));
+        let streamed = response.head.event_stream && (200..300).contains(&response.head.status);
+        match self {
+            Translation::OpenAiPassthrough { .. } | Translation::AnthropicPassthrough(_) => {
+                relay::relay(io, client, response, side, obs, None).await
+            }
+            // An OpenAI-dialect stream for an Anthropic client: metered as the upstream sent
+            // it, translated on the way out.
+            Translation::MessagesToChat if streamed => {
+                let translate = StreamTranslate::to_messages(model);
+                relay::relay(io, client, response, side, obs, Some(translate)).await
+            }
+            Translation::MessagesToChat => {
+                let translate = |status, body: &[u8], out: &mut Vec<u8>| {
+                    chat_answer_to_message(status, body, model, out)
+                };
+                relay::relay_translated_whole(io, client, response, side, obs, true, translate)
+                    .await
+            }
+            Translation::ChatToMessages(_) if streamed => {
+                let translate = StreamTranslate::anthropic(model);
+                relay::relay(io, client, response, side, obs, Some(translate)).await
+            }
+            Translation::ChatToMessages(_) => {
+                relay::relay_translated_whole(
+                    io,
+                    client,
+                    response,
+                    side,
+                    obs,
+                    false,
+                    message_answer_to_chat,
+                )
+                .await
+            }
+        }
+    }
+}
+
+/// The answer when no candidate's dialect can answer the client's endpoint.
+pub(crate) fn unservable(model: &str) -> GatewayError {
+    let message = format!(
+        "`{model}` is served by Anthropic's Messages API here, which answers \
+         /v1/chat/completions only"
+    );
+    GatewayError::new(ErrorKind::InvalidRequest, message)
+}
+
+/// Read the client's body by its own dialect's rules over what the inspector found: a Messages
+/// request's model (and its span), stream and the required `max_tokens`; 400 when they are
+/// broken. An OpenAI client's body needs nothing more.
+pub(crate) fn read_client_request(
+    request: &Request<'_>,
+    inspection: &mut Inspection,
+) -> Result<(), GatewayError> {
+    if request.dialect() == ClientDialect::Anthropic {
+        read_messages(request.body, inspection)?;
+    }
+    Ok(())
+}
+
+/// Out of line: the OpenAI endpoints' path never runs it.
+#[inline(never)]
+fn read_messages(body: &[u8], inspection: &mut Inspection) -> Result<(), GatewayError> {
+    let m = anthropic_client::inspect_messages(body)
+        .map_err(|e| GatewayError::invalid_request(e.message, None))?;
+    inspection.model.clear();
+    inspection.model.push_str(&m.model);
+    inspection.model_span = m.model_span;
+    inspection.stream = m.stream;
+    inspection.max_tokens = Some(m.max_tokens);
+    Ok(())
+}
+
+/// An OpenAI upstream's whole answer (or error) for an Anthropic client: the status it gets.
+fn chat_answer_to_message(
+    status: u16,
+    body: &[u8],
+    model: &str,
+    out: &mut Vec<u8>,
+) -> Result<u16, GatewayError> {
+    if !(200..300).contains(&status) {
+        return Ok(anthropic_client::error_to_anthropic(status, body, out));
+    }
+    anthropic_client::chat_to_message(body, model, out).map_err(|e| {
+        GatewayError::bad_gateway(
+            UpstreamFault::Protocol,
+            format!("the upstream's answer could not be read: {}", e.message),
+        )
+    })?;
+    Ok(status)
+}
+
+/// An Anthropic upstream's whole answer (or error) for an OpenAI client: the status it gets.
+fn message_answer_to_chat(
+    status: u16,
+    body: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<u16, GatewayError> {
+    if !(200..300).contains(&status) {
+        return Ok(anthropic_upstream::error_to_openai(status, body, out));
+    }
+    anthropic_upstream::message_to_chat(body, out).map_err(|e| {
+        GatewayError::bad_gateway(
+            UpstreamFault::Protocol,
+            format!(
+                "the Anthropic upstream's answer could not be read: {}",
+                e.message
+            ),
+        )
+    })?;
+    Ok(status)
+}
