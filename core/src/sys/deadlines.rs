@@ -8,7 +8,7 @@
 //! `Instant` subtraction), put in the wheel, taken out again when the answer comes first (as it
 //! nearly always does), and the wheel's bookkeeping at every park. Here a wait is a slot in a
 //! vector (its deadline and its task's waker), taken when it parks and given back when it ends,
-//! ~200 instructions; the worker's one runtime timer is the sweeper's (perf/RESULTS.md, #15
+//! ~200 instructions; the worker's one runtime timer is the sweeper's (perf/history/RESULTS-diary-2026-12.md, #15
 //! thirteenth session).
 //!
 //! How: the list keeps `due`, the earliest deadline among its waits as of the last sweep, or a

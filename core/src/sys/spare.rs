@@ -4,7 +4,7 @@
 //!
 //! A value that large, or that aligned, misses mimalloc's small-object fast path (up to 1 KB):
 //! a `Box` of a request's future measured ~220 instructions to allocate and ~100 to free, once
-//! per request (perf/RESULTS.md, #15 twelfth session). A [`SpareBox`] takes its cell from a
+//! per request (perf/history/RESULTS-diary-2026-12.md, #15 twelfth session). A [`SpareBox`] takes its cell from a
 //! per-thread shelf of cells of the same layout that earlier boxes left, and leaves its own
 //! there when dropped: a pop and a push. A shelf keeps at most [`KEPT_BYTES_PER_LAYOUT`] (and at
 //! most 256 cells); a wave of ten thousand requests ending frees the rest.

@@ -14,7 +14,7 @@
 //! **Why not prost's encoder.** prost encodes an owned `AccessRecord`, so each string had first
 //! to be copied into one, and it walks the message twice (`encoded_len`, then `encode`), pushing
 //! every byte through `BufMut`'s capacity check: `observe::emit` cost 3,683 instructions a
-//! request in the AI pipeline with it, 2,539 with this (perf/RESULTS.md, tenth session). The
+//! request in the AI pipeline with it, 2,539 with this (perf/history/RESULTS-diary-2026-12.md, tenth session). The
 //! schema, the generated type and every reader stay prost's;
 //! `the_hand_encoder_writes_what_prost_writes` holds this file to prost's bytes for every
 //! field, and [`RecordView::of`] names every field of the generated struct, so a field added to
