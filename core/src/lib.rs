@@ -22,6 +22,7 @@ mod sys {
     //! for the futures and timers it boxes per request, the worker's list of deadlines its
     //! timed waits park on, and the slab both that list and the client socket set keep their
     //! entries in.
+    pub(crate) mod client;
     pub(crate) mod clock;
     pub(crate) mod cpu;
     pub(crate) mod deadlines;
@@ -72,6 +73,7 @@ mod gateway {
     pub(crate) mod error;
     pub(crate) mod fallback;
     pub(crate) mod forward;
+    pub(crate) mod front_door;
     pub(crate) mod models;
     pub(crate) mod observe;
     pub(crate) mod pipeline;

@@ -229,3 +229,76 @@ fn requests_past_the_workers_cap_get_a_fast_503_and_health_still_answers() {
     }
     assert_eq!(gw.chat(&chat_body("gpt-4o")).status, 200);
 }
+
+/// Hostile clients II, item 1: nothing unauthenticated may hold the worker's body memory. Heads
+/// that declare the largest body allowed — on a path nobody serves, with a method a path does
+/// not take, on `/v1/models` (which takes no body), and on a proxied path without a key or with
+/// a wrong one — are answered from the head and closed, and an authenticated request with a
+/// body is served beside 200 of them held open.
+#[test]
+fn anonymous_heads_with_large_declared_bodies_take_no_body_memory() {
+    let mock = Mock::start(&[]);
+    let max = 1_000_000;
+    let gw = Sluice::start(&keyed(&mock).http("max_body_bytes", max).set(
+        "server",
+        "max_body_memory_per_worker",
+        &max.to_string(),
+    ));
+    let heads = [
+        ("POST /x", "", 404),
+        ("OPTIONS /", "", 404),
+        (
+            "GET /v1/models",
+            &format!("Authorization: Bearer {KEY}\r\n")[..],
+            200,
+        ),
+        ("GET /v1/chat/completions", "", 405),
+        ("POST /v1/chat/completions", "", 401),
+        (
+            "POST /v1/chat/completions",
+            "Authorization: Bearer sk-wrong\r\n",
+            401,
+        ),
+        (
+            "POST /v1/messages/count_tokens",
+            "x-api-key: sk-wrong\r\n",
+            401,
+        ),
+    ];
+    let mut held = Vec::new();
+    for i in 0..200 {
+        let (line, extra, status) = heads[i % heads.len()];
+        let mut c = gw.conn();
+        c.set_timeout(Duration::from_secs(10));
+        c.send(
+            format!("{line} HTTP/1.1\r\nHost: gw\r\n{extra}Content-Length: {max}\r\n\r\n")
+                .as_bytes(),
+        );
+        held.push((c, line, status));
+    }
+    // Every one is answered from its head, body unsent.
+    for (c, line, status) in &mut held {
+        let method = line.split(' ').next().unwrap();
+        let r = c.read_response_to(method);
+        assert_eq!(r.status, *status, "{line}: {}", r.dump());
+        assert!(
+            r.header_has_token("connection", "close"),
+            "{line}: {}",
+            r.dump()
+        );
+    }
+    // With all of them still open, a caller with a key sends a body and is served.
+    let body = chat_body("gpt-4o");
+    for _ in 0..4 {
+        let mut c = gw.conn();
+        c.set_timeout(Duration::from_secs(10));
+        c.send(&head(KEY, body.len(), ""));
+        c.send(body.as_bytes());
+        let r = c.read_response_to("POST");
+        assert_eq!(r.status, 200, "{}", r.dump());
+    }
+    for (c, _, _) in &mut held {
+        c.assert_closed(Duration::from_secs(5));
+    }
+    assert_eq!(mock.stat("requests"), 4);
+}

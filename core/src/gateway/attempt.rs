@@ -13,7 +13,7 @@
 //! records the rest of the backend's health.
 
 use crate::gateway::admit;
-use crate::gateway::context::{ClientSocket, PerCore, Request};
+use crate::gateway::context::{PerCore, Request};
 use crate::gateway::error::GatewayError;
 use crate::gateway::fallback::{self, FallbackReason, Judgement};
 use crate::gateway::forward::{self, UpstreamResponse};
@@ -25,6 +25,7 @@ use crate::gateway::translation::{self, Translation};
 use crate::limits::shard::Permit;
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
+use crate::sys::client::ClientSocket;
 use crate::upstream::health::{AttemptGuard, AttemptResult};
 
 /// What the walk over a request's candidates carries from one attempt to the next.

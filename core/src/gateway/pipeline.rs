@@ -11,15 +11,15 @@
 use crate::gateway::admit::{Admission, Caller};
 use crate::gateway::attempt::{self, Tried, Walk};
 use crate::gateway::auth::Principal;
-use crate::gateway::context::{ClientSocket, PerCore, Request};
+use crate::gateway::context::{PerCore, Request};
 use crate::gateway::error::GatewayError;
 use crate::gateway::record::{Estimator, Observation};
 use crate::gateway::relay::Relayed;
 use crate::gateway::route::Candidates;
 use crate::gateway::{admit, auth, observe, route, sticky, translation};
 use crate::limits::shard::Permit;
-use crate::openai::anthropic::client as anthropic_client;
 use crate::openai::inspect::Inspection;
+use crate::sys::client::ClientSocket;
 
 /// Proof that a request's head was authenticated: only [`authenticate_head`] makes one, and
 /// [`proxy`] takes one, so no path can proxy a request nobody authenticated.
@@ -68,23 +68,6 @@ pub(crate) fn refused_before_body(core: PerCore<'_>, request: &Request<'_>, erro
         &caller,
     );
     core.observations.give(obs);
-}
-
-/// Answer `/v1/messages/count_tokens` for a caller whose head was authenticated: the body read
-/// (strictly, as a Messages request without `max_tokens`), the model authorized for the key,
-/// and the prompt's tokens estimated as admission estimates them — nothing goes upstream.
-pub(crate) fn count_tokens(
-    request: &Request<'_>,
-    authenticated: Authenticated<'_>,
-) -> Result<u64, GatewayError> {
-    let read = anthropic_client::inspect_count_tokens(request.body)
-        .map_err(|e| GatewayError::invalid_request(e.message, None))?;
-    auth::authorize(
-        authenticated.principal,
-        &read.model,
-        request.peer.map(|p| p.ip()),
-    )?;
-    Ok(crate::openai::tokens::estimate_tokens(request.body))
 }
 
 /// Serve one request whose head was authenticated and whose body is in.

@@ -30,7 +30,7 @@
 
 use std::pin::pin;
 
-use crate::gateway::context::{ClientSocket, Io};
+use crate::gateway::context::Io;
 use crate::gateway::error::{GatewayError, UpstreamFault};
 use crate::gateway::forward::UpstreamResponse;
 use crate::gateway::record::{Observation, RelayEnd};
@@ -40,6 +40,7 @@ use crate::http::response::ResponseHead;
 use crate::http::{is_hop_by_hop, push_decimal, BodyFraming};
 use crate::openai::endpoint::ClientDialect;
 use crate::openai::meter::DEFAULT_MAX_EVENT;
+use crate::sys::client::ClientSocket;
 use crate::sys::clock::{self, Mono};
 use crate::sys::stream::{self, ReadOutcome};
 use crate::upstream::UpstreamConn;
@@ -761,7 +762,7 @@ impl Relay<'_, '_> {
         // wait armed and cancelled on every upstream read (every event of a stream) cost two
         // submissions, and the kernel finds the wait to cancel by a search of all those armed
         // on the ring, which grows with the streams a worker holds (8% of its CPU at 3,000
-        // streams; perf/RESULTS.md, #15 item 3). Counted from the last output, not from this
+        // streams; perf/history/RESULTS-diary-2026-12.md, #15 item 3). Counted from the last output, not from this
         // read: upstream bytes that produce none (events a translation drops, an event held
         // whole) must not keep the watch from ever arming. A client that leaves is noticed by
         // the next write, or within `WATCH_AFTER` of its last output.

@@ -16,7 +16,7 @@
 
 use crate::config::dialect::{AnthropicSettings, Dialect};
 use crate::config::Cluster;
-use crate::gateway::context::{ClientSocket, Io, Request};
+use crate::gateway::context::{Io, Request};
 use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
 use crate::gateway::forward::{self, UpstreamResponse};
 use crate::gateway::record::Observation;
@@ -27,6 +27,7 @@ use crate::openai::anthropic::client as anthropic_client;
 use crate::openai::anthropic::upstream as anthropic_upstream;
 use crate::openai::endpoint::{ClientDialect, Endpoint};
 use crate::openai::inspect::Inspection;
+use crate::sys::client::ClientSocket;
 
 /// How one client endpoint meets one target's dialect.
 #[derive(Debug, Clone, Copy)]

@@ -4,17 +4,18 @@
 //! Runs as one task per accepted connection on its worker. Takes the socket; returns when the
 //! client closes, a keep-alive idle or read timeout fires, or a request leaves the connection
 //! unusable. Raises, as responses: the HTTP layer's 400 / 413 / 414 / 417 / 431 (then closes),
-//! 408 when a head or body is not received in time (then closes), 404 for unknown paths and 405
-//! for a wrong method — in Anthropic's error shape on `/v1/messages` paths ([`ClientDialect`]).
-//! Everything behind a routed path is [`crate::gateway::pipeline::proxy`]'s, but
-//! `/v1/messages/count_tokens`, answered here from Sluice's estimate
-//! ([`crate::gateway::pipeline::count_tokens`]).
+//! 408 when a head or body is not received in time (then closes) — in Anthropic's error shape on
+//! `/v1/messages` paths ([`ClientDialect`]). What a request's path and head mean (404, 405,
+//! refusals, local answers, the proxy) is the gateway's front door's
+//! ([`crate::gateway::front_door`]): this loop carries its decisions out — reads the body it
+//! lets in, writes the answers it gives, closes where the body was left unread.
 //!
 //! While the worker drains for a stop, a connection closes instead of waiting for another
 //! request (unless one is already on its way), and the responses written here say
 //! `connection: close`. The connection is in the worker's client set for its life, marked while
 //! it waits for a request, so the drain's start closes the waiting ones at once.
 
+use std::borrow::Cow;
 use std::os::fd::RawFd;
 use std::rc::Rc;
 use std::time::Duration;
@@ -23,15 +24,16 @@ use monoio::net::TcpStream;
 
 use crate::config::Timeouts;
 use crate::gateway::auth::KeyDigestMemo;
-use crate::gateway::context::{ClientSocket, Request};
+use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError};
-use crate::gateway::pipeline;
+use crate::gateway::front_door::{self, body_memory_full, Answered, HeadDecision, Local};
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, RequestHead};
 use crate::http::BodyFraming;
-use crate::openai::endpoint::{ClientDialect, Endpoint, COUNT_TOKENS_PATH};
+use crate::openai::endpoint::ClientDialect;
 use crate::openai::inspect::Inspection;
 use crate::runtime::worker::{Generation, Worker, MIN_READ_BUF};
+use crate::sys::client::ClientSocket;
 use crate::sys::clock;
 use crate::sys::clock::Mono;
 use crate::sys::spare::SpareBox;
@@ -314,8 +316,9 @@ async fn serve_request(
     true
 }
 
-/// Read the body of the request whose head is in `rbuf`, then dispatch it. Returns how many
-/// bytes of `rbuf` the request took when the connection stays open, `None` when it must close.
+/// Read the body of the request whose head is in `rbuf` when the gateway's front door lets it
+/// in, then have the front door answer it. Returns how many bytes of `rbuf` the request took
+/// when the connection stays open, `None` when it must close.
 #[allow(clippy::too_many_arguments)] // the connection's parts, split so the body can borrow rbuf
 async fn read_body_and_dispatch(
     worker: &Rc<Worker>,
@@ -328,12 +331,9 @@ async fn read_body_and_dispatch(
     peer: Option<std::net::SocketAddr>,
     key_memo: &mut KeyDigestMemo,
 ) -> Option<usize> {
-    let snapshot = &generation.snapshot;
-    let server = &snapshot.server;
-    let path = head.path(rbuf);
-    let dialect = ClientDialect::of_path(path);
-    let proxied = head.method == Method::Post
-        && (Endpoint::from_path(path).is_some() || path == COUNT_TOKENS_PATH);
+    let core = worker.per_core(generation);
+    let timeouts = &generation.snapshot.timeouts;
+    let dialect = ClientDialect::of_path(head.path(rbuf));
     let head_only = Request {
         buf: rbuf,
         received_at: clock::recent(),
@@ -343,36 +343,17 @@ async fn read_body_and_dispatch(
     };
     // Decided from the head, before the body is read — so a refused request never gets to send
     // (or make Sluice hold) its body, and since that body stays unread the connection closes
-    // after the answer. First shedding: past this worker's request cap, or with a body that
-    // would take its request-body memory past the cap, a fast 503 with Retry-After.
-    let mut body_hold = worker.load.hold_body(server.max_body_memory_per_worker);
-    let shed = if worker.load.active() > server.max_requests_per_worker {
-        Some(GatewayError::overloaded(format!(
-            "This server is serving its maximum of {} requests per worker; retry shortly.",
-            server.max_requests_per_worker
-        )))
-    } else {
-        match head.body {
-            BodyFraming::Length(n) if !body_hold.grow_to(n as usize) => Some(body_memory_full()),
-            _ => None,
-        }
-    };
-    // Then, for an OpenAI endpoint, authentication: an unknown, disabled or expired key.
-    let authenticated = match shed {
-        Some(e) => {
-            pipeline::refused_before_body(worker.per_core(generation), &head_only, &e);
-            Err(e)
-        }
-        None if proxied => {
-            pipeline::authenticate_head(worker.per_core(generation), &head_only, key_memo).map(Some)
-        }
-        None => Ok(None),
-    };
-    let authenticated = match authenticated {
-        Ok(authenticated) => authenticated,
-        Err(e) => {
-            answer_unread(worker, client, &snapshot.timeouts, &e, dialect, rbuf).await;
+    // after the answer.
+    let (ticket, mut hold) = match front_door::on_head(core, &head_only, key_memo) {
+        HeadDecision::ReadBody { ticket, hold } => (ticket, hold),
+        HeadDecision::Refuse(e) => {
+            answer_unread(worker, client, timeouts, &e, dialect, rbuf).await;
             return None;
+        }
+        HeadDecision::Answer(local) => {
+            let kept = answer_from_head(worker, client, timeouts, local, dialect, head, rbuf).await;
+            worker.drain.request_ended();
+            return kept.then_some(head.head_len);
         }
     };
     let consumed = match read_body(
@@ -380,16 +361,15 @@ async fn read_body_and_dispatch(
         rbuf,
         head,
         chunked_body,
-        &mut body_hold,
-        &snapshot.http,
-        &snapshot.timeouts,
+        &mut hold,
+        &generation.snapshot.http,
+        timeouts,
     )
     .await
     {
         Ok(consumed) => consumed,
         Err(e) => {
             let head_only = head.method == Method::Head;
-            let timeouts = &snapshot.timeouts;
             let _ = write_error(worker, client, timeouts, &e, dialect, false, head_only).await;
             return None;
         }
@@ -406,121 +386,69 @@ async fn read_body_and_dispatch(
         head,
         body,
     };
-    let keep_alive = dispatch(
-        worker,
-        generation,
-        client,
-        &request,
-        inspection,
-        authenticated,
-    )
-    .await;
+    let keep_alive = match front_door::answer(core, client, &request, inspection, ticket).await {
+        Answered::Proxied(keep_alive) => keep_alive,
+        Answered::Local(local) => {
+            write_local(
+                worker,
+                client,
+                timeouts,
+                local,
+                dialect,
+                head,
+                head.keep_alive,
+            )
+            .await
+        }
+    };
     worker.drain.request_ended();
     keep_alive.then_some(consumed)
 }
 
-/// Route a complete request by path and method. Returns whether the connection stays open.
-async fn dispatch(
-    worker: &Rc<Worker>,
-    generation: &Generation,
+/// Write an answer the front door gave from the head alone. A request that declared no body is
+/// done with; one that declared a body leaves it unread, so the connection closes after the
+/// answer (a lingering close). Returns whether the connection stays open.
+async fn answer_from_head(
+    worker: &Worker,
     client: &mut ClientSocket,
-    request: &Request<'_>,
-    inspection: &mut Inspection,
-    authenticated: Option<pipeline::Authenticated<'_>>,
+    timeouts: &Timeouts,
+    local: Local<'_>,
+    dialect: ClientDialect,
+    head: &RequestHead,
+    rbuf: &mut Vec<u8>,
 ) -> bool {
-    let head = request.head;
+    let no_body = matches!(head.body, BodyFraming::None | BodyFraming::Length(0));
+    let keep_alive = head.keep_alive && no_body;
+    let kept = write_local(worker, client, timeouts, local, dialect, head, keep_alive).await;
+    if !no_body {
+        linger_close(client, rbuf, timeouts.body_read).await;
+    }
+    kept
+}
+
+/// Write an answer the gateway gave itself. Returns whether the connection may be kept.
+async fn write_local(
+    worker: &Worker,
+    client: &mut ClientSocket,
+    timeouts: &Timeouts,
+    local: Local<'_>,
+    dialect: ClientDialect,
+    head: &RequestHead,
+    keep_alive: bool,
+) -> bool {
     let head_only = head.method == Method::Head;
-    let timeouts = &generation.snapshot.timeouts;
-    let path = head.path(request.buf);
-    let dialect = ClientDialect::of_path(path);
-    let result = match path {
-        COUNT_TOKENS_PATH => {
-            // Answered here, from Sluice's own estimate, once the key (from the head) and the
-            // model are allowed.
-            if let (Method::Post, Some(authenticated)) = (head.method, authenticated) {
-                match pipeline::count_tokens(request, authenticated) {
-                    Ok(tokens) => {
-                        let mut body = worker.bufs.take();
-                        crate::openai::anthropic::client::count_tokens_body(tokens, &mut body);
-                        let keep = write_json(
-                            worker,
-                            client,
-                            timeouts,
-                            200,
-                            &body,
-                            head.keep_alive,
-                            head_only,
-                        )
-                        .await;
-                        worker.bufs.give(body);
-                        return keep;
-                    }
-                    Err(e) => Err(e),
-                }
-            } else {
-                Err(GatewayError::method_not_allowed(
-                    "/v1/messages/count_tokens only accepts POST",
-                    "POST",
-                ))
-            }
-        }
-        _ if Endpoint::from_path(path).is_some() => {
-            // A POST here was authenticated from its head (`read_body_and_dispatch`).
-            if let (Method::Post, Some(authenticated)) = (head.method, authenticated) {
-                let core = worker.per_core(generation);
-                match pipeline::proxy(core, client, request, inspection, authenticated).await {
-                    Ok(keep_alive) => return keep_alive && head.keep_alive,
-                    Err(e) => Err(e),
-                }
-            } else {
-                Err(GatewayError::method_not_allowed(
-                    format!("{} only accepts POST", String::from_utf8_lossy(path)),
-                    "POST",
-                ))
-            }
-        }
-        b"/v1/models" => match head.method {
-            Method::Get | Method::Head => {
-                // Not memoized: a listing is rare, and its connection's memo is not at hand.
-                crate::gateway::auth::authenticate(&generation.snapshot.limits, request, None)
-            }
-            _ => Err(GatewayError::method_not_allowed(
-                "/v1/models only accepts GET",
-                "GET, HEAD",
-            )),
-        },
-        _ => Err(GatewayError::not_found(format!(
-            "Unknown request URL: {}. Please check the URL for typos.",
-            String::from_utf8_lossy(&path[..path.len().min(256)])
-        ))),
-    };
-    match result {
-        Ok(principal) => {
-            // A key with model lists sees only what it may use; one with routes of its own
-            // (or its entity's) sees those too.
-            let own;
-            let models = crate::gateway::models::own_list;
-            let body = match principal {
-                Some(p) if models(&generation.snapshot, p.key) => {
-                    own =
-                        crate::gateway::models::list_body_for(&generation.snapshot, p.index, p.key);
-                    &own
-                }
-                _ => &generation.models_body,
-            };
-            write_json(
-                worker,
-                client,
-                timeouts,
-                200,
-                body,
-                head.keep_alive,
-                head_only,
+    match local {
+        Local::Json(status, body) => {
+            let kept = write_json(
+                worker, client, timeouts, status, &body, keep_alive, head_only,
             )
-            .await
+            .await;
+            if let Cow::Owned(body) = body {
+                worker.bufs.give(body);
+            }
+            kept
         }
-        Err(e) => {
-            let keep_alive = head.keep_alive;
+        Local::Error(e) => {
             write_error(worker, client, timeouts, &e, dialect, keep_alive, head_only).await
         }
     }
@@ -629,13 +557,6 @@ async fn read_head(
             }
         }
     }
-}
-
-/// The answer to a body that would take the worker's request bodies past their memory cap.
-fn body_memory_full() -> GatewayError {
-    GatewayError::overloaded(
-        "This server holds as many request bodies as it has memory for; retry shortly.",
-    )
 }
 
 /// Read the body framed by `head`, each read within `timeouts.body_read` and the whole body

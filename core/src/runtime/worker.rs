@@ -324,6 +324,7 @@ impl Worker {
             observations: &self.observations,
             log: &self.log,
             drain: &self.drain,
+            models_body: &generation.models_body,
         }
     }
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 /// `Timespec::sub_timespec` (seconds and nanoseconds apart, borrow, checks), ~37 instructions,
 /// and a request took about seventeen (its timings, deadlines, pool ages, `mono_ms`). Here a
 /// difference is a subtraction; the change took 3% off a 1 KB request's user-space
-/// instructions (perf/RESULTS.md, #15). A `u64` of nanoseconds holds 584 years of uptime. Only
+/// instructions (perf/history/RESULTS-diary-2026-12.md, #15). A `u64` of nanoseconds holds 584 years of uptime. Only
 /// the runtime's timers take an `Instant`: a [`Sleep`] makes one ([`Mono::to_instant`]) when
 /// it has to make its timer, so a wait that ends at once converts nothing.
 ///
