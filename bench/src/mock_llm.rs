@@ -125,6 +125,10 @@ REQUEST HEADERS:
                              {\"city\":\"Paris\",\"n\":I}), streamed as OpenAI streams them
                              (a first chunk with index, id and name, then the arguments in 4
                              chunks, each a content event); completion_tokens stay --tokens
+    x-mock-tool-calls-json: [{\"name\":N,\"arguments\":A},...]
+                             exactly these calls, in order, whatever the request offers (A a
+                             JSON value, or its JSON text as a string; absent: {}); on
+                             /v1/messages A is the tool_use block's input
     x-mock-cache-read: R, x-mock-cache-write: W
                              cache usage: on /v1/messages cache_read_input_tokens and
                              cache_creation_input_tokens; on /v1/chat/completions

@@ -489,3 +489,110 @@ fn a_client_leaving_while_only_pings_arrive_cancels_the_upstream() {
         claude.stats()
     );
 }
+
+/// mock-llm answers exactly the tool calls `x-mock-tool-calls-json` names, so translation is
+/// checked on names and arguments, not only on shapes: Claude's calls reach an OpenAI client
+/// (whole and streamed) and an OpenAI upstream's calls reach an Anthropic client with the same
+/// names and the same arguments, non-ASCII text included.
+#[test]
+fn scripted_tool_calls_keep_their_names_and_arguments_across_dialects() {
+    let claude = Mock::start(&["--tokens", "2"]);
+    let openai = Mock::start(&[]);
+    let log = TempDir::new("anthropic-scripted-tools");
+    let gw = Sluice::start(&config(&claude, &openai, &log));
+    let script = json!([
+        {"name": "get_weather", "arguments": {"city": "Zürich", "days": 3}},
+        {"name": "lookup_time", "arguments": {"zone": "Europe/Oslo"}}
+    ]);
+    let want = [
+        ("get_weather", json!({"city": "Zürich", "days": 3})),
+        ("lookup_time", json!({"zone": "Europe/Oslo"})),
+    ];
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "lookup_time", "parameters": {"type": "object"}}}
+    ]);
+    for stream in [false, true] {
+        let body = json!({
+            "model": "claude", "stream": stream, "tools": tools,
+            "messages": [{"role": "user", "content": "weather and time?"}]
+        });
+        let r = gw.request(
+            &Req::post("/v1/chat/completions", &body.to_string())
+                .header("x-mock-tool-calls-json", &script.to_string()),
+        );
+        assert_eq!(r.status, 200, "{}", r.dump());
+        let mut calls: Vec<(String, String)> = Vec::new();
+        if stream {
+            for c in r.sse_events().iter().filter_map(SseEvent::json) {
+                for tc in c["choices"][0]["delta"]["tool_calls"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                {
+                    let i = tc["index"].as_u64().unwrap() as usize;
+                    if calls.len() <= i {
+                        calls.push((String::new(), String::new()));
+                    }
+                    if let Some(name) = tc["function"]["name"].as_str() {
+                        calls[i].0.push_str(name);
+                    }
+                    if let Some(args) = tc["function"]["arguments"].as_str() {
+                        calls[i].1.push_str(args);
+                    }
+                }
+            }
+        } else {
+            for tc in r.json()["choices"][0]["message"]["tool_calls"]
+                .as_array()
+                .unwrap()
+            {
+                let f = &tc["function"];
+                calls.push((
+                    f["name"].as_str().unwrap().into(),
+                    f["arguments"].as_str().unwrap().into(),
+                ));
+            }
+        }
+        let got: Vec<(String, Value)> = calls
+            .into_iter()
+            .map(|(name, args)| (name, serde_json::from_str(&args).expect("whole JSON")))
+            .collect();
+        let want: Vec<(String, Value)> = want
+            .iter()
+            .map(|(n, a)| (n.to_string(), a.clone()))
+            .collect();
+        assert_eq!(got, want, "stream: {stream}");
+    }
+    assert_eq!(claude.stat("invalid_requests"), 0);
+
+    // An Anthropic client, an OpenAI upstream.
+    let body = json!({
+        "model": "gpt-4o", "max_tokens": 100,
+        "tools": [
+            {"name": "get_weather", "input_schema": {"type": "object"}},
+            {"name": "lookup_time", "input_schema": {"type": "object"}}
+        ],
+        "messages": [{"role": "user", "content": "weather and time?"}]
+    });
+    let r = gw.request(
+        &Req::post("/v1/messages", &body.to_string())
+            .header("anthropic-version", "2023-06-01")
+            .header("x-mock-tool-calls-json", &script.to_string()),
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let v = r.json();
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    let got: Vec<(String, Value)> = v["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["type"] == "tool_use")
+        .map(|b| (b["name"].as_str().unwrap().to_string(), b["input"].clone()))
+        .collect();
+    let want: Vec<(String, Value)> = want
+        .iter()
+        .map(|(n, a)| (n.to_string(), a.clone()))
+        .collect();
+    assert_eq!(got, want);
+}

@@ -12,6 +12,8 @@
 
 use serde_json::{Map, Value};
 
+use super::anthropic_wire::tool_input;
+
 /// `thinking_delta` events of a thinking block (each one output token).
 pub const THINKING_DELTAS: u64 = 3;
 /// `input_json_delta` events of a `tool_use` block: an empty one first (as the API sends), then
@@ -982,6 +984,8 @@ pub struct Answer {
     pub text_block: bool,
     /// The tool each `tool_use` block calls, in order.
     pub tool_calls: Vec<String>,
+    /// Each `tool_use` block's `input`, as JSON text.
+    pub tool_inputs: Vec<String>,
     pub stop_reason: &'static str,
 }
 
@@ -991,6 +995,9 @@ pub struct Sizes {
     pub tokens: u64,
     /// `x-mock-tool-calls` (0 when absent).
     pub tool_calls: u64,
+    /// `x-mock-tool-calls-json`: exactly these calls (names and inputs), whatever the request
+    /// offers; empty: none scripted.
+    pub script: Vec<super::chat_tools::Scripted>,
     pub input_tokens: u64,
     pub cache_read: u64,
     pub cache_write: u64,
@@ -1002,14 +1009,18 @@ impl Answer {
     /// it is `none`, at most one with `disable_parallel_tool_use`), each to the next tool in
     /// order (or to the named tool). The output is cut to `max_tokens`: thinking, then text,
     /// then whole tool calls; what is cut makes the stop reason `max_tokens`.
+    /// A script (`x-mock-tool-calls-json`) replaces all of that but the cut: its calls, by its
+    /// names and inputs.
     pub fn plan(req: &Request, s: &Sizes) -> Answer {
+        let scripted = !s.script.is_empty();
         let mut calls = match req.tool_choice {
+            _ if scripted => s.script.len() as u64,
             _ if req.tools.is_empty() => 0,
             ToolChoice::None => 0,
             ToolChoice::Any | ToolChoice::Tool(_) => s.tool_calls.max(1),
             ToolChoice::Auto => s.tool_calls,
         };
-        if req.disable_parallel {
+        if req.disable_parallel && !scripted {
             calls = calls.min(1);
         }
         let thinking_tokens = if req.thinking { THINKING_DELTAS } else { 0 };
@@ -1023,17 +1034,23 @@ impl Answer {
         };
         budget -= text_tokens;
         let mut tool_calls = Vec::new();
+        let mut tool_inputs = Vec::new();
         for n in 0..calls {
             if cut || budget < TOOL_JSON_DELTAS {
                 cut = true;
                 break;
             }
             budget -= TOOL_JSON_DELTAS;
-            let name = match &req.tool_choice {
-                ToolChoice::Tool(name) => name.clone(),
-                _ => req.tools[(n as usize) % req.tools.len()].clone(),
+            let (name, input) = match (s.script.get(n as usize), &req.tool_choice) {
+                (Some(call), _) => (call.name.clone(), call.arguments.clone()),
+                (None, ToolChoice::Tool(name)) => (name.clone(), tool_input(n as usize)),
+                (None, _) => (
+                    req.tools[(n as usize) % req.tools.len()].clone(),
+                    tool_input(n as usize),
+                ),
             };
             tool_calls.push(name);
+            tool_inputs.push(input);
         }
         Answer {
             input_tokens: s.input_tokens,
@@ -1050,6 +1067,7 @@ impl Answer {
                 "tool_use"
             },
             tool_calls,
+            tool_inputs,
         }
     }
 
@@ -1591,10 +1609,34 @@ mod tests {
         Sizes {
             tokens,
             tool_calls,
+            script: Vec::new(),
             input_tokens: 10,
             cache_read: 3,
             cache_write: 2,
         }
+    }
+
+    #[test]
+    fn a_script_decides_the_calls_names_and_inputs() {
+        // No tools offered, `tool_choice: none`, no parallel calls: the script wins over all.
+        let req = Request {
+            stream: false,
+            max_tokens: 1000,
+            thinking: false,
+            tools: Vec::new(),
+            tool_choice: ToolChoice::None,
+            disable_parallel: true,
+        };
+        let mut s = sizes(0, 0);
+        s.script = crate::chat_tools::read_script(
+            br#"[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"now"}]"#,
+        )
+        .unwrap();
+        let a = Answer::plan(&req, &s);
+        assert_eq!(a.tool_calls, ["get_weather", "now"]);
+        assert_eq!(a.tool_inputs, [r#"{"city":"Oslo"}"#, "{}"]);
+        assert_eq!(a.blocks(), [Block::Tool(0), Block::Tool(1)]);
+        assert_eq!(a.stop_reason, "tool_use");
     }
 
     #[test]

@@ -38,18 +38,22 @@ fn tool_use_id(out: &mut Vec<u8>, seq: u64, n: usize) {
     let _ = write!(out, "\"toolu_mock_{seq}_{n}\"");
 }
 
-/// The input of tool call `n`, as JSON text: `{"location":"city{n}","unit":"celsius"}`.
-fn tool_input(n: usize) -> String {
+/// The made-up input of tool call `n`, as JSON text: `{"location":"city{n}","unit":"celsius"}`.
+pub fn tool_input(n: usize) -> String {
     format!("{{\"location\":\"city{n}\",\"unit\":\"celsius\"}}")
 }
 
-/// Piece `j` of the input of tool call `n`, as sent in its `input_json_delta` events: the
-/// first is empty (as the API's first one is), then four pieces cut mid-key and mid-value, so
-/// a client must join them before parsing.
-pub fn tool_input_piece(n: usize, j: u64) -> String {
-    let input = tool_input(n);
+/// Piece `j` of a tool call's `input` (JSON text), as sent in its `input_json_delta` events: the
+/// first is empty (as the API's first one is), then four pieces cut mid-key and mid-value (at
+/// char boundaries), so a client must join them before parsing.
+pub fn tool_input_piece(input: &str, j: u64) -> String {
     let len = input.len();
-    let cuts = [0, 0, len / 4, len / 2, len * 3 / 4, len];
+    let cut = |at: usize| {
+        (at..=len)
+            .find(|&k| input.is_char_boundary(k))
+            .unwrap_or(len)
+    };
+    let cuts = [0, 0, cut(len / 4), cut(len / 2), cut(len * 3 / 4), len];
     let j = (j as usize).min(cuts.len() - 2);
     input[cuts[j]..cuts[j + 1]].to_owned()
 }
@@ -103,7 +107,7 @@ fn block_whole(out: &mut Vec<u8>, m: &Msg, block: Block) {
             out.extend_from_slice(b",\"name\":");
             json_str(out, &a.tool_calls[n]);
             out.extend_from_slice(b",\"input\":");
-            out.extend_from_slice(tool_input(n).as_bytes());
+            out.extend_from_slice(a.tool_inputs[n].as_bytes());
             out.push(b'}');
         }
     }
@@ -173,8 +177,8 @@ pub fn ev_block_start(out: &mut Vec<u8>, m: &Msg, index: usize, block: Block) {
     out.extend_from_slice(b"}\n\n");
 }
 
-/// Content delta `j` of block `index`.
-pub fn ev_delta(out: &mut Vec<u8>, index: usize, block: Block, j: u64) {
+/// Content delta `j` of block `index` of answer `a`.
+pub fn ev_delta(out: &mut Vec<u8>, a: &Answer, index: usize, block: Block, j: u64) {
     event(out, "content_block_delta");
     let _ = write!(out, ",\"index\":{index},\"delta\":");
     match block {
@@ -190,7 +194,7 @@ pub fn ev_delta(out: &mut Vec<u8>, index: usize, block: Block, j: u64) {
         }
         Block::Tool(n) => {
             out.extend_from_slice(b"{\"type\":\"input_json_delta\",\"partial_json\":");
-            json_str(out, &tool_input_piece(n, j));
+            json_str(out, &tool_input_piece(&a.tool_inputs[n], j));
             out.push(b'}');
         }
     }
@@ -325,6 +329,7 @@ mod tests {
             &Sizes {
                 tokens: 3,
                 tool_calls: tools,
+                script: Vec::new(),
                 input_tokens: 7,
                 cache_read: 5,
                 cache_write: 2,
@@ -428,7 +433,7 @@ mod tests {
             let (_, v) = ev(&out);
             assert_eq!(v["index"], i);
             out.clear();
-            ev_delta(&mut out, i, b, 1);
+            ev_delta(&mut out, &a, i, b, 1);
             let (_, v) = ev(&out);
             let want = match b {
                 Block::Thinking => "thinking_delta",
@@ -462,14 +467,14 @@ mod tests {
     fn tool_input_pieces_join_to_the_input() {
         for n in [0, 7, 12] {
             let joined: String = (0..TOOL_JSON_DELTAS)
-                .map(|j| tool_input_piece(n, j))
+                .map(|j| tool_input_piece(&tool_input(n), j))
                 .collect();
             assert_eq!(joined, tool_input(n));
-            assert_eq!(tool_input_piece(n, 0), "");
+            assert_eq!(tool_input_piece(&tool_input(n), 0), "");
             let v: Value = serde_json::from_str(&joined).unwrap();
             assert!(v.is_object());
             for j in 1..TOOL_JSON_DELTAS {
-                let piece = tool_input_piece(n, j);
+                let piece = tool_input_piece(&tool_input(n), j);
                 assert!(!piece.is_empty());
                 assert!(
                     serde_json::from_str::<Value>(&piece).is_err(),

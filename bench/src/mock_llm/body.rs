@@ -21,6 +21,9 @@ pub struct Gen<'a> {
     pub cache: Option<(u64, u64)>,
     /// Chat completions: the names tool calls go to, in turn (see [`chat_tools::Offer`]).
     pub tool_names: &'a [String],
+    /// Chat completions: each call's arguments as `x-mock-tool-calls-json` scripts them (empty:
+    /// made up, see [`chat_tools::arguments`]).
+    pub tool_args: &'a [String],
     /// Chat completions: tool calls answered instead of text (0: a text answer).
     pub tool_calls: u64,
 }
@@ -103,7 +106,7 @@ pub fn chat_completion(out: &mut Vec<u8>, g: &Gen, echo: &[u8]) {
             out.extend_from_slice(b",\"type\":\"function\",\"function\":{\"name\":");
             super::http::json_str(out, chat_tools::name(g.tool_names, i));
             out.extend_from_slice(b",\"arguments\":");
-            super::http::json_str(out, &chat_tools::arguments(i));
+            super::http::json_str(out, &chat_tools::arguments(g.tool_args, i));
             out.extend_from_slice(b"}}");
         }
         out.extend_from_slice(b"]},\"finish_reason\":\"tool_calls\"}],\"usage\":");
@@ -349,7 +352,7 @@ pub fn ev_chat_tool_args(out: &mut Vec<u8>, g: &Gen, i: u64, j: u64) {
         ",\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":{i},\
          \"function\":{{\"arguments\":"
     );
-    super::http::json_str(out, &chat_tools::argument_piece(i, j));
+    super::http::json_str(out, &chat_tools::argument_piece(g.tool_args, i, j));
     out.extend_from_slice(b"}}]},\"finish_reason\":null}]}\n\n");
 }
 
@@ -447,6 +450,7 @@ mod tests {
             tokens: 3,
             cache: None,
             tool_names: &[],
+            tool_args: &[],
             tool_calls: 0,
         }
     }
@@ -562,6 +566,7 @@ mod tests {
             prompt_tokens: 10,
             cache: Some((7, 2)),
             tool_names: names,
+            tool_args: &[],
             tool_calls: 3,
             ..g()
         }

@@ -83,21 +83,64 @@ pub fn id_json(out: &mut Vec<u8>, seq: u64, i: u64) {
     let _ = write!(out, "\"call_mock_{seq}_{i}\"");
 }
 
-/// Call `i`'s arguments, as JSON text (unquoted): `{"city":"Paris","n":i}`.
-pub fn arguments(i: u64) -> String {
-    format!("{{\"city\":\"Paris\",\"n\":{i}}}")
+/// Call `i`'s arguments, as JSON text (unquoted): the scripted ones (`scripted[i]`, see
+/// [`read_script`]) when there are, else `{"city":"Paris","n":i}`.
+pub fn arguments(scripted: &[String], i: u64) -> String {
+    match scripted.get(i as usize) {
+        Some(args) => args.clone(),
+        None => format!("{{\"city\":\"Paris\",\"n\":{i}}}"),
+    }
+}
+
+/// One call that `x-mock-tool-calls-json` scripts: its tool's name and its arguments (or, on
+/// `/v1/messages`, its `input`) as JSON text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scripted {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// Reads `x-mock-tool-calls-json`: a JSON array of `{"name": STRING, "arguments": VALUE}`, one
+/// entry a call, in order. `arguments` given as a string is that JSON text itself (as OpenAI
+/// carries it); any other value is written out as JSON text; absent, `{}`. `None` when the
+/// value is not such an array, is empty, or has more than [`MAX_CALLS`] entries.
+pub fn read_script(value: &[u8]) -> Option<Vec<Scripted>> {
+    let Value::Array(calls) = serde_json::from_slice::<Value>(value).ok()? else {
+        return None;
+    };
+    if calls.is_empty() || calls.len() as u64 > MAX_CALLS {
+        return None;
+    }
+    calls
+        .iter()
+        .map(|call| {
+            let name = call.get("name")?.as_str()?.to_owned();
+            let arguments = match call.get("arguments") {
+                None => "{}".to_owned(),
+                Some(Value::String(text)) => text.clone(),
+                Some(other) => other.to_string(),
+            };
+            Some(Scripted { name, arguments })
+        })
+        .collect()
 }
 
 /// Fragment `j` (0..[`ARG_PIECES`]) of call `i`'s arguments; the fragments join to
-/// [`arguments`], and none parses alone.
-pub fn argument_piece(i: u64, j: u64) -> String {
-    let args = arguments(i);
+/// [`arguments`], and none of the made-up ones parses alone (a scripted one as short as `{}`
+/// leaves some fragments empty).
+pub fn argument_piece(scripted: &[String], i: u64, j: u64) -> String {
+    let args = arguments(scripted, i);
     let len = args.len();
     let pieces = ARG_PIECES as usize;
     let j = (j as usize).min(pieces - 1);
-    // ASCII text: every cut is a char boundary.
-    let start = len * j / pieces;
-    let end = len * (j + 1) / pieces;
+    // Cut at char boundaries (a scripted text may not be ASCII).
+    let cut = |at: usize| {
+        (at..=len)
+            .find(|&k| args.is_char_boundary(k))
+            .unwrap_or(len)
+    };
+    let start = cut(len * j / pieces);
+    let end = cut(len * (j + 1) / pieces);
     args.get(start..end).unwrap_or_default().to_owned()
 }
 
@@ -148,12 +191,12 @@ mod tests {
     #[test]
     fn argument_pieces_join_to_the_arguments() {
         for i in [0, 7, 12, 1023] {
-            let joined: String = (0..ARG_PIECES).map(|j| argument_piece(i, j)).collect();
-            assert_eq!(joined, arguments(i));
+            let joined: String = (0..ARG_PIECES).map(|j| argument_piece(&[], i, j)).collect();
+            assert_eq!(joined, arguments(&[], i));
             let v: Value = serde_json::from_str(&joined).unwrap();
             assert_eq!(v, json!({"city": "Paris", "n": i}));
             for j in 0..ARG_PIECES {
-                let piece = argument_piece(i, j);
+                let piece = argument_piece(&[], i, j);
                 assert!(!piece.is_empty(), "{i} {j}");
                 assert!(
                     serde_json::from_str::<Value>(&piece).is_err(),
@@ -164,5 +207,35 @@ mod tests {
         let mut id = Vec::new();
         id_json(&mut id, 4, 2);
         assert_eq!(id, b"\"call_mock_4_2\"");
+    }
+
+    #[test]
+    fn a_script_names_each_call_and_its_arguments() {
+        let script = read_script(
+            br#"[{"name":"get_weather","arguments":{"city":"Oslo"}},
+                 {"name":"lookup","arguments":"{\"q\":\"\u00e9t\u00e9\"}"},
+                 {"name":"now"}]"#,
+        )
+        .unwrap();
+        let names: Vec<&str> = script.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["get_weather", "lookup", "now"]);
+        assert_eq!(script[0].arguments, r#"{"city":"Oslo"}"#);
+        assert_eq!(script[1].arguments, "{\"q\":\"été\"}");
+        assert_eq!(script[2].arguments, "{}");
+        // The fragments of a scripted call join to its arguments, cut at char boundaries.
+        let args: Vec<String> = vec!["{\"q\":\"été\"}".to_owned()];
+        let joined: String = (0..ARG_PIECES)
+            .map(|j| argument_piece(&args, 0, j))
+            .collect();
+        assert_eq!(joined, args[0]);
+        for bad in [
+            &b"{}"[..],
+            b"[]",
+            b"[{\"arguments\":{}}]",
+            b"[{\"name\":3}]",
+            b"not json",
+        ] {
+            assert_eq!(read_script(bad), None, "{}", String::from_utf8_lossy(bad));
+        }
     }
 }

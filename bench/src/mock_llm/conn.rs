@@ -231,6 +231,12 @@ struct Plan {
     chat_tool_names: Vec<String>,
     /// `/v1/chat/completions`: tool calls answered instead of text (0: a text answer).
     chat_tool_calls: u64,
+    /// `/v1/chat/completions`: each call's arguments as `x-mock-tool-calls-json` scripts them
+    /// (empty: made up).
+    chat_tool_args: Vec<String>,
+    /// `x-mock-tool-calls-json`: the calls to answer with, by name and arguments (empty: none
+    /// scripted).
+    tool_script: Vec<chat_tools::Scripted>,
 }
 
 impl Plan {
@@ -661,6 +667,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             cache_headers: false,
             chat_tool_names: Vec::new(),
             chat_tool_calls: 0,
+            chat_tool_args: Vec::new(),
+            tool_script: Vec::new(),
         };
         if let Route::Control(ep) = route {
             // The control endpoints ignore faults and controls.
@@ -777,6 +785,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 plan.provider_fields = value.eq_ignore_ascii_case(b"provider");
             } else if ctl.eq_ignore_ascii_case(b"tool-calls") {
                 plan.tool_calls = parse_num(value).unwrap_or(0);
+            } else if ctl.eq_ignore_ascii_case(b"tool-calls-json") {
+                plan.tool_script = chat_tools::read_script(value).unwrap_or_default();
             } else if ctl.eq_ignore_ascii_case(b"cache-read") {
                 plan.cache_read = parse_num(value).unwrap_or(0);
                 plan.cache_headers = true;
@@ -793,9 +803,15 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 }
             }
         }
-        if route == Route::Chat {
+        if route == Route::Chat && plan.tool_script.is_empty() {
             plan.chat_tool_calls = offer.calls(plan.tool_calls);
             plan.chat_tool_names = offer.names;
+        } else if route == Route::Chat {
+            // Scripted: exactly these calls, whatever the request offers.
+            let script = &plan.tool_script;
+            plan.chat_tool_calls = script.len() as u64;
+            plan.chat_tool_names = script.iter().map(|c| c.name.clone()).collect();
+            plan.chat_tool_args = script.iter().map(|c| c.arguments.clone()).collect();
         }
         echo.extend_from_slice(b"],\"body\":");
         http::json_bytes(echo, body);
@@ -838,6 +854,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                         let sizes = anthropic::Sizes {
                             tokens: plan.tokens,
                             tool_calls: plan.tool_calls,
+                            script: plan.tool_script.clone(),
                             input_tokens: plan.prompt_tokens,
                             cache_read: plan.cache_read,
                             cache_write: plan.cache_write,
@@ -892,6 +909,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             tokens: p.tokens,
             cache: p.chat_cache(),
             tool_names: &p.chat_tool_names,
+            tool_args: &p.chat_tool_args,
             tool_calls: p.chat_tool_calls,
         }
     }
@@ -1329,7 +1347,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                     if at.error_at == Some(sent) {
                         return self.error_event(p, framing, sent, close).await;
                     }
-                    anthropic_wire::ev_delta(&mut self.ev, i, block, j);
+                    anthropic_wire::ev_delta(&mut self.ev, answer, i, block, j);
                     self.send_ev(framing, b"").await?;
                     sent += 1;
                     if p.fault == Some(Fault::MalformedChunk) {
