@@ -7,10 +7,10 @@
 //! request, forwards it and judges what came back ([`fallback`]), recording the backend's health
 //! as far as the judgement knows it. It returns a [`Tried`]: passed over without being sent,
 //! refused as the client's to fix (400), or [`Sent`]. The walk then either moves on
-//! ([`Walk::retry_target`], [`Sent::abandon`]) or answers: [`Sent::relayable`] gives the error
-//! to answer with (the upstream's failure, nothing having reached the client) or a
-//! [`Relayable`] response, whose [`Relayable::relay`] relays it through the translation and
-//! records the rest of the backend's health.
+//! ([`Walk::retry_target`], [`Sent::abandon`]) or answers with it: [`Sent::into_relay`] gives
+//! the error to answer with (the upstream's failure, nothing having reached the client) or a
+//! [`Relaying`]: the response, how it goes through the translation, and the record the relay's
+//! outcome goes into ([`AttemptRecord::relayed`]).
 
 use crate::gateway::admit;
 use crate::gateway::context::{PerCore, Request};
@@ -21,11 +21,10 @@ use crate::gateway::observe;
 use crate::gateway::record::{Observation, RelayEnd};
 use crate::gateway::relay::{ClientSide, Relayed};
 use crate::gateway::route::{Candidates, Target};
-use crate::gateway::translation::{self, Translation};
+use crate::gateway::translation::{self, RelayWith, Translation};
 use crate::limits::shard::Permit;
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
-use crate::sys::client::ClientSocket;
 use crate::upstream::health::{AttemptGuard, AttemptResult};
 
 /// What the walk over a request's candidates carries from one attempt to the next.
@@ -80,16 +79,6 @@ pub(crate) struct Sent<'s> {
     guard: Option<AttemptGuard<'s>>,
 }
 
-/// A response that goes to the client.
-pub(crate) struct Relayable<'s> {
-    /// The target that answered.
-    pub(crate) target: Target<'s>,
-    translation: Translation<'s>,
-    strip_usage: bool,
-    response: UpstreamResponse<'s>,
-    guard: Option<AttemptGuard<'s>>,
-}
-
 /// Try `target`: see the module's doc. `candidates` is read (not walked) to know whether a
 /// fallback is possible, which decides whether a stream's first event is read to judge it.
 #[allow(clippy::too_many_arguments)] // one attempt's inputs, each used once
@@ -112,7 +101,17 @@ pub(crate) async fn send<'s>(
             last: translation::unservable(model),
         };
     };
-    let target = match reserve_provider(core, request, inspection, target, walk, provider).await {
+    // Most targets have no provider limits: no reservation, and no future made for one.
+    let limited = target.cluster.provider_limits.is_some()
+        || target
+            .credential
+            .is_some_and(|(_, c)| c.provider_limits.is_some());
+    let reserved = if limited {
+        reserve_provider(core, request, inspection, target, walk, provider).await
+    } else {
+        Ok(target)
+    };
+    let target = match reserved {
         Ok(target) => target,
         Err(retry) => {
             obs.fallback_reason = "provider_limit";
@@ -165,7 +164,18 @@ pub(crate) async fn send<'s>(
         walk.attempts < settings.max_attempts
             && candidates.clone().next_fallback(model, None).is_some()
     };
-    let judgement = judge(core, &target, &mut response, may_retry).await;
+    // Fallback's judgement: may another backend (or credential) do better? Decided before a
+    // byte reaches the client. Reading on to judge (a 429's body, a stream's first event) is
+    // worth it only when another backend could take the request. (Not a function of its own:
+    // one more future around `judge_response` was one more copy of it per request.)
+    let judgement = match &mut response {
+        Err(e) => fallback::judge_error(e),
+        Ok(response) => {
+            let key_pool = target.cluster.credentials.len() > 1;
+            let deadline = crate::sys::clock::recent() + target.first_byte_timeout;
+            fallback::judge_response(response, may_retry, key_pool, deadline, core.bufs).await
+        }
+    };
     let mut sent = Sent {
         target,
         translation,
@@ -223,25 +233,6 @@ async fn reserve_provider<'s>(
             let soonest = walk.over_limits.map_or(retry, |r| r.min(retry));
             walk.over_limits = Some(soonest);
             Err(soonest)
-        }
-    }
-}
-
-/// Fallback's judgement of what the forward brought: may another backend (or credential) do
-/// better? Decided before a byte reaches the client. Reading on to judge (a 429's body, a
-/// stream's first event) is worth it only when another backend could take the request.
-async fn judge<'s>(
-    core: PerCore<'s>,
-    target: &Target<'s>,
-    response: &mut Result<UpstreamResponse<'s>, GatewayError>,
-    may_retry: impl FnOnce() -> bool,
-) -> Judgement {
-    match response {
-        Err(e) => fallback::judge_error(e),
-        Ok(response) => {
-            let key_pool = target.cluster.credentials.len() > 1;
-            let deadline = crate::sys::clock::recent() + target.first_byte_timeout;
-            fallback::judge_response(response, may_retry, key_pool, deadline, core.bufs).await
         }
     }
 }
@@ -317,55 +308,72 @@ impl<'s> Sent<'s> {
         core.limiter.borrow_mut().settle(provider, 0);
     }
 
-    /// The response to relay, or the error to answer with: the forward's, or the one judging
-    /// met when reading on lost the response (a read timed out or failed).
-    pub(crate) fn relayable(self) -> Result<Relayable<'s>, GatewayError> {
-        let response = self.response?;
-        if let Some(broken) = self.judgement.broken {
-            response.conn.abort();
-            return Err(broken);
-        }
-        Ok(Relayable {
-            target: self.target,
-            translation: self.translation,
-            strip_usage: self.strip_usage,
+    /// Ready this attempt's response for the relay: how it goes through the translation and
+    /// to the client ([`Relaying`]), or the error to answer with instead when there is none to
+    /// relay — the forward's, or the one judging met when reading on lost the response (a read
+    /// timed out or failed). `relaying` runs once the response is known to go to the client
+    /// (a sticky session's pin and cookie). Not async: the caller awaits the relay itself, so
+    /// its future is not wrapped in one more (each wrapper is a copy of it per request).
+    pub(crate) fn into_relay<'m>(
+        self,
+        request: &Request<'_>,
+        obs: &mut Observation,
+        model: &'m str,
+        relaying: impl FnOnce(&Target<'s>, &mut Observation),
+    ) -> Result<Relaying<'s, 'm>, GatewayError> {
+        let Sent {
+            target,
+            translation,
+            strip_usage,
             response,
-            guard: self.guard,
+            judgement,
+            judged_at: _,
+            guard,
+        } = self;
+        let response = response?;
+        if let Some(broken) = judgement.broken {
+            response.conn.abort();
+            return Err(*broken);
+        }
+        relaying(&target, obs);
+        // An Anthropic answer passed through is metered in Anthropic's terms.
+        obs.meter_anthropic(translation.meters_anthropic());
+        let head = &response.head;
+        let streamed = head.event_stream && (200..300).contains(&head.status);
+        Ok(Relaying {
+            side: ClientSide {
+                head_only: false,
+                minor_version: request.head.minor_version,
+                keep_alive: request.head.keep_alive,
+                strip_usage,
+                dialect: request.dialect(),
+            },
+            with: translation.relay_with(streamed, model),
+            response,
+            guard: AttemptRecord(guard),
         })
     }
 }
 
-impl<'s> Relayable<'s> {
-    /// Relay the response to the client through the attempt's translation (a usage chunk the
-    /// client did not ask for metered, not relayed), then record what the relay learnt of the
-    /// backend, if judging did not already.
-    pub(crate) async fn relay(
-        self,
-        core: PerCore<'s>,
-        client: &mut ClientSocket,
-        request: &Request<'_>,
-        obs: &mut Observation,
-        model: &str,
-    ) -> Result<Relayed, GatewayError> {
-        let Relayable {
-            target: _,
-            translation,
-            strip_usage,
-            response,
-            mut guard,
-        } = self;
-        let side = ClientSide {
-            head_only: false,
-            minor_version: request.head.minor_version,
-            keep_alive: request.head.keep_alive,
-            strip_usage,
-            dialect: request.dialect(),
-        };
-        let relayed = translation
-            .relay(core.io(), client, response, side, obs, model)
-            .await;
-        if let Some(guard) = guard.as_mut().filter(|g| !g.recorded()) {
-            let result = match &relayed {
+/// A response on its way to the client: what [`Sent::into_relay`] made of an attempt.
+pub(crate) struct Relaying<'s, 'm> {
+    pub(crate) response: UpstreamResponse<'s>,
+    /// How the client asked (and whether the usage chunk is withheld from it).
+    pub(crate) side: ClientSide,
+    /// Through the translation: as it arrives, or read whole and translated.
+    pub(crate) with: RelayWith<'m>,
+    /// The backend's count of the attempt, for what the relay learns of it.
+    pub(crate) guard: AttemptRecord<'s>,
+}
+
+/// A relayed attempt's place in its backend's health.
+pub(crate) struct AttemptRecord<'s>(Option<AttemptGuard<'s>>);
+
+impl AttemptRecord<'_> {
+    /// Record what the relay learnt of the backend, if judging did not already.
+    pub(crate) fn relayed(mut self, core: PerCore<'_>, relayed: &Result<Relayed, GatewayError>) {
+        if let Some(guard) = self.0.as_mut().filter(|g| !g.recorded()) {
+            let result = match relayed {
                 Ok(r) => match r.end {
                     RelayEnd::UpstreamCut(_) => AttemptResult::Failed,
                     RelayEnd::Complete => AttemptResult::Answered,
@@ -375,6 +383,5 @@ impl<'s> Relayable<'s> {
             };
             guard.record(result, crate::sys::time::mono_ms(), &core.snapshot.routing);
         }
-        relayed
     }
 }

@@ -67,8 +67,9 @@ pub(crate) struct Judgement {
     /// For the backend's health; `None`: known only once the response is relayed.
     pub(crate) health: Option<AttemptResult>,
     /// Reading on to judge failed or ran out of time: the response can no longer be relayed
-    /// (bytes may be lost), and this is the error to answer with if no retry is made.
-    pub(crate) broken: Option<GatewayError>,
+    /// (bytes may be lost), and this is the error to answer with if no retry is made. Boxed:
+    /// it is rare, and a judgement travels with every attempt's response.
+    pub(crate) broken: Option<Box<GatewayError>>,
 }
 
 impl Judgement {
@@ -147,7 +148,7 @@ pub(crate) async fn judge_response(
                 FirstEvent::Failed(reason, error) => Judgement {
                     retry: Some(reason),
                     health: Some(AttemptResult::Failed),
-                    broken: Some(error),
+                    broken: Some(Box::new(error)),
                 },
             };
         }
@@ -172,7 +173,7 @@ pub(crate) async fn judge_response(
         Err(error) => Judgement {
             retry: Some(reason),
             health: Some(health),
-            broken: Some(error),
+            broken: Some(Box::new(error)),
         },
     }
 }

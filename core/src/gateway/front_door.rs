@@ -8,10 +8,9 @@
 //! key (400 / 401) and only then, for a caller that passed, the body's share of the worker's
 //! body memory (503) — so nobody unauthenticated can hold that budget. It returns a
 //! [`HeadDecision`]: refuse (answered, the body unread, the connection closed), answer locally,
-//! or read the body under a [`Ticket`]. [`answer`] takes the ticket once the body is in: the
-//! proxy pipeline (which writes its own answer) or Sluice's own token count. Local answers are
-//! [`Local`] values the connection loop writes; it knows sockets, TLS, keep-alive and
-//! deadlines, not paths.
+//! or read the body under a [`Ticket`]: the proxy pipeline (which writes its own answer) or
+//! Sluice's own token count ([`answer_count_tokens`]). Local answers are [`Local`] values the
+//! connection loop writes; it knows sockets, TLS, keep-alive and deadlines, not paths.
 
 use std::borrow::Cow;
 
@@ -23,8 +22,6 @@ use crate::http::request::Method;
 use crate::http::BodyFraming;
 use crate::openai::anthropic::client as anthropic_client;
 use crate::openai::endpoint::{Endpoint, COUNT_TOKENS_PATH};
-use crate::openai::inspect::Inspection;
-use crate::sys::client::ClientSocket;
 
 /// What the front door decided from a request's head.
 pub(crate) enum HeadDecision<'s> {
@@ -55,14 +52,6 @@ pub(crate) enum Local<'s> {
     Json(u16, Cow<'s, [u8]>),
     /// An error, in the client's dialect.
     Error(GatewayError),
-}
-
-/// What [`answer`] did with a request whose body is in.
-pub(crate) enum Answered<'s> {
-    /// The pipeline answered; whether the connection can be kept.
-    Proxied(bool),
-    /// Write this.
-    Local(Local<'s>),
 }
 
 /// The doors a path can lead to.
@@ -157,29 +146,22 @@ pub(crate) fn body_memory_full() -> GatewayError {
     )
 }
 
-/// Serve a request whose body is in, under the ticket its head got.
-pub(crate) async fn answer<'s>(
+/// Sluice's own token count for a request whose body is in (see [`count_tokens`]), as the
+/// answer to write. (A [`Ticket::Proxy`] goes to [`pipeline::proxy`] instead, awaited by the
+/// connection loop itself: a future wrapped around the pipeline's would be one more copy of
+/// it per request.)
+pub(crate) fn answer_count_tokens<'s>(
     core: PerCore<'s>,
-    client: &mut ClientSocket,
     request: &Request<'_>,
-    inspection: &mut Inspection,
-    ticket: Ticket<'s>,
-) -> Answered<'s> {
-    match ticket {
-        Ticket::Proxy(authenticated) => {
-            match pipeline::proxy(core, client, request, inspection, authenticated).await {
-                Ok(keep_alive) => Answered::Proxied(keep_alive && request.head.keep_alive),
-                Err(e) => Answered::Local(Local::Error(e)),
-            }
+    authenticated: Authenticated<'_>,
+) -> Local<'s> {
+    match count_tokens(request, authenticated) {
+        Ok(tokens) => {
+            let mut body = core.bufs.take();
+            anthropic_client::count_tokens_body(tokens, &mut body);
+            Local::Json(200, Cow::Owned(body))
         }
-        Ticket::CountTokens(authenticated) => match count_tokens(request, authenticated) {
-            Ok(tokens) => {
-                let mut body = core.bufs.take();
-                anthropic_client::count_tokens_body(tokens, &mut body);
-                Answered::Local(Local::Json(200, Cow::Owned(body)))
-            }
-            Err(e) => Answered::Local(Local::Error(e)),
-        },
+        Err(e) => Local::Error(e),
     }
 }
 

@@ -14,8 +14,9 @@ use crate::gateway::auth::Principal;
 use crate::gateway::context::{PerCore, Request};
 use crate::gateway::error::GatewayError;
 use crate::gateway::record::{Estimator, Observation};
-use crate::gateway::relay::Relayed;
-use crate::gateway::route::Candidates;
+use crate::gateway::relay::{self, Relayed};
+use crate::gateway::route::{Candidates, Target};
+use crate::gateway::translation::RelayWith;
 use crate::gateway::{admit, auth, observe, route, sticky, translation};
 use crate::limits::shard::Permit;
 use crate::openai::inspect::Inspection;
@@ -296,7 +297,10 @@ async fn serve<'s>(
     let model = inspection.model.as_str();
     let mut walk = Walk::default();
     let mut target = candidates.primary();
-    loop {
+    // The walk: an attempt per target until one is to be relayed. A `loop` that breaks with
+    // the response, so the attempt's values are gone before the relay's await (in the same
+    // scope they would stay in this future, beside the relay's).
+    let (relaying, mapped) = loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
         let tried = attempt::send(
             core, request, inspection, target, candidates, &mut walk, obs, provider,
@@ -320,19 +324,39 @@ async fn serve<'s>(
             continue;
         }
         let mapped = sent.target.mapped_model;
-        let relayable = match sent.relayable() {
-            Ok(relayable) => relayable,
-            Err(e) => return (Err(e), mapped),
-        };
         // Sticky: the session stays with the backend that answered (a fallback re-pins it),
         // and an affinity cookie names it.
-        if let Some((rule, session)) = candidates.sticky {
-            let route = candidates.route_pattern();
-            keep_session(core, route, rule, session, &relayable.target, obs);
+        let sticky = candidates.sticky;
+        let route = candidates.route_pattern();
+        let keep = |target: &Target<'s>, obs: &mut Observation| {
+            if let Some((rule, session)) = sticky {
+                keep_session(core, route, rule, session, target, obs);
+            }
+        };
+        match sent.into_relay(request, obs, model, keep) {
+            Ok(relaying) => break (relaying, mapped),
+            Err(e) => return (Err(e), mapped),
         }
-        let relayed = relayable.relay(core, client, request, obs, model).await;
-        return (relayed, mapped);
-    }
+    };
+    // Relay: the body to the client as it arrives (an event stream translated event by event
+    // where the dialects differ), or read whole and translated. Awaited here, not in a helper:
+    // each future wrapped around the relay's is one more copy of it per request.
+    let io = core.io();
+    let side = relaying.side;
+    let relayed = match relaying.with {
+        RelayWith::AsItArrives(events) => {
+            relay::relay(io, client, relaying.response, side, obs, events).await
+        }
+        RelayWith::Whole(whole) => {
+            let translate =
+                |status, body: &[u8], out: &mut Vec<u8>| whole.translate(status, body, out);
+            let meter = whole.meter_upstream();
+            let response = relaying.response;
+            relay::relay_translated_whole(io, client, response, side, obs, meter, translate).await
+        }
+    };
+    relaying.guard.relayed(core, &relayed);
+    (relayed, mapped)
 }
 
 /// A sticky session's pin and affinity cookie follow the backend that answered: re-pinned when
@@ -344,7 +368,7 @@ fn keep_session(
     route: &str,
     rule: &crate::config::sticky::StickyRule,
     session: sticky::Session,
-    target: &crate::gateway::route::Target<'_>,
+    target: &Target<'_>,
     obs: &mut Observation,
 ) {
     let identity = core.health.identity(target.backend.id);

@@ -118,7 +118,7 @@ pub(crate) async fn relay(
     response: UpstreamResponse<'_>,
     side: ClientSide,
     obs: &mut Observation,
-    translate: Option<StreamTranslate>,
+    translate: Option<Box<StreamTranslate>>,
 ) -> Result<Relayed, GatewayError> {
     let UpstreamResponse {
         conn,
@@ -397,7 +397,7 @@ struct Relay<'r, 'w> {
     strip: Option<UsageStrip>,
     body: UpstreamBody,
     /// The upstream speaks another dialect: its events are translated on the way in.
-    translate: Option<StreamTranslate>,
+    translate: Option<Box<StreamTranslate>>,
     plan: Plan,
     /// No bytes beyond the body's end arrived, so the upstream connection may be reused.
     clean: bool,
@@ -553,7 +553,7 @@ impl Relay<'_, '_> {
             &mut self.out,
             self.obs,
             Filters {
-                translate: self.translate.as_mut(),
+                translate: self.translate.as_deref_mut(),
                 strip: self.strip.as_mut(),
             },
             read_at,

@@ -6,9 +6,11 @@
 //! `None` when the target's dialect cannot answer that endpoint (the attempt passes it over,
 //! [`unservable`] is the answer when none is left). [`Translation::build`] writes the upstream
 //! request (400 when the client's request cannot be said in the target's dialect);
-//! [`Translation::relay`] relays the answer (see [`relay`](crate::gateway::relay) for what
-//! it raises). [`read_client_request`] reads a client's body by its own dialect's rules, once,
-//! before routing.
+//! [`Translation::relay_with`] says how the answer is relayed back ([`RelayWith`]: as it
+//! arrives, a stream translated event by event, or read whole and translated); the attempt
+//! calls the relay with it (see [`relay`](crate::gateway::relay) for what that raises).
+//! [`read_client_request`] reads a client's body by its own dialect's rules, once, before
+//! routing.
 //!
 //! This is the one place that knows dialects: the pipeline, the attempt and the fallback walk
 //! hold a plan and call it. A new client or upstream dialect is a new variant here, its
@@ -16,18 +18,15 @@
 
 use crate::config::dialect::{AnthropicSettings, Dialect};
 use crate::config::Cluster;
-use crate::gateway::context::{Io, Request};
+use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
-use crate::gateway::forward::{self, UpstreamResponse};
-use crate::gateway::record::Observation;
+use crate::gateway::forward;
 use crate::gateway::relay::translate::StreamTranslate;
-use crate::gateway::relay::{self, ClientSide, Relayed};
 use crate::gateway::route::Target;
 use crate::openai::anthropic::client as anthropic_client;
 use crate::openai::anthropic::upstream as anthropic_upstream;
 use crate::openai::endpoint::{ClientDialect, Endpoint};
 use crate::openai::inspect::Inspection;
-use crate::sys::client::ClientSocket;
 
 /// How one client endpoint meets one target's dialect.
 #[derive(Debug, Clone, Copy)]
@@ -129,54 +128,80 @@ impl<'s> Translation<'s> {
         })
     }
 
-    /// Relay `response` to the client, translated where the dialects differ: a stream event by
-    /// event, anything else read whole and translated. `model` is the one the client asked for
-    /// (a translated answer names it).
-    pub(crate) async fn relay(
-        self,
-        io: Io<'_>,
-        client: &mut ClientSocket,
-        response: UpstreamResponse<'_>,
-        side: ClientSide,
-        obs: &mut Observation,
-        model: &str,
-    ) -> Result<Relayed, GatewayError> {
-        // An Anthropic answer passed through is metered in Anthropic's terms.
-        obs.meter_anthropic(matches!(self, Translation::AnthropicPassthrough(_)));
-        let streamed = response.head.event_stream && (200..300).contains(&response.head.status);
+    /// Whether the relay meters the answer in Anthropic's terms (an Anthropic answer passed
+    /// through); every other answer reaches the meter as OpenAI's.
+    pub(crate) fn meters_anthropic(self) -> bool {
+        matches!(self, Translation::AnthropicPassthrough(_))
+    }
+
+    /// How the answer is relayed, translated where the dialects differ: a stream event by
+    /// event, anything else read whole and translated. `streamed`: the answer is a 2xx event
+    /// stream; `model` is the one the client asked for (a translated answer names it).
+    pub(crate) fn relay_with(self, streamed: bool, model: &str) -> RelayWith<'_> {
         match self {
             Translation::OpenAiPassthrough { .. } | Translation::AnthropicPassthrough(_) => {
-                relay::relay(io, client, response, side, obs, None).await
+                RelayWith::AsItArrives(None)
             }
             // An OpenAI-dialect stream for an Anthropic client: metered as the upstream sent
             // it, translated on the way out.
             Translation::MessagesToChat if streamed => {
-                let translate = StreamTranslate::to_messages(model);
-                relay::relay(io, client, response, side, obs, Some(translate)).await
-            }
-            Translation::MessagesToChat => {
-                let translate = |status, body: &[u8], out: &mut Vec<u8>| {
-                    chat_answer_to_message(status, body, model, out)
-                };
-                relay::relay_translated_whole(io, client, response, side, obs, true, translate)
-                    .await
+                RelayWith::AsItArrives(Some(Box::new(StreamTranslate::to_messages(model))))
             }
             Translation::ChatToMessages(_) if streamed => {
-                let translate = StreamTranslate::anthropic(model);
-                relay::relay(io, client, response, side, obs, Some(translate)).await
+                RelayWith::AsItArrives(Some(Box::new(StreamTranslate::anthropic(model))))
             }
-            Translation::ChatToMessages(_) => {
-                relay::relay_translated_whole(
-                    io,
-                    client,
-                    response,
-                    side,
-                    obs,
-                    false,
-                    message_answer_to_chat,
-                )
-                .await
-            }
+            Translation::MessagesToChat => RelayWith::Whole(WholeAnswer {
+                to_messages: true,
+                model,
+            }),
+            Translation::ChatToMessages(_) => RelayWith::Whole(WholeAnswer {
+                to_messages: false,
+                model,
+            }),
+        }
+    }
+}
+
+/// How an attempt's answer goes to the client (see [`Translation::relay_with`]).
+pub(crate) enum RelayWith<'m> {
+    /// With [`relay`](crate::gateway::relay::relay), as it arrives; an event stream translated
+    /// by this, if any (boxed: the relay's future, moved at each await it is passed through,
+    /// stays small on the paths that translate nothing).
+    AsItArrives(Option<Box<StreamTranslate>>),
+    /// With [`relay_translated_whole`](crate::gateway::relay::relay_translated_whole): read
+    /// whole, then translated.
+    Whole(WholeAnswer<'m>),
+}
+
+/// A whole answer (or error) of an upstream of the other dialect, to translate.
+#[derive(Clone, Copy)]
+pub(crate) struct WholeAnswer<'m> {
+    /// An OpenAI upstream's answer for an Anthropic client (else an Anthropic upstream's for an
+    /// OpenAI client).
+    to_messages: bool,
+    /// The model the client asked for.
+    model: &'m str,
+}
+
+impl WholeAnswer<'_> {
+    /// Whether the meter reads the upstream's body (it speaks OpenAI) rather than the
+    /// translated one.
+    pub(crate) fn meter_upstream(self) -> bool {
+        self.to_messages
+    }
+
+    /// Translate `body` (the upstream's, with `status`) into `out`: the status the client gets,
+    /// or a 502 when a 2xx answer cannot be read.
+    pub(crate) fn translate(
+        self,
+        status: u16,
+        body: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<u16, GatewayError> {
+        if self.to_messages {
+            chat_answer_to_message(status, body, self.model, out)
+        } else {
+            message_answer_to_chat(status, body, out)
         }
     }
 }

@@ -26,7 +26,8 @@ use crate::config::Timeouts;
 use crate::gateway::auth::KeyDigestMemo;
 use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError};
-use crate::gateway::front_door::{self, body_memory_full, Answered, HeadDecision, Local};
+use crate::gateway::front_door::{self, body_memory_full, HeadDecision, Local, Ticket};
+use crate::gateway::pipeline;
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, RequestHead};
 use crate::http::BodyFraming;
@@ -386,9 +387,22 @@ async fn read_body_and_dispatch(
         head,
         body,
     };
-    let keep_alive = match front_door::answer(core, client, &request, inspection, ticket).await {
-        Answered::Proxied(keep_alive) => keep_alive,
-        Answered::Local(local) => {
+    let local = match ticket {
+        Ticket::Proxy(authenticated) => {
+            match pipeline::proxy(core, client, &request, inspection, authenticated).await {
+                Ok(keep_alive) => Ok(keep_alive && head.keep_alive),
+                Err(e) => Err(Local::Error(e)),
+            }
+        }
+        Ticket::CountTokens(authenticated) => Err(front_door::answer_count_tokens(
+            core,
+            &request,
+            authenticated,
+        )),
+    };
+    let keep_alive = match local {
+        Ok(keep_alive) => keep_alive,
+        Err(local) => {
             write_local(
                 worker,
                 client,
