@@ -126,20 +126,13 @@ pub(crate) async fn send<'s>(
         obs.usage_wanted = true;
     }
     let settings = &core.snapshot.routing;
-    // A half-open backend takes one probe at a time: one that lost the race is passed over.
-    let guard = match target.health {
-        Some(h) => match h.begin(crate::sys::time::mono_ms(), settings) {
-            Some(guard) => Some(guard),
-            None => {
-                // Never sent: its provider reservation goes back untouched.
-                core.limiter.borrow_mut().release(provider);
-                return Tried::PassedOver {
-                    reason: None,
-                    last: GatewayError::upstream_unavailable(model, 1),
-                };
-            }
-        },
-        None => None,
+    let Some(guard) = begin(core, &target) else {
+        // Never sent: its provider reservation goes back untouched.
+        core.limiter.borrow_mut().release(provider);
+        return Tried::PassedOver {
+            reason: None,
+            last: GatewayError::upstream_unavailable(model, 1),
+        };
     };
     let mut upstream_request = core.bufs.take();
     let built = match translation.build(&mut upstream_request, request, inspection, &target) {
@@ -164,10 +157,9 @@ pub(crate) async fn send<'s>(
         walk.attempts < settings.max_attempts
             && candidates.clone().next_fallback(model, None).is_some()
     };
-    // Fallback's judgement: may another backend (or credential) do better? Decided before a
-    // byte reaches the client. Reading on to judge (a 429's body, a stream's first event) is
-    // worth it only when another backend could take the request. (Not a function of its own:
-    // one more future around `judge_response` was one more copy of it per request.)
+    // Fallback's judgement, before a byte reaches the client: may another backend (or
+    // credential) do better? Reading on (a 429's body, a stream's first event) only when
+    // another could take the request. Not a function: its future would be one more copy.
     let judgement = match &mut response {
         Err(e) => fallback::judge_error(e),
         Ok(response) => {
@@ -188,6 +180,17 @@ pub(crate) async fn send<'s>(
     };
     sent.record_judgement(core);
     Tried::Sent(sent)
+}
+
+/// The attempt counted in its backend's health (`Some(None)`: the backend is untracked), or
+/// `None` when a half-open backend's one probe is already out: this one is passed over.
+fn begin<'s>(core: PerCore<'s>, target: &Target<'s>) -> Option<Option<AttemptGuard<'s>>> {
+    match target.health {
+        Some(h) => h
+            .begin(crate::sys::time::mono_ms(), &core.snapshot.routing)
+            .map(Some),
+        None => Some(None),
+    }
 }
 
 /// Provider limits: would `target` take the request now (a key pool's other credential, when

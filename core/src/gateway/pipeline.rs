@@ -13,7 +13,7 @@ use crate::gateway::attempt::{self, Tried, Walk};
 use crate::gateway::auth::Principal;
 use crate::gateway::context::{PerCore, Request};
 use crate::gateway::error::GatewayError;
-use crate::gateway::record::{Estimator, Observation};
+use crate::gateway::record::{Estimator, Observation, Outcome};
 use crate::gateway::relay::{self, Relayed};
 use crate::gateway::route::{Candidates, Target};
 use crate::gateway::translation::RelayWith;
@@ -135,36 +135,16 @@ pub(crate) async fn proxy<'s>(
         estimator,
     );
 
-    // The backend's latency for the strategies that weigh it: the time to the first token of
-    // a stream (its head comes at once, before the model has done anything), else to the
-    // response head (which, unstreamed, comes with the whole answer).
-    // Measured from the last attempt's start (the time lost on backends before it is not this
-    // one's), on answers only (a fast error says nothing of how fast the model is).
+    // The backend's latency, for the strategies that weigh it.
     let answered = (200..300).contains(&obs.status) && result.is_ok();
-    let health = obs.routed.and_then(|(_, b)| core.health.get(b));
-    if let (Some(health), Some(started), true) = (health, obs.forward.started_at, answered) {
-        let now = crate::sys::time::mono_ms();
-        let since_start = |after_receipt: std::time::Duration| {
-            (request.received_at + after_receipt).saturating_duration_since(started)
-        };
-        if let Some(ttft) = outcome.ttft.map(since_start) {
-            health.load.observe_ttft(ttft.as_micros() as f64, now);
-        }
-        let latency = outcome.ttft.map(since_start).or(outcome.upstream_header);
-        if let Some(latency) = latency {
-            health.load.observe_latency(latency.as_micros() as f64, now);
-        }
+    if answered {
+        backend_latency(core, request, &obs, &outcome);
     }
 
-    // Settle: what the request used goes into every budget it reserved from — success,
-    // upstream error (released), client or upstream abort (billed). Settling consumes the
-    // admission: exactly once.
-    // The provider's limits of the target that served (if any) likewise.
+    // Settle: what the request used goes into every budget it reserved from (the admission's
+    // and the serving provider's) — exactly once, whatever happened.
     if let Some(admission) = admission {
-        let status = result.as_ref().map_or(0, |_| obs.status);
-        let tokens = admit::billable_tokens(status, obs.end, &outcome);
-        admission.settle(core.limiter, tokens);
-        core.limiter.borrow_mut().settle(&mut provider, tokens);
+        settle(core, admission, &mut provider, &result, &obs, &outcome);
     }
     if let Err(e) = &mut result {
         if e.extra_headers.is_none() {
@@ -189,6 +169,46 @@ pub(crate) async fn proxy<'s>(
     }
     core.observations.give(obs);
     result.map(|relayed| relayed.keep_alive)
+}
+
+/// Settle a request's reservations on what it used — success, upstream error (released),
+/// client or upstream abort (billed): the admission (consumed: exactly once) and the limits of
+/// the provider that served, if any.
+fn settle(
+    core: PerCore<'_>,
+    admission: Admission,
+    provider: &mut Permit,
+    result: &Result<Relayed, GatewayError>,
+    obs: &Observation,
+    outcome: &Outcome,
+) {
+    let status = result.as_ref().map_or(0, |_| obs.status);
+    let tokens = admit::billable_tokens(status, obs.end, outcome);
+    admission.settle(core.limiter, tokens);
+    core.limiter.borrow_mut().settle(provider, tokens);
+}
+
+/// An answered request's latency into its backend's load signals: the time to the first token
+/// of a stream (its head comes at once, before the model has done anything), else to the
+/// response head (which, unstreamed, comes with the whole answer). Measured from the last
+/// attempt's start (the time lost on backends before it is not this one's); only answers are
+/// measured (a fast error says nothing of how fast the model is).
+fn backend_latency(core: PerCore<'_>, request: &Request<'_>, obs: &Observation, outcome: &Outcome) {
+    let health = obs.routed.and_then(|(_, b)| core.health.get(b));
+    let (Some(health), Some(started)) = (health, obs.forward.started_at) else {
+        return;
+    };
+    let now = crate::sys::time::mono_ms();
+    let since_start = |after_receipt: std::time::Duration| {
+        (request.received_at + after_receipt).saturating_duration_since(started)
+    };
+    if let Some(ttft) = outcome.ttft.map(since_start) {
+        health.load.observe_ttft(ttft.as_micros() as f64, now);
+    }
+    let latency = outcome.ttft.map(since_start).or(outcome.upstream_header);
+    if let Some(latency) = latency {
+        health.load.observe_latency(latency.as_micros() as f64, now);
+    }
 }
 
 /// Inspect, authorize and route, for the caller's principal (authenticated from the head): the

@@ -280,3 +280,94 @@ fn message_answer_to_chat(
     })?;
     Ok(status)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::config::Snapshot;
+
+    fn snapshot() -> Snapshot {
+        let config = r#"
+            [clusters.gpt]
+            backends = [{ base_url = "http://127.0.0.1:9/v1" }]
+            [clusters.claude]
+            dialect = "anthropic"
+            backends = [{ base_url = "http://127.0.0.1:9/v1" }]
+            [[routes]]
+            model = "gpt"
+            cluster = "gpt"
+            [[routes]]
+            model = "claude"
+            cluster = "claude"
+            "#;
+        crate::config::load(config, &|_| None).unwrap()
+    }
+
+    /// The plan for each endpoint and dialect, by name: which pairs are served, and how.
+    fn planned(endpoint: Endpoint, cluster: &Cluster) -> &'static str {
+        match Translation::plan(Some(endpoint), cluster, true) {
+            Some(Translation::OpenAiPassthrough {
+                request_usage: true,
+            }) => "openai",
+            Some(Translation::OpenAiPassthrough { .. }) => "openai without usage",
+            Some(Translation::ChatToMessages(_)) => "chat -> messages",
+            Some(Translation::MessagesToChat) => "messages -> chat",
+            Some(Translation::AnthropicPassthrough(_)) => "anthropic",
+            None => "unservable",
+        }
+    }
+
+    #[test]
+    fn each_endpoint_meets_each_dialect_as_planned() {
+        let snapshot = snapshot();
+        let cluster = |name: &str| snapshot.clusters.iter().find(|c| c.name == name).unwrap();
+        let (gpt, claude) = (cluster("gpt"), cluster("claude"));
+        for endpoint in Endpoint::ALL {
+            let (to_openai, to_anthropic) = match endpoint {
+                Endpoint::Messages => ("messages -> chat", "anthropic"),
+                Endpoint::ChatCompletions => ("openai", "chat -> messages"),
+                _ => ("openai", "unservable"),
+            };
+            assert_eq!(planned(endpoint, gpt), to_openai, "{endpoint:?}");
+            assert_eq!(planned(endpoint, claude), to_anthropic, "{endpoint:?}");
+        }
+        // Only the passthrough of an Anthropic answer is metered in Anthropic's terms.
+        let passthrough = Translation::plan(Some(Endpoint::Messages), claude, true).unwrap();
+        assert!(passthrough.meters_anthropic());
+        let translated = Translation::plan(Some(Endpoint::Messages), gpt, true).unwrap();
+        assert!(!translated.meters_anthropic());
+    }
+
+    #[test]
+    fn answers_of_the_other_dialect_are_translated_streams_included() {
+        let snapshot = snapshot();
+        let claude = snapshot
+            .clusters
+            .iter()
+            .find(|c| matches!(c.dialect, Dialect::Anthropic(_)))
+            .unwrap();
+        let chat = Translation::plan(Some(Endpoint::ChatCompletions), claude, true).unwrap();
+        assert!(matches!(
+            chat.relay_with(true, "m"),
+            RelayWith::AsItArrives(Some(_))
+        ));
+        let whole = match chat.relay_with(false, "m") {
+            RelayWith::Whole(whole) => whole,
+            RelayWith::AsItArrives(_) => panic!("a whole answer is read whole"),
+        };
+        assert!(
+            !whole.meter_upstream(),
+            "the meter reads the translated chat answer"
+        );
+        // An Anthropic error becomes an OpenAI one, its status kept.
+        let mut out = Vec::new();
+        let body = br#"{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}"#;
+        assert_eq!(whole.translate(429, body, &mut out).unwrap(), 429);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["error"]["message"], "slow down");
+        // A 2xx that cannot be read is the upstream's fault: 502.
+        let e = whole.translate(200, b"not json", &mut Vec::new()).unwrap_err();
+        assert_eq!(e.status(), 502);
+    }
+}
