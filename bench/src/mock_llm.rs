@@ -129,6 +129,9 @@ REQUEST HEADERS:
                              exactly these calls, in order, whatever the request offers (A a
                              JSON value, or its JSON text as a string; absent: {}); on
                              /v1/messages A is the tool_use block's input
+    x-mock-connection-option: NAME
+                             the head lists NAME in Connection and carries NAME: for-one-hop
+                             (a field a proxy must drop)
     x-mock-cache-read: R, x-mock-cache-write: W
                              cache usage: on /v1/messages cache_read_input_tokens and
                              cache_creation_input_tokens; on /v1/chat/completions

@@ -223,3 +223,38 @@ fn upstream_304_is_relayed_without_body_and_both_connections_stay_usable() {
         "the upstream connection was not reused after the 304"
     );
 }
+
+/// Hostile clients II, item 5: headers a `Connection` field names are for one hop only (RFC
+/// 9110 §7.6.1). The client's are not forwarded upstream, the upstream's are not relayed to the
+/// client; headers nobody named go through, and the connection stays alive.
+#[test]
+fn headers_named_in_connection_stop_at_the_hop_both_ways() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let mut c = gw.conn();
+    for _ in 0..2 {
+        let req = Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+            .header("connection", "keep-alive, x-hop-secret")
+            .header("x-hop-secret", "for-sluice-only")
+            .header("x-end-to-end", "for-the-upstream")
+            .header("x-mock-connection-option", "x-upstream-hop");
+        c.send(&req.build());
+        let r = c.read_response_to("POST");
+        assert_eq!(r.status, 200, "{}", r.dump());
+        let seen: Vec<String> = echo_headers(&echo_of(&r))
+            .into_iter()
+            .map(|(k, _)| k.to_ascii_lowercase())
+            .collect();
+        assert!(!seen.contains(&"x-hop-secret".to_string()), "{seen:?}");
+        assert!(seen.contains(&"x-end-to-end".to_string()), "{seen:?}");
+        assert_eq!(r.header("x-upstream-hop"), None, "{}", r.dump());
+        assert!(
+            !r.header("connection")
+                .unwrap_or("")
+                .contains("x-upstream-hop"),
+            "{}",
+            r.dump()
+        );
+        assert!(r.header("x-mock-model").is_some(), "{}", r.dump());
+    }
+}

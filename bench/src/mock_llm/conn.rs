@@ -197,6 +197,9 @@ struct Plan {
     delay_ms: u64,
     /// `x-mock-echo: none`: the answer carries no echo, as a provider's does not.
     no_echo: bool,
+    /// `x-mock-connection-option: NAME`: the head lists NAME in `Connection` and carries a
+    /// field of that name (for one hop only: a proxy must drop both).
+    connection_option: Option<Vec<u8>>,
     /// `x-mock-headers: provider`: the head carries the fields a provider's does
     /// ([`PROVIDER_FIELDS`]).
     provider_fields: bool,
@@ -650,6 +653,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             delay_ms: 0,
             no_echo: false,
             provider_fields: false,
+            connection_option: None,
             fault: st.fault.get(),
             status: None,
             error_code: cfg.error_code.clone(),
@@ -783,6 +787,14 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
                 plan.no_echo = value.eq_ignore_ascii_case(b"none");
             } else if ctl.eq_ignore_ascii_case(b"headers") {
                 plan.provider_fields = value.eq_ignore_ascii_case(b"provider");
+            } else if ctl.eq_ignore_ascii_case(b"connection-option") {
+                // A token only (letters, digits, `-`), so it is safe in the head.
+                let token = !value.is_empty()
+                    && value.len() <= 64
+                    && value
+                        .iter()
+                        .all(|b| b.is_ascii_alphanumeric() || *b == b'-');
+                plan.connection_option = token.then(|| value.to_vec());
             } else if ctl.eq_ignore_ascii_case(b"tool-calls") {
                 plan.tool_calls = parse_num(value).unwrap_or(0);
             } else if ctl.eq_ignore_ascii_case(b"tool-calls-json") {
@@ -940,6 +952,13 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         }
         if p.provider_fields {
             w.extend_from_slice(PROVIDER_FIELDS);
+        }
+        if let Some(option) = &p.connection_option {
+            w.extend_from_slice(b"connection: ");
+            w.extend_from_slice(option);
+            w.extend_from_slice(b"\r\n");
+            w.extend_from_slice(option);
+            w.extend_from_slice(b": for-one-hop\r\n");
         }
         if p.route == Route::Messages {
             // Anthropic names each request; error bodies carry the same id.

@@ -22,7 +22,7 @@ use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
 use crate::gateway::record::ForwardTimings;
 use crate::gateway::route::Target;
 use crate::http::response::{parse_response_head, ResponseHead};
-use crate::http::{is_hop_by_hop, push_decimal, Name, NameSet};
+use crate::http::{is_hop_by_hop, named_by_connection, push_decimal, Name, NameSet};
 use crate::openai::anthropic::upstream::{chat_to_messages, RequestOptions};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
 use crate::sys::clock::{self, Mono};
@@ -31,8 +31,9 @@ use crate::telemetry::metrics::InFlight;
 use crate::upstream::{connect, ConnectError, UpstreamConn};
 
 /// Client headers never forwarded: the client's credentials (the upstream gets the cluster's),
-/// and headers this hop sets itself.
-fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
+/// headers this hop sets itself, and those the client's `Connection` names (for this hop only,
+/// RFC 9110 §7.6.1; looked for only when it names any).
+fn is_withheld(request: &Request<'_>, name: &[u8], credential_header: Option<&str>) -> bool {
     // `accept-encoding`: a compressed answer could not be metered (usage, TTFT) nor relayed as
     // events; the client gets identity, which every HTTP client accepts.
     const WITHHELD: NameSet = NameSet::new(&[
@@ -45,9 +46,11 @@ fn is_withheld(name: &[u8], credential_header: Option<&str>) -> bool {
         Name::new(b"openai-project"),
         Name::new(b"accept-encoding"),
     ]);
+    let head = request.head;
     is_hop_by_hop(name)
         || WITHHELD.contains(name)
         || credential_header.is_some_and(|c| c.as_bytes().eq_ignore_ascii_case(name))
+        || (head.connection_options && named_by_connection(&head.headers, request.buf, name))
 }
 
 /// How every upstream request begins: `POST {base path}{path} HTTP/1.1`, `host`, and the
@@ -80,7 +83,7 @@ fn finish_translated(
     let buf = request.buf;
     for h in request.head.headers.iter() {
         let name = h.name(buf);
-        if !replaced(name) && !is_withheld(name, credential_name) {
+        if !replaced(name) && !is_withheld(request, name, credential_name) {
             copy_header(out, name, h.value(buf));
         }
     }
@@ -135,7 +138,7 @@ pub(crate) fn build_request(
     let credential_name = start_request(out, target, suffix);
     for h in &head.headers {
         let name = h.name(buf);
-        if !is_withheld(name, credential_name) {
+        if !is_withheld(request, name, credential_name) {
             copy_header(out, name, h.value(buf));
         }
     }
@@ -214,7 +217,7 @@ pub(crate) fn build_messages_passthrough(
     let mut version_sent = false;
     for h in &head.headers {
         let name = h.name(buf);
-        if is_withheld(name, credential_name)
+        if is_withheld(request, name, credential_name)
             || (settings.beta_line.is_some() && name.eq_ignore_ascii_case(b"anthropic-beta"))
         {
             continue;

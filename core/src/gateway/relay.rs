@@ -37,7 +37,7 @@ use crate::gateway::record::{Observation, RelayEnd};
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::reason;
 use crate::http::response::ResponseHead;
-use crate::http::{is_hop_by_hop, push_decimal, BodyFraming};
+use crate::http::{is_hop_by_hop, named_by_connection, push_decimal, BodyFraming};
 use crate::openai::endpoint::ClientDialect;
 use crate::openai::meter::DEFAULT_MAX_EVENT;
 use crate::sys::client::ClientSocket;
@@ -443,7 +443,7 @@ const MAX_KEPT_READ: usize = 64 * 1024;
 
 impl Relay<'_, '_> {
     /// The client's response head into `out`: the upstream's status and headers less the
-    /// hop-by-hop ones, the client's framing, the rate-limit headers and Sluice's overhead.
+    /// hop-by-hop ones (and those its `Connection` names), the client's framing, the rate-limit headers and Sluice's overhead.
     fn write_head(&mut self, head: &ResponseHead, side: ClientSide) {
         let (out, ubuf, plan) = (&mut self.out, &self.ubuf, self.plan);
         out.extend_from_slice(b"HTTP/1.1 ");
@@ -460,6 +460,10 @@ impl Relay<'_, '_> {
             let name = h.name(ubuf);
             let keep_length = side.head_only && name.eq_ignore_ascii_case(b"content-length");
             if is_hop_by_hop(name) && !keep_length {
+                continue;
+            }
+            // Named by the upstream's `Connection`: for that hop only (RFC 9110 §7.6.1).
+            if head.connection_options && named_by_connection(&head.headers, ubuf, name) {
                 continue;
             }
             out.extend_from_slice(name);

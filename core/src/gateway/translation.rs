@@ -367,7 +367,9 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["error"]["message"], "slow down");
         // A 2xx that cannot be read is the upstream's fault: 502.
-        let e = whole.translate(200, b"not json", &mut Vec::new()).unwrap_err();
+        let e = whole
+            .translate(200, b"not json", &mut Vec::new())
+            .unwrap_err();
         assert_eq!(e.status(), 502);
     }
 }

@@ -166,6 +166,25 @@ pub(crate) fn is_hop_by_hop(name: &[u8]) -> bool {
     HOP.contains(name)
 }
 
+/// Whether a `Connection` field's value lists an option besides `close` and `keep-alive`: a
+/// header the sender meant for this hop only, which must not be forwarded (RFC 9110 §7.6.1).
+/// Read while parsing, so a message without one never looks again.
+pub(crate) fn names_options(connection: &[u8]) -> bool {
+    connection.split(|&b| b == b',').any(|t| {
+        let t = trim_ows(t);
+        !t.is_empty() && !t.eq_ignore_ascii_case(b"close") && !t.eq_ignore_ascii_case(b"keep-alive")
+    })
+}
+
+/// Whether `name` is one of the options the `Connection` fields of `headers` list (see
+/// [`names_options`]): a header for this hop only.
+pub(crate) fn named_by_connection(headers: &[HeaderPos], buf: &[u8], name: &[u8]) -> bool {
+    headers
+        .iter()
+        .filter(|h| CONNECTION.matches(h.name(buf)))
+        .any(|h| has_token(h.value(buf), name))
+}
+
 /// A header name (or a token in a header's value) that received bytes are compared with, ASCII
 /// case aside, eight bytes at a time ([`Name::matches`]). Built in constants:
 /// [`Name::new`] turns away, at compile time, the bytes the word-wise comparison cannot take.
@@ -311,6 +330,23 @@ pub(crate) fn has_token(value: &[u8], token: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn connection_options_are_the_tokens_besides_close_and_keep_alive() {
+        assert!(!names_options(b"close"));
+        assert!(!names_options(b" Keep-Alive , close "));
+        assert!(!names_options(b""));
+        assert!(names_options(b"keep-alive, x-hop"));
+        assert!(names_options(b"X-Hop"));
+        // `buf` holds two Connection fields and the headers they name, any case.
+        let buf = b"Connection: close\r\nconnection: X-One ,x-two\r\nx-one: 1\r\n";
+        let field = |name: (u32, u32), value: (u32, u32)| HeaderPos { name, value };
+        let headers = [field((0, 10), (12, 17)), field((19, 29), (31, 43))];
+        assert!(named_by_connection(&headers, buf, b"x-one"));
+        assert!(named_by_connection(&headers, buf, b"X-TWO"));
+        assert!(!named_by_connection(&headers, buf, b"x-three"));
+        assert!(!named_by_connection(&headers, buf, b"x-on"));
+    }
 
     #[test]
     fn content_length_strict() {

@@ -46,6 +46,8 @@ pub(crate) struct RequestHead {
     pub(crate) body: BodyFraming,
     pub(crate) keep_alive: bool,
     pub(crate) expect_continue: bool,
+    /// A `Connection` field names headers for this hop only ([`super::names_options`]).
+    pub(crate) connection_options: bool,
 }
 
 impl Default for RequestHead {
@@ -60,6 +62,7 @@ impl Default for RequestHead {
             body: BodyFraming::None,
             keep_alive: true,
             expect_continue: false,
+            connection_options: false,
         }
     }
 }
@@ -150,6 +153,7 @@ fn parse_head(
     head.minor_version = minor;
     head.head_len = head_len;
     head.expect_continue = false;
+    head.connection_options = false;
     head.keep_alive = minor == 1;
 
     let mut content_length: Option<u64> = None;
@@ -185,6 +189,7 @@ fn parse_head(
             } else if minor == 0 && has_token(value, b"keep-alive") {
                 head.keep_alive = true;
             }
+            head.connection_options |= super::names_options(value);
         } else if EXPECT.matches(name) {
             if HUNDRED_CONTINUE.matches(trim_ows(value)) {
                 head.expect_continue = true;

@@ -34,6 +34,8 @@ pub(crate) struct ResponseHead {
     pub(crate) keep_alive: bool,
     /// `Content-Type: text/event-stream`.
     pub(crate) event_stream: bool,
+    /// A `Connection` field names headers for this hop only ([`super::names_options`]).
+    pub(crate) connection_options: bool,
 }
 
 impl ResponseHead {
@@ -71,6 +73,7 @@ pub(crate) fn parse_response_head(
     head.head_len = head_len;
     head.keep_alive = minor == 1;
     head.event_stream = false;
+    head.connection_options = false;
 
     let mut content_length: Option<u64> = None;
     let mut transfer_encoding: Option<&[u8]> = None;
@@ -92,6 +95,7 @@ pub(crate) fn parse_response_head(
             } else if minor == 0 && has_token(value, b"keep-alive") {
                 head.keep_alive = true;
             }
+            head.connection_options |= super::names_options(value);
         } else if CONTENT_TYPE.matches(name) {
             head.event_stream = value.get(..17).is_some_and(|v| EVENT_STREAM.matches(v));
         }
