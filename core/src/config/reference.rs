@@ -18,13 +18,13 @@ use super::limits::{
     RawKey, RawLimits, RawPlan, RawPolicy, RawProviderLimits, RawRedis, RawReserve, Reserve,
     DEFAULT_REDIS_DB, DEFAULT_WINDOW_SECS,
 };
-use super::routing::{RawProbe, RawRouting};
-use super::sticky::{RawPrefix, RawSticky, RawStickyKey, RawStickyRule};
-use super::tls::{RawCertificate, RawTls};
-use super::{
+use super::raw::{
     RawAccessLog, RawAdmin, RawBackend, RawCluster, RawCredential, RawGroup, RawHttp, RawPrice,
     RawRoute, RawServer, RawTarget, RawTimeouts, RawUpstream, SECTIONS,
 };
+use super::routing::{RawProbe, RawRouting};
+use super::sticky::{RawPrefix, RawSticky, RawStickyKey, RawStickyRule};
+use super::tls::{RawCertificate, RawTls};
 
 /// One documented section and the struct that reads it.
 struct Section {
@@ -301,7 +301,7 @@ mod tests {
         let code: BTreeSet<String> = SECTIONS.iter().map(|s| s.to_string()).collect();
         assert_eq!(tops, code, "top-level sections: documented vs read");
         let sources = [
-            include_str!("mod.rs"),
+            include_str!("raw.rs"),
             include_str!("limits.rs"),
             include_str!("tls.rs"),
             include_str!("routing.rs"),
