@@ -1126,3 +1126,36 @@ fn an_answer_cut_mid_body_is_cut_for_the_client_and_logged_as_the_upstreams_abor
     // The gateway is fine after it.
     assert!(gw.is_running());
 }
+
+/// Hostile clients II, item 2 (the record's bound): a client's `model` is the one field of an
+/// access record it writes freely. Five requests naming a 1 MB model write records of a few
+/// hundred bytes each, the model cut to its first 256 bytes, and the 404's message to 128.
+#[test]
+fn a_record_stays_small_whatever_model_the_client_names() {
+    let mock = Mock::start(&[]);
+    let log = TempDir::new("record-bound");
+    let gw = Sluice::start(
+        &Config::one_cluster(&mock)
+            .access_log(log.path())
+            .access_log_opt("flush_interval_ms", 20),
+    );
+    let model = "é".repeat(500_000); // 1 MB, two bytes a character
+    let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#);
+    for _ in 0..5 {
+        let r = gw.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 404, "{}", r.dump());
+        let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(message.len() < 300, "{} bytes of message", message.len());
+    }
+    let records = wait_records(log.path(), 5, Duration::from_secs(10));
+    for record in &records {
+        let logged = record["requested_model"].as_str().unwrap();
+        assert_eq!(logged, "é".repeat(128), "cut at a character boundary");
+    }
+    let on_disk: u64 = std::fs::read_dir(log.path())
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert!(on_disk < 5 * 1024, "{on_disk} bytes of log for 5 records");
+    assert_eq!(mock.stat("requests"), 0);
+}

@@ -15,10 +15,16 @@ use crate::gateway::error::{ErrorKind, GatewayError, Origin, UpstreamFault};
 use crate::gateway::record::{LogSink, Observation, Outcome, RelayEnd, UsageSource};
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
+use crate::openai::json::truncate;
 use crate::telemetry::accesslog::RecordView;
 use crate::telemetry::accesslog::UsageSource as LogUsageSource;
 use crate::telemetry::metrics::MetricsView;
 use crate::telemetry::metrics::{Attempt, EntityIdx, StatusClass, UpstreamErrorKind};
+
+/// The most of a client's `model` a record keeps (a model name is tens of bytes; the client may
+/// send megabytes): the one field of a record the client writes freely, so this bounds a
+/// record's size (docs/accesslog.md).
+const MAX_LOGGED_MODEL: usize = 256;
 
 /// The metric `route` label of a request path.
 fn route_name(path: &[u8]) -> &'static str {
@@ -174,7 +180,7 @@ pub(crate) fn emit(
             .and_then(|e| snapshot.limits.entities.get(e))
             .map_or("", String::as_str),
         tags: key.map_or(&[], |k| k.tags.as_slice()),
-        requested_model: &inspection.model,
+        requested_model: truncate(&inspection.model, MAX_LOGGED_MODEL),
         mapped_model,
         cluster: cluster_name,
         backend,

@@ -209,8 +209,9 @@ impl WholeAnswer<'_> {
 /// The answer when no candidate's dialect can answer the client's endpoint.
 pub(crate) fn unservable(model: &str) -> GatewayError {
     let message = format!(
-        "`{model}` is served by Anthropic's Messages API here, which answers \
-         /v1/chat/completions only"
+        "`{}` is served by Anthropic's Messages API here, which answers \
+         /v1/chat/completions only",
+        crate::openai::json::truncate(model, 128)
     );
     GatewayError::new(ErrorKind::InvalidRequest, message)
 }
