@@ -173,6 +173,35 @@ fn a_streamed_chat_completion_is_translated_event_by_event() {
     }
 }
 
+/// A stream's tool calls reassembled as the OpenAI SDK does, by index: (id, name, arguments),
+/// each delta's pieces joined. Indexes must be dense from 0.
+fn streamed_tool_calls(chunks: &[Value]) -> Vec<(String, String, String)> {
+    let mut calls: Vec<(String, String, String)> = Vec::new();
+    for c in chunks {
+        for tc in c["choices"][0]["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let i = tc["index"].as_u64().unwrap() as usize;
+            if calls.len() <= i {
+                assert_eq!(calls.len(), i, "indexes are dense from 0: {c}");
+                calls.push((String::new(), String::new(), String::new()));
+            }
+            if let Some(id) = tc["id"].as_str() {
+                calls[i].0 = id.to_string();
+            }
+            if let Some(name) = tc["function"]["name"].as_str() {
+                calls[i].1.push_str(name);
+            }
+            if let Some(args) = tc["function"]["arguments"].as_str() {
+                calls[i].2.push_str(args);
+            }
+        }
+    }
+    calls
+}
+
 #[test]
 fn parallel_tool_calls_stream_under_openai_indexes_with_whole_arguments() {
     let claude = Mock::start(&["--tokens", "2"]);
@@ -195,30 +224,7 @@ fn parallel_tool_calls_stream_under_openai_indexes_with_whole_arguments() {
     assert_eq!(r.status, 200, "{}", r.dump());
     assert_eq!(claude.stat("invalid_requests"), 0);
     let chunks: Vec<Value> = r.sse_events().iter().filter_map(SseEvent::json).collect();
-    // Reassemble as the OpenAI SDK does: by tool-call index.
-    let mut calls: Vec<(String, String, String)> = Vec::new();
-    for c in &chunks {
-        for tc in c["choices"][0]["delta"]["tool_calls"]
-            .as_array()
-            .into_iter()
-            .flatten()
-        {
-            let i = tc["index"].as_u64().unwrap() as usize;
-            if calls.len() <= i {
-                assert_eq!(calls.len(), i, "indexes are dense from 0: {c}");
-                calls.push((String::new(), String::new(), String::new()));
-            }
-            if let Some(id) = tc["id"].as_str() {
-                calls[i].0 = id.to_string();
-            }
-            if let Some(name) = tc["function"]["name"].as_str() {
-                calls[i].1 = name.to_string();
-            }
-            if let Some(args) = tc["function"]["arguments"].as_str() {
-                calls[i].2.push_str(args);
-            }
-        }
-    }
+    let calls = streamed_tool_calls(&chunks);
     assert_eq!(calls.len(), 2, "{}", r.dump());
     for (id, name, args) in &calls {
         assert!(!id.is_empty());
@@ -522,38 +528,25 @@ fn scripted_tool_calls_keep_their_names_and_arguments_across_dialects() {
                 .header("x-mock-tool-calls-json", &script.to_string()),
         );
         assert_eq!(r.status, 200, "{}", r.dump());
-        let mut calls: Vec<(String, String)> = Vec::new();
-        if stream {
-            for c in r.sse_events().iter().filter_map(SseEvent::json) {
-                for tc in c["choices"][0]["delta"]["tool_calls"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                {
-                    let i = tc["index"].as_u64().unwrap() as usize;
-                    if calls.len() <= i {
-                        calls.push((String::new(), String::new()));
-                    }
-                    if let Some(name) = tc["function"]["name"].as_str() {
-                        calls[i].0.push_str(name);
-                    }
-                    if let Some(args) = tc["function"]["arguments"].as_str() {
-                        calls[i].1.push_str(args);
-                    }
-                }
-            }
+        let calls: Vec<(String, String)> = if stream {
+            let chunks: Vec<Value> = r.sse_events().iter().filter_map(SseEvent::json).collect();
+            let calls = streamed_tool_calls(&chunks);
+            calls
+                .into_iter()
+                .map(|(_, name, args)| (name, args))
+                .collect()
         } else {
-            for tc in r.json()["choices"][0]["message"]["tool_calls"]
-                .as_array()
-                .unwrap()
-            {
-                let f = &tc["function"];
-                calls.push((
-                    f["name"].as_str().unwrap().into(),
-                    f["arguments"].as_str().unwrap().into(),
-                ));
-            }
-        }
+            let calls = r.json()["choices"][0]["message"]["tool_calls"].clone();
+            let calls = calls.as_array().unwrap().clone();
+            calls
+                .iter()
+                .map(|tc| {
+                    let f = &tc["function"];
+                    let name = f["name"].as_str().unwrap().to_string();
+                    (name, f["arguments"].as_str().unwrap().to_string())
+                })
+                .collect()
+        };
         let got: Vec<(String, Value)> = calls
             .into_iter()
             .map(|(name, args)| (name, serde_json::from_str(&args).expect("whole JSON")))
