@@ -30,7 +30,7 @@ pub(crate) enum HeadDecision<'s> {
     /// Answered from the head: write this; the connection stays open only when the request
     /// declared no body (the body stays unread).
     Answer(Local<'s>),
-    /// Read the body, holding its bytes in `hold`, then [`answer`] with `ticket`.
+    /// Read the body, holding its bytes in `hold`, then serve it as `ticket` says.
     ReadBody {
         ticket: Ticket<'s>,
         hold: BodyHold<'s>,
