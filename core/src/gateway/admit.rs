@@ -247,12 +247,7 @@ pub(crate) async fn reserve_provider(
     mut tokens: impl FnMut() -> u64,
     provider: &mut Permit,
 ) -> Result<(), u64> {
-    let limits = [
-        target.cluster.provider_limits.as_ref(),
-        target
-            .credential
-            .and_then(|(_, c)| c.provider_limits.as_ref()),
-    ];
+    let limits = target.provider_limits();
     if limits.iter().all(Option::is_none) {
         return Ok(());
     }

@@ -102,11 +102,7 @@ pub(crate) async fn send<'s>(
         };
     };
     // Most targets have no provider limits: no reservation, and no future made for one.
-    let limited = target.cluster.provider_limits.is_some()
-        || target
-            .credential
-            .is_some_and(|(_, c)| c.provider_limits.is_some());
-    let reserved = if limited {
+    let reserved = if target.provider_limits().iter().any(Option::is_some) {
         reserve_provider(core, request, inspection, target, walk, provider).await
     } else {
         Ok(target)

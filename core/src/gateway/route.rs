@@ -49,6 +49,16 @@ pub(crate) struct Target<'s> {
 }
 
 impl<'s> Target<'s> {
+    /// The provider's limits an attempt on this target counts against: its cluster's and its
+    /// credential's (`provider_limits`), each if configured.
+    pub(crate) fn provider_limits(&self) -> [Option<&'s crate::config::limits::ProviderLimits>; 2] {
+        [
+            self.cluster.provider_limits.as_ref(),
+            self.credential
+                .and_then(|(_, c)| c.provider_limits.as_ref()),
+        ]
+    }
+
     /// The same backend with another credential of its cluster's pool, not benched at `now`.
     pub(crate) fn with_other_credential(
         &self,
