@@ -51,49 +51,14 @@ fn layer_of(relative: &Path) -> Option<String> {
     (name != "lib" && name != "main").then(|| name.to_string())
 }
 
-/// Every `crate::NAME` in the code of `text` (comments skipped), with its 1-based line.
+/// Every `crate::NAME` in the code of `text` (comments skipped, unit tests included), with its
+/// 1-based line: the first segment of each path [`named_modules`] finds.
 fn crate_paths(text: &str) -> Vec<(usize, String)> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let code = match line.find("//") {
-            Some(at) => &line[..at],
-            None => line,
-        };
-        let mut rest = code;
-        while let Some(at) = rest.find("crate::") {
-            let preceded_by_ident = rest[..at]
-                .chars()
-                .next_back()
-                .is_some_and(|c| c.is_alphanumeric() || c == '_');
-            rest = &rest[at + "crate::".len()..];
-            if preceded_by_ident {
-                continue; // e.g. `sluice_crate::`, not ours
-            }
-            // `crate::{a, b::c}` names several.
-            if let Some(group) = rest.strip_prefix('{') {
-                let end = group.find('}').unwrap_or(group.len());
-                for part in group[..end].split(',') {
-                    let name: String = part
-                        .trim()
-                        .chars()
-                        .take_while(|c| c.is_alphanumeric() || *c == '_')
-                        .collect();
-                    if !name.is_empty() {
-                        out.push((i + 1, name));
-                    }
-                }
-                continue;
-            }
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_')
-                .collect();
-            if !name.is_empty() {
-                out.push((i + 1, name));
-            }
-        }
-    }
-    out
+    let lines: Vec<(usize, &str)> = text.lines().enumerate().map(|(i, l)| (i + 1, l)).collect();
+    named_modules(&[], &lines)
+        .into_iter()
+        .filter_map(|(line, mut path)| (!path.is_empty()).then(|| (line, path.swap_remove(0))))
+        .collect()
 }
 
 /// Every forbidden edge in the sources `files` ((path relative to core/src, text)).
@@ -230,16 +195,17 @@ fn without_test_modules(text: &str) -> Vec<(usize, &str)> {
     out
 }
 
-/// The module paths a file's code names (`crate::a::b`, `super::c` resolved from `module`;
-/// `{…}` groups expanded one level), each with its line.
-fn named_modules(module: &[String], text: &str) -> Vec<(usize, Vec<String>)> {
+/// The module paths the code `lines` ((1-based line, text)) name (`crate::a::b`, `super::c`
+/// resolved from `module`; `{…}` groups expanded one level; comments skipped), each with its
+/// line.
+fn named_modules(module: &[String], lines: &[(usize, &str)]) -> Vec<(usize, Vec<String>)> {
     let ident = |s: &str| -> String {
         s.chars()
             .take_while(|c| c.is_alphanumeric() || *c == '_')
             .collect()
     };
     let mut out = Vec::new();
-    for (line_no, line) in without_test_modules(text) {
+    for &(line_no, line) in lines {
         let code = line.find("//").map_or(line, |at| &line[..at]);
         for (prefix, base) in [("crate::", 0), ("super::", 1)] {
             let mut rest = code;
@@ -306,7 +272,7 @@ fn rings(files: &[(PathBuf, String)]) -> Vec<String> {
     let mut graph: BTreeMap<Vec<String>, Edges> = BTreeMap::new();
     for (path, text) in files {
         let from = module_of(path);
-        for (line, to) in named_modules(&from, text) {
+        for (line, to) in named_modules(&from, &without_test_modules(text)) {
             let shared = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
             if shared == 0 || shared >= from.len() || shared >= to.len() {
                 continue; // another layer (the layer rules' business), itself, or its parent
