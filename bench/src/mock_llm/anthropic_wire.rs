@@ -48,11 +48,7 @@ pub fn tool_input(n: usize) -> String {
 /// char boundaries), so a client must join them before parsing.
 pub fn tool_input_piece(input: &str, j: u64) -> String {
     let len = input.len();
-    let cut = |at: usize| {
-        (at..=len)
-            .find(|&k| input.is_char_boundary(k))
-            .unwrap_or(len)
-    };
+    let cut = |at| super::chat_tools::char_cut(input, at);
     let cuts = [0, 0, cut(len / 4), cut(len / 2), cut(len * 3 / 4), len];
     let j = (j as usize).min(cuts.len() - 2);
     input[cuts[j]..cuts[j + 1]].to_owned()

@@ -134,14 +134,17 @@ pub fn argument_piece(scripted: &[String], i: u64, j: u64) -> String {
     let pieces = ARG_PIECES as usize;
     let j = (j as usize).min(pieces - 1);
     // Cut at char boundaries (a scripted text may not be ASCII).
-    let cut = |at: usize| {
-        (at..=len)
-            .find(|&k| args.is_char_boundary(k))
-            .unwrap_or(len)
-    };
-    let start = cut(len * j / pieces);
-    let end = cut(len * (j + 1) / pieces);
+    let start = char_cut(&args, len * j / pieces);
+    let end = char_cut(&args, len * (j + 1) / pieces);
     args.get(start..end).unwrap_or_default().to_owned()
+}
+
+/// The first character boundary of `text` at or after byte `at` (its length past the end): where
+/// a streamed piece of a call's JSON text may be cut.
+pub fn char_cut(text: &str, at: usize) -> usize {
+    (at..=text.len())
+        .find(|&k| text.is_char_boundary(k))
+        .unwrap_or(text.len())
 }
 
 #[cfg(test)]
