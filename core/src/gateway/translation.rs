@@ -64,10 +64,10 @@ impl<'s> Translation<'s> {
         cluster: &'s Cluster,
         request_usage: bool,
     ) -> Option<Translation<'s>> {
-        let client = match endpoint {
-            Some(Endpoint::Messages) => ClientDialect::Anthropic,
-            _ => ClientDialect::OpenAi,
-        };
+        // The client's dialect by the one rule that decides it (the endpoint's path).
+        let client = endpoint.map_or(ClientDialect::OpenAi, |e| {
+            ClientDialect::of_path(e.path().as_bytes())
+        });
         Some(match (client, &cluster.dialect) {
             (ClientDialect::OpenAi, Dialect::OpenAi) => {
                 Translation::OpenAiPassthrough { request_usage }
