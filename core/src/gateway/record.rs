@@ -554,24 +554,20 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     //! Metering by dialect: an Anthropic answer passed through is read by Anthropic's rules.
     use super::*;
+    use crate::gateway::context::testing::OwnedCore;
 
     const TEXT: &[u8] = include_bytes!("../openai/anthropic/testdata/anthropic_text.sse");
 
-    struct Core {
-        snapshot: Snapshot,
-    }
-
-    fn core() -> Core {
-        let config = r#"
+    fn core() -> OwnedCore {
+        OwnedCore::new(
+            r#"
             [clusters.main]
             backends = [{ base_url = "http://127.0.0.1:9/v1" }]
             [[routes]]
             model = "claude-x"
             cluster = "main"
-            "#;
-        Core {
-            snapshot: crate::config::load(config, &|_| None).unwrap(),
-        }
+            "#,
+        )
     }
 
     /// An observation of a 200 whose body arrives in `reads`, metered as Anthropic's or not.
