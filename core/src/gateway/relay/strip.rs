@@ -11,7 +11,7 @@
 //! as in [`crate::openai::meter::SseSplitter`]; a dropped event takes its own bytes only, from its first
 //! line through the blank line that ends it (blank lines between events go through).
 
-use memchr::memchr2;
+use crate::openai::meter::{Framed, SseFraming};
 
 /// Drops usage-only events from an event stream, holding back at most one unfinished event.
 #[derive(Debug)]
@@ -19,17 +19,23 @@ pub(super) struct UsageStrip {
     /// The unfinished event's bytes from earlier reads (empty while none is held).
     held: Vec<u8>,
     max_event: usize,
-    /// The last byte seen ended a line (true before the first byte).
-    line_start: bool,
-    /// The last byte seen was CR: an LF right after it belongs to the same line ending.
-    after_cr: bool,
-    /// An event has a non-empty line and has not ended.
-    in_event: bool,
+    framing: SseFraming,
     /// The open event outgrew `max_event`: its bytes pass straight through to its end.
     passing: bool,
     /// The event just dropped ended in a CR that ended the read: an LF opening the next read
     /// belongs to it.
     drop_lf: bool,
+}
+
+/// Where the bytes of one read stand while [`UsageStrip::feed`] walks it.
+struct Cursor {
+    /// The next byte to look at.
+    pos: usize,
+    /// The first byte not yet passed on, dropped or held.
+    start: usize,
+    /// Where the open event starts (bytes before it are blank lines; 0 for an event held from
+    /// an earlier read).
+    event_start: usize,
 }
 
 impl UsageStrip {
@@ -40,9 +46,7 @@ impl UsageStrip {
         UsageStrip {
             held,
             max_event,
-            line_start: true,
-            after_cr: false,
-            in_event: false,
+            framing: SseFraming::new(),
             passing: false,
             drop_lf: false,
         }
@@ -62,100 +66,94 @@ impl UsageStrip {
         mut is_usage_only: impl FnMut(&[u8]) -> bool,
         mut emit: impl FnMut(&[u8]),
     ) {
-        let mut pos = 0;
-        // Where the bytes not yet passed on, dropped or held start in `chunk`, and where the
-        // open event starts (bytes before it are blank lines; both are 0 for an event held
-        // from an earlier read).
-        let mut start = 0;
-        let mut event_start = 0;
-        while pos < chunk.len() {
-            if self.after_cr {
-                self.after_cr = false;
-                if chunk[pos] == b'\n' {
-                    pos += 1;
-                    // The LF of a CRLF that ended a dropped event in the previous read.
-                    if std::mem::take(&mut self.drop_lf) {
-                        start = pos;
-                    }
-                    continue;
-                }
+        let mut at = Cursor {
+            pos: 0,
+            start: 0,
+            event_start: 0,
+        };
+        loop {
+            if !self.framing.in_event() {
+                at.event_start = at.pos;
             }
-            self.drop_lf = false;
-            if !self.in_event {
-                event_start = pos;
-            }
-            let Some(off) = memchr2(b'\n', b'\r', &chunk[pos..]) else {
-                self.line_start = false;
-                self.in_event = true;
+            let Some(framed) = self.framing.step(chunk, &mut at.pos) else {
                 break;
             };
-            let end = pos + off;
-            if off > 0 {
-                self.line_start = false;
-                self.in_event = true;
+            match framed {
+                // The LF of a CRLF that ended a dropped event in the previous read.
+                Framed::CrlfTail => {
+                    if std::mem::take(&mut self.drop_lf) {
+                        at.start = at.pos;
+                    }
+                }
+                Framed::Blank { ended_event: true } => {
+                    self.drop_lf = false;
+                    self.framing.take_crlf_tail(chunk, &mut at.pos);
+                    self.event_ended(chunk, &mut at, &mut is_usage_only, &mut emit);
+                }
+                Framed::Line { .. } | Framed::Blank { .. } | Framed::Partial => {
+                    self.drop_lf = false
+                }
             }
-            self.after_cr = chunk[end] == b'\r';
-            pos = end + 1;
-            if !self.line_start {
-                self.line_start = true;
-                continue;
-            }
-            // An empty line: it ends the open event, if any.
-            if !self.in_event {
-                continue;
-            }
-            self.in_event = false;
-            // A CRLF blank line's LF goes with the event it ends.
-            if self.after_cr && chunk.get(pos) == Some(&b'\n') {
-                pos += 1;
-                self.after_cr = false;
-            }
-            let event = &chunk[event_start..pos];
-            let drop = if std::mem::take(&mut self.passing) {
-                false
-            } else if self.held.is_empty() {
-                is_usage_only(event)
-            } else if self.held.len() + event.len() > self.max_event {
-                // Too long for the meter to read, so not a chunk it could settle on either.
+        }
+        if at.start < chunk.len() {
+            self.read_ended(chunk, &at, &mut emit);
+        }
+    }
+
+    /// An event ended at `at.pos`: pass it on, or drop it when it is the usage-only chunk.
+    fn event_ended(
+        &mut self,
+        chunk: &[u8],
+        at: &mut Cursor,
+        is_usage_only: &mut impl FnMut(&[u8]) -> bool,
+        emit: &mut impl FnMut(&[u8]),
+    ) {
+        let event = &chunk[at.event_start..at.pos];
+        let drop = if std::mem::take(&mut self.passing) {
+            false
+        } else if self.held.is_empty() {
+            is_usage_only(event)
+        } else if self.held.len() + event.len() > self.max_event {
+            // Too long for the meter to read, so not a chunk it could settle on either.
+            emit(&self.held);
+            self.held.clear();
+            false
+        } else {
+            self.held.extend_from_slice(event);
+            let drop = is_usage_only(&self.held);
+            if !drop {
                 emit(&self.held);
-                self.held.clear();
-                false
-            } else {
-                self.held.extend_from_slice(event);
-                let drop = is_usage_only(&self.held);
-                if !drop {
-                    emit(&self.held);
-                }
-                self.held.clear();
-                if drop {
-                    self.drop_lf = self.after_cr;
-                }
-                start = pos;
-                continue;
-            };
-            if drop {
-                // The blank lines before it still go out; a CR ending this read may have its
-                // LF at the start of the next.
-                if event_start > start {
-                    emit(&chunk[start..event_start]);
-                }
-                self.drop_lf = self.after_cr;
-            } else {
-                emit(&chunk[start..pos]);
             }
-            start = pos;
-        }
-        if start == chunk.len() {
+            self.held.clear();
+            if drop {
+                self.drop_lf = self.framing.after_cr();
+            }
+            at.start = at.pos;
             return;
+        };
+        if drop {
+            // The blank lines before it still go out; a CR ending this read may have its LF
+            // at the start of the next.
+            if at.event_start > at.start {
+                emit(&chunk[at.start..at.event_start]);
+            }
+            self.drop_lf = self.framing.after_cr();
+        } else {
+            emit(&chunk[at.start..at.pos]);
         }
-        if !self.in_event || self.passing {
-            // Only blank lines, or the rest of an event too long to hold.
-            emit(&chunk[start..]);
+        at.start = at.pos;
+    }
+
+    /// The read ended with bytes not yet passed on: blank lines, the rest of an event too long
+    /// to hold, or an unfinished event to hold.
+    fn read_ended(&mut self, chunk: &[u8], at: &Cursor, emit: &mut impl FnMut(&[u8])) {
+        if !self.framing.in_event() || self.passing {
+            emit(&chunk[at.start..]);
             return;
         }
         // An unfinished event: the blank lines before it go out now; it is held, unless that
         // would make it too long.
-        let event = &chunk[event_start..];
+        let event = &chunk[at.event_start..];
         if self.held.len() + event.len() > self.max_event {
             // Let it through, this read and every read until it ends.
             self.passing = true;
@@ -163,10 +161,10 @@ impl UsageStrip {
                 emit(&self.held);
                 self.held.clear();
             }
-            emit(&chunk[start..]);
+            emit(&chunk[at.start..]);
         } else {
-            if event_start > start {
-                emit(&chunk[start..event_start]);
+            if at.event_start > at.start {
+                emit(&chunk[at.start..at.event_start]);
             }
             self.held.extend_from_slice(event);
         }

@@ -20,7 +20,7 @@ pub(crate) mod usage;
 
 use crate::sys::clock::Mono;
 
-pub(crate) use sse::{event_data, event_name, SseSplitter, DEFAULT_MAX_EVENT};
+pub(crate) use sse::{event_data, event_name, Framed, SseFraming, SseSplitter, DEFAULT_MAX_EVENT};
 pub(crate) use usage::{MeterSummary, StreamMeter, Usage};
 
 /// The bytes a whole JSON body parsed where it lies gets appended for the parse (simd-json's

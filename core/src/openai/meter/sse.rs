@@ -19,6 +19,99 @@ use memchr::{memchr, memchr2};
 /// `response.completed` event repeats the whole output and can be far larger.
 pub(crate) const DEFAULT_MAX_EVENT: usize = 256 * 1024;
 
+/// Where lines and events end in an event stream read in pieces: the one framing loop of the
+/// gateway, shared by [`SseSplitter`] (which reads events) and the relay's usage filter (which
+/// drops one). Line endings are CRLF, LF or CR, mixed freely, a CRLF may be split across reads,
+/// and an event ends at an empty line.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SseFraming {
+    /// The last byte seen ended a line (true before the first byte).
+    line_start: bool,
+    /// The last byte seen was CR: an LF right after it completes the same line ending.
+    after_cr: bool,
+    /// An event has a non-empty line and has not ended.
+    in_event: bool,
+}
+
+/// What [`SseFraming::step`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framed {
+    /// The LF of a CRLF whose CR was the last byte stepped over (perhaps in the previous read).
+    CrlfTail,
+    /// A non-empty line ended; its line ending starts at `end`.
+    Line { end: usize },
+    /// An empty line; `ended_event` when it closed an open event.
+    Blank { ended_event: bool },
+    /// The rest of the read is an unfinished line (part of an event).
+    Partial,
+}
+
+impl SseFraming {
+    /// The framing at the start of a stream.
+    pub(crate) const fn new() -> Self {
+        Self {
+            line_start: true,
+            after_cr: false,
+            in_event: false,
+        }
+    }
+
+    /// An event has begun and not ended.
+    pub(crate) fn in_event(&self) -> bool {
+        self.in_event
+    }
+
+    /// The last byte stepped over ended a line.
+    pub(crate) fn line_start(&self) -> bool {
+        self.line_start
+    }
+
+    /// Step from `*pos` over the next line ending of `chunk` (or over the unfinished rest) and
+    /// say what it ended; `None` once `*pos` is at the end of `chunk`.
+    #[inline]
+    pub(crate) fn step(&mut self, chunk: &[u8], pos: &mut usize) -> Option<Framed> {
+        let rest = chunk.get(*pos..).filter(|rest| !rest.is_empty())?;
+        if std::mem::take(&mut self.after_cr) && rest[0] == b'\n' {
+            *pos += 1;
+            return Some(Framed::CrlfTail);
+        }
+        let Some(off) = memchr2(b'\n', b'\r', rest) else {
+            self.line_start = false;
+            self.in_event = true;
+            *pos = chunk.len();
+            return Some(Framed::Partial);
+        };
+        if off > 0 {
+            self.line_start = false;
+            self.in_event = true;
+        }
+        self.after_cr = rest[off] == b'\r';
+        let end = *pos + off;
+        *pos = end + 1;
+        if !self.line_start {
+            self.line_start = true;
+            return Some(Framed::Line { end });
+        }
+        let ended_event = std::mem::replace(&mut self.in_event, false);
+        Some(Framed::Blank { ended_event })
+    }
+
+    /// After a blank line that ended in CR: step over its LF too when it is next in `chunk`, so
+    /// the whole line ending goes with the event it closed.
+    pub(crate) fn take_crlf_tail(&mut self, chunk: &[u8], pos: &mut usize) {
+        if self.after_cr && chunk.get(*pos) == Some(&b'\n') {
+            *pos += 1;
+            self.after_cr = false;
+        }
+    }
+
+    /// The last byte stepped over was a CR, so an LF at the start of the next read ends the
+    /// same line.
+    pub(crate) fn after_cr(&self) -> bool {
+        self.after_cr
+    }
+}
+
 /// Splits an event stream into events across arbitrary read boundaries.
 #[derive(Debug)]
 pub struct SseSplitter {
@@ -26,12 +119,7 @@ pub struct SseSplitter {
     pending: Vec<u8>,
     max_event: usize,
     oversized_events: u64,
-    /// The last byte seen ended a line (true before the first byte).
-    line_start: bool,
-    /// The last byte seen was CR: an LF right after it completes the same line ending.
-    after_cr: bool,
-    /// The current event has a non-empty line.
-    in_event: bool,
+    framing: SseFraming,
     /// The current event outgrew `max_event` and is being skipped to its end.
     discarding: bool,
     /// Where the current event's last finished line ends, counted from the event's first byte.
@@ -57,9 +145,7 @@ impl SseSplitter {
             pending: Vec::new(),
             max_event,
             oversized_events: 0,
-            line_start: true,
-            after_cr: false,
-            in_event: false,
+            framing: SseFraming::new(),
             discarding: false,
             line_end: 0,
         }
@@ -72,7 +158,7 @@ impl SseSplitter {
 
     /// Whether an event has begun and not ended: at the end of the stream, it was cut short.
     pub fn has_partial(&self) -> bool {
-        self.in_event
+        self.framing.in_event()
     }
 
     /// Bytes held for the unfinished event.
@@ -87,9 +173,7 @@ impl SseSplitter {
             self.pending = Vec::new();
         }
         self.oversized_events = 0;
-        self.line_start = true;
-        self.after_cr = false;
-        self.in_event = false;
+        self.framing = SseFraming::new();
         self.discarding = false;
         self.line_end = 0;
     }
@@ -102,57 +186,44 @@ impl SseSplitter {
         // Where the current event starts in `chunk`, and how many of its bytes came before
         // `chunk` (then `start` is 0). While no event is open, `start == pos`.
         let mut start = 0;
-        let mut carried = if self.in_event { self.pending.len() } else { 0 };
-        while pos < chunk.len() {
-            if self.after_cr {
-                self.after_cr = false;
-                if chunk[pos] == b'\n' {
-                    pos += 1;
-                    if !self.in_event {
-                        start = pos;
+        let mut carried = if self.framing.in_event() {
+            self.pending.len()
+        } else {
+            0
+        };
+        while let Some(framed) = self.framing.step(chunk, &mut pos) {
+            match framed {
+                Framed::CrlfTail if !self.framing.in_event() => start = pos,
+                Framed::CrlfTail | Framed::Partial => {}
+                Framed::Line { end } => self.line_end = carried + (end - start),
+                Framed::Blank { ended_event } => {
+                    if ended_event {
+                        self.dispatch(chunk, start, carried, &mut on_event);
+                        carried = 0;
                     }
-                    continue;
+                    start = pos;
                 }
-            }
-            let Some(off) = memchr2(b'\n', b'\r', &chunk[pos..]) else {
-                self.line_start = false;
-                self.in_event = true;
-                break;
-            };
-            let end = pos + off;
-            if off > 0 {
-                self.line_start = false;
-                self.in_event = true;
-            }
-            self.after_cr = chunk[end] == b'\r';
-            pos = end + 1;
-            if self.line_start {
-                // An empty line: the event (if any) is complete.
-                if self.in_event {
-                    self.dispatch(chunk, start, carried, &mut on_event);
-                    self.in_event = false;
-                    carried = 0;
-                }
-                start = pos;
-            } else {
-                self.line_start = true;
-                self.line_end = carried + (end - start);
             }
         }
-        if self.in_event && !self.discarding {
-            let tail = chunk.get(start..).unwrap_or_default();
-            let len = if self.line_start {
-                self.line_end
-            } else {
-                carried + tail.len()
-            };
-            if len > self.max_event {
-                self.oversized_events += 1;
-                self.discarding = true;
-                self.pending.clear();
-            } else {
-                self.pending.extend_from_slice(tail);
-            }
+        if self.framing.in_event() && !self.discarding {
+            self.hold_tail(chunk.get(start..).unwrap_or_default(), carried);
+        }
+    }
+
+    /// Keep the unfinished event's bytes from this read, or start skipping it once it is too
+    /// long to pass on.
+    fn hold_tail(&mut self, tail: &[u8], carried: usize) {
+        let len = if self.framing.line_start() {
+            self.line_end
+        } else {
+            carried + tail.len()
+        };
+        if len > self.max_event {
+            self.oversized_events += 1;
+            self.discarding = true;
+            self.pending.clear();
+        } else {
+            self.pending.extend_from_slice(tail);
         }
     }
 
