@@ -518,49 +518,22 @@ async fn attempt<'w>(
     let mut buf = io.bufs.take();
     let mut head = ResponseHead::default();
     loop {
-        if !buf.is_empty() {
-            match parse_response_head(&buf, false, &mut head) {
-                Ok(false) => {}
-                Ok(true) if (100..200).contains(&head.status) && head.status != 101 => {
-                    // Interim responses (103 Early Hints, a stray 100) are not relayed.
-                    buf.drain(..head.head_len);
-                    continue;
-                }
-                Ok(true) if head.status == 101 => {
-                    conn.abort();
-                    let error = GatewayError::bad_gateway(
-                        UpstreamFault::Protocol,
-                        "the upstream tried to switch protocols",
-                    );
-                    return (
-                        Err(AttemptError {
-                            error,
-                            stale: false,
-                        }),
-                        request,
-                    );
-                }
-                Ok(true) => {
-                    let response = UpstreamResponse {
-                        conn,
-                        head,
-                        buf,
-                        in_flight,
-                        read_at: None,
-                    };
-                    return (Ok(response), request);
-                }
-                Err(e) => {
-                    conn.abort();
-                    let error = GatewayError::bad_gateway(UpstreamFault::Protocol, e.0);
-                    return (
-                        Err(AttemptError {
-                            error,
-                            stale: false,
-                        }),
-                        request,
-                    );
-                }
+        match next_head(&mut buf, &mut head) {
+            Ok(false) => {}
+            Ok(true) => {
+                let response = UpstreamResponse {
+                    conn,
+                    head,
+                    buf,
+                    in_flight,
+                    read_at: None,
+                };
+                return (Ok(response), request);
+            }
+            Err(error) => {
+                conn.abort();
+                let stale = false;
+                return (Err(AttemptError { error, stale }), request);
             }
         }
         let len = buf.len();
@@ -585,14 +558,32 @@ async fn attempt<'w>(
             ),
         };
         conn.abort();
-        return (
-            Err(AttemptError {
-                error,
-                stale: reused && len == 0,
-            }),
-            request,
-        );
+        let stale = reused && len == 0;
+        return (Err(AttemptError { error, stale }), request);
     }
+}
+
+/// Read the response head at the start of `buf` into `head`, dropping interim responses (103
+/// Early Hints, a stray 100: not relayed): true once a final head is whole, false while more
+/// bytes are needed; an unreadable head or a switch of protocols is the upstream's fault.
+fn next_head(buf: &mut Vec<u8>, head: &mut ResponseHead) -> Result<bool, GatewayError> {
+    while !buf.is_empty() {
+        match parse_response_head(buf, false, head) {
+            Ok(false) => return Ok(false),
+            Ok(true) if (100..200).contains(&head.status) && head.status != 101 => {
+                buf.drain(..head.head_len);
+            }
+            Ok(true) if head.status == 101 => {
+                return Err(GatewayError::bad_gateway(
+                    UpstreamFault::Protocol,
+                    "the upstream tried to switch protocols",
+                ));
+            }
+            Ok(true) => return Ok(true),
+            Err(e) => return Err(GatewayError::bad_gateway(UpstreamFault::Protocol, e.0)),
+        }
+    }
+    Ok(false)
 }
 
 #[cfg(test)]

@@ -65,42 +65,74 @@ pub(crate) fn emit(
     error: Option<&GatewayError>,
     caller: &Caller,
 ) {
-    let key = caller.principal.map(|p| p.key);
-    let status = error.map_or(obs.status, |e| e.status());
-    let path = request.head.path(request.buf);
+    let done = Finished {
+        request,
+        inspection,
+        obs,
+        outcome,
+        error,
+        caller,
+        status: error.map_or(obs.status, |e| e.status()),
+    };
+    done.count(metrics);
+    done.write_record(snapshot, log);
+}
 
-    // Metrics: label values come from configured names only.
-    let m = metrics;
-    let names = m.names();
-    let route = names.route(route_name(path));
-    let model = names.model(&inspection.model);
-    let entity = key
-        .and_then(|k| k.entity)
-        .map_or(EntityIdx::OTHER, |e| m.labels.entity(e));
-    m.request_done(route, model, entity, StatusClass::from_status(status));
-    if outcome.usage_source != UsageSource::None {
-        let u = &outcome.usage;
-        m.tokens(
-            model,
-            entity,
-            u.prompt_tokens,
-            u.completion_tokens,
-            u.cached_tokens,
-            u.cache_write_tokens,
-        );
+/// One finished request, as [`emit`] reads it.
+struct Finished<'a, 'r> {
+    request: &'a Request<'r>,
+    inspection: &'a Inspection,
+    obs: &'a Observation,
+    outcome: &'a Outcome<'a>,
+    error: Option<&'a GatewayError>,
+    caller: &'a Caller<'a>,
+    /// The status the client got.
+    status: u16,
+}
+
+impl Finished<'_, '_> {
+    /// The request's metrics: label values come from configured names only.
+    fn count(&self, m: MetricsView<'_>) {
+        let (obs, outcome) = (self.obs, self.outcome);
+        let names = m.names();
+        let route = names.route(route_name(self.request.head.path(self.request.buf)));
+        let model = names.model(&self.inspection.model);
+        let entity = self
+            .caller
+            .principal
+            .and_then(|p| p.key.entity)
+            .map_or(EntityIdx::OTHER, |e| m.labels.entity(e));
+        m.request_done(route, model, entity, StatusClass::from_status(self.status));
+        if outcome.usage_source != UsageSource::None {
+            let u = &outcome.usage;
+            m.tokens(
+                model,
+                entity,
+                u.prompt_tokens,
+                u.completion_tokens,
+                u.cached_tokens,
+                u.cache_write_tokens,
+            );
+        }
+        if let Some(cost) = outcome.cost {
+            m.cost(model, entity, (cost * 1_000_000.0).round() as u64);
+        }
+        if let Some(ttft) = outcome.ttft {
+            m.observe_ttft(model, ttft);
+        }
+        if let Some(tpot) = outcome.tpot {
+            m.observe_tpot(model, tpot);
+        }
+        m.observe_latency(route, model, outcome.latency);
+        m.observe_overhead(route, outcome.overhead);
+        if let Some((_, backend_id)) = obs.routed {
+            self.count_upstream(m, backend_id);
+        }
     }
-    if let Some(cost) = outcome.cost {
-        m.cost(model, entity, (cost * 1_000_000.0).round() as u64);
-    }
-    if let Some(ttft) = outcome.ttft {
-        m.observe_ttft(model, ttft);
-    }
-    if let Some(tpot) = outcome.tpot {
-        m.observe_tpot(model, tpot);
-    }
-    m.observe_latency(route, model, outcome.latency);
-    m.observe_overhead(route, outcome.overhead);
-    if let Some((_, backend_id)) = obs.routed {
+
+    /// The upstream requests it made of its last backend, and how the last one failed.
+    fn count_upstream(&self, m: MetricsView<'_>, backend_id: usize) {
+        let obs = self.obs;
         let backend = m.labels.backend(backend_id);
         if obs.forward.started_at.is_some() {
             let attempt = if obs.fallbacks > 0 {
@@ -113,7 +145,7 @@ pub(crate) fn emit(
                 m.upstream_request(backend, Attempt::Retry);
             }
         }
-        let kind = match error {
+        let kind = match self.error {
             Some(e) if e.kind == ErrorKind::UpstreamPoolFull => {
                 Some(UpstreamErrorKind::PoolExhausted)
             }
@@ -130,93 +162,115 @@ pub(crate) fn emit(
         }
     }
 
-    // Access log: the record's fields are borrowed where they lie, only the peer is written
-    // out.
-    let sink = log;
-    let mut log = sink.writer.borrow_mut();
-    let Some(log) = log.as_mut() else {
-        return;
-    };
-    let mut client_addr = sink.client_addr.borrow_mut();
-    client_addr.clear();
-    if let Some(peer) = request.peer {
-        write_peer(&mut client_addr, peer);
-    }
-    // When the request was received: now, less the time since (no wall-clock read on the way
-    // in).
-    let since_receipt = crate::sys::clock::recent().saturating_duration_since(request.received_at);
-    // A path is nearly always UTF-8 (ASCII): checked as a str, not walked in lossy chunks.
-    let path = match std::str::from_utf8(path) {
-        Ok(path) => std::borrow::Cow::Borrowed(path),
-        Err(_) => String::from_utf8_lossy(path),
-    };
-    let (mut cluster_name, mut mapped_model, mut backend) = ("", "", "");
-    if let Some((cluster_id, backend_id)) = obs.routed {
-        if let Some(cluster) = snapshot.clusters.get(cluster_id) {
-            cluster_name = &cluster.name;
-            mapped_model = outcome.mapped_model;
-            if let Some(b) = cluster.backends.iter().find(|b| b.id == backend_id) {
-                backend = &b.host_header;
-            }
+    /// The access-log record: its fields are borrowed where they lie, only the peer is written
+    /// out.
+    fn write_record(&self, snapshot: &Snapshot, sink: &LogSink) {
+        let (request, obs, outcome, error) = (self.request, self.obs, self.outcome, self.error);
+        let mut log = sink.writer.borrow_mut();
+        let Some(log) = log.as_mut() else {
+            return;
+        };
+        let mut client_addr = sink.client_addr.borrow_mut();
+        client_addr.clear();
+        if let Some(peer) = request.peer {
+            write_peer(&mut client_addr, peer);
         }
+        // When the request was received: now, less the time since (no wall-clock read on the
+        // way in).
+        let since_receipt =
+            crate::sys::clock::recent().saturating_duration_since(request.received_at);
+        let path = request.head.path(request.buf);
+        // A path is nearly always UTF-8 (ASCII): checked as a str, not walked in lossy chunks.
+        let path = match std::str::from_utf8(path) {
+            Ok(path) => std::borrow::Cow::Borrowed(path),
+            Err(_) => String::from_utf8_lossy(path),
+        };
+        let (cluster, mapped_model, backend) = routed_names(snapshot, obs, outcome);
+        let (rejected_policy, rejected_dimension) = refusal_labels(snapshot, self.caller);
+        let key = self.caller.principal.map(|p| p.key);
+        let u = &outcome.usage;
+        log.record_view(&RecordView {
+            time_unix_us: crate::sys::time::unix_us()
+                .saturating_sub(since_receipt.as_micros() as u64),
+            client_addr: &client_addr,
+            method: "POST",
+            path: &path,
+            status: u32::from(self.status),
+            key_id: key.map_or("", |k| &k.id),
+            entity: key
+                .and_then(|k| k.entity)
+                .and_then(|e| snapshot.limits.entities.get(e))
+                .map_or("", String::as_str),
+            tags: key.map_or(&[], |k| k.tags.as_slice()),
+            requested_model: truncate(&self.inspection.model, MAX_LOGGED_MODEL),
+            mapped_model,
+            cluster,
+            backend,
+            stream: self.inspection.stream,
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            cached_tokens: u.cached_tokens,
+            total_tokens: u.total_tokens,
+            usage_source: match outcome.usage_source {
+                UsageSource::Reported => LogUsageSource::Reported,
+                UsageSource::Estimated => LogUsageSource::Estimated,
+                UsageSource::None => LogUsageSource::None,
+            } as i32,
+            cost: outcome.cost.unwrap_or(0.0),
+            ttft_us: outcome.ttft.map_or(0, |d| d.as_micros() as u64),
+            tpot_us: outcome.tpot.map_or(0, |d| d.as_micros() as u64),
+            latency_us: outcome.latency.as_micros() as u64,
+            upstream_connect_us: obs.forward.connect.map_or(0, |d| d.as_micros() as u64),
+            upstream_header_us: outcome.upstream_header.map_or(0, |d| d.as_micros() as u64),
+            overhead_us: outcome.overhead.as_micros() as u64,
+            bytes_in: obs.bytes_in,
+            bytes_out: match error {
+                // Sluice's own answer is written after this record: count what it will be.
+                Some(e) => e.response_len(request.head.keep_alive, false, request.dialect()) as u64,
+                None => obs.bytes_out,
+            },
+            rejected_policy,
+            rejected_dimension,
+            auth_rejection_reason: self.caller.auth_failure.unwrap_or(""),
+            error_class: error_class(obs, error),
+            fallback_attempts: obs.fallbacks + obs.forward.retries,
+            sticky_id_hash: obs.sticky_id_hash,
+            worker_id: sink.worker_id as u32,
+            fallback_reason: obs.fallback_reason,
+            cache_write_tokens: u.cache_write_tokens,
+        });
     }
-    let (rejected_policy, rejected_dimension) = caller.refusal.as_ref().map_or(("", ""), |r| {
+}
+
+/// The cluster, mapped model and backend (host) names of where the request went, or empty.
+fn routed_names<'a>(
+    snapshot: &'a Snapshot,
+    obs: &Observation,
+    outcome: &'a Outcome<'a>,
+) -> (&'a str, &'a str, &'a str) {
+    let Some((cluster_id, backend_id)) = obs.routed else {
+        return ("", "", "");
+    };
+    let Some(cluster) = snapshot.clusters.get(cluster_id) else {
+        return ("", "", "");
+    };
+    let backend = cluster.backends.iter().find(|b| b.id == backend_id);
+    (
+        &cluster.name,
+        outcome.mapped_model,
+        backend.map_or("", |b| b.host_header.as_str()),
+    )
+}
+
+/// The policy and dimension that refused the request, or empty.
+fn refusal_labels<'s>(snapshot: &'s Snapshot, caller: &Caller) -> (&'s str, &'static str) {
+    caller.refusal.as_ref().map_or(("", ""), |r| {
         let policy = r
             .policy
             .and_then(|p| snapshot.limits.policies.get(p))
             .map_or("quota", |p| p.id.as_str());
         (policy, r.dimension.label())
-    });
-    let u = &outcome.usage;
-    log.record_view(&RecordView {
-        time_unix_us: crate::sys::time::unix_us().saturating_sub(since_receipt.as_micros() as u64),
-        client_addr: &client_addr,
-        method: "POST",
-        path: &path,
-        status: u32::from(status),
-        key_id: key.map_or("", |k| &k.id),
-        entity: key
-            .and_then(|k| k.entity)
-            .and_then(|e| snapshot.limits.entities.get(e))
-            .map_or("", String::as_str),
-        tags: key.map_or(&[], |k| k.tags.as_slice()),
-        requested_model: truncate(&inspection.model, MAX_LOGGED_MODEL),
-        mapped_model,
-        cluster: cluster_name,
-        backend,
-        stream: inspection.stream,
-        prompt_tokens: u.prompt_tokens,
-        completion_tokens: u.completion_tokens,
-        cached_tokens: u.cached_tokens,
-        total_tokens: u.total_tokens,
-        usage_source: match outcome.usage_source {
-            UsageSource::Reported => LogUsageSource::Reported,
-            UsageSource::Estimated => LogUsageSource::Estimated,
-            UsageSource::None => LogUsageSource::None,
-        } as i32,
-        cost: outcome.cost.unwrap_or(0.0),
-        ttft_us: outcome.ttft.map_or(0, |d| d.as_micros() as u64),
-        tpot_us: outcome.tpot.map_or(0, |d| d.as_micros() as u64),
-        latency_us: outcome.latency.as_micros() as u64,
-        upstream_connect_us: obs.forward.connect.map_or(0, |d| d.as_micros() as u64),
-        upstream_header_us: outcome.upstream_header.map_or(0, |d| d.as_micros() as u64),
-        overhead_us: outcome.overhead.as_micros() as u64,
-        bytes_in: obs.bytes_in,
-        bytes_out: match error {
-            // Sluice's own answer is written after this record: count what it will be.
-            Some(e) => e.response_len(request.head.keep_alive, false, request.dialect()) as u64,
-            None => obs.bytes_out,
-        },
-        rejected_policy,
-        rejected_dimension,
-        auth_rejection_reason: caller.auth_failure.unwrap_or(""),
-        error_class: error_class(obs, error),
-        fallback_attempts: obs.fallbacks + obs.forward.retries,
-        sticky_id_hash: obs.sticky_id_hash,
-        worker_id: sink.worker_id as u32,
-        fallback_reason: obs.fallback_reason,
-        cache_write_tokens: u.cache_write_tokens,
-    });
+    })
 }
 
 /// Count an attempt that failed and was followed by another (the request's last attempt is

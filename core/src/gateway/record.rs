@@ -452,30 +452,10 @@ impl Observation {
             None if unread || self.status == 0 || !(200..300).contains(&self.status) => {
                 (Usage::default(), UsageSource::None)
             }
-            None => {
-                // No usage reported (or the stream was cut before it): bill what we know —
-                // the prompt, and the generated text the meter kept (scaled up by bytes when
-                // there was more than it keeps).
-                let prompt = estimate.count(prompt_body).max(1);
-                let mut completion = estimate.count(captured);
-                if summary.content_bytes > captured.len() as u64 && !captured.is_empty() {
-                    completion = (completion as u128 * summary.content_bytes as u128
-                        / captured.len() as u128) as u64;
-                } else if captured.is_empty() {
-                    completion = summary.content_bytes.div_ceil(4);
-                }
-                (
-                    Usage {
-                        prompt_tokens: prompt,
-                        completion_tokens: completion,
-                        total_tokens: prompt + completion,
-                        cached_tokens: 0,
-                        cache_write_tokens: 0,
-                        reasoning_tokens: 0,
-                    },
-                    UsageSource::Estimated,
-                )
-            }
+            None => (
+                estimated_usage(estimate, prompt_body, captured, summary.content_bytes),
+                UsageSource::Estimated,
+            ),
         };
         let price = mapped_model
             .and_then(|m| snapshot.prices.get(m))
@@ -510,6 +490,32 @@ impl Observation {
             overhead: before + self.relay_overhead,
             upstream_header,
         }
+    }
+}
+
+/// The usage of an answer that reported none (or was cut before it did): bill what is known —
+/// the prompt, and the generated text the meter kept (`captured`), scaled up by bytes when
+/// there was more (`content_bytes`) than it keeps.
+fn estimated_usage(
+    estimate: Estimator,
+    prompt_body: &[u8],
+    captured: &[u8],
+    content_bytes: u64,
+) -> Usage {
+    let prompt = estimate.count(prompt_body).max(1);
+    let mut completion = estimate.count(captured);
+    if content_bytes > captured.len() as u64 && !captured.is_empty() {
+        completion = (completion as u128 * content_bytes as u128 / captured.len() as u128) as u64;
+    } else if captured.is_empty() {
+        completion = content_bytes.div_ceil(4);
+    }
+    Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        total_tokens: prompt + completion,
+        cached_tokens: 0,
+        cache_write_tokens: 0,
+        reasoning_tokens: 0,
     }
 }
 

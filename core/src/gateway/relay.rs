@@ -242,28 +242,7 @@ pub(crate) async fn relay_translated_whole(
             |b| conn.io.read(b),
         )
         .await;
-        ended = match read {
-            ReadOutcome::Data(n) => {
-                emit_body(&mut upstream, &ubuf[..n], |d| body.extend_from_slice(d))
-                    .map(|extra| clean &= !extra)
-            }
-            ReadOutcome::Closed if matches!(upstream, UpstreamBody::UntilClose) => {
-                upstream = UpstreamBody::Done;
-                clean = false;
-                Ok(())
-            }
-            ReadOutcome::Closed => Err(GatewayError::bad_gateway(
-                UpstreamFault::Io,
-                "the upstream closed the connection mid-response",
-            )),
-            ReadOutcome::TimedOut => Err(GatewayError::gateway_timeout(
-                "the upstream's answer stalled",
-            )),
-            ReadOutcome::Failed(e) => Err(GatewayError::bad_gateway(
-                UpstreamFault::Io,
-                format!("upstream connection failed mid-response: {e}"),
-            )),
-        };
+        ended = take_read(read, &mut upstream, &ubuf, &mut body, &mut clean);
     }
     let mut translated = io.bufs.take();
     let status = ended.and_then(|()| translate(head.status, &body, &mut translated));
@@ -284,21 +263,8 @@ pub(crate) async fn relay_translated_whole(
     }
     let keep_client = side.keep_alive && !io.drain.draining();
     let mut out = io.bufs.take();
-    out.extend_from_slice(b"HTTP/1.");
-    push_decimal(&mut out, side.minor_version);
-    out.push(b' ');
-    push_decimal(&mut out, status);
-    out.push(b' ');
-    out.extend_from_slice(reason(status).as_bytes());
-    out.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
-    push_decimal(&mut out, if side.head_only { 0 } else { translated.len() });
-    out.extend_from_slice(b"\r\n");
-    if !keep_client {
-        out.extend_from_slice(b"connection: close\r\n");
-    }
-    obs.response_started(status, false, !side.head_only);
-    out.extend_from_slice(obs.rate_headers.as_bytes());
-    push_overhead(&mut out, obs.overhead_so_far(clock::now()));
+    let len = if side.head_only { 0 } else { translated.len() };
+    write_whole_head(&mut out, side, status, len, keep_client, obs);
     if !side.head_only {
         let now = clock::recent();
         obs.body(if meter_upstream { &body } else { &translated }, now);
@@ -323,6 +289,64 @@ pub(crate) async fn relay_translated_whole(
         keep_alive: keep_client && res.is_ok(),
         end,
     })
+}
+
+/// Take one read of a whole answer into `body` (decoded), or say why the answer cannot be
+/// read whole; `clean` turns false when the connection cannot be reused after it.
+fn take_read(
+    read: ReadOutcome,
+    upstream: &mut UpstreamBody,
+    ubuf: &[u8],
+    body: &mut Vec<u8>,
+    clean: &mut bool,
+) -> Result<(), GatewayError> {
+    match read {
+        ReadOutcome::Data(n) => emit_body(upstream, &ubuf[..n], |d| body.extend_from_slice(d))
+            .map(|extra| *clean &= !extra),
+        ReadOutcome::Closed if matches!(upstream, UpstreamBody::UntilClose) => {
+            *upstream = UpstreamBody::Done;
+            *clean = false;
+            Ok(())
+        }
+        ReadOutcome::Closed => Err(GatewayError::bad_gateway(
+            UpstreamFault::Io,
+            "the upstream closed the connection mid-response",
+        )),
+        ReadOutcome::TimedOut => Err(GatewayError::gateway_timeout(
+            "the upstream's answer stalled",
+        )),
+        ReadOutcome::Failed(e) => Err(GatewayError::bad_gateway(
+            UpstreamFault::Io,
+            format!("upstream connection failed mid-response: {e}"),
+        )),
+    }
+}
+
+/// The head of a translated whole answer: its status, JSON of `len` bytes, the rate headers
+/// and the overhead so far; the response counts as started.
+fn write_whole_head(
+    out: &mut Vec<u8>,
+    side: ClientSide,
+    status: u16,
+    len: usize,
+    keep_client: bool,
+    obs: &mut Observation,
+) {
+    out.extend_from_slice(b"HTTP/1.");
+    push_decimal(out, side.minor_version);
+    out.push(b' ');
+    push_decimal(out, status);
+    out.push(b' ');
+    out.extend_from_slice(reason(status).as_bytes());
+    out.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
+    push_decimal(out, len);
+    out.extend_from_slice(b"\r\n");
+    if !keep_client {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    obs.response_started(status, false, !side.head_only);
+    out.extend_from_slice(obs.rate_headers.as_bytes());
+    push_overhead(out, obs.overhead_so_far(clock::now()));
 }
 
 /// What the response's head decides for the whole relay.

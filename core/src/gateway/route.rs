@@ -653,15 +653,7 @@ pub(crate) fn route<'s>(
     } else {
         0
     };
-    let pinned = sticky.and_then(|(_, session)| {
-        session
-            .cookie_backend
-            .map(|(backend, _)| backend)
-            .or_else(|| {
-                let id = session.id?;
-                health.pins()?.get(id, now_s)
-            })
-    });
+    let pinned = sticky.and_then(|(_, session)| pinned_backend(&session, health, now_s));
     let pinned_walk = pinned.and_then(|identity| picker.find_pinned(route, identity));
     // No pin that holds: prefix affinity, when the rule has it.
     let prefix_walk = || {
@@ -691,10 +683,7 @@ pub(crate) fn route<'s>(
         walk.backend_step = 1;
         // A session not (or no longer) pinned here is pinned to the pick.
         if let (Some((rule, session)), None) = (sticky, pinned_walk) {
-            if let (Some(id), Some(pins)) = (session.id, health.pins()) {
-                let identity = health.identity(primary.backend.id);
-                pins.pin(id, identity, now_s + rule.ttl_secs, now_s);
-            }
+            pin_session(health, rule, &session, primary.backend.id, now_s);
         }
         let mut tried = [(usize::MAX, None); MAX_TRIED];
         tried[0] = (primary.backend.id, primary.mapped_model);
@@ -714,8 +703,51 @@ pub(crate) fn route<'s>(
             tried_len: 1,
         });
     }
-    // Nothing could take it: because no window is large enough (the client's to fix), or
-    // because every backend is out.
+    Err(nothing_could_take_it(
+        snapshot,
+        health,
+        route,
+        model,
+        needed_tokens,
+        now,
+    ))
+}
+
+/// The backend a session is pinned to: by its cookie, else by its id in the pin table.
+fn pinned_backend(session: &Session, health: &HealthTable, now_s: u64) -> Option<u64> {
+    session
+        .cookie_backend
+        .map(|(backend, _)| backend)
+        .or_else(|| {
+            let id = session.id?;
+            health.pins()?.get(id, now_s)
+        })
+}
+
+/// Pin a session that was not (or no longer) pinned to the backend picked for it.
+fn pin_session(
+    health: &HealthTable,
+    rule: &StickyRule,
+    session: &Session,
+    backend: usize,
+    now_s: u64,
+) {
+    if let (Some(id), Some(pins)) = (session.id, health.pins()) {
+        let identity = health.identity(backend);
+        pins.pin(id, identity, now_s + rule.ttl_secs, now_s);
+    }
+}
+
+/// Why no target could take the request: no context window is large enough (the client's to
+/// fix), or every backend is out.
+fn nothing_could_take_it(
+    snapshot: &Snapshot,
+    health: &HealthTable,
+    route: &Route,
+    model: &str,
+    needed_tokens: u64,
+    now: u64,
+) -> GatewayError {
     let largest = route
         .groups
         .iter()
@@ -724,15 +756,9 @@ pub(crate) fn route<'s>(
         .max()
         .unwrap_or(u64::MAX);
     if largest < needed_tokens {
-        return Err(GatewayError::context_length_exceeded(
-            needed_tokens,
-            largest,
-        ));
+        return GatewayError::context_length_exceeded(needed_tokens, largest);
     }
-    Err(GatewayError::upstream_unavailable(
-        model,
-        retry_after_secs(snapshot, health, route, now),
-    ))
+    GatewayError::upstream_unavailable(model, retry_after_secs(snapshot, health, route, now))
 }
 
 /// Bounded load (consistent hashing with bounded loads, Mirrokni et al.): a backend with
