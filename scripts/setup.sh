@@ -55,6 +55,6 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
 fi
 
 if ! command -v nginx >/dev/null 2>&1 || ! command -v haproxy >/dev/null 2>&1; then
-  log "installing nginx-light and haproxy (Debian packages): the comparison kit's smoke test runs scripts/bench.sh --quick against them"
+  log "installing nginx-light and haproxy (Debian packages): the comparison kit's smoke test runs bench/compare.sh --quick against them"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light haproxy >/dev/null
 fi

@@ -15,7 +15,7 @@ use crate::http::{HeaderPos, HttpLimits};
 use crate::openai::inspect::{Inspection, Inspector};
 use crate::openai::meter::SseMeter;
 
-/// A fuzz target: its name (its files under `fuzz/fuzz_targets/` and `fuzz/corpus/`) and body.
+/// A fuzz target: its name (its files under `fuzz/fuzz_targets/` and `fuzz/seeds/`) and body.
 pub type Target = (&'static str, fn(&[u8]));
 
 /// The fuzz targets.
@@ -248,11 +248,11 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
-    /// Every committed corpus file (seeds and whatever the fuzzer kept, crashes found included)
-    /// goes through its target again: a crash once fixed stays fixed.
+    /// Every committed seed (the minimised corpus, crashes found included) goes through its
+    /// target again: a crash once fixed stays fixed.
     #[test]
-    fn every_corpus_file_replays_clean() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus");
+    fn every_seed_replays_clean() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds");
         let mut replayed = 0;
         for (name, target) in TARGETS {
             let dir = root.join(name);
@@ -266,7 +266,7 @@ mod tests {
                 assert!(outcome.is_ok(), "{name}: {} panics", path.display());
                 n += 1;
             }
-            assert!(n > 0, "{name} has no corpus");
+            assert!(n > 0, "{name} has no seeds");
             replayed += n;
         }
         assert!(replayed >= TARGETS.len());

@@ -137,11 +137,11 @@ pub mod meter {
 #[doc(hidden)]
 pub mod fuzzing;
 
-/// The benchmark fixture (`core/benches/fixture/mod.rs`): the hot path's pieces one by one, and
+/// The benchmark fixture (`bench/micro/fixture/mod.rs`): the hot path's pieces one by one, and
 /// the pipeline's decisions whole on a real worker's per-core state, without sockets. Compiled in
 /// only with the `bench` feature, which the criterion benchmarks and the callgrind driver
 /// require: it drives crate-private phases, which so stay crate-private for everyone else (and
 /// the shipped binary carries none of it).
 #[cfg(feature = "bench")]
-#[path = "../benches/fixture/mod.rs"]
+#[path = "../../bench/micro/fixture/mod.rs"]
 pub mod hotpath;

@@ -1,4 +1,4 @@
-//! The comparison kit end to end, so it can't rot: runs `scripts/bench.sh --quick` (about a
+//! The comparison kit end to end, so it can't rot: runs `bench/compare.sh --quick` (about a
 //! minute: every proxy, both rigs, every scenario, tiny durations) with this build's debug
 //! binaries, then checks the report it wrote: a row for every proxy in each table, numbers that
 //! parse and are positive, no failed requests, and well-formed SVG charts.
@@ -28,7 +28,7 @@ fn run_quick(out: &Path, logs: &TempDir) -> (bool, String) {
     let stdout = std::fs::File::create(logs.path().join("stdout")).unwrap();
     let stderr = std::fs::File::create(logs.path().join("stderr")).unwrap();
     let mut child = Command::new("bash")
-        .arg(workspace_root().join("scripts/bench.sh"))
+        .arg(workspace_root().join("bench/compare.sh"))
         .arg("--quick")
         .current_dir(workspace_root())
         .env("OUT", out)
@@ -41,7 +41,7 @@ fn run_quick(out: &Path, logs: &TempDir) -> (bool, String) {
         .stderr(stderr)
         .process_group(0)
         .spawn()
-        .expect("start scripts/bench.sh");
+        .expect("start bench/compare.sh");
     let pgid = child.id() as i32;
     let start = Instant::now();
     let status = loop {
@@ -195,7 +195,7 @@ fn quick_run_compares_every_proxy() {
     let (ok, log) = run_quick(out.path(), &logs);
     assert!(
         ok,
-        "scripts/bench.sh --quick failed. It needs nginx, haproxy and redis-server \
+        "bench/compare.sh --quick failed. It needs nginx, haproxy and redis-server \
          (scripts/test.sh installs them with apt-get).\n{log}"
     );
     let results = out.path().join("RESULTS.md");

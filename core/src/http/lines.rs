@@ -17,7 +17,7 @@
 //!
 //! Why not httparse: with the heads real traffic carries (openai-python's seventeen request
 //! fields, a provider's twenty-three answer fields) it was a third of the plain path's
-//! user-space instructions, ~260 a field (`HEADS=provider perf/callgrind_proxy.sh`): it reads a
+//! user-space instructions, ~260 a field (`HEADS=provider bench/callgrind_proxy.sh`): it reads a
 //! name a byte at a time, and each step pays a bounds check and a slice. Here a name of up to
 //! thirty-two bytes is found and checked with a load or two and a few SSE2 compares, and a value
 //! is read sixteen bytes a step to its first control byte, which must be its line's end.

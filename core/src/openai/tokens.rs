@@ -26,7 +26,7 @@ const WEIGHT_SHIFT: u32 = 10;
 
 /// What one byte adds to the estimate, by the class of the byte, in 1/1024 of a token.
 ///
-/// Fitted on the first half of each corpus in `perf/corpus/` (`cargo run --release -p sluice
+/// Fitted on the first half of each corpus in `bench/corpus/` (`cargo run --release -p sluice
 /// --example estimator -- fit` reproduces the numbers): least squares on relative error over 384-byte chunks. ASCII classes are fitted on
 /// English, Rust, Python and a chat request body against the mean of cl100k and o200k (which
 /// agree within 1% there), then scaled up until no fitted corpus is under-estimated. UTF-8 lead
@@ -53,7 +53,7 @@ mod weights {
 }
 
 /// The byte classes the estimate distinguishes. Public for the tool that fits their weights
-/// (`perf/tools/src/bin/estimator.rs`); the gateway only calls [`estimate_tokens`].
+/// (`bench/tools/src/bin/estimator.rs`); the gateway only calls [`estimate_tokens`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Class {
     Letter,
@@ -420,32 +420,32 @@ mod tests {
     use super::*;
 
     /// name, text, and the lowest and highest error (in %) the estimate may show on the held-out
-    /// half against either encoding. `perf/tools/src/bin/estimator.rs` fits the weights on the first
+    /// half against either encoding. `bench/tools/src/bin/estimator.rs` fits the weights on the first
     /// halves of the same corpora, cut the same way (`halves`), and reports on the second.
     const CORPORA: [(&str, &str, f64, f64); 6] = [
         // Typical text: within 20%, and never more than a little under (the ASCII weights were
         // scaled so the fitted halves are not under-estimated).
         (
             "english",
-            include_str!("../../../perf/corpus/english.txt"),
+            include_str!("../../../bench/corpus/english.txt"),
             -5.0,
             20.0,
         ),
         (
             "rust",
-            include_str!("../../../perf/corpus/rust.txt"),
+            include_str!("../../../bench/corpus/rust.txt"),
             -5.0,
             20.0,
         ),
         (
             "python",
-            include_str!("../../../perf/corpus/python.txt"),
+            include_str!("../../../bench/corpus/python.txt"),
             -5.0,
             20.0,
         ),
         (
             "chat-json",
-            include_str!("../../../perf/corpus/chat-request.json"),
+            include_str!("../../../bench/corpus/chat-request.json"),
             -5.0,
             20.0,
         ),
@@ -453,14 +453,14 @@ mod tests {
         // The weight sits between them: not far under cl100k, at most a third over o200k.
         (
             "chinese",
-            include_str!("../../../perf/corpus/chinese.txt"),
+            include_str!("../../../bench/corpus/chinese.txt"),
             -20.0,
             35.0,
         ),
         // Greek and Arabic differ 2.6x between the encodings, the whole corpus 1.6x.
         (
             "mixed",
-            include_str!("../../../perf/corpus/mixed.txt"),
+            include_str!("../../../bench/corpus/mixed.txt"),
             -30.0,
             30.0,
         ),
@@ -510,7 +510,7 @@ mod tests {
         let han = estimate_tokens("中".repeat(100).as_bytes());
         assert!((90..=120).contains(&han), "{han}");
         // Every length, so the 8-byte loop and the remainder agree with a plain sum.
-        let text = include_bytes!("../../../perf/corpus/mixed.txt");
+        let text = include_bytes!("../../../bench/corpus/mixed.txt");
         for len in 0..64 {
             let plain: u64 = text[..len].iter().map(|&b| weight(b)).sum();
             assert_eq!(
@@ -559,7 +559,7 @@ mod tests {
             x ^= x << 17;
             *b = (x >> 24) as u8;
         }
-        let mixed = include_bytes!("../../../perf/corpus/mixed.txt");
+        let mixed = include_bytes!("../../../bench/corpus/mixed.txt");
         // One class in every byte lane for more blocks than a lane counts to (255).
         let runs = [b"a".repeat(40_000), "\u{e9}".repeat(20_000).into_bytes()];
         for text in [&random[..], &mixed[..], &runs[0][..], &runs[1][..]] {

@@ -808,12 +808,13 @@ fn token_soup_agrees() {
 }
 
 #[test]
-fn the_fuzz_corpus_agrees() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/json_inspect");
+fn the_fuzz_seeds_agree() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/json_inspect");
     let mut c = Checker::new();
     for f in std::fs::read_dir(&dir).unwrap() {
         let data = std::fs::read(f.unwrap().path()).unwrap();
         c.check(&data);
     }
-    assert!(c.checked > 1000, "{}", c.checked);
+    // The minimised seeds: one input per coverage edge set (392 when they were cut).
+    assert!(c.checked > 300, "{}", c.checked);
 }
