@@ -49,7 +49,10 @@ fn code_only(text: &str) -> Vec<u8> {
     while i < s.len() {
         let rest = &s[i..];
         if rest.starts_with(b"//") {
-            let end = rest.iter().position(|&b| b == b'\n').map_or(s.len(), |p| i + p);
+            let end = rest
+                .iter()
+                .position(|&b| b == b'\n')
+                .map_or(s.len(), |p| i + p);
             blank(&mut out, i, end);
             i = end;
         } else if rest.starts_with(b"/*") {
@@ -182,7 +185,9 @@ fn functions(code: &[u8]) -> Vec<(String, usize, usize)> {
             i += 1;
             continue;
         }
-        let name_end = (i + 3..code.len()).find(|&k| !is_word(code[k])).unwrap_or(code.len());
+        let name_end = (i + 3..code.len())
+            .find(|&k| !is_word(code[k]))
+            .unwrap_or(code.len());
         let name = String::from_utf8_lossy(&code[i + 3..name_end]).into_owned();
         // The body's brace: the first `{` (or `;`, for a declaration) outside the signature's
         // parentheses.
@@ -229,7 +234,10 @@ fn test_only_modules(relative: &Path, code: &[u8]) -> Vec<PathBuf> {
         let Some(decl) = rest.strip_prefix("mod ") else {
             continue;
         };
-        let name: String = decl.chars().take_while(|&c| c.is_alphanumeric() || c == '_').collect();
+        let name: String = decl
+            .chars()
+            .take_while(|&c| c.is_alphanumeric() || c == '_')
+            .collect();
         if decl[name.len()..].trim_start().starts_with(';') {
             found.push(dir.join(format!("{name}.rs")));
             found.push(dir.join(&name));
@@ -262,7 +270,10 @@ fn no_request_path_function_is_longer_than_the_limit() {
         }
         for (name, line, len) in functions(code) {
             if len > MAX_LINES {
-                too_long.push(format!("{}:{line} fn {name}: {len} lines", relative.display()));
+                too_long.push(format!(
+                    "{}:{line} fn {name}: {len} lines",
+                    relative.display()
+                ));
             }
         }
     }
