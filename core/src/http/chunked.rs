@@ -68,55 +68,12 @@ impl ChunkedDecoder {
             let b = input[i];
             match self.state {
                 State::Size { value, digits } => {
-                    let digit = match b {
-                        b'0'..=b'9' => Some(b - b'0'),
-                        b'a'..=b'f' => Some(b - b'a' + 10),
-                        b'A'..=b'F' => Some(b - b'A' + 10),
-                        _ => None,
-                    };
-                    match digit {
-                        Some(d) => {
-                            if digits >= MAX_SIZE_DIGITS {
-                                return Err(ChunkError("chunk size too large"));
-                            }
-                            self.state = State::Size {
-                                value: value * 16 + u64::from(d),
-                                digits: digits + 1,
-                            };
-                        }
-                        None if digits == 0 => return Err(ChunkError("malformed chunk size")),
-                        None if b == b';' => self.state = State::Extension { value, len: 0 },
-                        None if b == b'\r' => self.state = State::SizeLf { value },
-                        None => return Err(ChunkError("malformed chunk size")),
-                    }
+                    self.size_byte(b, value, digits)?;
                     i += 1;
                 }
-                State::Extension { value, len } => {
-                    // Skip to the CR quickly; the extension's bytes must be visible text.
-                    let rest = &input[i..];
-                    let end = memchr::memchr(b'\r', rest).unwrap_or(rest.len());
-                    if rest[..end]
-                        .iter()
-                        .any(|&c| c == b'\n' || (c < 0x20 && c != b'\t'))
-                    {
-                        return Err(ChunkError("control character in chunk extension"));
-                    }
-                    let len = len + end;
-                    if len > MAX_EXTENSION_BYTES {
-                        return Err(ChunkError("chunk extension too long"));
-                    }
-                    i += end;
-                    if end < rest.len() {
-                        i += 1;
-                        self.state = State::SizeLf { value };
-                    } else {
-                        self.state = State::Extension { value, len };
-                    }
-                }
+                State::Extension { value, len } => i += self.extension(&input[i..], value, len)?,
                 State::SizeLf { value } => {
-                    if b != b'\n' {
-                        return Err(ChunkError("bare CR after chunk size"));
-                    }
+                    expect_byte(b, b'\n', "bare CR after chunk size")?;
                     i += 1;
                     self.state = if value == 0 {
                         State::TrailerLineStart
@@ -124,29 +81,14 @@ impl ChunkedDecoder {
                         State::Data { remaining: value }
                     };
                 }
-                State::Data { remaining } => {
-                    let avail = (input.len() - i) as u64;
-                    let take = remaining.min(avail) as usize;
-                    on_data(&input[i..i + take]);
-                    i += take;
-                    let left = remaining - take as u64;
-                    self.state = if left == 0 {
-                        State::DataCr
-                    } else {
-                        State::Data { remaining: left }
-                    };
-                }
+                State::Data { remaining } => i += self.data(&input[i..], remaining, &mut on_data),
                 State::DataCr => {
-                    if b != b'\r' {
-                        return Err(ChunkError("missing CRLF after chunk data"));
-                    }
+                    expect_byte(b, b'\r', "missing CRLF after chunk data")?;
                     i += 1;
                     self.state = State::DataLf;
                 }
                 State::DataLf => {
-                    if b != b'\n' {
-                        return Err(ChunkError("missing CRLF after chunk data"));
-                    }
+                    expect_byte(b, b'\n', "missing CRLF after chunk data")?;
                     i += 1;
                     self.state = State::Size {
                         value: 0,
@@ -154,52 +96,137 @@ impl ChunkedDecoder {
                     };
                 }
                 State::TrailerLineStart => {
+                    self.trailer_line_start(b)?;
                     i += 1;
-                    self.state = match b {
-                        b'\r' => State::FinalLf,
-                        b'\n' => return Err(ChunkError("bare LF in trailer")),
-                        _ => {
-                            self.trailer_bytes += 1;
-                            State::TrailerLine
-                        }
-                    };
                 }
-                State::TrailerLine => {
-                    let rest = &input[i..];
-                    let end = memchr::memchr(b'\r', rest).unwrap_or(rest.len());
-                    if rest[..end].iter().any(|&c| c == b'\n' || c == 0) {
-                        return Err(ChunkError("bare LF or NUL in trailer"));
-                    }
-                    self.trailer_bytes += end;
-                    if self.trailer_bytes > MAX_TRAILER_BYTES {
-                        return Err(ChunkError("trailer section too large"));
-                    }
-                    i += end;
-                    if end < rest.len() {
-                        i += 1;
-                        self.state = State::TrailerLf;
-                    }
-                }
+                State::TrailerLine => i += self.trailer_line(&input[i..])?,
                 State::TrailerLf => {
-                    if b != b'\n' {
-                        return Err(ChunkError("bare CR in trailer"));
-                    }
+                    expect_byte(b, b'\n', "bare CR in trailer")?;
                     i += 1;
                     self.state = State::TrailerLineStart;
                 }
                 State::FinalLf => {
-                    if b != b'\n' {
-                        return Err(ChunkError("bare CR at end of chunked body"));
-                    }
-                    i += 1;
+                    expect_byte(b, b'\n', "bare CR at end of chunked body")?;
                     self.state = State::Done;
-                    return Ok(i);
+                    return Ok(i + 1);
                 }
                 State::Done => return Ok(i),
             }
         }
         Ok(i)
     }
+
+    /// One byte `b` of a chunk-size line, `value` read from its `digits` hex digits so far:
+    /// another digit, or the `;` of an extension or the CR that ends the size.
+    #[inline(always)]
+    fn size_byte(&mut self, b: u8, value: u64, digits: u32) -> Result<(), ChunkError> {
+        let digit = match b {
+            b'0'..=b'9' => Some(b - b'0'),
+            b'a'..=b'f' => Some(b - b'a' + 10),
+            b'A'..=b'F' => Some(b - b'A' + 10),
+            _ => None,
+        };
+        match digit {
+            Some(d) => {
+                if digits >= MAX_SIZE_DIGITS {
+                    return Err(ChunkError("chunk size too large"));
+                }
+                self.state = State::Size {
+                    value: value * 16 + u64::from(d),
+                    digits: digits + 1,
+                };
+            }
+            None if digits == 0 => return Err(ChunkError("malformed chunk size")),
+            None if b == b';' => self.state = State::Extension { value, len: 0 },
+            None if b == b'\r' => self.state = State::SizeLf { value },
+            None => return Err(ChunkError("malformed chunk size")),
+        }
+        Ok(())
+    }
+
+    /// A chunk extension, `len` bytes of it before `rest`: skipped quickly up to and through
+    /// its CR, its bytes checked to be visible text. Takes what it skipped.
+    #[inline(always)]
+    fn extension(&mut self, rest: &[u8], value: u64, len: usize) -> Result<usize, ChunkError> {
+        let end = memchr::memchr(b'\r', rest).unwrap_or(rest.len());
+        if rest[..end]
+            .iter()
+            .any(|&c| c == b'\n' || (c < 0x20 && c != b'\t'))
+        {
+            return Err(ChunkError("control character in chunk extension"));
+        }
+        let len = len + end;
+        if len > MAX_EXTENSION_BYTES {
+            return Err(ChunkError("chunk extension too long"));
+        }
+        if end < rest.len() {
+            self.state = State::SizeLf { value };
+            Ok(end + 1)
+        } else {
+            self.state = State::Extension { value, len };
+            Ok(end)
+        }
+    }
+
+    /// Chunk data, `remaining` bytes of it still to come: what `rest` has of it to `on_data`.
+    /// Takes what it passed on.
+    #[inline(always)]
+    fn data(&mut self, rest: &[u8], remaining: u64, on_data: &mut impl FnMut(&[u8])) -> usize {
+        let avail = rest.len() as u64;
+        let take = remaining.min(avail) as usize;
+        on_data(&rest[..take]);
+        let left = remaining - take as u64;
+        self.state = if left == 0 {
+            State::DataCr
+        } else {
+            State::Data { remaining: left }
+        };
+        take
+    }
+
+    /// The first byte `b` of a trailer line: the CR of the blank line that ends the body, or
+    /// the start of a trailer field.
+    #[inline(always)]
+    fn trailer_line_start(&mut self, b: u8) -> Result<(), ChunkError> {
+        self.state = match b {
+            b'\r' => State::FinalLf,
+            b'\n' => return Err(ChunkError("bare LF in trailer")),
+            _ => {
+                self.trailer_bytes += 1;
+                State::TrailerLine
+            }
+        };
+        Ok(())
+    }
+
+    /// A trailer field line: skipped up to and through its CR, within the trailer section's
+    /// bound and with no LF or NUL. Takes what it skipped.
+    #[inline(always)]
+    fn trailer_line(&mut self, rest: &[u8]) -> Result<usize, ChunkError> {
+        let end = memchr::memchr(b'\r', rest).unwrap_or(rest.len());
+        if rest[..end].iter().any(|&c| c == b'\n' || c == 0) {
+            return Err(ChunkError("bare LF or NUL in trailer"));
+        }
+        self.trailer_bytes += end;
+        if self.trailer_bytes > MAX_TRAILER_BYTES {
+            return Err(ChunkError("trailer section too large"));
+        }
+        if end < rest.len() {
+            self.state = State::TrailerLf;
+            Ok(end + 1)
+        } else {
+            Ok(end)
+        }
+    }
+}
+
+/// `b`, where the framing has `want`: `error` when it is anything else.
+#[inline(always)]
+fn expect_byte(b: u8, want: u8, error: &'static str) -> Result<(), ChunkError> {
+    if b != want {
+        return Err(ChunkError(error));
+    }
+    Ok(())
 }
 
 /// Frame `data` as one chunk into `out`: `{len:x}\r\n{data}\r\n`. Empty data writes nothing

@@ -109,6 +109,33 @@ fn parse_head(
     head: &mut RequestHead,
     read_whole: bool,
 ) -> Result<HeadStatus, HttpError> {
+    let Some((line, head_len)) = read_lines(buf, scan, limits, head, read_whole)? else {
+        return Ok(HeadStatus::Partial);
+    };
+    if head.headers.len() > limits.max_headers {
+        return Err(HttpError::limit(431, "too many header fields"));
+    }
+    read_request_line(buf, &line, head_len, head)?;
+    let fields = read_fields(buf, head)?;
+    head.body = fields.body(line.minor_version)?;
+    if let BodyFraming::Length(n) = head.body {
+        if n > limits.max_body_bytes as u64 {
+            return Err(HttpError::limit(413, "request body too large"));
+        }
+    }
+    Ok(HeadStatus::Complete)
+}
+
+/// The head's lines, once it is all there: its request line and length, its fields in
+/// `head.headers`, its size checked against `limits`. `None` while it is partial.
+#[inline(always)]
+fn read_lines(
+    buf: &[u8],
+    scan: &mut HeadScan,
+    limits: &HttpLimits,
+    head: &mut RequestHead,
+    read_whole: bool,
+) -> Result<Option<(RequestLine, usize)>, HttpError> {
     // A head that is whole the first time it is looked at (nearly every request's, in one
     // read) is read once, its line endings checked by the reader as it goes. Any other —
     // partial, or with something the reader in that mode refuses — is scanned for its line
@@ -118,29 +145,32 @@ fn parse_head(
         0 if read_whole => read_whole_head(buf, head),
         _ => None,
     };
-    let (line, head_len) = match whole {
+    match whole {
         Some((line, head_len)) => {
             scan.request_line_end = Some(line.fields_at - 2);
             scan.scanned = head_len;
             check_head_size(scan, head_len, limits)?;
-            (line, head_len)
+            Ok(Some((line, head_len)))
         }
-        None => match scan_and_read_head(buf, scan, limits, head)? {
-            Some(read) => read,
-            None => return Ok(HeadStatus::Partial),
-        },
-    };
-    let minor = line.minor_version;
-    if head.headers.len() > limits.max_headers {
-        return Err(HttpError::limit(431, "too many header fields"));
+        None => scan_and_read_head(buf, scan, limits, head),
     }
+}
+
+/// The request line `line` (of a head `head_len` bytes long) into `head`: its method, its
+/// target (origin form only, else 400) and version; the flags its fields set start over.
+#[inline(always)]
+fn read_request_line(
+    buf: &[u8],
+    line: &RequestLine,
+    head_len: usize,
+    head: &mut RequestHead,
+) -> Result<(), HttpError> {
     let (target_start, target_end) = line.target;
     if buf[target_start] != b'/' {
         return Err(HttpError::malformed(
             "request target must be in origin form",
         ));
     }
-
     head.method = match &buf[line.method.0..line.method.1] {
         b"GET" => Method::Get,
         b"HEAD" => Method::Head,
@@ -150,39 +180,29 @@ fn parse_head(
     head.target = (target_start, target_end);
     head.path_end = target_start
         + memchr::memchr(b'?', &buf[target_start..target_end]).unwrap_or(target_end - target_start);
-    head.minor_version = minor;
+    head.minor_version = line.minor_version;
     head.head_len = head_len;
     head.expect_continue = false;
     head.connection_options = false;
-    head.keep_alive = minor == 1;
+    head.keep_alive = line.minor_version == 1;
+    Ok(())
+}
 
-    let mut content_length: Option<u64> = None;
-    let mut chunked = false;
-    let mut transfer_encoding = false;
-    let mut hosts = 0;
+/// The fields in `head.headers`, in order: what they say of the body and the Host gathered in
+/// the result, their `Connection` and `Expect` set on `head` (its request line already read).
+#[inline(always)]
+fn read_fields(buf: &[u8], head: &mut RequestHead) -> Result<Fields, HttpError> {
+    let minor = head.minor_version;
+    let mut fields = Fields::default();
     for field in head.headers.iter() {
         let name = field.name(buf);
         let value = field.value(buf);
         if CONTENT_LENGTH.matches(name) {
-            let Some(n) = parse_content_length(value) else {
-                return Err(HttpError::malformed("invalid Content-Length"));
-            };
-            if content_length.is_some_and(|prev| prev != n) {
-                return Err(HttpError::malformed("conflicting Content-Length headers"));
-            }
-            content_length = Some(n);
+            fields.content_length(value)?;
         } else if TRANSFER_ENCODING.matches(name) {
-            // Only a lone `chunked` is accepted: any other coding (or chunked twice, or not
-            // last) is something we cannot decode, and a classic smuggling ingredient.
-            if transfer_encoding || !CHUNKED.matches(trim_ows(value)) {
-                return Err(HttpError::malformed(
-                    "unsupported Transfer-Encoding: only `chunked` is accepted",
-                ));
-            }
-            transfer_encoding = true;
-            chunked = true;
+            fields.transfer_encoding(value)?;
         } else if HOST.matches(name) {
-            hosts += 1;
+            fields.hosts += 1;
         } else if CONNECTION.matches(name) {
             if has_token(value, b"close") {
                 head.keep_alive = false;
@@ -198,33 +218,72 @@ fn parse_head(
             }
         }
     }
-    if transfer_encoding && content_length.is_some() {
-        return Err(HttpError::malformed(
-            "Content-Length and Transfer-Encoding together",
-        ));
-    }
-    if transfer_encoding && minor == 0 {
-        return Err(HttpError::malformed(
-            "Transfer-Encoding in an HTTP/1.0 request",
-        ));
-    }
-    if minor == 1 && hosts != 1 {
-        return Err(HttpError::malformed("exactly one Host header is required"));
-    }
-    head.body = if chunked {
-        BodyFraming::Chunked
-    } else {
-        match content_length {
-            Some(0) | None => BodyFraming::None,
-            Some(n) => BodyFraming::Length(n),
+    Ok(fields)
+}
+
+/// What a head's fields say of its body and its Host, gathered as they are read.
+#[derive(Debug, Default)]
+struct Fields {
+    content_length: Option<u64>,
+    /// A `Transfer-Encoding` (a lone `chunked`: any other is refused as it is read).
+    chunked: bool,
+    hosts: usize,
+}
+
+impl Fields {
+    /// A `Content-Length` field's value: a valid length, the same as any before it.
+    #[inline(always)]
+    fn content_length(&mut self, value: &[u8]) -> Result<(), HttpError> {
+        let Some(n) = parse_content_length(value) else {
+            return Err(HttpError::malformed("invalid Content-Length"));
+        };
+        if self.content_length.is_some_and(|prev| prev != n) {
+            return Err(HttpError::malformed("conflicting Content-Length headers"));
         }
-    };
-    if let BodyFraming::Length(n) = head.body {
-        if n > limits.max_body_bytes as u64 {
-            return Err(HttpError::limit(413, "request body too large"));
-        }
+        self.content_length = Some(n);
+        Ok(())
     }
-    Ok(HeadStatus::Complete)
+
+    /// A `Transfer-Encoding` field's value: `chunked`, in the head's only such field.
+    #[inline(always)]
+    fn transfer_encoding(&mut self, value: &[u8]) -> Result<(), HttpError> {
+        // Only a lone `chunked` is accepted: any other coding (or chunked twice, or not
+        // last) is something we cannot decode, and a classic smuggling ingredient.
+        if self.chunked || !CHUNKED.matches(trim_ows(value)) {
+            return Err(HttpError::malformed(
+                "unsupported Transfer-Encoding: only `chunked` is accepted",
+            ));
+        }
+        self.chunked = true;
+        Ok(())
+    }
+
+    /// The body's framing for a request of HTTP/1.`minor`, once all fields are read; 400 for
+    /// both framings at once, chunked in HTTP/1.0, or an HTTP/1.1 head without one Host.
+    #[inline(always)]
+    fn body(self, minor: u8) -> Result<BodyFraming, HttpError> {
+        if self.chunked && self.content_length.is_some() {
+            return Err(HttpError::malformed(
+                "Content-Length and Transfer-Encoding together",
+            ));
+        }
+        if self.chunked && minor == 0 {
+            return Err(HttpError::malformed(
+                "Transfer-Encoding in an HTTP/1.0 request",
+            ));
+        }
+        if minor == 1 && self.hosts != 1 {
+            return Err(HttpError::malformed("exactly one Host header is required"));
+        }
+        Ok(if self.chunked {
+            BodyFraming::Chunked
+        } else {
+            match self.content_length {
+                Some(0) | None => BodyFraming::None,
+                Some(n) => BodyFraming::Length(n),
+            }
+        })
+    }
 }
 
 /// The head at the start of `buf`, read in one pass by the line reader allowing CR LF line

@@ -269,13 +269,7 @@ impl Inspector {
             return Err(s.syntax());
         };
         if first != b'{' {
-            // Valid JSON first: a body that is neither is refused as not JSON.
-            s.value(0)?;
-            s.end()?;
-            return Ok(Err(InspectError::new(
-                "The request body must be a JSON object.",
-                None,
-            )));
+            return not_an_object(&mut s);
         }
         s.pos += 1;
         let insert_at = s.pos;
@@ -294,22 +288,13 @@ impl Inspector {
             let key = s.key()?;
             let name = match wrong {
                 Some(_) => None,
-                None => {
-                    let at = push_key(text, key, decoded, keys);
-                    let name = resolve(text, decoded, at);
-                    if repeats(text, decoded, keys, hashed) {
-                        wrong = Some(InspectError::new(
-                            format!(
-                                "Duplicate top-level key `{}` in the request body.",
-                                truncate(name, 64)
-                            ),
-                            None,
-                        ));
+                None => match new_key(text, key, decoded, keys, hashed) {
+                    Ok(name) => Some(name),
+                    Err(e) => {
+                        wrong = Some(e);
                         None
-                    } else {
-                        Some(name)
                     }
-                }
+                },
             };
             let field = name.map_or(Field::Other, Field::of);
             // `stream_options`' own members are read as it is scanned; any other value is
@@ -337,24 +322,49 @@ impl Inspector {
             }
         }
         s.end()?;
-
         if let Some(e) = wrong {
             return Ok(Err(e));
         }
-        let Some(model_span) = found.model else {
-            return Ok(Err(invalid("You must provide a model parameter.", "model")));
-        };
-        out.model_span = model_span;
-        if let Some((_, value, after)) = found.prompt {
-            out.prompt_prefix = Some(prompt_prefix(value, after, wants.prefix_bytes));
-        }
-        if out.stream {
-            out.stream_options = found
-                .stream_options
-                .unwrap_or(StreamOptionsAt::Absent { insert_at });
-        }
-        Ok(Ok(()))
+        Ok(found.complete(wants, insert_at, out))
     }
+}
+
+/// A body that does not open an object: a [`Fault`] when it is not JSON either, else the
+/// error that it must be an object.
+#[inline]
+fn not_an_object(s: &mut Scanner<'_>) -> Result<Result<(), InspectError>, Fault> {
+    // Valid JSON first: a body that is neither is refused as not JSON.
+    s.value(0)?;
+    s.end()?;
+    Ok(Err(InspectError::new(
+        "The request body must be a JSON object.",
+        None,
+    )))
+}
+
+/// The top-level key `key`, recorded among `keys`: its name, or the error when it repeats
+/// one before it.
+#[inline(always)]
+fn new_key<'a>(
+    text: &'a str,
+    key: Value,
+    decoded: &'a mut String,
+    keys: &mut Vec<KeyText>,
+    hashed: &mut std::collections::HashSet<u64>,
+) -> Result<&'a str, InspectError> {
+    let at = push_key(text, key, decoded, keys);
+    let decoded: &'a str = decoded;
+    let name = resolve(text, decoded, at);
+    if repeats(text, decoded, keys, hashed) {
+        return Err(InspectError::new(
+            format!(
+                "Duplicate top-level key `{}` in the request body.",
+                truncate(name, 64)
+            ),
+            None,
+        ));
+    }
+    Ok(name)
 }
 
 /// What the top-level members told, for after the scan.
@@ -367,6 +377,32 @@ struct Found {
     /// The prompt's rank (`messages` 0, `input` 1, `prompt` 2), value, and where the `,` or
     /// `}` after it is.
     prompt: Option<(u8, Value, usize)>,
+}
+
+impl Found {
+    /// What the members told, once every one is read and none was wrong, into `out` (a new
+    /// top-level key would go at `insert_at`); or the error that `model` is missing.
+    #[inline(always)]
+    fn complete(
+        self,
+        wants: &Wants,
+        insert_at: usize,
+        out: &mut Inspection,
+    ) -> Result<(), InspectError> {
+        let Some(model_span) = self.model else {
+            return Err(invalid("You must provide a model parameter.", "model"));
+        };
+        out.model_span = model_span;
+        if let Some((_, value, after)) = self.prompt {
+            out.prompt_prefix = Some(prompt_prefix(value, after, wants.prefix_bytes));
+        }
+        if out.stream {
+            out.stream_options = self
+                .stream_options
+                .unwrap_or(StreamOptionsAt::Absent { insert_at });
+        }
+        Ok(())
+    }
 }
 
 /// The top-level keys the inspector reads.

@@ -370,36 +370,8 @@ impl<'b> Scanner<'b> {
         let b = self.b;
         let start = self.pos;
         let negative = b.get(start) == Some(&b'-');
-        let mut at = start + usize::from(negative);
-        let int_start = at;
-        let mut magnitude = 0u64;
-        let mut overflow_at = None;
-        match b.get(at) {
-            Some(b'0') => at += 1,
-            Some(b'1'..=b'9') => {
-                // The first eight bytes at once: most numbers here (counts, `created`) have at
-                // most eight digits, and the loop below costs ~10 instructions a digit. Eight
-                // digits cannot overflow; the loop takes any that follow.
-                if let Some(word) = b.get(at..at + 8).and_then(|w| <[u8; 8]>::try_from(w).ok()) {
-                    let (value, digits) = leading_digits(u64::from_le_bytes(word));
-                    magnitude = value;
-                    at += digits;
-                }
-                while let Some(&d @ b'0'..=b'9') = b.get(at) {
-                    if overflow_at.is_none() {
-                        match magnitude
-                            .checked_mul(10)
-                            .and_then(|m| m.checked_add(u64::from(d - b'0')))
-                        {
-                            Some(m) => magnitude = m,
-                            None => overflow_at = Some(at),
-                        }
-                    }
-                    at += 1;
-                }
-            }
-            _ => return Err(Fault::Syntax { at }),
-        }
+        let int_start = start + usize::from(negative);
+        let (mut at, magnitude, overflow_at) = integer_part(b, int_start)?;
         let int_digits = at - int_start;
         let mut float = false;
         // Where the first non-zero digit is, when the integer part is 0: `0.00` is zero;
@@ -407,40 +379,12 @@ impl<'b> Scanner<'b> {
         let mut first_significant = None;
         if b.get(at) == Some(&b'.') {
             float = true;
-            at += 1;
-            let fraction_start = at;
-            while let Some(&d @ b'0'..=b'9') = b.get(at) {
-                if d != b'0' && first_significant.is_none() {
-                    first_significant = Some(at - fraction_start);
-                }
-                at += 1;
-            }
-            if at == fraction_start {
-                return Err(Fault::Syntax { at });
-            }
+            (at, first_significant) = fraction_part(b, at + 1)?;
         }
         let mut exponent = 0i64;
         if matches!(b.get(at), Some(b'e' | b'E')) {
             float = true;
-            at += 1;
-            let exponent_negative = b.get(at) == Some(&b'-');
-            if matches!(b.get(at), Some(b'-' | b'+')) {
-                at += 1;
-            }
-            let digits_start = at;
-            while let Some(&d @ b'0'..=b'9') = b.get(at) {
-                // Past 10^10 the number is 0 or infinite whatever digits follow.
-                if exponent < 10_000_000_000 {
-                    exponent = exponent * 10 + i64::from(d - b'0');
-                }
-                at += 1;
-            }
-            if at == digits_start {
-                return Err(Fault::Syntax { at });
-            }
-            if exponent_negative {
-                exponent = -exponent;
-            }
+            (at, exponent) = exponent_part(b, at + 1)?;
         }
         self.pos = at;
         let kind = if float {
@@ -452,16 +396,7 @@ impl<'b> Scanner<'b> {
                 (true, None) => i64::MIN, // zero
             }
             .saturating_add(exponent);
-            // f64::MAX is 1.8e308: below 10^308 a float is finite, from 10^309 infinite; in
-            // between, the correctly rounded value (simd-json's as well) decides.
-            let infinite = e >= 310
-                || (e == 309
-                    && self
-                        .text
-                        .get(start..at)
-                        .and_then(|t| t.parse::<f64>().ok())
-                        .is_none_or(f64::is_infinite));
-            if infinite {
+            if self.float_is_infinite(start, at, e) {
                 return Err(Fault::Number { at: start });
             }
             Kind::Float
@@ -483,6 +418,96 @@ impl<'b> Scanner<'b> {
             kind,
         })
     }
+
+    /// Whether the float at `start..end`, which lies below 10^`e`, is beyond `f64`.
+    #[inline]
+    fn float_is_infinite(&self, start: usize, end: usize, e: i64) -> bool {
+        // f64::MAX is 1.8e308: below 10^308 a float is finite, from 10^309 infinite; in
+        // between, the correctly rounded value (simd-json's as well) decides.
+        e >= 310
+            || (e == 309
+                && self
+                    .text
+                    .get(start..end)
+                    .and_then(|t| t.parse::<f64>().ok())
+                    .is_none_or(f64::is_infinite))
+    }
+}
+
+/// A number's integer part, at `at` in `b`: where it ends, its magnitude (as far as `u64`
+/// holds it), and the digit where it overflowed `u64`, if it did.
+#[inline(always)]
+fn integer_part(b: &[u8], mut at: usize) -> Result<(usize, u64, Option<usize>), Fault> {
+    let mut magnitude = 0u64;
+    let mut overflow_at = None;
+    match b.get(at) {
+        Some(b'0') => at += 1,
+        Some(b'1'..=b'9') => {
+            // The first eight bytes at once: most numbers here (counts, `created`) have at
+            // most eight digits, and the loop below costs ~10 instructions a digit. Eight
+            // digits cannot overflow; the loop takes any that follow.
+            if let Some(word) = b.get(at..at + 8).and_then(|w| <[u8; 8]>::try_from(w).ok()) {
+                let (value, digits) = leading_digits(u64::from_le_bytes(word));
+                magnitude = value;
+                at += digits;
+            }
+            while let Some(&d @ b'0'..=b'9') = b.get(at) {
+                if overflow_at.is_none() {
+                    match magnitude
+                        .checked_mul(10)
+                        .and_then(|m| m.checked_add(u64::from(d - b'0')))
+                    {
+                        Some(m) => magnitude = m,
+                        None => overflow_at = Some(at),
+                    }
+                }
+                at += 1;
+            }
+        }
+        _ => return Err(Fault::Syntax { at }),
+    }
+    Ok((at, magnitude, overflow_at))
+}
+
+/// A number's fraction digits, from `at` (past its `.`) in `b`: where they end, and how many
+/// places down the first non-zero one is (none when all are zero).
+#[inline(always)]
+fn fraction_part(b: &[u8], mut at: usize) -> Result<(usize, Option<usize>), Fault> {
+    let fraction_start = at;
+    let mut first_significant = None;
+    while let Some(&d @ b'0'..=b'9') = b.get(at) {
+        if d != b'0' && first_significant.is_none() {
+            first_significant = Some(at - fraction_start);
+        }
+        at += 1;
+    }
+    if at == fraction_start {
+        return Err(Fault::Syntax { at });
+    }
+    Ok((at, first_significant))
+}
+
+/// A number's exponent, from `at` (past its `e` or `E`) in `b`: where it ends, and its value
+/// (held at 10^10 and over, where the number is 0 or infinite whatever digits follow).
+#[inline(always)]
+fn exponent_part(b: &[u8], mut at: usize) -> Result<(usize, i64), Fault> {
+    let negative = b.get(at) == Some(&b'-');
+    if matches!(b.get(at), Some(b'-' | b'+')) {
+        at += 1;
+    }
+    let digits_start = at;
+    let mut exponent = 0i64;
+    while let Some(&d @ b'0'..=b'9') = b.get(at) {
+        // Past 10^10 the number is 0 or infinite whatever digits follow.
+        if exponent < 10_000_000_000 {
+            exponent = exponent * 10 + i64::from(d - b'0');
+        }
+        at += 1;
+    }
+    if at == digits_start {
+        return Err(Fault::Syntax { at });
+    }
+    Ok((at, if negative { -exponent } else { exponent }))
 }
 
 /// The letters of the two-byte escapes: `\"`, `\\`, `\/`, `\b`, `\f`, `\n`, `\r`, `\t`.

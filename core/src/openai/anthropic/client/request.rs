@@ -448,62 +448,90 @@ fn tools(
     tool_choice: Option<Value>,
     chat: &mut Map<String, Value>,
 ) -> Result<(), TranslateError> {
+    let functions = function_tools(tools)?;
+    let (choice, parallel) = chat_tool_choice(tool_choice)?;
+    if functions.is_empty() {
+        return Ok(());
+    }
+    let none = choice.as_ref().and_then(Value::as_str) == Some("none");
+    chat.insert("tools".into(), Value::Array(functions));
+    if let Some(choice) = choice {
+        chat.insert("tool_choice".into(), choice);
+    }
+    if !parallel && !none {
+        chat.insert("parallel_tool_calls".into(), Value::Bool(false));
+    }
+    Ok(())
+}
+
+/// `tools` (absent, null or a list of custom tools) as chat `function` tools.
+fn function_tools(tools: Option<Value>) -> Result<Vec<Value>, TranslateError> {
     let mut functions = Vec::new();
     match tools {
         Some(Value::Array(list)) => {
             for (k, tool) in list.into_iter().enumerate() {
                 let path = format!("tools.{k}");
-                let mut tool = object(tool, &path)?;
-                match tool.get("type") {
-                    None | Some(Value::Null) => {}
-                    Some(Value::String(t)) if t == "custom" => {}
-                    Some(Value::String(t)) => {
-                        return Err(invalid(format!(
-                            "{path}.type: the server tool `{}` is not available on this model",
-                            truncate(t, 64)
-                        )))
-                    }
-                    Some(_) => {
-                        return Err(invalid(format!(
-                            "{path}.type: Input should be a valid string"
-                        )))
-                    }
-                }
-                let name = take_string(&mut tool, "name", &path)?;
-                let mut function = Map::new();
-                function.insert("name".into(), Value::String(name));
-                match tool.remove("description") {
-                    Some(d @ Value::String(_)) => {
-                        function.insert("description".into(), d);
-                    }
-                    None | Some(Value::Null) => {}
-                    Some(_) => {
-                        return Err(invalid(format!(
-                            "{path}.description: Input should be a valid string"
-                        )))
-                    }
-                }
-                match tool.remove("input_schema") {
-                    Some(schema @ Value::Object(_)) => {
-                        function.insert("parameters".into(), schema);
-                    }
-                    Some(_) => {
-                        return Err(invalid(format!(
-                            "{path}.input_schema: Input should be a valid dictionary"
-                        )))
-                    }
-                    None => return Err(invalid(format!("{path}.input_schema: Field required"))),
-                }
-                if let Some(strict @ Value::Bool(true)) = tool.remove("strict") {
-                    function.insert("strict".into(), strict);
-                }
-                functions.push(json!({ "type": "function", "function": function }));
+                functions.push(function_tool(tool, &path)?);
             }
         }
         None | Some(Value::Null) => {}
         Some(_) => return Err(invalid("tools: Input should be a valid list")),
     }
+    Ok(functions)
+}
 
+/// One custom tool (at `path`) as a chat `function` tool; a server tool is refused.
+fn function_tool(tool: Value, path: &str) -> Result<Value, TranslateError> {
+    let mut tool = object(tool, path)?;
+    match tool.get("type") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(t)) if t == "custom" => {}
+        Some(Value::String(t)) => {
+            return Err(invalid(format!(
+                "{path}.type: the server tool `{}` is not available on this model",
+                truncate(t, 64)
+            )))
+        }
+        Some(_) => {
+            return Err(invalid(format!(
+                "{path}.type: Input should be a valid string"
+            )))
+        }
+    }
+    let name = take_string(&mut tool, "name", path)?;
+    let mut function = Map::new();
+    function.insert("name".into(), Value::String(name));
+    match tool.remove("description") {
+        Some(d @ Value::String(_)) => {
+            function.insert("description".into(), d);
+        }
+        None | Some(Value::Null) => {}
+        Some(_) => {
+            return Err(invalid(format!(
+                "{path}.description: Input should be a valid string"
+            )))
+        }
+    }
+    match tool.remove("input_schema") {
+        Some(schema @ Value::Object(_)) => {
+            function.insert("parameters".into(), schema);
+        }
+        Some(_) => {
+            return Err(invalid(format!(
+                "{path}.input_schema: Input should be a valid dictionary"
+            )))
+        }
+        None => return Err(invalid(format!("{path}.input_schema: Field required"))),
+    }
+    if let Some(strict @ Value::Bool(true)) = tool.remove("strict") {
+        function.insert("strict".into(), strict);
+    }
+    Ok(json!({ "type": "function", "function": function }))
+}
+
+/// `tool_choice` as the chat `tool_choice` (none when absent or null), and whether parallel
+/// tool calls stay allowed (`disable_parallel_tool_use` not true).
+fn chat_tool_choice(tool_choice: Option<Value>) -> Result<(Option<Value>, bool), TranslateError> {
     let mut choice = None;
     let mut parallel = true;
     match tool_choice {
@@ -537,19 +565,7 @@ fn tools(
         None | Some(Value::Null) => {}
         Some(_) => return Err(invalid("tool_choice: Input should be a valid dictionary")),
     }
-
-    if functions.is_empty() {
-        return Ok(());
-    }
-    let none = choice.as_ref().and_then(Value::as_str) == Some("none");
-    chat.insert("tools".into(), Value::Array(functions));
-    if let Some(choice) = choice {
-        chat.insert("tool_choice".into(), choice);
-    }
-    if !parallel && !none {
-        chat.insert("parallel_tool_calls".into(), Value::Bool(false));
-    }
-    Ok(())
+    Ok((choice, parallel))
 }
 
 fn invalid(message: impl Into<String>) -> TranslateError {

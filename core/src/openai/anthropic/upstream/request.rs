@@ -63,103 +63,151 @@ pub(crate) fn chat_to_messages_with(
     let Value::Object(request) = request else {
         return Err(TranslateError::body("the body must be a JSON object"));
     };
+    let fields = ChatFields::read(request, dropped)?;
+    let stream = fields.stream;
+    let m = fields.into_messages(opts, dropped)?;
+    serde_json::to_writer(&mut *out, &Value::Object(m))
+        .map_err(|e| TranslateError::body(format!("the request could not be written: {e}")))?;
+    Ok(stream.unwrap_or(false))
+}
 
-    let mut messages = None;
-    let mut max_tokens = None;
-    let mut max_completion_tokens = None;
-    let mut stop = None;
-    let mut user = None;
-    let mut temperature = None;
-    let mut top_p = None;
-    let mut stream = None;
-    let mut tools = None;
-    let mut tool_choice = None;
-    let mut parallel_tool_calls = None;
-    for (key, value) in request {
-        if value.is_null() {
-            continue; // OpenAI reads an explicit null as "not set".
-        }
-        match key.as_str() {
-            "model" | "stream_options" => {}
-            "messages" => messages = Some(value),
-            "max_tokens" => max_tokens = Some(positive_int(&value, "max_tokens")?),
-            "max_completion_tokens" => {
-                max_completion_tokens = Some(positive_int(&value, "max_completion_tokens")?)
+/// The top-level fields of a chat request the translation reads, each checked as it is read;
+/// `None` where the request leaves it out (or sets it to null).
+#[derive(Default)]
+struct ChatFields {
+    messages: Option<Value>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    stop: Option<Vec<Value>>,
+    user: Option<String>,
+    temperature: Option<Value>,
+    top_p: Option<Value>,
+    stream: Option<bool>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
+}
+
+impl ChatFields {
+    /// The fields of `request`, in its order: the first wrong one is the error; each field the
+    /// translation has no use for is named to `dropped`.
+    fn read(
+        request: Map<String, Value>,
+        dropped: &mut dyn FnMut(&str),
+    ) -> Result<ChatFields, TranslateError> {
+        let mut f = ChatFields::default();
+        for (key, value) in request {
+            if value.is_null() {
+                continue; // OpenAI reads an explicit null as "not set".
             }
-            "stop" => stop = Some(stop_sequences(value)?),
-            "user" => match value {
-                Value::String(s) => user = Some(s),
-                _ => return Err(TranslateError::new("user", "`user` must be a string")),
-            },
-            "temperature" => temperature = Some(number(value, "temperature")?),
-            "top_p" => top_p = Some(number(value, "top_p")?),
-            "stream" => match value {
-                Value::Bool(b) => stream = Some(b),
-                _ => return Err(TranslateError::new("stream", "`stream` must be a boolean")),
-            },
-            "tools" => tools = Some(translate_tools(value)?),
-            "tool_choice" => tool_choice = Some(value),
-            "parallel_tool_calls" => match value {
-                Value::Bool(b) => parallel_tool_calls = Some(b),
-                _ => {
-                    return Err(TranslateError::new(
-                        "parallel_tool_calls",
-                        "`parallel_tool_calls` must be a boolean",
-                    ))
+            match key.as_str() {
+                "model" | "stream_options" => {}
+                "messages" => f.messages = Some(value),
+                "max_tokens" => f.max_tokens = Some(positive_int(&value, "max_tokens")?),
+                "max_completion_tokens" => {
+                    f.max_completion_tokens = Some(positive_int(&value, "max_completion_tokens")?)
                 }
-            },
-            "n" => match value.as_u64() {
-                Some(1) => {}
-                Some(_) => {
-                    return Err(TranslateError::new(
-                        "n",
-                        "this model returns one choice per request: `n` must be 1",
-                    ))
-                }
-                None => return Err(TranslateError::new("n", "`n` must be a positive integer")),
-            },
-            other => dropped(other),
+                "stop" => f.stop = Some(stop_sequences(value)?),
+                "user" => match value {
+                    Value::String(s) => f.user = Some(s),
+                    _ => return Err(TranslateError::new("user", "`user` must be a string")),
+                },
+                "temperature" => f.temperature = Some(number(value, "temperature")?),
+                "top_p" => f.top_p = Some(number(value, "top_p")?),
+                "stream" => match value {
+                    Value::Bool(b) => f.stream = Some(b),
+                    _ => return Err(TranslateError::new("stream", "`stream` must be a boolean")),
+                },
+                "tools" => f.tools = Some(translate_tools(value)?),
+                "tool_choice" => f.tool_choice = Some(value),
+                "parallel_tool_calls" => match value {
+                    Value::Bool(b) => f.parallel_tool_calls = Some(b),
+                    _ => {
+                        return Err(TranslateError::new(
+                            "parallel_tool_calls",
+                            "`parallel_tool_calls` must be a boolean",
+                        ))
+                    }
+                },
+                "n" => one_choice(&value)?,
+                other => dropped(other),
+            }
         }
+        Ok(f)
     }
 
-    let Some(messages) = messages else {
-        return Err(TranslateError::new("messages", "`messages` is required"));
-    };
-    let (system, turns) = translate_messages(messages)?;
-    if turns.is_empty() {
-        return Err(TranslateError::new(
-            "messages",
-            "`messages` needs at least one user or assistant message with content",
-        ));
+    /// The Messages request these fields make, for the model and default `max_tokens` in
+    /// `opts`; a tool choice with no tools to choose from is named to `dropped`.
+    fn into_messages(
+        self,
+        opts: &RequestOptions<'_>,
+        dropped: &mut dyn FnMut(&str),
+    ) -> Result<Map<String, Value>, TranslateError> {
+        let Some(messages) = self.messages else {
+            return Err(TranslateError::new("messages", "`messages` is required"));
+        };
+        let (system, turns) = translate_messages(messages)?;
+        if turns.is_empty() {
+            return Err(TranslateError::new(
+                "messages",
+                "`messages` needs at least one user or assistant message with content",
+            ));
+        }
+        let mut m = Map::new();
+        m.insert("model".into(), Value::String(opts.model.to_owned()));
+        let max = self
+            .max_completion_tokens
+            .or(self.max_tokens)
+            .unwrap_or(opts.default_max_tokens);
+        m.insert("max_tokens".into(), Value::from(max));
+        if !system.is_empty() {
+            m.insert("system".into(), Value::Array(system));
+        }
+        m.insert("messages".into(), Value::Array(turns));
+        if let Some(stop) = self.stop.filter(|s| !s.is_empty()) {
+            m.insert("stop_sequences".into(), Value::Array(stop));
+        }
+        if let Some(t) = self.temperature {
+            m.insert("temperature".into(), t);
+        }
+        if let Some(p) = self.top_p {
+            m.insert("top_p".into(), p);
+        }
+        if let Some(s) = self.stream {
+            m.insert("stream".into(), Value::Bool(s));
+        }
+        if let Some(user) = self.user {
+            let mut metadata = Map::new();
+            metadata.insert("user_id".into(), Value::String(user));
+            m.insert("metadata".into(), Value::Object(metadata));
+        }
+        let (tools, choice, parallel) = (self.tools, self.tool_choice, self.parallel_tool_calls);
+        insert_tools(&mut m, tools, choice, parallel, dropped)?;
+        Ok(m)
     }
+}
 
-    let mut m = Map::new();
-    m.insert("model".into(), Value::String(opts.model.to_owned()));
-    let max = max_completion_tokens
-        .or(max_tokens)
-        .unwrap_or(opts.default_max_tokens);
-    m.insert("max_tokens".into(), Value::from(max));
-    if !system.is_empty() {
-        m.insert("system".into(), Value::Array(system));
+/// `n`: 1, the one choice the Messages API answers with.
+fn one_choice(n: &Value) -> Result<(), TranslateError> {
+    match n.as_u64() {
+        Some(1) => Ok(()),
+        Some(_) => Err(TranslateError::new(
+            "n",
+            "this model returns one choice per request: `n` must be 1",
+        )),
+        None => Err(TranslateError::new("n", "`n` must be a positive integer")),
     }
-    m.insert("messages".into(), Value::Array(turns));
-    if let Some(stop) = stop.filter(|s| !s.is_empty()) {
-        m.insert("stop_sequences".into(), Value::Array(stop));
-    }
-    if let Some(t) = temperature {
-        m.insert("temperature".into(), t);
-    }
-    if let Some(p) = top_p {
-        m.insert("top_p".into(), p);
-    }
-    if let Some(s) = stream {
-        m.insert("stream".into(), Value::Bool(s));
-    }
-    if let Some(user) = user {
-        let mut metadata = Map::new();
-        metadata.insert("user_id".into(), Value::String(user));
-        m.insert("metadata".into(), Value::Object(metadata));
-    }
+}
+
+/// The translated `tools` and the client's tool choice into `m`, when there are tools; else
+/// the choice, which upstream would refuse alone, is named to `dropped`.
+fn insert_tools(
+    m: &mut Map<String, Value>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
+    dropped: &mut dyn FnMut(&str),
+) -> Result<(), TranslateError> {
     match tools.filter(|t| !t.is_empty()) {
         Some(tools) => {
             let choice = translate_tool_choice(tool_choice, parallel_tool_calls)?;
@@ -178,10 +226,7 @@ pub(crate) fn chat_to_messages_with(
             }
         }
     }
-
-    serde_json::to_writer(&mut *out, &Value::Object(m))
-        .map_err(|e| TranslateError::body(format!("the request could not be written: {e}")))?;
-    Ok(stream.unwrap_or(false))
+    Ok(())
 }
 
 fn positive_int(v: &Value, param: &'static str) -> Result<u64, TranslateError> {
