@@ -62,15 +62,17 @@ def sluice(config_text):
     return p, port
 
 
-def group_config(listen, fast, slow, strategy, extra=""):
+def group_config(listen, fast, slow, strategy, extra="", scraped=False):
+    cluster = "queue_metrics = true\n" if scraped else ""
     return f'''[server]
 listen = "127.0.0.1:{listen}"
 workers = 1
 pin_workers = false
 [clusters.fast]
 backends = [{{ base_url = "http://127.0.0.1:{fast}/v1" }}]
-[clusters.slow]
+{cluster}[clusters.slow]
 backends = [{{ base_url = "http://127.0.0.1:{slow}/v1" }}]
+{cluster}
 [[routes]]
 model = "gpt-4o"
 groups = [{{ strategy = "{strategy}", targets = [{{ cluster = "fast" }}, {{ cluster = "slow" }}] }}]
@@ -83,9 +85,14 @@ def strategies():
     mock(slow, "--ttft-ms", "100", "--inter-token-ms", "25", "--tokens", "8")
     print(f"| strategy | req/s | p50 ms | p90 ms | p99 ms | p99.9 ms | slow backend's share | errors |")
     print(f"| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for strategy in ["weighted", "least_in_flight", "peak_ewma", "lowest_ttft", "latency_first", "queue_aware"]:
+    # queue_aware twice: on this process's in-flight counts, and on the queues the mocks report
+    # on /metrics (both vLLM's and SGLang's names on one page, read every 200 ms).
+    runs = [(s, False) for s in ["weighted", "least_in_flight", "peak_ewma", "lowest_ttft", "latency_first", "queue_aware"]]
+    runs.append(("queue_aware", True))
+    for strategy, scraped in runs:
         listen = free_port()
-        gw, port = sluice(group_config(listen, fast, slow, strategy))
+        extra = "[routing]\nscrape_interval_ms = 200\n" if scraped else ""
+        gw, port = sluice(group_config(listen, fast, slow, strategy, extra, scraped))
         before = (stats(fast)["requests"], stats(slow)["requests"])
         out = f"/tmp/routing-bench-{strategy}.json"
         subprocess.run(["taskset", "-c", "1", f"{BIN}/sluice-load", "--url", f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -95,7 +102,8 @@ def strategies():
         j = json.load(open(out)); lat = j["latency"]
         to_fast, to_slow = after[0] - before[0], after[1] - before[1]
         share = to_slow / max(1, to_fast + to_slow)
-        print(f"| {strategy} | {j['rps']:.0f} | {lat['p50_ms']:.1f} | {lat['p90_ms']:.1f} | {lat['p99_ms']:.1f} | "
+        name = strategy + (" (scraped queues)" if scraped else "")
+        print(f"| {name} | {j['rps']:.0f} | {lat['p50_ms']:.1f} | {lat['p90_ms']:.1f} | {lat['p99_ms']:.1f} | "
               f"{lat['p999_ms']:.1f} | {share:.1%} | {j['errors_total']} |", flush=True)
         gw.terminate(); gw.wait()
 
