@@ -10,6 +10,10 @@ use std::time::Duration;
 
 use crate::mock::Mock;
 
+/// The `pass_response_headers` line a test's own `[clusters.NAME]` table needs when it reads
+/// mock-llm's `x-mock-*` answer headers back through Sluice (which drops them by default).
+pub const PASS_MOCK_HEADERS: &str = "pass_response_headers = [\"default\", \"x-mock-*\"]\n";
+
 /// One `[clusters.NAME]` table.
 #[derive(Clone, Debug)]
 pub struct Cluster {
@@ -18,6 +22,9 @@ pub struct Cluster {
     pub model_map: Vec<(String, String)>,
     pub credential: Option<(String, String)>,
     pub ca_file: Option<String>,
+    /// `pass_response_headers`: by default Sluice's own list and mock-llm's `x-mock-*`
+    /// (what tests read back); `None` leaves the key out.
+    pub pass_response_headers: Option<Vec<String>>,
 }
 
 impl Cluster {
@@ -28,6 +35,7 @@ impl Cluster {
             model_map: Vec::new(),
             credential: None,
             ca_file: None,
+            pass_response_headers: Some(vec!["default".into(), "x-mock-*".into()]),
         }
     }
 }
@@ -309,6 +317,10 @@ impl Config {
             }
             if let Some(ca) = &c.ca_file {
                 let _ = writeln!(out, "ca_file = {}", toml_str(ca));
+            }
+            if let Some(pass) = &c.pass_response_headers {
+                let pass: Vec<String> = pass.iter().map(|p| toml_str(p)).collect();
+                let _ = writeln!(out, "pass_response_headers = [{}]", pass.join(", "));
             }
             out.push('\n');
         }

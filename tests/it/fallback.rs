@@ -450,10 +450,12 @@ fn probed_pair(a: &Mock, b: &Mock, probe: &str, log: &TempDir) -> Config {
             r#"
 [clusters.a]
 backends = [{{ base_url = "{}" }}]
+pass_response_headers = ["default", "x-mock-*"]
 probe = {probe}
 
 [clusters.b]
 backends = [{{ base_url = "{}" }}]
+pass_response_headers = ["default", "x-mock-*"]
 
 [[routes]]
 model = "gpt-4o"
@@ -563,10 +565,12 @@ fn fleet_node(a: &Mock, b: &Mock, redis: &Redis, breaker_failures: u32, probe: b
         r#"
 [clusters.a]
 backends = [{{ base_url = "{}" }}]
+pass_response_headers = ["default", "x-mock-*"]
 {probe}
 
 [clusters.b]
 backends = [{{ base_url = "{}" }}]
+pass_response_headers = ["default", "x-mock-*"]
 
 [[routes]]
 model = "gpt-4o"
@@ -693,6 +697,7 @@ fn a_key_pool_fills_each_credentials_provider_limit_before_the_fallback_serves()
                 r#"
 [clusters.a]
 backends = [{{ base_url = {} }}]
+pass_response_headers = ["default", "x-mock-*"]
 credentials = [
   {{ env = "KEY_HEAVY", weight = 9, provider_limits = {{ max_requests = 3 }} }},
   {{ env = "KEY_LIGHT", provider_limits = {{ max_requests = 3 }} }},
@@ -700,6 +705,7 @@ credentials = [
 
 [clusters.b]
 backends = [{{ base_url = {} }}]
+pass_response_headers = ["default", "x-mock-*"]
 
 [[routes]]
 model = "gpt-4o"

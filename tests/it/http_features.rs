@@ -258,3 +258,144 @@ fn headers_named_in_connection_stop_at_the_hop_both_ways() {
         assert!(r.header("x-mock-model").is_some(), "{}", r.dump());
     }
 }
+
+/// A gateway of one cluster whose `pass_response_headers` is `pass` (`None`: not set, so
+/// Sluice's default list).
+fn passing(mock: &Mock, pass: Option<&[&str]>, extra: &str) -> Sluice {
+    let mut cluster = Cluster::new("main", &[&mock.base_url()]);
+    cluster.pass_response_headers = pass.map(|p| p.iter().map(|s| s.to_string()).collect());
+    Sluice::start(
+        &Config::new()
+            .cluster(cluster)
+            .route("gpt-4o", "main")
+            .raw(extra),
+    )
+}
+
+fn with_provider_fields(gw: &Sluice, key: Option<&str>) -> Response {
+    let mut req = Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+        .header("x-mock-headers", "provider");
+    if let Some(key) = key {
+        req = req.header("authorization", &format!("Bearer {key}"));
+    }
+    let r = gw.request(&req);
+    assert_eq!(r.status, 200, "{}", r.dump());
+    r
+}
+
+#[test]
+fn a_providers_account_and_site_headers_stop_at_the_gateway() {
+    let mock = Mock::start(&[]);
+    // The default list: what describes the answer and what an SDK reads passes; the provider's
+    // account, cookies and site policy do not.
+    let gw = passing(&mock, None, "");
+    for stream in [false, true] {
+        let body = if stream {
+            chat_stream_body("gpt-4o")
+        } else {
+            chat_body("gpt-4o")
+        };
+        let r = gw.request(
+            &Req::post("/v1/chat/completions", &body).header("x-mock-headers", "provider"),
+        );
+        assert_eq!(r.status, 200, "{}", r.dump());
+        for kept in [
+            "x-request-id",
+            "openai-processing-ms",
+            "openai-version",
+            "date",
+            "content-type",
+        ] {
+            assert!(
+                r.header(kept).is_some(),
+                "{kept} missing (stream {stream}): {}",
+                r.dump()
+            );
+        }
+        for dropped in [
+            "set-cookie",
+            "openai-organization",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-limit-requests",
+            "strict-transport-security",
+            "alt-svc",
+            "server",
+            "cf-ray",
+            "access-control-expose-headers",
+            "x-mock-model",
+        ] {
+            assert_eq!(
+                r.header(dropped),
+                None,
+                "{dropped} (stream {stream}): {}",
+                r.dump()
+            );
+        }
+    }
+    drop(gw);
+
+    // `*` passes them all — but the provider's rate limits never sit beside Sluice's own.
+    let key = "sk-pass-everything";
+    let keyed = format!(
+        "[[keys]]\nid = \"k\"\nsha256 = \"{}\"\n\n[[policies]]\nid = \"rpm\"\nper = \"key\"\nmax_requests = 100\nrequests_window_secs = 60\n",
+        key_hash(key)
+    );
+    let gw = passing(&mock, Some(&["*"]), "");
+    let r = with_provider_fields(&gw, None);
+    assert!(r.header("set-cookie").is_some(), "{}", r.dump());
+    assert_eq!(
+        r.header("x-ratelimit-remaining-tokens"),
+        Some("29999968"),
+        "{}",
+        r.dump()
+    );
+    assert!(r.header("x-mock-model").is_some(), "{}", r.dump());
+    drop(gw);
+    let gw = passing(&mock, Some(&["*"]), &keyed);
+    let r = with_provider_fields(&gw, Some(key));
+    assert!(r.header("set-cookie").is_some(), "{}", r.dump());
+    assert_eq!(
+        r.header("x-ratelimit-limit-requests"),
+        Some("100"),
+        "Sluice's own: {}",
+        r.dump()
+    );
+    assert_eq!(
+        r.header("x-ratelimit-remaining-tokens"),
+        None,
+        "{}",
+        r.dump()
+    );
+    assert_eq!(r.header("x-ratelimit-reset-tokens"), None, "{}", r.dump());
+    drop(gw);
+
+    // A list of its own, with `default` and a prefix.
+    let gw = passing(&mock, Some(&["default", "X-Ratelimit-*"]), "");
+    let r = with_provider_fields(&gw, None);
+    assert!(r.header("x-request-id").is_some(), "{}", r.dump());
+    assert_eq!(
+        r.header("x-ratelimit-reset-requests"),
+        Some("6ms"),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(r.header("set-cookie"), None, "{}", r.dump());
+}
+
+#[test]
+fn a_bad_pass_list_is_a_config_error() {
+    let mock = Mock::start(&[]);
+    let mut cluster = Cluster::new("main", &[&mock.base_url()]);
+    cluster.pass_response_headers = Some(vec!["x y".into()]);
+    let Err(failure) = Sluice::try_start(&Config::new().cluster(cluster).route("gpt-4o", "main"))
+    else {
+        panic!("a config with a bad pass list started");
+    };
+    assert!(
+        failure
+            .stderr
+            .contains("clusters.main.pass_response_headers"),
+        "{}",
+        failure.stderr
+    );
+}

@@ -229,6 +229,9 @@ pub(super) struct RawCluster {
     /// Scrape each backend's `/metrics` (vLLM, SGLang) for its queue.
     #[serde(default)]
     pub(super) queue_metrics: bool,
+    /// The upstream response headers a client sees (names, `prefix-*`, or `*`).
+    #[serde(default = "default_pass_response_headers")]
+    pub(super) pass_response_headers: Vec<String>,
     /// An active health check of each backend.
     pub(super) probe: Option<routing::RawProbe>,
     /// The provider's own limits on the whole cluster (every credential together).
@@ -247,6 +250,10 @@ pub(super) struct RawBackend {
     pub(super) base_url: String,
     #[serde(default = "default_weight")]
     pub(super) weight: u32,
+}
+
+pub(super) fn default_pass_response_headers() -> Vec<String> {
+    vec!["default".into()]
 }
 
 pub(super) fn default_weight() -> u32 {

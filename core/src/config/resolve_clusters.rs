@@ -1,6 +1,7 @@
 //! Clusters resolved: backends (base URLs parsed, names resolved once), credentials, TLS, the
 //! cluster table routes are checked against.
 
+use crate::http::pass::HeaderPass;
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -109,6 +110,9 @@ pub(super) fn resolve_cluster(
     } else {
         None
     };
+    let pass_response_headers = HeaderPass::from_entries(&rc.pass_response_headers)
+        .map_err(|msg| err(format!("{path}.pass_response_headers"), msg))
+        .unwrap_or_default();
     Cluster {
         name: name.to_string(),
         backends,
@@ -116,6 +120,7 @@ pub(super) fn resolve_cluster(
         credentials,
         tls,
         queue_metrics: rc.queue_metrics,
+        pass_response_headers,
         probe: rc
             .probe
             .as_ref()

@@ -142,6 +142,8 @@ pub(crate) struct Cluster {
     pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
     /// Each backend's `/metrics` is scraped for its queue (`[clusters.x] queue_metrics`).
     pub(crate) queue_metrics: bool,
+    /// The upstream response headers a client sees (`pass_response_headers`).
+    pub(crate) pass_response_headers: crate::http::pass::HeaderPass,
     /// Each backend is checked actively (`[clusters.x] probe`).
     pub(crate) probe: Option<routing::Probe>,
     /// The provider's limits on the whole cluster (`provider_limits`).

@@ -346,6 +346,7 @@ impl<'s> Sent<'s> {
                 keep_alive: request.head.keep_alive,
                 strip_usage,
                 dialect: request.dialect(),
+                pass: &target.cluster.pass_response_headers,
             },
             with: translation.relay_with(streamed, model),
             response,
@@ -358,7 +359,7 @@ impl<'s> Sent<'s> {
 pub(crate) struct Relaying<'s, 'm> {
     pub(crate) response: UpstreamResponse<'s>,
     /// How the client asked (and whether the usage chunk is withheld from it).
-    pub(crate) side: ClientSide,
+    pub(crate) side: ClientSide<'s>,
     /// Through the translation: as it arrives, or read whole and translated.
     pub(crate) with: RelayWith<'m>,
     /// The backend's count of the attempt, for what the relay learns of it.

@@ -35,6 +35,7 @@ use crate::gateway::error::{GatewayError, UpstreamFault};
 use crate::gateway::forward::UpstreamResponse;
 use crate::gateway::record::{Observation, RelayEnd};
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
+use crate::http::pass::{starts_with_ignore_case, HeaderPass};
 use crate::http::reason;
 use crate::http::response::ResponseHead;
 use crate::http::{is_hop_by_hop, named_by_connection, push_decimal, BodyFraming};
@@ -62,7 +63,7 @@ const TLS_HANGUP_CHECK: std::time::Duration = std::time::Duration::from_millis(2
 
 /// How the client asked for the response.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct ClientSide {
+pub(crate) struct ClientSide<'p> {
     pub(crate) head_only: bool,
     pub(crate) minor_version: u8,
     pub(crate) keep_alive: bool,
@@ -71,6 +72,8 @@ pub(crate) struct ClientSide {
     pub(crate) strip_usage: bool,
     /// The API the client speaks: the shape of an error event that ends its stream early.
     pub(crate) dialect: ClientDialect,
+    /// The upstream response headers the client may see (the cluster's).
+    pub(crate) pass: &'p HeaderPass,
 }
 
 /// What [`relay`] returns once a response has started to the client.
@@ -116,7 +119,7 @@ pub(crate) async fn relay(
     io: Io<'_>,
     client: &mut ClientSocket,
     response: UpstreamResponse<'_>,
-    side: ClientSide,
+    side: ClientSide<'_>,
     obs: &mut Observation,
     translate: Option<Box<StreamTranslate>>,
 ) -> Result<Relayed, GatewayError> {
@@ -204,7 +207,7 @@ pub(crate) async fn relay_translated_whole(
     io: Io<'_>,
     client: &mut ClientSocket,
     response: UpstreamResponse<'_>,
-    side: ClientSide,
+    side: ClientSide<'_>,
     obs: &mut Observation,
     meter_upstream: bool,
     translate: impl FnOnce(u16, &[u8], &mut Vec<u8>) -> Result<u16, GatewayError>,
@@ -326,7 +329,7 @@ fn take_read(
 /// and the overhead so far; the response counts as started.
 fn write_whole_head(
     out: &mut Vec<u8>,
-    side: ClientSide,
+    side: ClientSide<'_>,
     status: u16,
     len: usize,
     keep_client: bool,
@@ -361,7 +364,7 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(head: &ResponseHead, side: ClientSide, translated: bool) -> Plan {
+    fn new(head: &ResponseHead, side: ClientSide<'_>, translated: bool) -> Plan {
         let mut keep_client = side.keep_alive;
         let strip_usage = side.strip_usage && head.event_stream;
         let reframed = strip_usage || translated;
@@ -394,7 +397,7 @@ impl Plan {
 
     /// How the upstream's body is delimited. A HEAD response has no body whatever its headers
     /// say (unless it is close-delimited: then the close ends it).
-    fn upstream_body(&self, head: &ResponseHead, side: ClientSide) -> UpstreamBody {
+    fn upstream_body(&self, head: &ResponseHead, side: ClientSide<'_>) -> UpstreamBody {
         let framing = head.framing();
         match framing {
             BodyFraming::None => UpstreamBody::Done,
@@ -468,7 +471,7 @@ const MAX_KEPT_READ: usize = 64 * 1024;
 impl Relay<'_, '_> {
     /// The client's response head into `out`: the upstream's status and headers less the
     /// hop-by-hop ones (and those its `Connection` names), the client's framing, the rate-limit headers and Sluice's overhead.
-    fn write_head(&mut self, head: &ResponseHead, side: ClientSide) {
+    fn write_head(&mut self, head: &ResponseHead, side: ClientSide<'_>) {
         let (out, ubuf, plan) = (&mut self.out, &self.ubuf, self.plan);
         out.extend_from_slice(b"HTTP/1.1 ");
         push_decimal(out, head.status);
@@ -488,6 +491,15 @@ impl Relay<'_, '_> {
             }
             // Named by the upstream's `Connection`: for that hop only (RFC 9110 §7.6.1).
             if head.connection_options && named_by_connection(&head.headers, ubuf, name) {
+                continue;
+            }
+            // The provider's account and site are not the client's business; the client's
+            // limits are Sluice's own, when it writes them.
+            if !keep_length
+                && (!side.pass.passes(name)
+                    || !self.obs.rate_headers.is_empty()
+                        && starts_with_ignore_case(name, b"x-ratelimit-"))
+            {
                 continue;
             }
             out.extend_from_slice(name);

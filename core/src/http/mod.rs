@@ -9,6 +9,7 @@
 
 pub(crate) mod chunked;
 mod lines;
+pub(crate) mod pass;
 pub(crate) mod request;
 pub(crate) mod response;
 #[cfg(test)]
