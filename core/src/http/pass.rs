@@ -35,25 +35,30 @@ pub(crate) const DEFAULT_PASS: &[&str] = &[
 /// The most entries a list may have.
 pub(crate) const MAX_ENTRIES: usize = 128;
 
+/// Names longer than this are matched by prefixes (or `*`) only.
+const MAX_NAME: usize = 63;
+
 /// The response headers a client may see from one cluster's backends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct HeaderPass {
     /// `*`: every header passes (but `x-sluice-*`).
     all: bool,
-    /// Lower-case names that pass whole.
+    /// Lower-case names that pass whole, shortest first.
     names: Vec<Box<[u8]>>,
+    /// Where the names of each length start in `names` (`names[by_len[n]..by_len[n + 1]]`
+    /// are `n` bytes long), so a header is compared only with names of its own length.
+    by_len: [u8; MAX_NAME + 2],
     /// Lower-case prefixes (`x-ratelimit-` of `x-ratelimit-*`) whose names pass.
     prefixes: Vec<Box<[u8]>>,
 }
 
 impl Default for HeaderPass {
     fn default() -> Self {
-        let names = DEFAULT_PASS.iter().map(|n| n.as_bytes().into()).collect();
-        HeaderPass {
-            all: false,
-            names,
-            prefixes: Vec::new(),
-        }
+        HeaderPass::of(
+            false,
+            DEFAULT_PASS.iter().map(|n| n.as_bytes().into()).collect(),
+            Vec::new(),
+        )
     }
 }
 
@@ -65,20 +70,15 @@ impl HeaderPass {
         if entries.len() > MAX_ENTRIES {
             return Err(format!("at most {MAX_ENTRIES} entries"));
         }
-        let mut pass = HeaderPass {
-            all: false,
-            names: Vec::new(),
-            prefixes: Vec::new(),
-        };
+        let (mut all, mut names, mut prefixes) = (false, Vec::new(), Vec::new());
         for entry in entries {
             let lower = entry.to_ascii_lowercase();
             if lower == "*" {
-                pass.all = true;
+                all = true;
                 continue;
             }
             if lower == "default" {
-                pass.names
-                    .extend(DEFAULT_PASS.iter().map(|n| n.as_bytes().into()));
+                names.extend(DEFAULT_PASS.iter().map(|n| n.as_bytes().into()));
                 continue;
             }
             let (stem, prefix) = match lower.strip_suffix('*') {
@@ -90,30 +90,60 @@ impl HeaderPass {
                     "{entry:?} is not a header name, a `prefix-*` pattern or `*`"
                 ));
             }
-            let list = if prefix {
-                &mut pass.prefixes
+            if prefix {
+                prefixes.push(stem.as_bytes().into());
+            } else if stem.len() > MAX_NAME {
+                return Err(format!("{entry:?}: a name is at most {MAX_NAME} bytes"));
             } else {
-                &mut pass.names
-            };
-            list.push(stem.as_bytes().into());
+                names.push(stem.as_bytes().into());
+            }
         }
-        if pass.all && (!pass.names.is_empty() || !pass.prefixes.is_empty()) {
+        if all && (!names.is_empty() || !prefixes.is_empty()) {
             return Err("`*` passes every header: list nothing beside it".into());
         }
-        Ok(pass)
+        Ok(HeaderPass::of(all, names, prefixes))
+    }
+
+    /// The list, its names indexed by length (each at most [`MAX_NAME`] bytes).
+    fn of(all: bool, mut names: Vec<Box<[u8]>>, prefixes: Vec<Box<[u8]>>) -> HeaderPass {
+        // By length, and within one length by bytes, so repeats sit together.
+        names.sort();
+        names.sort_by_key(|n| n.len());
+        names.dedup();
+        // MAX_ENTRIES, plus the default list, fits the index's bytes.
+        names.truncate(usize::from(u8::MAX));
+        let mut by_len = [0u8; MAX_NAME + 2];
+        for (len, start) in by_len.iter_mut().enumerate() {
+            *start = names.partition_point(|n| n.len() < len) as u8;
+        }
+        HeaderPass {
+            all,
+            names,
+            by_len,
+            prefixes,
+        }
     }
 
     /// Whether a response header named `name` reaches the client.
     #[inline]
     pub(crate) fn passes(&self, name: &[u8]) -> bool {
-        if starts_with_ignore_case(name, b"x-sluice-") {
+        if name.first().is_some_and(|b| b | 0x20 == b'x')
+            && starts_with_ignore_case(name, b"x-sluice-")
+        {
             return false;
         }
-        self.all
-            || self
-                .names
-                .iter()
-                .any(|n| n.len() == name.len() && n.eq_ignore_ascii_case(name))
+        if self.all {
+            return true;
+        }
+        let len = name.len();
+        let same_length = match (self.by_len.get(len), self.by_len.get(len + 1)) {
+            (Some(&from), Some(&to)) => self.names.get(usize::from(from)..usize::from(to)),
+            _ => None,
+        };
+        same_length
+            .unwrap_or_default()
+            .iter()
+            .any(|n| n.eq_ignore_ascii_case(name))
             || self
                 .prefixes
                 .iter()
@@ -195,5 +225,19 @@ mod tests {
         assert!(HeaderPass::from_entries(&["*".into(), "date".into()]).is_err());
         let many: Vec<String> = (0..=MAX_ENTRIES).map(|i| format!("x-{i}")).collect();
         assert!(HeaderPass::from_entries(&many).is_err());
+        let repeated = vec!["default".to_string(); MAX_ENTRIES];
+        assert_eq!(HeaderPass::from_entries(&repeated).unwrap(), HeaderPass::default());
+        assert!(HeaderPass::from_entries(&["a".repeat(MAX_NAME + 1)]).is_err());
+        // Every length indexed, names of one length all found.
+        let names: Vec<String> = (1..=MAX_NAME)
+            .map(|n| "a".repeat(n))
+            .chain(["b".into(), "ab".into()])
+            .collect();
+        let pass = HeaderPass::from_entries(&names).unwrap();
+        for n in &names {
+            assert!(pass.passes(n.to_uppercase().as_bytes()), "{n}");
+        }
+        assert!(!pass.passes(b"c") && !pass.passes(b"ba"));
+        assert!(!pass.passes("a".repeat(MAX_NAME + 1).as_bytes()));
     }
 }
