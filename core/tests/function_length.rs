@@ -263,20 +263,25 @@ fn no_request_path_function_is_longer_than_the_limit() {
         .iter()
         .flat_map(|(relative, code)| test_only_modules(relative, code))
         .collect();
-    let mut too_long = Vec::new();
+    let mut lengths = Vec::new();
     for (relative, code) in &code {
         if !on_request_path(relative, &test_only) {
             continue;
         }
         for (name, line, len) in functions(code) {
-            if len > MAX_LINES {
-                too_long.push(format!(
-                    "{}:{line} fn {name}: {len} lines",
-                    relative.display()
-                ));
-            }
+            lengths.push((len, format!("{}:{line} fn {name}", relative.display())));
         }
     }
+    lengths.sort_by_key(|(len, _)| std::cmp::Reverse(*len));
+    // The longest five, for docs/architecture.md (`--nocapture` shows them).
+    for (len, at) in lengths.iter().take(5) {
+        eprintln!("{len:4} lines  {at}");
+    }
+    let too_long: Vec<String> = lengths
+        .iter()
+        .filter(|(len, _)| *len > MAX_LINES)
+        .map(|(len, at)| format!("{at}: {len} lines"))
+        .collect();
     assert!(
         too_long.is_empty(),
         "request-path functions over {MAX_LINES} lines (split them):\n{}",

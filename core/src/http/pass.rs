@@ -226,7 +226,10 @@ mod tests {
         let many: Vec<String> = (0..=MAX_ENTRIES).map(|i| format!("x-{i}")).collect();
         assert!(HeaderPass::from_entries(&many).is_err());
         let repeated = vec!["default".to_string(); MAX_ENTRIES];
-        assert_eq!(HeaderPass::from_entries(&repeated).unwrap(), HeaderPass::default());
+        assert_eq!(
+            HeaderPass::from_entries(&repeated).unwrap(),
+            HeaderPass::default()
+        );
         assert!(HeaderPass::from_entries(&["a".repeat(MAX_NAME + 1)]).is_err());
         // Every length indexed, names of one length all found.
         let names: Vec<String> = (1..=MAX_NAME)
