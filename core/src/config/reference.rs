@@ -14,10 +14,12 @@ use serde::de::{DeserializeOwned, Visitor};
 use serde::Serialize;
 
 use super::dialect::RawAnthropic;
-use super::limits::{
-    RawKey, RawLimits, RawPlan, RawPolicy, RawProviderLimits, RawRedis, RawReserve, Reserve,
-    DEFAULT_REDIS_DB, DEFAULT_WINDOW_SECS,
+use super::limits::provider::RawProviderLimits;
+use super::limits::raw::{
+    RawKey, RawLimits, RawPlan, RawPolicy, RawRedis, RawReserve, DEFAULT_REDIS_DB,
 };
+use super::limits::resolve::DEFAULT_WINDOW_SECS;
+use super::limits::snapshot::Reserve;
 use super::raw::{
     RawAccessLog, RawAdmin, RawBackend, RawCluster, RawCredential, RawGroup, RawHttp, RawPrice,
     RawRoute, RawServer, RawTarget, RawTimeouts, RawUpstream, SECTIONS,
@@ -302,7 +304,8 @@ mod tests {
         assert_eq!(tops, code, "top-level sections: documented vs read");
         let sources = [
             include_str!("raw.rs"),
-            include_str!("limits.rs"),
+            include_str!("limits/raw.rs"),
+            include_str!("limits/provider.rs"),
             include_str!("tls.rs"),
             include_str!("routing.rs"),
             include_str!("sticky.rs"),
