@@ -399,3 +399,26 @@ fn a_bad_pass_list_is_a_config_error() {
         failure.stderr
     );
 }
+
+#[test]
+fn a_key_in_the_query_string_never_reaches_the_provider() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    for (target, forwarded) in [
+        (
+            "/v1/chat/completions?key=sk-client-secret&api-version=2024-10-21",
+            "/v1/chat/completions?api-version=2024-10-21",
+        ),
+        (
+            "/v1/chat/completions?API-KEY=sk-client-secret&access_token=t0k",
+            "/v1/chat/completions",
+        ),
+        ("/v1/chat/completions?x=1&y", "/v1/chat/completions?x=1&y"),
+    ] {
+        let r = gw.request(&Req::post(target, &chat_body("gpt-4o")));
+        assert_eq!(r.status, 200, "{}", r.dump());
+        let echo = echo_of(&r);
+        assert_eq!(echo["path"], forwarded, "{target}");
+        assert!(!echo.to_string().contains("sk-client-secret"), "{echo}");
+    }
+}

@@ -237,6 +237,58 @@ mod tests {
     }
 
     #[test]
+    fn a_password_in_a_base_url_is_refused_and_never_shown() {
+        for url in [
+            "http://user:s3cret@127.0.0.1:1/v1",
+            "https://:s3cret@api.example.com/v1",
+            "http://s3cret@127.0.0.1:1",
+            "ftp://user:s3cret@x/v1",
+        ] {
+            let text = format!(
+                "[clusters.a]\nbackends = [{{ base_url = \"{url}\" }}]\n\
+                 [[routes]]\nmodel = \"m\"\ncluster = \"a\"\n"
+            );
+            let errs = load(&text, &|_| None).unwrap_err();
+            let shown: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+            assert!(!shown.join("\n").contains("s3cret"), "{url}: {shown:?}");
+            assert!(
+                errs.iter()
+                    .any(|e| e.path == "clusters.a.backends[0].base_url"),
+                "{url}: {shown:?}"
+            );
+        }
+        assert_eq!(
+            resolve_clusters::redact_userinfo("http://a:b@h:1/p@q"),
+            "http://***@h:1/p@q"
+        );
+        assert_eq!(
+            resolve_clusters::redact_userinfo("http://h/p"),
+            "http://h/p"
+        );
+    }
+
+    #[test]
+    fn an_admin_listener_open_to_the_network_is_warned_of() {
+        let with = |listen: &str| {
+            let text = format!(
+                "[clusters.a]\nbackends = [{{ base_url = \"http://127.0.0.1:1/v1\" }}]\n\
+                 [[routes]]\nmodel = \"m\"\ncluster = \"a\"\n[admin]\nlisten = \"{listen}\"\n"
+            );
+            let loaded = load_with_warnings(&text, &|_| None);
+            assert!(loaded.snapshot.is_ok(), "{listen}");
+            loaded
+                .warnings
+                .iter()
+                .filter(|w| w.path == "admin.listen")
+                .count()
+        };
+        assert_eq!(with("0.0.0.0:9090"), 1);
+        assert_eq!(with("[::]:9090"), 1);
+        assert_eq!(with("127.0.0.1:9090"), 0);
+        assert_eq!(with("[::1]:9090"), 0);
+    }
+
+    #[test]
     fn request_stream_usage_defaults_on() {
         let cluster = "[clusters.a]\nbackends = [{ base_url = \"http://127.0.0.1:1/v1\" }]\n\
                        [[routes]]\nmodel = \"*\"\ncluster = \"a\"\n";

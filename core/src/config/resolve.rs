@@ -107,6 +107,16 @@ pub(super) fn validate(
     let admin_listen = admin
         .as_ref()
         .and_then(|a| resolve_admin(a, server_listen, &mut err));
+    if let Some(listen) = admin_listen.filter(|a| !a.ip().is_loopback()) {
+        warnings.push(ConfigError::new(
+            "admin.listen".into(),
+            format!(
+                "`{listen}` is reachable from other hosts: /metrics (keys, entities and models by \
+                 name) and /admin/reload answer anyone who reaches it; bind 127.0.0.1 unless a \
+                 firewall or the scraper's network needs otherwise"
+            ),
+        ));
+    }
     let admin_token_digest = admin
         .as_ref()
         .and_then(|a| resolve_admin_token(a, env, &mut err));

@@ -246,27 +246,37 @@ pub(super) struct BaseUrl {
 }
 
 pub(super) fn parse_base_url(url: &str) -> Result<BaseUrl, String> {
+    // Every message names the URL without a password it may carry: config errors reach the
+    // terminal, the reload's 422 body and the log.
+    let shown = redact_userinfo(url);
     let (tls, rest) = if let Some(r) = url.strip_prefix("http://") {
         (false, r)
     } else if let Some(r) = url.strip_prefix("https://") {
         (true, r)
     } else {
-        return Err(format!("`{url}` must start with http:// or https://"));
+        return Err(format!("`{shown}` must start with http:// or https://"));
     };
     let (authority, path) = match rest.find('/') {
         Some(i) => (&rest[..i], &rest[i..]),
         None => (rest, ""),
     };
-    if authority.is_empty() || authority.contains('@') {
-        return Err(format!("`{url}` has no valid host"));
+    if authority.contains('@') {
+        return Err(format!(
+            "`{shown}` carries credentials in the URL: put the upstream's key in the cluster's `credential` (read from the environment) instead"
+        ));
+    }
+    if authority.is_empty() {
+        return Err(format!("`{shown}` has no valid host"));
     }
     if path.contains(['?', '#', ' ']) {
-        return Err(format!("`{url}` must not carry a query, fragment or space"));
+        return Err(format!(
+            "`{shown}` must not carry a query, fragment or space"
+        ));
     }
     let default_port = if tls { 443 } else { 80 };
     let (host, host_for_header, port) = if let Some(v6) = authority.strip_prefix('[') {
         let Some(end) = v6.find(']') else {
-            return Err(format!("`{url}` has an unterminated IPv6 address"));
+            return Err(format!("`{shown}` has an unterminated IPv6 address"));
         };
         let host = &v6[..end];
         let port = match &v6[end + 1..] {
@@ -274,7 +284,7 @@ pub(super) fn parse_base_url(url: &str) -> Result<BaseUrl, String> {
             p => p
                 .strip_prefix(':')
                 .and_then(|p| p.parse().ok())
-                .ok_or_else(|| format!("`{url}` has an invalid port"))?,
+                .ok_or_else(|| format!("`{shown}` has an invalid port"))?,
         };
         (host.to_string(), format!("[{host}]"), port)
     } else {
@@ -282,7 +292,7 @@ pub(super) fn parse_base_url(url: &str) -> Result<BaseUrl, String> {
             Some((h, p)) => {
                 let port = p
                     .parse()
-                    .map_err(|_| format!("`{url}` has an invalid port"))?;
+                    .map_err(|_| format!("`{shown}` has an invalid port"))?;
                 (h.to_string(), h.to_string(), port)
             }
             None => (authority.to_string(), authority.to_string(), default_port),
@@ -295,6 +305,19 @@ pub(super) fn parse_base_url(url: &str) -> Result<BaseUrl, String> {
         port,
         path: path.trim_end_matches('/').to_string(),
     })
+}
+
+/// `url` with whatever stands before an `@` in its authority (a user, a password) replaced by
+/// `***`, for messages.
+pub(super) fn redact_userinfo(url: &str) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| start + i);
+    match url[start..end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
+        None => url.to_string(),
+    }
 }
 
 pub(super) fn build_tls(

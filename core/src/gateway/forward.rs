@@ -61,13 +61,45 @@ fn start_request<'t>(out: &mut Vec<u8>, target: &Target<'t>, path: &[u8]) -> Opt
     out.clear();
     out.extend_from_slice(b"POST ");
     out.extend_from_slice(backend.base_path.as_bytes());
-    out.extend_from_slice(path);
+    push_target(out, path);
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(backend.host_header.as_bytes());
     out.extend_from_slice(b"\r\n");
     let (_, credential) = target.credential?;
     out.extend_from_slice(&credential.header_line);
     Some(credential.header_name.as_str())
+}
+
+/// Query parameters that carry a credential (a client's gateway key sent as `?key=`, Azure's
+/// `api-key`, OAuth's `access_token`): never forwarded, since the provider is not who the
+/// client's key is for. Compared without regard to case.
+const SECRET_PARAMS: &[&[u8]] = &[
+    b"key",
+    b"api-key",
+    b"api_key",
+    b"apikey",
+    b"x-api-key",
+    b"access_token",
+];
+
+/// The client's path and query into `out`, less the query's credential parameters
+/// ([`SECRET_PARAMS`]) and empty ones; a query left empty is dropped with its `?`.
+fn push_target(out: &mut Vec<u8>, target: &[u8]) {
+    let Some(q) = memchr::memchr(b'?', target) else {
+        out.extend_from_slice(target);
+        return;
+    };
+    out.extend_from_slice(&target[..q]);
+    let mut separator = b'?';
+    for param in target[q + 1..].split(|&b| b == b'&') {
+        let name = param.split(|&b| b == b'=').next().unwrap_or_default();
+        if param.is_empty() || SECRET_PARAMS.iter().any(|s| s.eq_ignore_ascii_case(name)) {
+            continue;
+        }
+        out.push(separator);
+        separator = b'&';
+        out.extend_from_slice(param);
+    }
 }
 
 /// The rest of an upstream request whose body Sluice wrote (a translation): the client's
@@ -589,6 +621,22 @@ fn next_head(buf: &mut Vec<u8>, head: &mut ResponseHead) -> Result<bool, Gateway
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
+
+    #[test]
+    fn credentials_in_the_query_stay_at_the_gateway() {
+        for (target, want) in [
+            ("/chat/completions", "/chat/completions"),
+            ("/chat/completions?key=sk-1", "/chat/completions"),
+            ("/x?a=1&API-KEY=s&b=2&access_token=t", "/x?a=1&b=2"),
+            ("/x?api_key&apikey=1&keys=2&x-api-key=3", "/x?keys=2"),
+            ("/x?&&a&", "/x?a"),
+            ("/x?", "/x"),
+        ] {
+            let mut out = Vec::new();
+            super::push_target(&mut out, target.as_bytes());
+            assert_eq!(String::from_utf8(out).unwrap(), want, "{target}");
+        }
+    }
     use super::*;
     use crate::openai::inspect::Inspector;
 

@@ -438,7 +438,12 @@ impl Writer {
         let mut tries = 0;
         loop {
             let path = self.next_name();
-            match OpenOptions::new().append(true).create_new(true).open(&path) {
+            // 0640 (less the umask): records name keys, entities and client addresses, for the
+            // operator's group to read, not for every user of the host.
+            let mut options = OpenOptions::new();
+            options.append(true).create_new(true);
+            std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o640);
+            match options.open(&path) {
                 Ok(file) => {
                     WriterCounters::add(&self.counters.files_opened, 1);
                     self.file = Some(OpenFile {
@@ -1031,6 +1036,11 @@ mod tests {
             "{name}"
         );
         assert_eq!(read_records(&files[0]), recs);
+        // Not readable by other users of the host (0640 less the umask).
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&files[0]).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode & 0o007, 0, "{mode:o}");
+        assert_eq!(mode & 0o600, 0o600, "{mode:o}");
     }
 
     #[test]
