@@ -262,3 +262,35 @@ fn a_tls_client_that_leaves_cancels_its_upstream_request() {
         started.elapsed()
     );
 }
+
+#[test]
+fn the_affinity_cookie_is_secure_over_tls_and_only_there() {
+    let dir = TempDir::new("tls-cookie");
+    let (cert, key, der) = cert_for(&dir, "a.example", "a");
+    let mock = Mock::start(&[]);
+    let config = Config::new()
+        .env("STICKY_KEY", &"ab".repeat(32))
+        .raw(&format!(
+            "[clusters.pool]\nbackends = [{{ base_url = {} }}]\n\
+         [[routes]]\nmodel = \"gpt-4o\"\ncluster = \"pool\"\n\
+         sticky = {{ cookie = \"aff\", ttl_secs = 60 }}\n\
+         [sticky]\nkeys = [{{ id = 1, env = \"STICKY_KEY\" }}]\n{}",
+            toml_str(&mock.base_url()),
+            tls_config(&[(&cert, &key)])
+        ));
+    let gw = Sluice::start(&config);
+    let chat = Req::post("/v1/chat/completions", &chat_body("gpt-4o"));
+    let (raw, _) = over_tls(gw.tls_addr(), "a.example", &[&der], &chat);
+    assert_eq!(status_of(&raw), 200, "{raw}");
+    let line = raw
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("set-cookie:"))
+        .unwrap_or_else(|| panic!("no cookie over TLS: {raw}"));
+    assert!(
+        line.contains("; Secure") && line.contains("HttpOnly") && line.contains("SameSite=Lax"),
+        "{line}"
+    );
+    let r = gw.request(&chat);
+    let plain = r.header("set-cookie").expect("a cookie over plain HTTP");
+    assert!(!plain.contains("Secure"), "{plain}");
+}

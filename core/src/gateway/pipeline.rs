@@ -348,9 +348,11 @@ async fn serve<'s>(
         // and an affinity cookie names it.
         let sticky = candidates.sticky;
         let route = candidates.route_pattern();
+        // Over TLS the cookie is `Secure`: a client never sends it back in the clear.
+        let secure = client.is_tls();
         let keep = |target: &Target<'s>, obs: &mut Observation| {
             if let Some((rule, session)) = sticky {
-                keep_session(core, route, rule, session, target, obs);
+                keep_session(core, route, rule, session, target, secure, obs);
             }
         };
         match sent.into_relay(request, obs, model, keep) {
@@ -389,6 +391,7 @@ fn keep_session(
     rule: &crate::config::sticky::StickyRule,
     session: sticky::Session,
     target: &Target<'_>,
+    secure: bool,
     obs: &mut Observation,
 ) {
     let identity = core.health.identity(target.backend.id);
@@ -406,7 +409,8 @@ fn keep_session(
         if !current.is_some_and(|(backend, until)| backend == identity && fresh(until)) {
             let aad = sticky::aad(name, route);
             let keys = &core.snapshot.sticky_keys;
-            if let Some(line) = sticky::seal(keys, name, &aad, identity, rule.ttl_secs, now) {
+            if let Some(line) = sticky::seal(keys, name, &aad, identity, rule.ttl_secs, now, secure)
+            {
                 obs.rate_headers.push_str(&line);
             }
         }

@@ -147,7 +147,8 @@ fn query<'r>(request: &Request<'r>, name: &str) -> Option<&'r str> {
 const PLAIN_LEN: usize = 16;
 
 /// The `Set-Cookie` header line naming `backend` for `ttl_secs`, sealed with the first key and
-/// bound to `aad` (see [`aad`]); `None` without a key or a random nonce.
+/// bound to `aad` (see [`aad`]), `Secure` when `secure` (the client came over TLS); `None`
+/// without a key or a random nonce.
 pub(crate) fn seal(
     keys: &StickyKeys,
     name: &str,
@@ -155,6 +156,7 @@ pub(crate) fn seal(
     backend: u64,
     ttl_secs: u64,
     now: u64,
+    secure: bool,
 ) -> Option<String> {
     use ring::rand::SecureRandom as _;
     let (kid, key) = keys.keys.first()?;
@@ -175,10 +177,11 @@ pub(crate) fn seal(
     for b in nonce.iter().chain(&data) {
         let _ = write!(line, "{b:02x}");
     }
-    let _ = write!(
-        line,
-        "; Path=/; Max-Age={ttl_secs}; HttpOnly; SameSite=Lax\r\n"
-    );
+    let _ = write!(line, "; Path=/; Max-Age={ttl_secs}; HttpOnly; SameSite=Lax");
+    if secure {
+        line.push_str("; Secure");
+    }
+    line.push_str("\r\n");
     Some(line)
 }
 
@@ -229,10 +232,15 @@ mod tests {
     #[test]
     fn a_sealed_cookie_opens_until_it_expires_and_only_unaltered() {
         let k = keys(&[(2, 7), (1, 9)]);
-        let line = seal(&k, "aff", "aff", 0xdead_beef, 60, 1_000).unwrap();
+        let line = seal(&k, "aff", "aff", 0xdead_beef, 60, 1_000, false).unwrap();
         assert!(
             line.ends_with("; Path=/; Max-Age=60; HttpOnly; SameSite=Lax\r\n"),
             "{line}"
+        );
+        let secure = seal(&k, "aff", "aff", 0xdead_beef, 60, 1_000, true).unwrap();
+        assert!(
+            secure.ends_with("; HttpOnly; SameSite=Lax; Secure\r\n"),
+            "{secure}"
         );
         let v = value(&line);
         assert!(v.starts_with("2."), "sealed with the first key: {v}");
@@ -252,14 +260,14 @@ mod tests {
         assert_eq!(open(&k, "aff", "", 1_000), None);
         // Rotation: a cookie sealed with the old key (now second) still opens.
         let old = keys(&[(1, 9)]);
-        let old_line = seal(&old, "aff", "aff", 5, 60, 1_000).unwrap();
+        let old_line = seal(&old, "aff", "aff", 5, 60, 1_000, false).unwrap();
         assert_eq!(open(&k, "aff", value(&old_line), 1_000), Some((5, 1_060)));
         // Bound to what it was sealed for: not good for another route's cookie.
         assert_eq!(open(&k, "aff\nother-route", value(&old_line), 1_000), None);
         // Two seals of the same backend differ (a fresh nonce each).
         assert_ne!(
-            seal(&k, "aff", "aff", 5, 60, 1_000),
-            seal(&k, "aff", "aff", 5, 60, 1_000)
+            seal(&k, "aff", "aff", 5, 60, 1_000, false),
+            seal(&k, "aff", "aff", 5, 60, 1_000, false)
         );
     }
 }
