@@ -422,3 +422,36 @@ fn a_key_in_the_query_string_never_reaches_the_provider() {
         assert!(!echo.to_string().contains("sk-client-secret"), "{echo}");
     }
 }
+
+#[test]
+fn a_clients_claims_of_where_it_is_are_not_forwarded() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock));
+    let r = gw.request(
+        &Req::post("/v1/chat/completions", &chat_body("gpt-4o"))
+            .header("X-Forwarded-For", "203.0.113.7")
+            .header("x-real-ip", "203.0.113.7")
+            .header("Forwarded", "for=203.0.113.7;proto=https")
+            .header("x-forwarded-proto", "https")
+            .header("x-forwarded-host", "bank.example")
+            .header("x-kept", "yes"),
+    );
+    assert_eq!(r.status, 200, "{}", r.dump());
+    let seen: Vec<String> = echo_headers(&echo_of(&r))
+        .into_iter()
+        .map(|(k, _)| k.to_ascii_lowercase())
+        .collect();
+    assert!(seen.contains(&"x-kept".to_string()), "{seen:?}");
+    for claim in [
+        "x-forwarded-for",
+        "x-real-ip",
+        "forwarded",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+    ] {
+        assert!(
+            !seen.contains(&claim.to_string()),
+            "{claim} forwarded: {seen:?}"
+        );
+    }
+}

@@ -31,8 +31,11 @@ use crate::telemetry::metrics::InFlight;
 use crate::upstream::{connect, ConnectError, UpstreamConn};
 
 /// Client headers never forwarded: the client's credentials (the upstream gets the cluster's),
-/// headers this hop sets itself, and those the client's `Connection` names (for this hop only,
-/// RFC 9110 §7.6.1; looked for only when it names any).
+/// headers this hop sets itself, the client's own claims of where it is (`forwarded`,
+/// `x-forwarded-*`, `x-real-ip`: Sluice is the edge and trusts no proxy before it, so an
+/// upstream that reads them must not be told a client's unchecked word), and those the
+/// client's `Connection` names (for this hop only, RFC 9110 §7.6.1; looked for only when it
+/// names any).
 fn is_withheld(request: &Request<'_>, name: &[u8], credential_header: Option<&str>) -> bool {
     // `accept-encoding`: a compressed answer could not be metered (usage, TTFT) nor relayed as
     // events; the client gets identity, which every HTTP client accepts.
@@ -45,6 +48,11 @@ fn is_withheld(request: &Request<'_>, name: &[u8], credential_header: Option<&st
         Name::new(b"openai-organization"),
         Name::new(b"openai-project"),
         Name::new(b"accept-encoding"),
+        Name::new(b"forwarded"),
+        Name::new(b"x-forwarded-for"),
+        Name::new(b"x-forwarded-host"),
+        Name::new(b"x-forwarded-proto"),
+        Name::new(b"x-real-ip"),
     ]);
     let head = request.head;
     is_hop_by_hop(name)
