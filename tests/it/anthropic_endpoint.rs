@@ -81,7 +81,7 @@ fn every_error_sluice_answers_is_anthropic_shaped() {
     let log = TempDir::new("anthropic-errors");
     let gw = gateway(
         &mock,
-        "[[policies]]\nid = \"one-rpm\"\nper = \"key\"\nmax_requests = 2\nrequests_window_secs = 60\n",
+        "[[policies]]\nid = \"one-rpm\"\nper = \"key\"\nmax_requests = 5\nrequests_window_secs = 60\n",
         &log,
     );
     let body = messages_body("gpt-4o", false);
@@ -141,14 +141,15 @@ fn every_error_sluice_answers_is_anthropic_shaped() {
         &[("x-mock-status", "400")],
     );
     assert_anthropic_error(&r, 400, "invalid_request_error");
-    // Limits: the second request used the key's two; the third is a 429 with its headers.
+    // Limits: the key's five requests went to the three refused above (a refused request
+    // counts as one), the upstream's 400 and the next one; the one after is a 429.
     assert_eq!(send(&gw, "/v1/messages", Some(KEY), &body, &[]).status, 200);
     let r = send(&gw, "/v1/messages", Some(KEY), &body, &[]);
     assert_anthropic_error(&r, 429, "rate_limit_error");
     assert!(r.header("retry-after").is_some(), "{}", r.dump());
     assert_eq!(
         r.header("x-ratelimit-limit-requests"),
-        Some("2"),
+        Some("5"),
         "{}",
         r.dump()
     );

@@ -559,3 +559,32 @@ groups = [{{ targets = [{{ cluster = "a" }}] }}, {{ targets = [{{ cluster = "b" 
         "a served only {at_a} at {per_request} tokens each"
     );
 }
+
+#[test]
+fn refused_requests_count_against_the_keys_requests() {
+    let mock = Mock::start(&[]);
+    let policy =
+        "[[policies]]\nid = \"rpm\"\nper = \"key\"\nmax_requests = 3\nrequests_window_secs = 60\n";
+    let gw = Sluice::start(&config(&mock, policy, ""));
+    let unknown = chat_body("no-such-model");
+    // An unknown model, a body that is not JSON, a model the route does not have: each is
+    // refused as before, and each takes one of the key's three requests.
+    assert_eq!(send(&gw, KEY, &unknown).status, 404);
+    assert_eq!(send(&gw, KEY, "{\"model\":").status, 400);
+    let r = send(&gw, KEY, &unknown);
+    assert_eq!(r.status, 404, "{}", r.dump());
+    assert_eq!(
+        r.header("x-ratelimit-remaining-requests"),
+        Some("0"),
+        "{}",
+        r.dump()
+    );
+    // None left: refused requests and good ones alike get the limit's 429.
+    let r = send(&gw, KEY, &unknown);
+    assert_eq!(r.status, 429, "{}", r.dump());
+    assert!(r.header("retry-after").is_some(), "{}", r.dump());
+    assert_eq!(send(&gw, KEY, &chat_body("gpt-4o")).status, 429);
+    assert_eq!(mock.stat("requests"), 0, "nothing reached the upstream");
+    // The other key's budget is its own.
+    assert_eq!(send(&gw, OTHER, &chat_body("gpt-4o")).status, 200);
+}

@@ -100,16 +100,14 @@ pub(crate) async fn admit(
     if cfg.policies.is_empty() && principal.is_none_or(|p| p.key.plans.is_empty()) {
         return Ok(Admission { permit });
     }
-    let result = reserve(
-        limiter,
-        metrics,
-        cfg,
-        principal,
-        inspection,
-        body,
-        &mut permit,
-    )
-    .await;
+    let ask = Ask {
+        key: principal.map(|p| p.index),
+        model: &inspection.model,
+        prompt_estimate: crate::openai::tokens::estimate_tokens(body),
+        max_tokens: inspection.max_tokens,
+        n: inspection.n,
+    };
+    let result = reserve(limiter, metrics, cfg, &ask, &mut permit).await;
     match result {
         Ok(()) => Ok(Admission { permit }),
         Err(refusal) => Err(Rejection {
@@ -119,29 +117,50 @@ pub(crate) async fn admit(
     }
 }
 
-/// Ask the shard for every reservation, waiting at most `lease_wait` for a lease.
+/// A request refused before admission (a body Sluice cannot read, a model that is not there
+/// or not the key's) still counts against its key's limits: one request, no tokens, no model
+/// (so only the policies that name no model apply). Without this, a key could send refused
+/// requests without end, each one a record in the access log. Settle the admission as any.
+pub(crate) async fn charge_refused(
+    limiter: &RefCell<LimiterShard>,
+    metrics: MetricsView<'_>,
+    cfg: &LimitsConfig,
+    principal: Principal<'_>,
+) -> Result<Admission, Rejection> {
+    let mut permit = Permit::default();
+    if cfg.policies.is_empty() && principal.key.plans.is_empty() {
+        return Ok(Admission { permit });
+    }
+    let ask = Ask {
+        key: Some(principal.index),
+        model: "",
+        prompt_estimate: 0,
+        max_tokens: Some(0),
+        n: None,
+    };
+    match reserve(limiter, metrics, cfg, &ask, &mut permit).await {
+        Ok(()) => Ok(Admission { permit }),
+        Err(refusal) => Err(Rejection {
+            refusal,
+            headers: permit.headers,
+        }),
+    }
+}
+
+/// Ask the shard for every reservation `ask` needs, waiting at most `lease_wait` for a lease.
 async fn reserve(
     limiter: &RefCell<LimiterShard>,
     metrics: MetricsView<'_>,
     cfg: &LimitsConfig,
-    principal: Option<Principal<'_>>,
-    inspection: &Inspection,
-    body: &[u8],
+    ask: &Ask<'_>,
     permit: &mut Permit,
 ) -> Result<(), Refusal> {
-    let ask = Ask {
-        key: principal.map(|p| p.index),
-        model: &inspection.model,
-        prompt_estimate: crate::openai::tokens::estimate_tokens(body),
-        max_tokens: inspection.max_tokens,
-        n: inspection.n,
-    };
     let mut matched = |policy: usize, dimension: LimitDimension| {
         metrics.limiter_match(metrics.labels.policy(Some(policy)), dimension);
     };
     let first = limiter
         .borrow_mut()
-        .try_admit(cfg, &ask, permit, &mut matched);
+        .try_admit(cfg, ask, permit, &mut matched);
     let refusal = match first {
         Ok(()) => return Ok(()),
         Err(r) if r.kind == RefusalKind::NeedLease => r,
@@ -168,7 +187,7 @@ async fn reserve(
         let mut no_count = |_: usize, _: LimitDimension| {};
         match limiter
             .borrow_mut()
-            .try_admit(cfg, &ask, permit, &mut no_count)
+            .try_admit(cfg, ask, permit, &mut no_count)
         {
             Ok(()) => return Ok(()),
             Err(r) if r.kind == RefusalKind::NeedLease => last = r,

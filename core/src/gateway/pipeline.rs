@@ -95,7 +95,7 @@ pub(crate) async fn proxy<'s>(
     let mut provider = Permit::default();
     let (mut result, mapped, admission) =
         match route_request(core, request, inspection, &mut caller, &mut obs) {
-            Err(e) => (Err(e), None, None),
+            Err(e) => charge_refused(core, &mut caller, &mut obs, e).await,
             Ok(mut candidates) => {
                 match admit_routed(core, request, inspection, &mut caller).await {
                     Err(e) => (Err(e), None, None),
@@ -284,16 +284,48 @@ pub(crate) async fn admit_routed<'s>(
         request.body,
     )
     .await;
-    match admitted {
-        Ok(admission) => Ok(admission),
-        Err(rejection) => {
-            let mut error = admit::refusal_error(limits, &rejection.refusal);
-            caller.refused(core.metrics, rejection.refusal);
-            let mut lines = String::new();
-            rejection.headers.write(&mut lines);
-            error.add_headers(&lines);
-            Err(error)
+    admitted.map_err(|rejection| limit_error(core, caller, rejection))
+}
+
+/// The answer to a request its limits refused: the limit's error with its rate headers, and
+/// the refusal counted for the caller.
+fn limit_error<'s>(
+    core: PerCore<'s>,
+    caller: &mut Caller<'s>,
+    rejection: admit::Rejection,
+) -> GatewayError {
+    let mut error = admit::refusal_error(&core.snapshot.limits, &rejection.refusal);
+    caller.refused(core.metrics, rejection.refusal);
+    let mut lines = String::new();
+    rejection.headers.write(&mut lines);
+    error.add_headers(&lines);
+    error
+}
+
+/// A request refused before admission (`refused`) still counts against the limits of a caller
+/// with a key ([`admit::charge_refused`]): the error to answer with — `refused`, or the limit's
+/// 429 once the key has none left — no model, and the admission to settle, its rate headers in
+/// `obs`.
+async fn charge_refused<'s>(
+    core: PerCore<'s>,
+    caller: &mut Caller<'s>,
+    obs: &mut Observation,
+    refused: GatewayError,
+) -> (
+    Result<Relayed, GatewayError>,
+    Option<&'s str>,
+    Option<Admission>,
+) {
+    let Some(principal) = caller.principal else {
+        return (Err(refused), None, None);
+    };
+    let limits = &*core.snapshot.limits;
+    match admit::charge_refused(core.limiter, core.metrics, limits, principal).await {
+        Ok(admission) => {
+            admission.rate_headers().write(&mut obs.rate_headers);
+            (Err(refused), None, Some(admission))
         }
+        Err(rejection) => (Err(limit_error(core, caller, rejection)), None, None),
     }
 }
 
