@@ -16,8 +16,22 @@ use sluice_tests::*;
 
 /// A self-signed certificate for `name`, written to `dir`; returns (cert path, key path, DER).
 fn cert_for(dir: &TempDir, name: &str, tag: &str) -> (PathBuf, PathBuf, Vec<u8>) {
+    cert_dated(dir, name, tag, None)
+}
+
+/// As [`cert_for`], valid from and until the given (year, month, day)s when `dates` says.
+fn cert_dated(
+    dir: &TempDir,
+    name: &str,
+    tag: &str,
+    dates: Option<((i32, u8, u8), (i32, u8, u8))>,
+) -> (PathBuf, PathBuf, Vec<u8>) {
     let key = KeyPair::generate().unwrap();
     let mut params = CertificateParams::new(vec![name.to_string()]).unwrap();
+    if let Some(((y1, m1, d1), (y2, m2, d2))) = dates {
+        params.not_before = rcgen::date_time_ymd(y1, m1, d1);
+        params.not_after = rcgen::date_time_ymd(y2, m2, d2);
+    }
     params.distinguished_name.push(DnType::CommonName, name);
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -293,4 +307,66 @@ fn the_affinity_cookie_is_secure_over_tls_and_only_there() {
     let r = gw.request(&chat);
     let plain = r.header("set-cookie").expect("a cookie over plain HTTP");
     assert!(!plain.contains("Secure"), "{plain}");
+}
+
+#[test]
+fn a_certificate_outside_its_dates_is_warned_of_or_refused() {
+    let dir = TempDir::new("tls-dates");
+    let (old_cert, old_key, _) =
+        cert_dated(&dir, "a.example", "old", Some(((2020, 1, 1), (2021, 1, 1))));
+    let (new_cert, new_key, _) =
+        cert_dated(&dir, "a.example", "new", Some(((2090, 1, 1), (2091, 1, 1))));
+    let (good_cert, good_key, _) = cert_for(&dir, "a.example", "good");
+    let mock = Mock::start(&[]);
+    let config = |cert: &PathBuf, key: &PathBuf, refuse: bool| {
+        let mut tls = tls_config(&[(cert, key)]);
+        if refuse {
+            tls.push_str("refuse_expired = true\n");
+        }
+        Config::one_cluster(&mock).raw(&tls)
+    };
+    // Warned of at check (exit 0) and served; refused when the operator asks.
+    let out = Sluice::check(&config(&old_cert, &old_key, false));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("tls.certificates[0]")
+            && stderr.contains("expired on 2021-01-01T00:00:00Z"),
+        "{stderr}"
+    );
+    let out = Sluice::check(&config(&new_cert, &new_key, false));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("not valid until 2090-01-01T00:00:00Z"),
+        "{stderr}"
+    );
+    for (cert, key) in [(&old_cert, &old_key), (&new_cert, &new_key)] {
+        let out = Sluice::check(&config(cert, key, true));
+        assert!(
+            !out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(Sluice::try_start(&config(cert, key, true)).is_err());
+    }
+    // Served, with its end on /metrics for the alert rule (SluiceTLSCertificateExpiresSoon).
+    let gw = Sluice::start(&config(&old_cert, &old_key, false).admin());
+    assert!(gw.tls_addr().port() > 0);
+    let expiry = "sluice_tls_certificate_expiry_timestamp_seconds";
+    assert_eq!(
+        gw.metrics().get(expiry, &[]),
+        Some(1_609_459_200.0),
+        "2021-01-01"
+    );
+    drop(gw);
+    let gw = Sluice::start(&Config::one_cluster(&mock).admin());
+    assert_eq!(gw.metrics().get(expiry, &[]), Some(0.0), "no TLS listener");
+    // A certificate well within its dates: not a word.
+    let out = Sluice::check(&config(&good_cert, &good_key, true));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !stderr.contains("tls.certificates"),
+        "{stderr}"
+    );
 }

@@ -120,7 +120,10 @@ pub(super) fn validate(
     let admin_token_digest = admin
         .as_ref()
         .and_then(|a| resolve_admin_token(a, env, &mut err));
-    let tls = tls.as_ref().and_then(|t| tls::resolve_tls(t, &mut err));
+    let now_unix = crate::sys::time::unix_secs();
+    let tls = tls
+        .as_ref()
+        .and_then(|t| tls::resolve_tls(t, now_unix, &mut err, warnings));
     if let (Some(t), Some(server)) = (&tls, server_listen) {
         if listeners_clash(t.listen, server) {
             err(

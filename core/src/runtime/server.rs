@@ -153,6 +153,7 @@ pub fn run(
         (None, _) => None,
     };
     let hub = MetricsHub::for_snapshot(&snapshot);
+    hub.set_tls_expiry(snapshot.tls.as_ref().map_or(0, |t| t.earliest_expiry));
     let ready = Arc::new(AtomicBool::new(false));
     let admin = match snapshot.admin_listen {
         // Its error names the address.
@@ -587,6 +588,8 @@ impl Control {
         }
         self.scraper.replan(&snapshot, &health);
         self.fleet.replan(&snapshot, &health);
+        let tls_expiry = snapshot.tls.as_ref().map_or(0, |t| t.earliest_expiry);
+        self.hub.set_tls_expiry(tls_expiry);
         self.snapshot = snapshot;
         self.health = health;
         if swapped < self.workers.len() {

@@ -1302,6 +1302,8 @@ enum Source {
     LastReloadOk,
     /// When a reload was last applied (unix seconds); 0 before any.
     LastReloadAt,
+    /// The earliest end of the TLS listener's certificates (unix seconds); 0 without one.
+    TlsExpiry,
 }
 
 /// One metric family: all the exposition says about it. [`FAMILIES`] lists them.
@@ -1482,6 +1484,13 @@ pub const FAMILIES: &[Family] = &[
         labels: &[],
         source: Source::LastReloadAt,
     },
+    Family {
+        name: "sluice_tls_certificate_expiry_timestamp_seconds",
+        kind: Kind::Gauge,
+        help: "The earliest notAfter of the serving config's TLS certificates, in unix seconds (0: no TLS listener).",
+        labels: &[],
+        source: Source::TlsExpiry,
+    },
 ];
 
 /// Config reload counts and the last outcome: written by the control thread, read by scrapes.
@@ -1491,9 +1500,19 @@ struct ReloadStats {
     rejected: AtomicU64,
     last_rejected: AtomicBool,
     last_applied_at: AtomicU64,
+    /// The serving config's earliest certificate end (unix seconds), 0 without TLS.
+    tls_expiry: AtomicU64,
 }
 
 impl MetricsHub {
+    /// The serving config's earliest TLS certificate end (unix seconds; 0: no TLS listener),
+    /// set at start and by every applied reload.
+    pub(crate) fn set_tls_expiry(&self, not_after_unix_s: u64) {
+        self.reloads
+            .tls_expiry
+            .store(not_after_unix_s, Ordering::Relaxed);
+    }
+
     /// Count a reload: applied (at `now_unix_s`) or rejected.
     pub(crate) fn record_reload(&self, applied: bool, now_unix_s: u64) {
         let r = &self.reloads;
@@ -1560,7 +1579,8 @@ impl Scrape<'_> {
             | Source::PublishAge
             | Source::Reloads
             | Source::LastReloadOk
-            | Source::LastReloadAt => false,
+            | Source::LastReloadAt
+            | Source::TlsExpiry => false,
         }
     }
 
@@ -1602,6 +1622,10 @@ impl Scrape<'_> {
             }
             Source::LastReloadAt => {
                 let at = self.reloads.last_applied_at.load(Ordering::Relaxed);
+                w.sample_u(name, labels, at);
+            }
+            Source::TlsExpiry => {
+                let at = self.reloads.tls_expiry.load(Ordering::Relaxed);
                 w.sample_u(name, labels, at);
             }
         }
@@ -2476,7 +2500,8 @@ pub(crate) mod tests {
                 | Source::PublishAge
                 | Source::Reloads
                 | Source::LastReloadOk
-                | Source::LastReloadAt => {}
+                | Source::LastReloadAt
+                | Source::TlsExpiry => {}
             }
         }
         [counters, sums, gauges]
