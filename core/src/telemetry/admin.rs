@@ -974,11 +974,12 @@ mod tests {
         let _idle: Vec<TcpStream> = (0..MAX_WAITING + 100)
             .map(|_| TcpStream::connect(addr).unwrap())
             .collect();
+        // Answered at once, not once the idle ones reach their deadline.
         let t = Instant::now();
         assert_eq!(get(addr, "/healthz").status, 200);
+        assert!(t.elapsed() < IDLE_DEADLINE, "{:?}", t.elapsed());
         assert_eq!(get(addr, "/readyz").status, 503);
         assert_eq!(get(addr, "/metrics").status, 200);
-        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     }
 
     #[test]
