@@ -1159,3 +1159,60 @@ fn a_record_stays_small_whatever_model_the_client_names() {
     assert!(on_disk < 5 * 1024, "{on_disk} bytes of log for 5 records");
     assert_eq!(mock.stat("requests"), 0);
 }
+
+/// Has the admin listener closed `s` (non-blocking)? An idle socket is never answered.
+fn admin_closed(s: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    match s.read(&mut [0u8; 1]) {
+        Ok(0) => true,
+        Ok(_) => panic!("the admin listener wrote to a socket that sent nothing"),
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    }
+}
+
+/// Issue #40 item 3: a thousand sockets that connect to the admin port and send nothing, kept
+/// open, and reopened as the listener closes them, never take `/healthz` or `/metrics` down
+/// (before, 16 of them made every probe a 503 for as long as they stayed).
+#[test]
+fn healthz_and_metrics_answer_while_a_thousand_idle_sockets_hold_the_admin_port() {
+    let dead = dead_port();
+    let gw = Sluice::start(&Config::backend_url(&format!("http://127.0.0.1:{dead}/v1")).admin());
+    let addr = gw.admin_addr();
+    let connect = || {
+        let s = std::net::TcpStream::connect_timeout(&addr, IO_TIMEOUT).expect("connect");
+        s.set_nonblocking(true).expect("non-blocking");
+        s
+    };
+    let mut idle: Vec<_> = (0..1000).map(|_| connect()).collect();
+
+    let h = gw.admin_get("/healthz");
+    assert_eq!((h.status, h.text().as_str()), (200, "ok"), "{}", h.dump());
+    let m = gw.admin_get("/metrics");
+    assert_eq!(m.status, 200, "{}", m.dump());
+    assert_eq!(m.end, BodyEnd::Complete, "{}", m.dump());
+    let r = gw.admin_get("/readyz");
+    assert_eq!(r.status, 200, "{}", r.dump());
+
+    // Past the idle deadline (2 s) the silent sockets are closed; for a second the attacker
+    // reopens each as it goes, while the probes go on.
+    std::thread::sleep(Duration::from_millis(2500));
+    let until = Instant::now() + Duration::from_secs(1);
+    let mut reopened = 0;
+    while Instant::now() < until {
+        for s in idle.iter_mut() {
+            if admin_closed(s) {
+                *s = connect();
+                reopened += 1;
+            }
+        }
+        let h = gw.admin_get("/healthz");
+        assert_eq!(h.status, 200, "while reconnecting: {}", h.dump());
+    }
+    assert!(
+        reopened >= idle.len(),
+        "every idle socket is closed at the idle deadline; {reopened} were"
+    );
+    let h = gw.admin_get("/healthz");
+    assert_eq!((h.status, h.text().as_str()), (200, "ok"), "{}", h.dump());
+    assert_eq!(gw.admin_get("/metrics").status, 200);
+}
