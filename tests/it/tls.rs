@@ -19,12 +19,15 @@ fn cert_for(dir: &TempDir, name: &str, tag: &str) -> (PathBuf, PathBuf, Vec<u8>)
     cert_dated(dir, name, tag, None)
 }
 
-/// As [`cert_for`], valid from and until the given (year, month, day)s when `dates` says.
+/// A day: (year, month, day).
+type Ymd = (i32, u8, u8);
+
+/// As [`cert_for`], valid from and until the given days when `dates` says.
 fn cert_dated(
     dir: &TempDir,
     name: &str,
     tag: &str,
-    dates: Option<((i32, u8, u8), (i32, u8, u8))>,
+    dates: Option<(Ymd, Ymd)>,
 ) -> (PathBuf, PathBuf, Vec<u8>) {
     let key = KeyPair::generate().unwrap();
     let mut params = CertificateParams::new(vec![name.to_string()]).unwrap();
