@@ -302,10 +302,11 @@ fn limit_error<'s>(
     error
 }
 
-/// A request refused before admission (`refused`) still counts against the limits of a caller
-/// with a key ([`admit::charge_refused`]): the error to answer with — `refused`, or the limit's
-/// 429 once the key has none left — no model, and the admission to settle, its rate headers in
-/// `obs`.
+/// A request refused before admission for the client's own fault (`refused`, a 4xx) still
+/// counts against the limits of a caller with a key ([`admit::charge_refused`]); a refusal that
+/// is Sluice's or the backends' (no backend up: 503) does not. The error to answer with —
+/// `refused`, or the limit's 429 once the key has none left — no model, and the admission to
+/// settle, its rate headers in `obs`.
 async fn charge_refused<'s>(
     core: PerCore<'s>,
     caller: &mut Caller<'s>,
@@ -316,7 +317,7 @@ async fn charge_refused<'s>(
     Option<&'s str>,
     Option<Admission>,
 ) {
-    let Some(principal) = caller.principal else {
+    let Some(principal) = caller.principal.filter(|_| refused.status() < 500) else {
         return (Err(refused), None, None);
     };
     let limits = &*core.snapshot.limits;
