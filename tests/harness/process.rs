@@ -179,10 +179,27 @@ pub fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
 }
 
-/// A port on 127.0.0.1 that was free a moment ago and has nothing listening on it now.
+/// A port on 127.0.0.1 with nothing listening on it, for the life of the test process: a
+/// socket is bound to it and never listens, so a connection to it is refused, and no other
+/// server — another test's, started in parallel on port 0 — can be given it. (Binding, reading
+/// the port and closing it, as this did, let a parallel test's server take the port, and the
+/// "dead" upstream answered, or hung.)
 pub fn dead_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let port = l.local_addr().expect("addr").port();
-    drop(l);
-    port
+    // SAFETY: plain socket calls on a descriptor this function owns; `addr` and `len` are
+    // valid for the calls that read or write them.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let mut addr: libc::sockaddr_in = std::mem::zeroed();
+        addr.sin_family = libc::AF_INET as libc::sa_family_t;
+        addr.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let bound = libc::bind(fd, (&raw const addr).cast(), len);
+        assert_eq!(bound, 0, "bind: {}", std::io::Error::last_os_error());
+        let mut len = len;
+        let named = libc::getsockname(fd, (&raw mut addr).cast(), &mut len);
+        assert_eq!(named, 0, "getsockname: {}", std::io::Error::last_os_error());
+        // The descriptor stays open (and bound) until the process exits.
+        u16::from_be(addr.sin_port)
+    }
 }
