@@ -179,6 +179,15 @@ pub fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// A port on 127.0.0.1 that was free a moment ago, for a server to bind next (it may be taken
+/// first: retry). For an upstream that must stay dead, use [`dead_port`].
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    drop(l);
+    port
+}
+
 /// A port on 127.0.0.1 with nothing listening on it, for the life of the test process: a
 /// socket is bound to it and never listens, so a connection to it is refused, and no other
 /// server — another test's, started in parallel on port 0 — can be given it. (Binding, reading

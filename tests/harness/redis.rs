@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::client::IO_TIMEOUT;
-use crate::process::{dead_port, die_with_parent, kill_child, TempDir, STARTUP_TIMEOUT};
+use crate::process::{die_with_parent, free_port, kill_child, TempDir, STARTUP_TIMEOUT};
 
 /// The `redis-server` binary: `/usr/bin/redis-server` (the Debian package `scripts/test.sh`
 /// installs), else whatever `redis-server` is on the PATH.
@@ -63,7 +63,7 @@ impl Redis {
         // A port found free may be taken before redis-server binds it: try a few.
         let mut last_error = String::new();
         for _ in 0..5 {
-            let port = dead_port();
+            let port = free_port();
             match spawn_redis(&opts, dir.path(), port) {
                 Ok(child) => {
                     return Redis {
