@@ -1,13 +1,12 @@
 //! Observability: the admin listener, Prometheus text, the access log.
 
-use std::io::Read;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::client::{BodyEnd, Conn, Req, Response};
-use crate::process::{bin, die_with_parent, kill_child, wait_until};
+use crate::process::{bin, output_within};
 use serde_json::Value;
 
 /// The address in `sluice: admin listening on ADDR (/metrics, /healthz, /readyz)`.
@@ -259,38 +258,6 @@ impl Metrics {
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, t)| t.as_str())
-    }
-}
-
-/// Run `cmd` to completion with piped stdout/stderr; panics if it takes longer than `within`.
-pub fn output_within(mut cmd: Command, within: Duration, what: &str) -> Output {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    die_with_parent(&mut cmd);
-    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {what}: {e}"));
-    let mut out = child.stdout.take().expect("stdout");
-    let mut err = child.stderr.take().expect("stderr");
-    let t_out = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = out.read_to_end(&mut v);
-        v
-    });
-    let t_err = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = err.read_to_end(&mut v);
-        v
-    });
-    let done = wait_until(within, || matches!(child.try_wait(), Ok(Some(_))));
-    if !done {
-        kill_child(&mut child);
-        panic!("{what} did not exit within {within:?}");
-    }
-    let status = child.wait().expect("wait");
-    Output {
-        status,
-        stdout: t_out.join().unwrap_or_default(),
-        stderr: t_err.join().unwrap_or_default(),
     }
 }
 

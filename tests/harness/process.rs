@@ -1,7 +1,8 @@
 //! Binaries, drivers, temp dirs: where the binaries are, the processes the tests start and how they end.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -210,5 +211,37 @@ pub fn dead_port() -> u16 {
         assert_eq!(named, 0, "getsockname: {}", std::io::Error::last_os_error());
         // The descriptor stays open (and bound) until the process exits.
         u16::from_be(addr.sin_port)
+    }
+}
+
+/// Run `cmd` to completion with piped stdout/stderr; panics if it takes longer than `within`.
+pub fn output_within(mut cmd: Command, within: Duration, what: &str) -> Output {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    die_with_parent(&mut cmd);
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+    let mut out = child.stdout.take().expect("stdout");
+    let mut err = child.stderr.take().expect("stderr");
+    let t_out = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = out.read_to_end(&mut v);
+        v
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let done = wait_until(within, || matches!(child.try_wait(), Ok(Some(_))));
+    if !done {
+        kill_child(&mut child);
+        panic!("{what} did not exit within {within:?}");
+    }
+    let status = child.wait().expect("wait");
+    Output {
+        status,
+        stdout: t_out.join().unwrap_or_default(),
+        stderr: t_err.join().unwrap_or_default(),
     }
 }

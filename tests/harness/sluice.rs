@@ -1,6 +1,6 @@
 //! sluice: the real binary started on a config, its listeners, reloads, signals and output.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -13,7 +13,8 @@ use crate::client::{Conn, Req, Response};
 use crate::config::Config;
 use crate::observe::{admin_get, parse_admin_line, scrape, Metrics};
 use crate::process::{
-    bin, die_with_parent, kill_child, legacy_driver, wait_until, TempDir, STARTUP_TIMEOUT,
+    bin, die_with_parent, kill_child, legacy_driver, output_within, wait_until, TempDir,
+    STARTUP_TIMEOUT,
 };
 
 /// The parsed startup line `sluice: listening on ADDR (workers=N, driver=D)`.
@@ -215,39 +216,8 @@ impl Sluice {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        cmd.stdin(Stdio::null());
-        die_with_parent(&mut cmd);
         // `check` must be quick; guard against a hang anyway.
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn sluice check");
-        let mut out = child.stdout.take().expect("stdout");
-        let mut err = child.stderr.take().expect("stderr");
-        let t_out = std::thread::spawn(move || {
-            let mut v = Vec::new();
-            let _ = out.read_to_end(&mut v);
-            v
-        });
-        let t_err = std::thread::spawn(move || {
-            let mut v = Vec::new();
-            let _ = err.read_to_end(&mut v);
-            v
-        });
-        let done = wait_until(Duration::from_secs(20), || {
-            matches!(child.try_wait(), Ok(Some(_)))
-        });
-        if !done {
-            kill_child(&mut child);
-            panic!("`sluice check` did not exit within 20 s");
-        }
-        let status = child.wait().expect("wait");
-        Output {
-            status,
-            stdout: t_out.join().unwrap_or_default(),
-            stderr: t_err.join().unwrap_or_default(),
-        }
+        output_within(cmd, Duration::from_secs(20), "sluice check")
     }
 
     pub fn pid(&self) -> u32 {
