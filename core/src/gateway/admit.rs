@@ -97,7 +97,7 @@ pub(crate) async fn admit(
     body: &[u8],
 ) -> Result<Admission, Rejection> {
     let mut permit = Permit::default();
-    if cfg.policies.is_empty() && principal.is_none_or(|p| p.key.plans.is_empty()) {
+    if !limits_apply(cfg, principal) {
         return Ok(Admission { permit });
     }
     let ask = Ask {
@@ -108,13 +108,7 @@ pub(crate) async fn admit(
         n: inspection.n,
     };
     let result = reserve(limiter, metrics, cfg, &ask, &mut permit).await;
-    match result {
-        Ok(()) => Ok(Admission { permit }),
-        Err(refusal) => Err(Rejection {
-            refusal,
-            headers: permit.headers,
-        }),
-    }
+    admitted(result, permit)
 }
 
 /// A request refused before admission (a body Sluice cannot read, a model that is not there
@@ -128,7 +122,7 @@ pub(crate) async fn charge_refused(
     principal: Principal<'_>,
 ) -> Result<Admission, Rejection> {
     let mut permit = Permit::default();
-    if cfg.policies.is_empty() && principal.key.plans.is_empty() {
+    if !limits_apply(cfg, Some(principal)) {
         return Ok(Admission { permit });
     }
     let ask = Ask {
@@ -138,7 +132,19 @@ pub(crate) async fn charge_refused(
         max_tokens: Some(0),
         n: None,
     };
-    match reserve(limiter, metrics, cfg, &ask, &mut permit).await {
+    let result = reserve(limiter, metrics, cfg, &ask, &mut permit).await;
+    admitted(result, permit)
+}
+
+/// Whether any limit can apply to a request of `principal`: a policy, or a plan of its key.
+fn limits_apply(cfg: &LimitsConfig, principal: Option<Principal<'_>>) -> bool {
+    !cfg.policies.is_empty() || principal.is_some_and(|p| !p.key.plans.is_empty())
+}
+
+/// What the shard's answer makes of a request: admitted on `permit`, or refused with the rate
+/// headers it gathered.
+fn admitted(result: Result<(), Refusal>, permit: Permit) -> Result<Admission, Rejection> {
+    match result {
         Ok(()) => Ok(Admission { permit }),
         Err(refusal) => Err(Rejection {
             refusal,
