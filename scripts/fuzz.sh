@@ -21,7 +21,7 @@ if ! rustup toolchain list | grep -q '^nightly'; then
 fi
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(request_head chunked response_head sse json_inspect config)
+[ ${#targets[@]} -gt 0 ] || targets=(request_head chunked response_head sse json_inspect config translate)
 (cd fuzz && cargo +nightly fuzz build -O "${targets[@]:0:1}" >/dev/null 2>&1 || true)
 run() {
   local t=$1 log="fuzz/target/fuzz-$1.log"

@@ -19,13 +19,14 @@ use crate::openai::meter::SseMeter;
 pub type Target = (&'static str, fn(&[u8]));
 
 /// The fuzz targets.
-pub const TARGETS: [Target; 6] = [
+pub const TARGETS: [Target; 7] = [
     ("request_head", request_head),
     ("chunked", chunked),
     ("response_head", response_head),
     ("sse", sse),
     ("json_inspect", json_inspect),
     ("config", config),
+    ("translate", translate),
 ];
 
 const LIMITS: HttpLimits = HttpLimits {
@@ -33,6 +34,7 @@ const LIMITS: HttpLimits = HttpLimits {
     max_header_bytes: 32 * 1024,
     max_headers: 100,
     max_body_bytes: 8 * 1024 * 1024,
+    max_translated_json_values: 50_000,
 };
 
 /// A request head, whole and fed a byte at a time: the same answer either way, and a complete
@@ -234,6 +236,69 @@ fn number_at(data: &[u8], line: usize, column: usize) -> Option<f64> {
         .ok()?
         .parse()
         .ok()
+}
+
+/// A request body to translate between the dialects; the first byte says which way (even: a
+/// Messages request for an OpenAI-dialect upstream, odd: a chat request for an Anthropic one)
+/// and, in its other bits, a value limit. The body's [`Shape`] counts at least every value
+/// serde_json builds of it (keys included; tool-call arguments' too, for a chat request) and at
+/// most one a byte (twice that with arguments); counting to a limit stops within one value of
+/// it and agrees with the full count on which side of the limit the body is; a body within the
+/// gateway's default limit goes through its translator without a panic, and what comes out of
+/// a translation that succeeds is JSON.
+pub fn translate(data: &[u8]) {
+    use crate::openai::anthropic::{bound::Shape, client, upstream};
+    let Some((&way, body)) = data.split_first() else {
+        return;
+    };
+    let chat = way & 1 == 1;
+    let full = Shape::of(body, chat, usize::MAX);
+    if let Ok(tree) = serde_json::from_slice::<serde_json::Value>(body) {
+        let (containers, values) = tree_size(&tree);
+        assert!(
+            full.containers >= containers && full.values >= values,
+            "{full:?}"
+        );
+    }
+    let per_byte = if chat { 2 } else { 1 };
+    assert!(full.values <= per_byte * body.len(), "{full:?}");
+    let limit = usize::from(way >> 1) * 4;
+    let cut = Shape::of(body, chat, limit);
+    if full.values > limit {
+        assert!(
+            cut.values > limit && cut.values <= limit + 1,
+            "{cut:?} of {full:?}"
+        );
+    } else {
+        assert_eq!(cut, full);
+    }
+    if full.values > 50_000 {
+        return;
+    }
+    let mut out = Vec::new();
+    let translated = if chat {
+        let opts = upstream::RequestOptions {
+            model: "m",
+            default_max_tokens: 16,
+        };
+        upstream::chat_to_messages(body, &opts, &mut out).is_ok()
+    } else {
+        client::messages_to_chat(body, "m", &mut out).is_ok()
+    };
+    if translated {
+        assert!(serde_json::from_slice::<serde_json::Value>(&out).is_ok());
+    }
+}
+
+/// The objects and arrays of a parsed tree, and all its values (object keys counted).
+fn tree_size(v: &serde_json::Value) -> (usize, usize) {
+    use serde_json::Value;
+    let add = |(c, n): (usize, usize), (c2, n2): (usize, usize)| (c + c2, n + n2);
+    match v {
+        Value::Object(m) => m.values().map(tree_size).fold((1, 1 + m.len()), add),
+        Value::Array(a) => a.iter().map(tree_size).fold((1, 1), add),
+        _ => (0, 1),
+    }
 }
 
 /// A config file: loading never panics, whatever it says (environment variables unset).

@@ -41,5 +41,6 @@ mod stream_usage;
 mod streaming;
 mod timeouts;
 mod tls;
+mod translation_bounds;
 mod upgrade;
 mod upstream_errors;

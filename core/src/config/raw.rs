@@ -147,6 +147,7 @@ pub(super) struct RawHttp {
     pub(super) max_header_bytes: usize,
     pub(super) max_headers: usize,
     pub(super) max_body_bytes: usize,
+    pub(super) max_translated_json_values: usize,
 }
 
 impl Default for RawHttp {
@@ -156,6 +157,7 @@ impl Default for RawHttp {
             max_header_bytes: 32768,
             max_headers: 100,
             max_body_bytes: 8 << 20,
+            max_translated_json_values: 50_000,
         }
     }
 }

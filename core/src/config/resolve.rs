@@ -252,6 +252,11 @@ pub(super) fn resolve_http(raw: &RawHttp, err: &mut dyn FnMut(String, String)) -
         ("http.max_header_bytes", raw.max_header_bytes, 256),
         ("http.max_headers", raw.max_headers, 8),
         ("http.max_body_bytes", raw.max_body_bytes, 1),
+        (
+            "http.max_translated_json_values",
+            raw.max_translated_json_values,
+            100,
+        ),
     ] {
         if v < min {
             err(key.into(), format!("must be at least {min}"));
@@ -268,6 +273,7 @@ pub(super) fn resolve_http(raw: &RawHttp, err: &mut dyn FnMut(String, String)) -
         max_header_bytes: raw.max_header_bytes,
         max_headers: raw.max_headers,
         max_body_bytes: raw.max_body_bytes,
+        max_translated_json_values: raw.max_translated_json_values,
     }
 }
 

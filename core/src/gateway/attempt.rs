@@ -131,7 +131,7 @@ pub(crate) async fn send<'s>(
         };
     };
     let mut upstream_request = core.bufs.take();
-    let built = match translation.build(&mut upstream_request, request, inspection, &target) {
+    let built = match translation.build(&mut upstream_request, core, request, inspection, &target) {
         Ok(built) => built,
         Err(e) => {
             core.bufs.give(upstream_request);

@@ -391,6 +391,14 @@ impl GatewayError {
         Self::new(ErrorKind::Overloaded, message).with_retry_after(Some(1))
     }
 
+    /// 503: the request bodies this worker holds (and the translations it is building) would
+    /// pass `server.max_body_memory_per_worker`.
+    pub(crate) fn body_memory_full() -> Self {
+        Self::overloaded(
+            "This server holds as many request bodies as it has memory for; retry shortly.",
+        )
+    }
+
     /// 503: Sluice is stopping and the grace it gives running requests is over. As an SSE
     /// error event, it ends a stream that was still running then.
     pub(crate) fn shutting_down() -> Self {

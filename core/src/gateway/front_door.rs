@@ -131,19 +131,12 @@ fn admit_head<'s>(
     let mut hold = core.load.hold_body(server.max_body_memory_per_worker);
     if let BodyFraming::Length(n) = request.head.body {
         if !hold.grow_to(n as usize) {
-            let e = body_memory_full();
+            let e = GatewayError::body_memory_full();
             pipeline::refused_before_body(core, request, &e);
             return Err(e);
         }
     }
     Ok((authenticated, hold))
-}
-
-/// The answer to a body that would take the worker's request bodies past their memory cap.
-pub(crate) fn body_memory_full() -> GatewayError {
-    GatewayError::overloaded(
-        "This server holds as many request bodies as it has memory for; retry shortly.",
-    )
 }
 
 /// Sluice's own token count for a request whose body is in (see [`count_tokens`]), as the

@@ -708,7 +708,7 @@ mod tests {
         let translation = Translation::plan(Some(Endpoint::Messages), target.cluster, true)
             .expect("either dialect answers Messages");
         let built = translation
-            .build(&mut out, &request, &inspection, &target)
+            .build(&mut out, per_core, &request, &inspection, &target)
             .unwrap();
         // What the upstream gets: the request, then the body's end it left out.
         out.extend_from_slice(&request.body[built.tail_from..]);

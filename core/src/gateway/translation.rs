@@ -18,11 +18,12 @@
 
 use crate::config::dialect::{AnthropicSettings, Dialect};
 use crate::config::Cluster;
-use crate::gateway::context::Request;
+use crate::gateway::context::{BodyHold, PerCore, Request};
 use crate::gateway::error::{ErrorKind, GatewayError, UpstreamFault};
 use crate::gateway::forward;
 use crate::gateway::relay::translate::StreamTranslate;
 use crate::gateway::route::Target;
+use crate::openai::anthropic::bound::Shape;
 use crate::openai::anthropic::client as anthropic_client;
 use crate::openai::anthropic::upstream as anthropic_upstream;
 use crate::openai::endpoint::{ClientDialect, Endpoint};
@@ -87,10 +88,13 @@ impl<'s> Translation<'s> {
 
     /// Build the upstream request into `out` (see the builders in
     /// [`forward`](crate::gateway::forward)), or the client's 400 when its request cannot be
-    /// said in the target's dialect.
+    /// said in the target's dialect, or is too many JSON values to translate; a translation's
+    /// working memory is held from the worker's body memory while it is built (503 when that
+    /// is full, as for a body).
     pub(crate) fn build(
         self,
         out: &mut Vec<u8>,
+        core: PerCore<'_>,
         request: &Request<'_>,
         inspection: &Inspection,
         target: &Target<'_>,
@@ -106,6 +110,7 @@ impl<'s> Translation<'s> {
                 }
             }
             Translation::ChatToMessages(settings) => {
+                let _held = hold_translation(core, request.body, true)?;
                 forward::build_anthropic_request(out, request, inspection, target, settings)?;
                 Built {
                     tail_from: whole,
@@ -113,6 +118,7 @@ impl<'s> Translation<'s> {
                 }
             }
             Translation::MessagesToChat => {
+                let _held = hold_translation(core, request.body, false)?;
                 forward::build_chat_from_messages(out, request, inspection, target)?;
                 Built {
                     tail_from: whole,
@@ -160,6 +166,37 @@ impl<'s> Translation<'s> {
             }),
         }
     }
+}
+
+/// A body about to be translated, sized up before any of it is built: more JSON values than
+/// `http.max_translated_json_values` is the client's 400; its working memory (see
+/// [`Shape::working_memory`]) is held from the worker's body memory until the returned hold
+/// drops, or it is a 503 when that memory is full. `arguments`: a chat request, whose tool-call
+/// arguments are parsed too.
+fn hold_translation<'c>(
+    core: PerCore<'c>,
+    body: &[u8],
+    arguments: bool,
+) -> Result<BodyHold<'c>, GatewayError> {
+    let max = core.snapshot.http.max_translated_json_values;
+    let shape = Shape::of(body, arguments, max);
+    if shape.values > max {
+        return Err(GatewayError::invalid_request(
+            format!(
+                "This request has more than {max} JSON values (content blocks, messages, \
+                 tool arguments and their fields), the most a request translated for this \
+                 model's provider may have."
+            ),
+            Some("messages"),
+        ));
+    }
+    let mut hold = core
+        .load
+        .hold_body(core.snapshot.server.max_body_memory_per_worker);
+    if !hold.grow_to(shape.working_memory(body.len())) {
+        return Err(GatewayError::body_memory_full());
+    }
+    Ok(hold)
 }
 
 /// How an attempt's answer goes to the client (see [`Translation::relay_with`]).

@@ -79,6 +79,9 @@ pub(crate) struct HttpLimits {
     pub(crate) max_header_bytes: usize,
     pub(crate) max_headers: usize,
     pub(crate) max_body_bytes: usize,
+    /// Most JSON values in a body translated between dialects (see
+    /// [`Shape`](crate::openai::anthropic::bound::Shape)).
+    pub(crate) max_translated_json_values: usize,
 }
 
 /// Why a request head (or its declared body) is refused. Each kind says its status; after any

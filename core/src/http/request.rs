@@ -462,6 +462,7 @@ mod tests {
             max_header_bytes: 256,
             max_headers: 4,
             max_body_bytes: 1000,
+            max_translated_json_values: 100,
         }
     }
 
@@ -598,6 +599,7 @@ mod tests {
             max_header_bytes: 65536,
             max_headers: 100,
             max_body_bytes: 1 << 20,
+            max_translated_json_values: 100,
         };
         let answer = |buf: &[u8], scan: &mut HeadScan, limits: &HttpLimits, whole: bool| {
             let mut head = RequestHead::default();

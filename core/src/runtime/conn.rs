@@ -26,7 +26,7 @@ use crate::config::Timeouts;
 use crate::gateway::auth::KeyDigestMemo;
 use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError};
-use crate::gateway::front_door::{self, body_memory_full, HeadDecision, Local, Ticket};
+use crate::gateway::front_door::{self, HeadDecision, Local, Ticket};
 use crate::gateway::pipeline;
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{parse_request_head, HeadScan, HeadStatus, Method, RequestHead};
@@ -638,7 +638,7 @@ async fn read_body(
                         ));
                     }
                     if no_memory {
-                        return Err(body_memory_full());
+                        return Err(GatewayError::body_memory_full());
                     }
                     pos += used;
                     if decoder.is_done() {

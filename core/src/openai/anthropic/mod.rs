@@ -11,5 +11,6 @@
 //! writes; `cached_tokens` is the cache reads), so limits, quotas, cost and the access log see
 //! the same numbers whatever the dialect.
 
+pub(crate) mod bound;
 pub(crate) mod client;
 pub(crate) mod upstream;
