@@ -380,3 +380,34 @@ fn chunked_body_growing_past_limit_is_413() {
     }
     assert_error_and_close(&mut c, 413);
 }
+
+/// Hostile clients II, item 8: a header value holding obs-text (bytes 0x80–0xFF) is refused
+/// with a 400 that says why, and nothing reaches the upstream, which might read the same bytes
+/// as Latin-1 or UTF-8 or refuse them. The same bytes in the request target stay a UTF-8 path.
+#[test]
+fn obs_text_in_a_header_value_is_400_and_never_forwarded() {
+    let (mock, gw) = setup();
+    let b = body();
+    for value in [&b"caf\xc3\xa9"[..], b"\x80", b"a \xff b"] {
+        let mut raw = head_with(&[&format!("Content-Length: {}", b.len())]).into_bytes();
+        // Spliced in before the blank line.
+        let at = raw.len() - 2;
+        let mut line = b"X-Title: ".to_vec();
+        line.extend_from_slice(value);
+        line.extend_from_slice(b"\r\n");
+        raw.splice(at..at, line);
+        raw.extend_from_slice(b.as_bytes());
+        let mut c = gw.conn();
+        c.set_timeout(Duration::from_secs(5));
+        let _ = c.try_send(&raw);
+        let r = c.read_response_to("POST");
+        assert_eq!(r.status, 400, "{}", r.dump());
+        let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(message.contains("outside ASCII"), "{message}");
+        c.assert_closed(Duration::from_secs(5));
+    }
+    assert_eq!(mock.stat("requests"), 0);
+    // Plain ASCII in the same header is forwarded.
+    let r = gw.request(&Req::post("/v1/chat/completions", &b).header("x-title", "cafe"));
+    assert_eq!(r.status, 200, "{}", r.dump());
+}

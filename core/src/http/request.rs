@@ -323,7 +323,7 @@ fn scan_and_read_head(
     check_head_size(scan, head_len, limits)?;
     // The head and up to sixteen bytes after it, where the buffer has them: the last lines are
     // then read with whole sixteen-byte loads too. The blank line ends the reading either way.
-    let lines = Lines::new(&buf[..buf.len().min(head_len + 16)]);
+    let lines = Lines::request(&buf[..buf.len().min(head_len + 16)]);
     let line = match lines.request_line() {
         Ok(Some(line)) => line,
         // Only empty lines before the blank one.
@@ -683,6 +683,10 @@ mod tests {
             (b"POST / HTTP/1.1\r\nHost: x\r\nExpect: magic\r\n\r\n", 417),
             (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1001\r\n\r\n", 413),
             (b"POST / HTTP/1.1\r\nHost: x\r\nA: 1\r\nB: 1\r\nC: 1\r\nD: 1\r\n\r\n", 431),
+            // Obs-text in a value, at its start, inside, at its end.
+            (b"POST / HTTP/1.1\r\nHost: x\r\nX-Title: caf\xc3\xa9\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: \x80x\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: x\r\nA: a b \xff\r\n\r\n", 400),
         ];
         for (raw, status) in cases {
             assert_eq!(
@@ -692,6 +696,31 @@ mod tests {
                 String::from_utf8_lossy(raw)
             );
         }
+    }
+
+    /// Obs-text in a value is refused whichever way the head is read (whole, or trickled in
+    /// and scanned), and the answer says why.
+    #[test]
+    fn obs_text_in_a_value_is_refused_saying_so() {
+        let raw = b"GET / HTTP/1.1\r\nHost: x\r\nUser-Agent: caf\xc3\xa9/1.0\r\n\r\n";
+        let mut head = RequestHead::default();
+        let whole = parse_request_head(raw, &mut HeadScan::default(), &limits(), &mut head);
+        let Err(HttpError::Malformed(why)) = &whole else {
+            panic!("{whole:?}");
+        };
+        assert!(why.contains("outside ASCII"), "{why}");
+        let mut scan = HeadScan::default();
+        let mut last = Ok(HeadStatus::Partial);
+        for end in 1..=raw.len() {
+            last = parse_request_head(&raw[..end], &mut scan, &limits(), &mut head);
+            if !matches!(last, Ok(HeadStatus::Partial)) {
+                break;
+            }
+        }
+        assert_eq!(last, whole);
+        // The same bytes in the target stay a UTF-8 path, as before.
+        let (status, _) = parse(b"GET /caf\xc3\xa9 HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        assert_eq!(status, HeadStatus::Complete);
     }
 
     #[test]
