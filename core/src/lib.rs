@@ -69,6 +69,7 @@ mod gateway {
     pub(crate) mod admit;
     pub(crate) mod attempt;
     pub(crate) mod auth;
+    pub(crate) mod client_addr;
     pub(crate) mod context;
     pub(crate) mod error;
     pub(crate) mod fallback;

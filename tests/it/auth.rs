@@ -337,3 +337,62 @@ fn the_log_and_metrics_name_the_caller() {
         "alice's 200 and 403 count under her entity"
     );
 }
+
+/// Hostile clients II, item 8: whose word on the client's address Sluice takes. With no
+/// `trusted_proxies` a client's `X-Forwarded-For` is a claim nobody reads; with the peer
+/// trusted, the header is read from the nearest hop back, and the first untrusted address is
+/// the client for the key's subnets and the access log.
+#[test]
+fn a_trusted_proxys_forwarded_for_names_the_client_and_nobody_elses_does() {
+    let mock = Mock::start(&[]);
+    let log = TempDir::new("real-ip");
+    let bob = |gw: &Sluice, xff: Option<&str>, header: &str| {
+        let mut headers = vec![("x-api-key", BOB)];
+        if let Some(v) = xff {
+            headers.push((header, v));
+        }
+        chat_as(gw, &headers, "gpt-4o").status
+    };
+    // The default: 127.0.0.1 is the client whatever it claims (bob may come from 10/8 only).
+    let gw = gateway(&mock);
+    assert_eq!(bob(&gw, Some("10.1.2.3"), "x-forwarded-for"), 403);
+    drop(gw);
+
+    let trusting = Config::one_cluster(&mock)
+        .set("server", "trusted_proxies", r#"["127.0.0.0/8", "::1/128"]"#)
+        .access_log(log.path())
+        .access_log_opt("flush_interval_ms", 50)
+        .raw(&keys_toml());
+    let gw = Sluice::start(&trusting);
+    assert_eq!(bob(&gw, Some("10.1.2.3"), "x-forwarded-for"), 200);
+    // The nearest untrusted hop decides, not the client's own claim to its left.
+    assert_eq!(
+        bob(&gw, Some("10.1.2.3, 192.0.2.1"), "x-forwarded-for"),
+        403
+    );
+    assert_eq!(
+        bob(&gw, Some("192.0.2.1, 10.1.2.3"), "x-forwarded-for"),
+        200
+    );
+    // A trusted proxy that names nobody: it is the client.
+    assert_eq!(bob(&gw, None, "x-forwarded-for"), 403);
+    // Another header than the configured one is not read.
+    assert_eq!(bob(&gw, Some("10.1.2.3"), "x-real-ip"), 403);
+    let records = wait_records(log.path(), 5, Duration::from_secs(5));
+    let addrs: Vec<&str> = records
+        .iter()
+        .map(|r| r["client_addr"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(addrs[0], "10.1.2.3:0", "{addrs:?}");
+    assert_eq!(addrs[1], "192.0.2.1:0", "{addrs:?}");
+    assert!(addrs[3].starts_with("127.0.0.1:"), "{addrs:?}");
+    drop(gw);
+
+    let gw = Sluice::start(
+        &trusting
+            .clone()
+            .set("server", "real_ip_header", r#""X-Real-IP""#),
+    );
+    assert_eq!(bob(&gw, Some("10.9.9.9"), "x-real-ip"), 200);
+    assert_eq!(bob(&gw, Some("10.9.9.9"), "x-forwarded-for"), 403);
+}

@@ -122,6 +122,8 @@ pub(super) struct RawServer {
     pub(super) shutdown_grace_ms: u64,
     /// Where this process offers its listening sockets to a successor (`--takeover PATH`).
     pub(super) takeover_socket: Option<PathBuf>,
+    pub(super) trusted_proxies: Vec<String>,
+    pub(super) real_ip_header: String,
 }
 
 impl Default for RawServer {
@@ -135,6 +137,8 @@ impl Default for RawServer {
             max_body_memory_per_worker: 256 * 1024 * 1024,
             shutdown_grace_ms: 30_000,
             takeover_socket: None,
+            trusted_proxies: Vec::new(),
+            real_ip_header: "x-forwarded-for".into(),
         }
     }
 }

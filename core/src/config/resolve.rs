@@ -14,7 +14,9 @@ use super::raw::{
 use super::reader::key_segment;
 use super::resolve_clusters::resolve_clusters;
 use super::resolve_routes::resolve_routes;
-use super::snapshot::{AccessLogSettings, Price, ServerConfig, Snapshot, Timeouts, UpstreamLimits};
+use super::snapshot::{
+    AccessLogSettings, Price, RealIp, ServerConfig, Snapshot, Timeouts, UpstreamLimits,
+};
 use super::{limits, routing, sticky, tls, ConfigError, HttpLimits};
 
 /// Check what was read and build the snapshot (`None` when something needed is missing; every
@@ -230,7 +232,9 @@ pub(super) fn resolve_server(
             format!("must be at most {MAX_SHUTDOWN_GRACE_MS} (one hour)"),
         );
     }
+    let real_ip = resolve_real_ip(raw, err);
     Some(ServerConfig {
+        real_ip,
         listen: listen?,
         workers,
         pin_workers: raw.pin_workers,
@@ -240,6 +244,26 @@ pub(super) fn resolve_server(
         shutdown_grace: Duration::from_millis(raw.shutdown_grace_ms),
         takeover_socket: raw.takeover_socket.clone(),
     })
+}
+
+/// `server.trusted_proxies` (networks) and `server.real_ip_header` (a header name).
+fn resolve_real_ip(raw: &RawServer, err: &mut dyn FnMut(String, String)) -> RealIp {
+    let mut trusted = Vec::new();
+    for (i, s) in raw.trusted_proxies.iter().enumerate() {
+        match limits::Cidr::parse(s) {
+            Ok(c) => trusted.push(c),
+            Err(m) => err(format!("server.trusted_proxies[{i}]"), m),
+        }
+    }
+    let header = raw.real_ip_header.to_ascii_lowercase();
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    if header.is_empty() || !header.bytes().all(token) {
+        err(
+            "server.real_ip_header".into(),
+            format!("`{}` is not a header name", raw.real_ip_header),
+        );
+    }
+    RealIp { trusted, header }
 }
 
 pub(super) fn resolve_http(raw: &RawHttp, err: &mut dyn FnMut(String, String)) -> HttpLimits {

@@ -98,6 +98,17 @@ pub(crate) struct ServerConfig {
     /// How long a stop (SIGTERM, SIGINT) lets requests and streams in flight run before it
     /// ends them.
     pub(crate) shutdown_grace: Duration,
+    pub(crate) real_ip: RealIp,
+}
+
+/// Whose word on a client's address Sluice takes (`server.trusted_proxies`,
+/// `server.real_ip_header`; see `gateway::client_addr`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RealIp {
+    /// The proxies whose `header` is believed; none: the TCP peer is the client.
+    pub(crate) trusted: Vec<limits::Cidr>,
+    /// The header they name the address they got the request from in, lower case.
+    pub(crate) header: String,
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -24,6 +24,7 @@ use monoio::net::TcpStream;
 
 use crate::config::Timeouts;
 use crate::gateway::auth::KeyDigestMemo;
+use crate::gateway::client_addr::client_address;
 use crate::gateway::context::Request;
 use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::gateway::front_door::{self, HeadDecision, Local, Ticket};
@@ -288,6 +289,7 @@ async fn serve_request(
     // Counted from its whole head on: a head still trickling in takes no request slot (the
     // header timeout bounds it), so slow heads can't make the request cap shed real requests.
     let _active = worker.load.enter();
+    let client_addr = client_address(*peer, head, rbuf, &generation.snapshot.server.real_ip);
     let Some(consumed) = read_body_and_dispatch(
         worker,
         &generation,
@@ -296,7 +298,7 @@ async fn serve_request(
         head,
         chunked_body,
         inspection,
-        *peer,
+        client_addr,
         key_memo,
     )
     .await

@@ -19,8 +19,8 @@ pub(crate) use provider::{resolve_provider_limits, ProviderLimits, RawProviderLi
 pub(crate) use raw::{RawKey, RawLimits, RawPolicy};
 pub(crate) use resolve::resolve;
 pub(crate) use snapshot::{
-    ApiKey, DownPolicy, KeyIdx, LimitsConfig, Per, Period, Plan, Policy, RateLimit, RedisSettings,
-    SettleTokenizer, StableIds, SyncSettings,
+    ApiKey, Cidr, DownPolicy, KeyIdx, LimitsConfig, Per, Period, Plan, Policy, RateLimit,
+    RedisSettings, SettleTokenizer, StableIds, SyncSettings,
 };
 
 /// Which limit a limiter policy checks.
