@@ -840,3 +840,77 @@ key_prefix = "prov"
         skips()
     );
 }
+
+/// Issue #48, item 1: a concurrency limit of 4 saturated from both workers of one process
+/// (8 clients, each request held 40 ms by mock-llm) while Redis goes away twice — once for
+/// less than the lease (leases and outage shares were two allowances: 5 in flight) and once
+/// for longer, restarted empty (the first worker back took slots the other still used) — never
+/// has more than 4 in flight at mock-llm, and is served throughout (`allow`: on local shares
+/// while Redis is away; 429 past them, never 503: the key has no quota plan).
+#[test]
+fn a_concurrency_limit_holds_through_redis_loss_and_return_on_two_workers() {
+    let mut redis = Redis::start();
+    let mock = Mock::start(&[]);
+    let gws = gateways(
+        &mock,
+        &redis,
+        1,
+        2,
+        "#limits\nsync_timeout_ms = 1000\n#policies\n[[policies]]\nid = \"four\"\nmax_concurrency = 4",
+    );
+    let addr = gws[0].addr;
+    let stop = Arc::new(AtomicBool::new(false));
+    let served = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..8)
+        .map(|_| {
+            let (stop, served) = (Arc::clone(&stop), Arc::clone(&served));
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    // A new connection each time: both workers take their turns.
+                    let r = request(addr, &body(1), &[("x-mock-delay-ms", "40")]);
+                    match r.status {
+                        200 => {
+                            served.fetch_add(1, Ordering::Relaxed);
+                        }
+                        429 => std::thread::sleep(Duration::from_millis(2)),
+                        _ => panic!("unexpected: {}", r.dump()),
+                    }
+                }
+            })
+        })
+        .collect();
+    let count = || served.load(Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(800));
+    // Shorter than the 2 s lease.
+    redis.kill();
+    let before = count();
+    std::thread::sleep(Duration::from_millis(1000));
+    let during_short = count() - before;
+    redis.restart();
+    std::thread::sleep(Duration::from_millis(1000));
+    // Longer than the lease; back empty (no persistence).
+    redis.kill();
+    let before = count();
+    std::thread::sleep(Duration::from_millis(3000));
+    let during_long = count() - before;
+    redis.restart();
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().unwrap();
+    }
+    let peak = mock.stat("max_active_requests");
+    assert!(peak <= 4, "{peak} requests in flight at mock-llm");
+    assert!(peak >= 3, "peak {peak}: the slots were never used");
+    assert!(
+        during_short >= 10 && during_long >= 30,
+        "served while Redis was away: {during_short} (1 s), {during_long} (3 s)"
+    );
+    // A worker with budgets to exchange finds Redis back (one with nothing to exchange does
+    // not look): after each outage at least one did.
+    let stderr = gws[0].stderr_text();
+    assert!(
+        stderr.matches("limit ledger reachable again").count() >= 2,
+        "Redis found back after each outage: {stderr}"
+    );
+}

@@ -45,8 +45,10 @@ pub(crate) const MAX_REPLY_BYTES: usize = 1 << 20;
 /// First reconnect delay after a failure.
 pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(50);
 
-/// Longest reconnect delay.
-pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// Longest reconnect delay: short, so a recovered Redis is found within it plus one interval
+/// and one timeout (the down-policy applies meanwhile). A reconnect attempt is one TCP connect
+/// per worker: four a second per worker is nothing to a Redis that is back.
+pub(crate) const BACKOFF_MAX: Duration = crate::config::limits::RECONNECT_BACKOFF_MAX;
 
 /// Bytes reserved for each socket read.
 const READ_CHUNK: usize = 16 * 1024;

@@ -23,6 +23,15 @@
 //! 2 × (cores across all nodes) × (largest single reservation) per window, and across an edge
 //! any span of D ≤ W admits at most L × (1 + D / W) + 5 × C × R — see README "How limits
 //! behave".
+//!
+//! ## Outages
+//! While the ledger is unreachable a core spends what it holds, and with `on_backend_down =
+//! "allow"` rate budgets go on within the core's share (limit / cores). Concurrency takes the
+//! held lease and the share as one allowance ([`LimiterShard::outage_slots`]): within both while
+//! the lease is live in the ledger, the share alone after. Back from an outage, a concurrency
+//! budget asks no more than its share for twice the time every core needs to find the ledger
+//! (`rejoined_at`), and [`LimiterShard::apply`] keeps no more of a grant than the ledger can
+//! back (a floor it had to accept past the limit admits nothing new).
 
 use std::collections::HashMap;
 use std::task::Waker;
@@ -384,6 +393,12 @@ pub(crate) struct LimiterShard {
     exchanging: bool,
     /// When the last exchange was prepared (unix ms), to scale use to a whole interval.
     last_prepare_ms: u64,
+    /// When the first exchange after an outage succeeded: for `rejoin_window` after it, a
+    /// strict budget asks no more than its outage share (the other cores may not have found
+    /// the ledger yet, and the ledger has forgotten the slots they hold if their leases lapsed).
+    rejoined_at: Option<Mono>,
+    /// Twice [`SyncSettings::rejoin_within`](crate::config::limits::SyncSettings::rejoin_within).
+    rejoin_window: Duration,
 }
 
 impl LimiterShard {
@@ -406,6 +421,8 @@ impl LimiterShard {
             in_flight: Vec::new(),
             exchanging: false,
             last_prepare_ms: 0,
+            rejoined_at: None,
+            rejoin_window: 2 * cfg.sync.rejoin_within(),
         }
     }
 
@@ -417,6 +434,7 @@ impl LimiterShard {
     /// interval are not reloadable: the reload reports them.)
     pub(crate) fn reconfigure(&mut self, cfg: &LimitsConfig, now_ms: u64) {
         self.lease_ttl = cfg.sync.lease_ttl;
+        self.rejoin_window = 2 * cfg.sync.rejoin_within();
         self.down_share = u64::from(cfg.sync.nodes.max(1)) * u64::from(cfg.sync.workers.max(1));
         self.down_allow = cfg.sync.on_down == DownPolicy::Allow;
         let ids = &cfg.ids;
@@ -990,6 +1008,9 @@ impl LimiterShard {
         cost: u64,
         lease_valid: bool,
     ) -> Result<(), RefusalKind> {
+        if !self.backend_ok && self.down_allow && kind == KIND_CONCURRENCY {
+            return self.outage_slots(b, cost, lease_valid);
+        }
         if b.free(lease_valid) >= cost as i64 {
             return Ok(());
         }
@@ -1026,6 +1047,27 @@ impl LimiterShard {
         }
     }
 
+    /// A concurrency budget while the ledger is unreachable and the policy is to serve on local
+    /// shares. The held lease and the share are one allowance, not two: while this core's
+    /// lease is live in the ledger (where every other core counts it), its slots stay within
+    /// that lease and its share; once the lease has lapsed, within its share. So the slots in
+    /// use on all cores never pass the limit while leases last, nor the cores' shares together
+    /// (`nodes × workers × ⌈limit / (nodes × workers)⌉`) after. A budget the ledger never
+    /// granted this core anything for has nothing live there: its share.
+    fn outage_slots(&self, b: &Budget, cost: u64, lease_valid: bool) -> Result<(), RefusalKind> {
+        let share = b.limit.div_ceil(self.down_share).max(1);
+        let cap = if lease_valid && b.view.is_some() {
+            share.min(b.granted)
+        } else {
+            share
+        };
+        if b.reserved + cost <= cap {
+            Ok(())
+        } else {
+            Err(RefusalKind::Exhausted)
+        }
+    }
+
     /// End a permit: turn its reservations into spend. `tokens`: what the request used (0 to
     /// release, e.g. after an upstream error). Runs once; a second call does nothing.
     pub(crate) fn settle(&mut self, permit: &mut Permit, tokens: u64) {
@@ -1056,7 +1098,14 @@ impl LimiterShard {
     pub(crate) fn prepare(&mut self, now_ms: u64, interval: Duration, out: &mut Vec<BudgetSync>) {
         out.clear();
         self.in_flight.clear();
-        let lease_valid = self.lease_valid(crate::sys::clock::recent());
+        let now = crate::sys::clock::recent();
+        let lease_valid = self.lease_valid(now);
+        // An exchange prepared during an outage may be the first to succeed: sized as one
+        // within the rejoin window.
+        let rejoining = !self.backend_ok
+            || self
+                .rejoined_at
+                .is_some_and(|t| now.saturating_duration_since(t) < self.rejoin_window);
         let ahead = interval.as_millis() as u64;
         let interval_ms = ahead.max(1);
         let elapsed_ms = now_ms.saturating_sub(self.last_prepare_ms).clamp(1, 60_000);
@@ -1087,6 +1136,8 @@ impl LimiterShard {
                     elapsed_ms,
                     lease_valid,
                     down_share,
+                    // Slots a core took on its outage share may be unknown to the ledger.
+                    rejoining && id.kind == KIND_CONCURRENCY,
                 ) {
                     out.push(sync);
                     self.in_flight.push(*id);
@@ -1105,11 +1156,23 @@ impl LimiterShard {
     ) {
         match result {
             Ok(states) => {
+                if !self.backend_ok {
+                    self.rejoined_at = Some(sent_at);
+                }
                 self.backend_ok = true;
                 self.last_ok_sent = Some(sent_at);
                 for ((id, state), s) in self.in_flight.iter().zip(states).zip(sent) {
                     if let Some(b) = self.budgets.get_mut(id) {
                         b.granted = state.granted;
+                        if b.strict && b.rate.is_none() {
+                            // A floor the ledger had to take past the limit (slots taken on an
+                            // outage share) is no grant: admit nothing more until what is in
+                            // use fits the limit again.
+                            let backed = b
+                                .limit
+                                .saturating_sub(state.spent_total + state.leased_others);
+                            b.granted = b.granted.min(backed);
+                        }
                         b.view = Some(*state);
                         // The ledger's total of the previous window is the one to slide over.
                         if let Some(slide) = &s.slide {
@@ -1184,6 +1247,8 @@ fn prepare_budget(
     elapsed_ms: u64,
     lease_valid: bool,
     down_share: u64,
+    // A concurrency budget within the rejoin window (see `LimiterShard::rejoined_at`).
+    rejoining: bool,
 ) -> Option<BudgetSync> {
     let over = b.ends_at_ms > 0 && now_ms >= b.ends_at_ms;
     // Rounded up: a sync that ran late (a busy machine) must not turn one request into
@@ -1244,8 +1309,13 @@ fn prepare_budget(
     } else {
         (2 * b.recent_use + b.demand).max(min_slice).min(b.limit)
     };
-    let target_free = if b.strict {
-        target_free.min(b.limit.div_ceil(down_share).max(b.demand))
+    let share = b.limit.div_ceil(down_share);
+    let target_free = if rejoining {
+        // Concurrency just back from an outage: the other cores may still be serving on their
+        // shares, slots the ledger may have forgotten; this core asks no more than its share.
+        target_free.min(share.max(1).saturating_sub(b.reserved))
+    } else if b.strict {
+        target_free.min(share.max(b.demand))
     } else {
         target_free
     };
@@ -2123,6 +2193,145 @@ mod concurrency_tests {
             for (i, s) in shards.iter_mut().enumerate() {
                 s.apply(Ok(&states[i]), &batches[i], Mono::now());
             }
+        }
+    }
+
+    /// Issue #48, item 1, the moment of loss: core 0 holds three slots' lease, core 1 one. A
+    /// held lease and the outage share were two allowances, so core 1 took a second slot on its
+    /// share while core 0 refilled its lease: 5 of 4. Now each core's slots stay within its
+    /// lease and its share together while the lease lives.
+    #[test]
+    fn at_the_ledgers_loss_a_held_lease_and_the_share_are_one_allowance() {
+        // One node of two workers: a share of 2 slots each while the ledger is away.
+        let cfg = limits(
+            "nodes = 1\n[server]\nworkers = 2\n[[policies]]\nid = \"four\"\nmax_concurrency = 4",
+        );
+        let ledger = crate::limits::ledger::InProcessLedger::new();
+        let mut shards: Vec<LimiterShard> = (0..2)
+            .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+            .collect();
+        let anon = anonymous();
+        let mut held: Vec<Vec<Permit>> = vec![Vec::new(), Vec::new()];
+        let mut now = unix_ms();
+        for (i, want) in [(0, 3), (1, 1)] {
+            for _ in 0..10 {
+                let mut p = Permit::default();
+                if held[i].len() < want
+                    && shards[i]
+                        .try_admit(&cfg, &anon, &mut p, &mut |_, _| {})
+                        .is_ok()
+                {
+                    held[i].push(p);
+                }
+                now += 50;
+                for s in shards.iter_mut() {
+                    exchange(s, &ledger, now);
+                }
+            }
+        }
+        assert_eq!((held[0].len(), held[1].len()), (3, 1));
+        for s in shards.iter_mut() {
+            let mut batch = Vec::new();
+            s.prepare(now, Duration::from_millis(50), &mut batch);
+            s.apply(Err(()), &batch, Mono::now());
+        }
+        // Core 0 ends a request and refills it; core 1 asks for more.
+        let mut ended = held[0].pop().unwrap();
+        shards[0].settle(&mut ended, 0);
+        for i in [0, 1, 0, 1] {
+            let mut p = Permit::default();
+            if shards[i]
+                .try_admit(&cfg, &anon, &mut p, &mut |_, _| {})
+                .is_ok()
+            {
+                held[i].push(p);
+            }
+        }
+        let total = held[0].len() + held[1].len();
+        assert!(
+            total <= 4,
+            "{total} in flight: {} + {}",
+            held[0].len(),
+            held[1].len()
+        );
+    }
+
+    /// Issue #48, item 1: slots in use on two cores through a ledger outage and its return stay
+    /// within the limit — an outage shorter than the lease (a core's held lease and its outage
+    /// share were two allowances: 5 of 4 in use), and one longer (the ledger restarted empty,
+    /// one core back before the other: the first back took slots the other still used).
+    /// Requests admitted before the loss end before the leases lapse, the bound's condition.
+    #[test]
+    fn concurrency_stays_within_the_limit_through_an_outage_and_its_return() {
+        let cfg = limits(
+            "nodes = 1\nsync_interval_ms = 50\nlease_ttl_ms = 400\n[server]\nworkers = 2\n\
+             [[policies]]\nid = \"four\"\nmax_concurrency = 4",
+        );
+        for (seed, outage_ms) in [(3u64, 100u64), (5, 650), (9, 100), (13, 650)] {
+            let mut ledger = crate::limits::ledger::InProcessLedger::new();
+            let mut shards: Vec<LimiterShard> = (0..2)
+                .map(|i| LimiterShard::new(&cfg, format!("n{i}")))
+                .collect();
+            // Each core's requests in flight, with when they were admitted.
+            let mut inflight: Vec<Vec<(Permit, Duration)>> = vec![Vec::new(), Vec::new()];
+            let mut rng = Rng(seed);
+            let anon = anonymous();
+            let started = Instant::now();
+            let lost_at = Duration::from_millis(150);
+            let back = [0, 120].map(|later| lost_at + Duration::from_millis(outage_ms + later));
+            let mut restarted = false;
+            let mut peak = 0;
+            while started.elapsed() < back[1] + Duration::from_millis(400) {
+                let t = started.elapsed();
+                if t >= back[0] && !restarted && outage_ms > 400 {
+                    // The ledger came back empty (a Redis restart without persistence).
+                    ledger = crate::limits::ledger::InProcessLedger::new();
+                    restarted = true;
+                }
+                for i in 0..2 {
+                    // Requests end at random (those from before the loss within 100 ms of it,
+                    // well within the lease) and the freed slots are asked for again before
+                    // the next exchange.
+                    let late = t >= lost_at + Duration::from_millis(100);
+                    inflight[i].retain_mut(|(p, at)| {
+                        let ends = rng.next().is_multiple_of(4) || (late && *at < lost_at);
+                        if ends {
+                            shards[i].settle(p, 0);
+                        }
+                        !ends
+                    });
+                    // Before the loss core 1 is nearly idle, so core 0 holds most of the
+                    // slots; then both ask for more than their share.
+                    let asks = if t < lost_at && i == 1 { 1 } else { 3 };
+                    for _ in 0..asks {
+                        let mut p = Permit::default();
+                        if shards[i]
+                            .try_admit(&cfg, &anon, &mut p, &mut |_, _| {})
+                            .is_ok()
+                        {
+                            inflight[i].push((p, t));
+                        }
+                    }
+                    let total: usize = inflight.iter().map(Vec::len).sum();
+                    peak = peak.max(total);
+                    assert!(total <= 4, "seed {seed}: {total} in flight at {t:?}");
+                    let mut batch = Vec::new();
+                    shards[i].prepare(unix_ms(), Duration::from_millis(50), &mut batch);
+                    if t >= lost_at && t < back[i] {
+                        shards[i].apply(Err(()), &batch, Mono::now());
+                    } else {
+                        let mut states = Vec::new();
+                        let node = shards[i].node().to_string();
+                        ledger.exchange_at(Instant::now(), &node, 400, &batch, &mut states);
+                        shards[i].apply(Ok(&states), &batch, Mono::now());
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            assert!(
+                peak >= 3,
+                "seed {seed}: peak {peak}: the slots were never used"
+            );
         }
     }
 

@@ -20,7 +20,7 @@ pub(crate) use raw::{RawKey, RawLimits, RawPolicy};
 pub(crate) use resolve::resolve;
 pub(crate) use snapshot::{
     ApiKey, Cidr, DownPolicy, KeyIdx, LimitsConfig, Per, Period, Plan, Policy, RateLimit,
-    RedisSettings, SettleTokenizer, StableIds, SyncSettings,
+    RedisSettings, SettleTokenizer, StableIds, SyncSettings, RECONNECT_BACKOFF_MAX,
 };
 
 /// Which limit a limiter policy checks.

@@ -317,6 +317,18 @@ pub(crate) struct SyncSettings {
     pub(crate) workers: u32,
 }
 
+/// The longest a worker waits between reconnect attempts to an unreachable ledger: a recovered
+/// ledger is found within this plus one interval and one timeout ([`SyncSettings::rejoin_within`]).
+pub(crate) const RECONNECT_BACKOFF_MAX: Duration = Duration::from_millis(250);
+
+impl SyncSettings {
+    /// How soon after the ledger is reachable again every worker has found it: its next
+    /// reconnect attempt, the interval to its next exchange, and that exchange's deadline.
+    pub(crate) fn rejoin_within(&self) -> Duration {
+        RECONNECT_BACKOFF_MAX + self.interval + self.timeout
+    }
+}
+
 impl Default for SyncSettings {
     fn default() -> Self {
         SyncSettings {
