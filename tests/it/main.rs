@@ -27,6 +27,7 @@ mod limits_redis;
 mod loadgen;
 mod loadgen_uring;
 mod observability;
+mod outcomes;
 mod pools;
 mod process;
 mod readme;

@@ -301,6 +301,12 @@ pub struct Stats {
     /// (also counted in `usage_prompt_tokens`).
     pub usage_cache_read_tokens: Cell<u64>,
     pub usage_cache_creation_tokens: Cell<u64>,
+    /// Requests whose client (the gateway) closed the connection before their answer was
+    /// complete: during `x-mock-delay-ms`, or mid-stream.
+    pub requests_abandoned: Cell<u64>,
+    /// For the latest of those: milliseconds from the request's head arriving to the close
+    /// being noticed (the mock watches the socket while it delays and streams).
+    pub last_abandoned_after_ms: Cell<u64>,
 }
 
 impl Stats {
@@ -321,6 +327,7 @@ impl Stats {
              \"stalled\":{},\"streams_cut\":{},\"error_events\":{},\
              \"messages_requests\":{},\"chat_requests\":{},\"invalid_requests\":{},\
              \"usage_cache_read_tokens\":{},\"usage_cache_creation_tokens\":{},\
+             \"requests_abandoned\":{},\"last_abandoned_after_ms\":{},\
              \"requests_running\":{},\"requests_waiting\":{},\"requests_queued\":{}}}",
             self.connections_accepted.get(),
             self.connections_open.get(),
@@ -346,6 +353,8 @@ impl Stats {
             self.invalid_requests.get(),
             self.usage_cache_read_tokens.get(),
             self.usage_cache_creation_tokens.get(),
+            self.requests_abandoned.get(),
+            self.last_abandoned_after_ms.get(),
             queue.running,
             queue.waiting,
             queue.queued

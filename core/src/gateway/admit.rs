@@ -14,9 +14,10 @@
 //! request, per `limits.on_backend_down`).
 //!
 //! [`Admission::settle`] runs exactly once for every admitted request, whatever happened, with
-//! what [`billable_tokens`] says: the upstream's reported usage, or an estimate of the prompt plus
-//! what was streamed when there is none (a client abort is never free), and nothing when the
-//! upstream failed before answering with success.
+//! what it is billed ([`record`](crate::gateway::record)'s one rule, which the access log and the
+//! metrics record too): the upstream's reported usage, or an estimate of the prompt plus what
+//! was relayed when there is none (a client abort is never free), and nothing when the upstream
+//! answered an error or Sluice answered itself.
 
 use std::cell::RefCell;
 use std::future::Future;
@@ -27,7 +28,6 @@ use crate::config::limits::LimitDimension;
 use crate::config::limits::LimitsConfig;
 use crate::gateway::auth::Principal;
 use crate::gateway::error::{ErrorKind, GatewayError};
-use crate::gateway::record::{Outcome, RelayEnd, UsageSource};
 use crate::limits::shard::{Ask, LimiterShard, Permit, RateHeaders, Refusal, RefusalKind};
 use crate::openai::inspect::Inspection;
 use crate::telemetry::metrics::MetricsView;
@@ -241,21 +241,6 @@ pub(crate) fn refusal_error(cfg: &LimitsConfig, refusal: &Refusal) -> GatewayErr
     }
 }
 
-/// The tokens a finished request is billed, by how it ended: the upstream's usage, or the
-/// estimate of what it streamed (the outcome fills it in); nothing when the upstream answered
-/// with an error or failed before answering (`end` is `None`: no response was relayed).
-pub(crate) fn billable_tokens(status: u16, end: Option<RelayEnd>, outcome: &Outcome) -> u64 {
-    match (end, outcome.usage_source) {
-        (None, _) | (_, UsageSource::None) => 0,
-        _ if !(200..300).contains(&status) => 0,
-        // Complete, the client left, the upstream cut the stream, or a stop's grace ended it:
-        // billed for what it used (a cut stream reported no usage: the prompt and what was
-        // streamed, estimated).
-        (Some(RelayEnd::Complete | RelayEnd::ClientLeft), _)
-        | (Some(RelayEnd::UpstreamCut(_) | RelayEnd::Shutdown), _) => outcome.usage.total_tokens,
-    }
-}
-
 /// Provider limits: reserve one attempt's request, slot and `tokens()` on the limits of
 /// `target`'s cluster and credential (`limits.provider_limits`), into `provider`. Runs in the
 /// forward loop before each attempt is sent. Without waiting when the limit is used up; when
@@ -321,92 +306,5 @@ impl Future for SyncWait<'_> {
         }
         shard.wait_for_sync(cx.waker());
         Poll::Pending
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
-    //! Settlement by how a request ended, through the same observation and outcome the pipeline
-    //! computes (no sockets: the relay's part is what it feeds the observation).
-    use super::*;
-    use crate::gateway::record::{Estimator, Observation};
-    use crate::sys::clock::Mono;
-    use crate::upstream::UpstreamFault;
-
-    const PROMPT: &[u8] = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"tell me a story about a gateway"}]}"#;
-
-    fn snapshot() -> crate::config::Snapshot {
-        crate::config::load(
-            "[clusters.c]\nbackends = [{ base_url = \"http://127.0.0.1:9/v1\" }]\n\
-             [[routes]]\nmodel = \"m\"\ncluster = \"c\"\n",
-            &|_| None,
-        )
-        .unwrap()
-    }
-
-    fn chunk(content: &str) -> String {
-        format!(
-            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{content}\"}},\"finish_reason\":null}}]}}\n\n"
-        )
-    }
-
-    /// The tokens settled for a response with `status` whose body was `events` (streamed, as
-    /// the relay feeds them) and that ended as `end` (`None`: nothing was relayed).
-    fn billed(status: u16, events: &[String], end: Option<RelayEnd>) -> u64 {
-        let snapshot = snapshot();
-        let mut obs = Observation::default();
-        let now = Mono::now();
-        obs.start(now, PROMPT.len() as u64);
-        if end.is_some() {
-            obs.response_started(status, true, true);
-            for e in events {
-                obs.body(e.as_bytes(), Mono::now());
-            }
-        }
-        obs.end = end;
-        let outcome = obs.outcome(&snapshot, "m", None, PROMPT, Estimator::Bytes);
-        billable_tokens(status, end, &outcome)
-    }
-
-    #[test]
-    fn settle_bills_by_how_the_relay_ended() {
-        let content: Vec<String> = (0..12).map(|i| chunk(&format!(" word{i}"))).collect();
-        let mut complete = content.clone();
-        complete.push(
-            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":21,\"completion_tokens\":12,\"total_tokens\":33}}\n\n"
-                .to_string(),
-        );
-        complete.push("data: [DONE]\n\n".to_string());
-
-        // Complete, with the upstream's usage: exactly what it reported.
-        assert_eq!(billed(200, &complete, Some(RelayEnd::Complete)), 33);
-
-        // The client left after four events: never free — the prompt plus what was streamed,
-        // estimated, and less than the whole response would have cost.
-        let left = billed(200, &content[..4], Some(RelayEnd::ClientLeft));
-        let prompt_only = billed(200, &[], Some(RelayEnd::ClientLeft));
-        assert!(prompt_only > 0, "a client abort is billed its prompt");
-        assert!(left > prompt_only, "{left}: what was streamed counts");
-        assert!(left < 33 + 12, "{left}");
-
-        // The upstream cut the stream after eight events: billed for what was delivered.
-        let cut = billed(
-            200,
-            &content[..8],
-            Some(RelayEnd::UpstreamCut(UpstreamFault::Io)),
-        );
-        assert!(cut > left, "{cut} vs {left}: more was delivered");
-
-        // A stop's grace ran out after the same eight events: billed alike — the prompt and
-        // what reached the client, never nothing.
-        assert_eq!(billed(200, &content[..8], Some(RelayEnd::Shutdown)), cut);
-
-        // The upstream answered with an error status: nothing billed, the reservation released.
-        assert_eq!(billed(500, &content[..2], Some(RelayEnd::Complete)), 0);
-        assert_eq!(billed(429, &[], Some(RelayEnd::Complete)), 0);
-
-        // Nothing was relayed (forward failed): nothing billed.
-        assert_eq!(billed(0, &[], None), 0);
     }
 }

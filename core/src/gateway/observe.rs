@@ -31,6 +31,15 @@ fn route_name(path: &[u8]) -> &'static str {
     Endpoint::from_path(path).map_or(crate::telemetry::metrics::OTHER, Endpoint::label)
 }
 
+/// The status of a request the relay ended: the upstream's, or 499 (nginx's "client closed
+/// request") for a client that left before the answer's head, when nothing was sent it.
+fn relayed_status(obs: &Observation) -> u16 {
+    match (obs.status, obs.end) {
+        (0, Some(RelayEnd::ClientLeft)) => 499,
+        (status, _) => status,
+    }
+}
+
 /// What kind of failure a request ended in, for the access log (`error_class`).
 fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str {
     match error {
@@ -46,6 +55,7 @@ fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str 
             Some(RelayEnd::UpstreamCut(_)) => "upstream_abort",
             Some(RelayEnd::Shutdown) => "server_shutdown",
             _ if obs.status >= 400 => "upstream_status",
+            _ if obs.upstream_error_event() => "upstream_error_event",
             _ => "",
         },
     }
@@ -72,7 +82,7 @@ pub(crate) fn emit(
         outcome,
         error,
         caller,
-        status: error.map_or(obs.status, |e| e.status()),
+        status: error.map_or_else(|| relayed_status(obs), |e| e.status()),
     };
     done.count(metrics);
     done.write_record(snapshot, log);
@@ -154,6 +164,7 @@ impl Finished<'_, '_> {
                 Some(RelayEnd::UpstreamCut(fault)) => Some(fault_kind(fault)),
                 _ if obs.status == 429 => Some(UpstreamErrorKind::Status429),
                 _ if obs.status >= 500 => Some(UpstreamErrorKind::Status5xx),
+                _ if obs.upstream_error_event() => Some(UpstreamErrorKind::ErrorEvent),
                 _ => None,
             },
         };

@@ -13,7 +13,7 @@ use crate::gateway::attempt::{self, Tried, Walk};
 use crate::gateway::auth::Principal;
 use crate::gateway::context::{PerCore, Request};
 use crate::gateway::error::GatewayError;
-use crate::gateway::record::{Estimator, Observation, Outcome};
+use crate::gateway::record::{Estimator, Observation, Outcome, RelayEnd};
 use crate::gateway::relay::{self, Relayed};
 use crate::gateway::route::{Candidates, Target};
 use crate::gateway::translation::RelayWith;
@@ -56,7 +56,7 @@ pub(crate) fn refused_before_body(core: PerCore<'_>, request: &Request<'_>, erro
     // Nothing of the body was read: no model, no usage.
     let inspection = Inspection::default();
     let estimator = Estimator::configured(&core.snapshot.limits, "");
-    let outcome = obs.outcome(core.snapshot, "", None, &[], estimator);
+    let outcome = obs.outcome(core.snapshot, "", None, &[], estimator, false);
     observe::emit(
         core.snapshot,
         core.metrics,
@@ -133,6 +133,7 @@ pub(crate) async fn proxy<'s>(
         mapped,
         request.body,
         estimator,
+        result.is_ok(),
     );
 
     // The backend's latency, for the strategies that weigh it.
@@ -144,7 +145,7 @@ pub(crate) async fn proxy<'s>(
     // Settle: what the request used goes into every budget it reserved from (the admission's
     // and the serving provider's) — exactly once, whatever happened.
     if let Some(admission) = admission {
-        settle(core, admission, &mut provider, &result, &obs, &outcome);
+        settle(core, admission, &mut provider, &outcome);
     }
     if let Err(e) = &mut result {
         if e.extra_headers.is_none() {
@@ -171,19 +172,12 @@ pub(crate) async fn proxy<'s>(
     result.map(|relayed| relayed.keep_alive)
 }
 
-/// Settle a request's reservations on what it used — success, upstream error (released),
-/// client or upstream abort (billed): the admission (consumed: exactly once) and the limits of
-/// the provider that served, if any.
-fn settle(
-    core: PerCore<'_>,
-    admission: Admission,
-    provider: &mut Permit,
-    result: &Result<Relayed, GatewayError>,
-    obs: &Observation,
-    outcome: &Outcome,
-) {
-    let status = result.as_ref().map_or(0, |_| obs.status);
-    let tokens = admit::billable_tokens(status, obs.end, outcome);
+/// Settle a request's reservations on what it is billed (the outcome's usage: see
+/// [`record`](crate::gateway::record)'s billing rule, which the log and the metrics record
+/// too): the admission (consumed: exactly once) and the limits of the provider that served,
+/// if any. Nothing billed: the reservations are released.
+fn settle(core: PerCore<'_>, admission: Admission, provider: &mut Permit, outcome: &Outcome) {
+    let tokens = outcome.billed_tokens();
     admission.settle(core.limiter, tokens);
     core.limiter.borrow_mut().settle(provider, tokens);
 }
@@ -355,10 +349,20 @@ async fn serve<'s>(
     // scope they would stay in this future, beside the relay's).
     let (relaying, mapped) = loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
-        let tried = attempt::send(
-            core, request, inspection, target, candidates, &mut walk, obs, provider,
-        )
-        .await;
+        // A client that leaves while the upstream works on its request (before the answer
+        // begins) cuts the attempt: dropped, its upstream connection closes.
+        let tried = monoio::select! {
+            biased;
+            tried = attempt::send(
+                core, request, inspection, target, candidates, &mut walk, obs, provider,
+            ) => tried,
+            () = relay::client_gone(client, crate::sys::clock::recent()) => {
+                obs.end = Some(RelayEnd::ClientLeft);
+                obs.finished_at = Some(crate::sys::clock::Mono::now());
+                let left = Relayed { keep_alive: false, end: RelayEnd::ClientLeft };
+                return (Ok(left), target.mapped_model);
+            }
+        };
         let sent = match tried {
             Tried::Sent(sent) => sent,
             Tried::PassedOver { reason, last } => match candidates.next_fallback(model, reason) {

@@ -9,6 +9,20 @@
 //! [`Observation::outcome`] into an [`Outcome`]: usage (reported by the upstream, or estimated
 //! from what was streamed when it reported none), cost from the price table, time to first
 //! token, time per output token, total latency and Sluice's overhead. Raises nothing.
+//!
+//! ## What is billed
+//! The outcome's usage *is* the bill — the limits ledger settles it
+//! ([`Outcome::billed_tokens`]), the access log's token and cost fields record it and the
+//! metrics count it, so the three always agree. One rule ([`Observation::billable`]), by how the
+//! request ended:
+//!
+//! | ending | billed |
+//! | --- | --- |
+//! | Sluice answered it itself (refused, no upstream reached, or an upstream failure answered as Sluice's own 502 / 503 / 504, even after a response had begun arriving) | nothing |
+//! | the upstream's error status relayed (4xx, 5xx) | nothing, even if its body carries usage |
+//! | a 2xx relayed whole | the upstream's usage, else the prompt and answer estimated |
+//! | a 2xx cut short — the client left, the upstream broke or sent an error event mid-stream, the shutdown grace ran out | the upstream's usage, else the prompt and what was relayed, estimated |
+//! | the client left before the answer's head, the upstream working on it | the upstream's usage, else the prompt, estimated |
 
 use std::time::Duration;
 
@@ -275,7 +289,43 @@ pub(crate) struct Outcome<'m> {
     pub(crate) upstream_header: Option<Duration>,
 }
 
+impl Outcome<'_> {
+    /// The tokens the limits ledger settles: the bill (see the module docs), 0 when nothing is
+    /// billed.
+    pub(crate) fn billed_tokens(&self) -> u64 {
+        match self.usage_source {
+            UsageSource::None => 0,
+            _ => self.usage.total_tokens,
+        }
+    }
+}
+
 impl Observation {
+    /// Whether the request is billed at all — the one rule of the module docs' table. A 2xx
+    /// relayed (whole or cut short) is; so is a client that left while the upstream worked on
+    /// its request, before the answer's head (`status` 0); an error status relayed is not, nor
+    /// is anything Sluice answered itself (`relayed` false: refused, failed before or while the
+    /// response began, answered as Sluice's own 5xx).
+    pub(crate) fn billable(&self, relayed: bool) -> bool {
+        relayed
+            && match self.status {
+                200..=299 => true,
+                0 => self.end == Some(RelayEnd::ClientLeft),
+                _ => false,
+            }
+    }
+
+    /// The upstream's stream carried an error event of its own (an OpenAI chunk's `error`
+    /// object, Anthropic's `event: error`): the answer ended in an error its client saw, however
+    /// cleanly the stream then closed.
+    pub(crate) fn upstream_error_event(&self) -> bool {
+        match self.metering {
+            Metering::Stream => self.meter.recorded().error.is_some(),
+            Metering::AnthropicStream => self.anthropic_meter.meter.error().is_some(),
+            _ => false,
+        }
+    }
+
     /// Begin observing a request whose head and body arrived at `received_at`.
     pub(crate) fn start(&mut self, received_at: Mono, bytes_in: u64) {
         self.received_at = received_at;
@@ -406,7 +456,8 @@ impl Observation {
 
     /// Sum the request up. `estimate` counts text when the upstream reported no usage: the
     /// prompt (`prompt_body`, the request body) and the generated text the meter kept.
-    /// reported none.
+    /// `relayed`: the upstream's response (or the client's leaving while it worked) is how the
+    /// request ended, not an answer Sluice made itself (see [`Observation::billable`]).
     pub(crate) fn outcome<'m>(
         &mut self,
         snapshot: &Snapshot,
@@ -414,6 +465,7 @@ impl Observation {
         mapped_model: Option<&'m str>,
         prompt_body: &[u8],
         estimate: Estimator,
+        relayed: bool,
     ) -> Outcome<'m> {
         let finished = self.finished_at.unwrap_or_else(Mono::now);
         // The numbers only: the meter's summary is read in place (a copy would clone its
@@ -448,10 +500,11 @@ impl Observation {
         };
         let unread = matches!(self.metering, Metering::Unread);
         let (usage, usage_source) = match summary.usage {
+            _ if !self.billable(relayed) => (Usage::default(), UsageSource::None),
             Some(u) => (u, UsageSource::Reported),
-            None if unread || self.status == 0 || !(200..300).contains(&self.status) => {
-                (Usage::default(), UsageSource::None)
-            }
+            // An answer whose usage nothing asked for (no limit spends tokens, nothing
+            // observes usage) was not metered: nothing to bill it by, nothing that would.
+            None if unread && self.status != 0 => (Usage::default(), UsageSource::None),
             None => (
                 estimated_usage(estimate, prompt_body, captured, summary.content_bytes),
                 UsageSource::Estimated,
@@ -561,6 +614,103 @@ mod tests {
     //! Metering by dialect: an Anthropic answer passed through is read by Anthropic's rules.
     use super::*;
     use crate::gateway::context::testing::OwnedCore;
+    use crate::upstream::UpstreamFault;
+
+    const PROMPT: &[u8] = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"tell me a story about a gateway"}]}"#;
+
+    fn snapshot() -> crate::config::Snapshot {
+        crate::config::load(
+            "[clusters.c]\nbackends = [{ base_url = \"http://127.0.0.1:9/v1\" }]\n\
+             [[routes]]\nmodel = \"m\"\ncluster = \"c\"\n",
+            &|_| None,
+        )
+        .unwrap()
+    }
+
+    fn chunk(content: &str) -> String {
+        format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{content}\"}},\"finish_reason\":null}}]}}\n\n"
+        )
+    }
+
+    /// What is billed for a response with `status` whose body was `events` (streamed, as the
+    /// relay feeds them) and that ended as `end` (`None`: nothing was relayed), answered to the
+    /// client by the relay (`relayed`) or by Sluice itself: the tokens the ledger settles, and
+    /// the same tokens as the log and the metrics read them.
+    fn bill(status: u16, events: &[String], end: Option<RelayEnd>, relayed: bool) -> u64 {
+        let snapshot = snapshot();
+        let mut obs = Observation::default();
+        let now = Mono::now();
+        obs.start(now, PROMPT.len() as u64);
+        if status != 0 {
+            obs.response_started(status, true, true);
+            for e in events {
+                obs.body(e.as_bytes(), Mono::now());
+            }
+        }
+        obs.end = end;
+        let outcome = obs.outcome(&snapshot, "m", None, PROMPT, Estimator::Bytes, relayed);
+        let logged = match outcome.usage_source {
+            UsageSource::None => 0,
+            _ => outcome.usage.total_tokens,
+        };
+        assert_eq!(outcome.billed_tokens(), logged);
+        logged
+    }
+
+    fn billed(status: u16, events: &[String], end: Option<RelayEnd>) -> u64 {
+        bill(status, events, end, true)
+    }
+
+    #[test]
+    fn settle_bills_by_how_the_relay_ended() {
+        let content: Vec<String> = (0..12).map(|i| chunk(&format!(" word{i}"))).collect();
+        let mut complete = content.clone();
+        complete.push(
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":21,\"completion_tokens\":12,\"total_tokens\":33}}\n\n"
+                .to_string(),
+        );
+        complete.push("data: [DONE]\n\n".to_string());
+
+        // Complete, with the upstream's usage: exactly what it reported.
+        assert_eq!(billed(200, &complete, Some(RelayEnd::Complete)), 33);
+
+        // The client left after four events: never free — the prompt plus what was streamed,
+        // estimated, and less than the whole response would have cost.
+        let left = billed(200, &content[..4], Some(RelayEnd::ClientLeft));
+        let prompt_only = billed(200, &[], Some(RelayEnd::ClientLeft));
+        assert!(prompt_only > 0, "a client abort is billed its prompt");
+        assert!(left > prompt_only, "{left}: what was streamed counts");
+        assert!(left < 33 + 12, "{left}");
+
+        // The upstream cut the stream after eight events: billed for what was delivered.
+        let cut = billed(
+            200,
+            &content[..8],
+            Some(RelayEnd::UpstreamCut(UpstreamFault::Io)),
+        );
+        assert!(cut > left, "{cut} vs {left}: more was delivered");
+
+        // A stop's grace ran out after the same eight events: billed alike — the prompt and
+        // what reached the client, never nothing.
+        assert_eq!(billed(200, &content[..8], Some(RelayEnd::Shutdown)), cut);
+
+        // The upstream answered with an error status: nothing billed, the reservation released.
+        assert_eq!(billed(500, &content[..2], Some(RelayEnd::Complete)), 0);
+        assert_eq!(billed(429, &[], Some(RelayEnd::Complete)), 0);
+
+        // Nothing was relayed (forward failed): nothing billed.
+        assert_eq!(billed(0, &[], None), 0);
+
+        // A stream that began (a 200 head, two events in) and then broke in the first read, so
+        // Sluice answered a 502 of its own: nothing billed, in the ledger or the log (issue #48:
+        // the log billed an estimate the ledger never charged).
+        assert_eq!(bill(200, &content[..2], None, false), 0);
+
+        // The client left before the answer's head while the upstream worked: its prompt.
+        let before_head = billed(0, &[], Some(RelayEnd::ClientLeft));
+        assert_eq!(before_head, prompt_only);
+    }
 
     const TEXT: &[u8] = include_bytes!("../openai/anthropic/testdata/anthropic_text.sse");
 
@@ -595,7 +745,14 @@ mod tests {
             let reads: Vec<&[u8]> = TEXT.chunks(split).collect();
             let mut obs = observe(true, true, &reads);
             assert!(!obs.stream_unfinished(), "message_stop ends it");
-            let outcome = obs.outcome(&core.snapshot, "claude-x", None, b"{}", Estimator::Bytes);
+            let outcome = obs.outcome(
+                &core.snapshot,
+                "claude-x",
+                None,
+                b"{}",
+                Estimator::Bytes,
+                true,
+            );
             assert_eq!(outcome.usage_source, UsageSource::Reported);
             assert_eq!(outcome.usage.prompt_tokens, 25);
             assert_eq!(outcome.usage.completion_tokens, 15);
@@ -634,7 +791,7 @@ mod tests {
                 obs.body(read, Mono::now());
             }
             let unfinished = obs.stream_unfinished();
-            let o = obs.outcome(&core.snapshot, "m", None, b"{}", Estimator::Bytes);
+            let o = obs.outcome(&core.snapshot, "m", None, b"{}", Estimator::Bytes, true);
             (o.usage_source, o.usage.total_tokens, unfinished)
         };
         assert_eq!(
@@ -667,7 +824,14 @@ mod tests {
         let core = core();
         let body = br#"{"type":"message","content":[{"type":"text","text":"hi"}],"usage":{"input_tokens":10,"cache_read_input_tokens":30,"cache_creation_input_tokens":5,"output_tokens":7}}"#;
         let mut obs = observe(true, false, &[body]);
-        let outcome = obs.outcome(&core.snapshot, "claude-x", None, b"{}", Estimator::Bytes);
+        let outcome = obs.outcome(
+            &core.snapshot,
+            "claude-x",
+            None,
+            b"{}",
+            Estimator::Bytes,
+            true,
+        );
         assert_eq!(outcome.usage_source, UsageSource::Reported);
         assert_eq!(outcome.usage.prompt_tokens, 45);
         assert_eq!(outcome.usage.cached_tokens, 30);

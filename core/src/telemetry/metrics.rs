@@ -581,10 +581,12 @@ pub(crate) enum UpstreamErrorKind {
     CredentialRefused,
     /// Not sent: the provider's own limits (`provider_limits`) had no room; skipped.
     ProviderLimit,
+    /// The backend's stream carried an error event of its own (after a 200 head).
+    ErrorEvent,
 }
 
 impl UpstreamErrorKind {
-    const ALL: [UpstreamErrorKind; 10] = [
+    const ALL: [UpstreamErrorKind; 11] = [
         UpstreamErrorKind::Connect,
         UpstreamErrorKind::Tls,
         UpstreamErrorKind::Timeout,
@@ -595,6 +597,7 @@ impl UpstreamErrorKind {
         UpstreamErrorKind::PoolExhausted,
         UpstreamErrorKind::CredentialRefused,
         UpstreamErrorKind::ProviderLimit,
+        UpstreamErrorKind::ErrorEvent,
     ];
 
     pub(crate) fn label(self) -> &'static str {
@@ -609,6 +612,7 @@ impl UpstreamErrorKind {
             UpstreamErrorKind::CredentialRefused => "credential_refused",
             UpstreamErrorKind::ProviderLimit => "provider_limit",
             UpstreamErrorKind::PoolExhausted => "pool_exhausted",
+            UpstreamErrorKind::ErrorEvent => "error_event",
         }
     }
 }
@@ -2751,8 +2755,8 @@ pub(crate) mod tests {
     #[test]
     fn empty_tables_still_have_the_other_slot() {
         let hub = MetricsHub::new(LabelLists::default());
-        // 135 counters and buckets, 7 sums (u128), 2 gauges.
-        assert_eq!(hub.shard_bytes(), 135 * 8 + 7 * 16 + 2 * 8);
+        // 136 counters and buckets, 7 sums (u128), 2 gauges.
+        assert_eq!(hub.shard_bytes(), 136 * 8 + 7 * 16 + 2 * 8);
         let s = MetricsShard::new(&hub);
         s.request_done(
             hub.names().route("x"),

@@ -279,6 +279,8 @@ struct Conn<S> {
     hdrs: Vec<(Range<usize>, Range<usize>)>,
     /// The peer sent bytes while a response was being produced: stop watching for readiness.
     peer_data: bool,
+    /// When the current request's head arrived.
+    request_at: Instant,
 }
 
 fn unix_now() -> u64 {
@@ -366,6 +368,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
             ev: Vec::with_capacity(512),
             hdrs: Vec::with_capacity(16),
             peer_data: false,
+            request_at: Instant::now(),
         }
     }
 
@@ -451,6 +454,17 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         Ok(fut.await)
     }
 
+    /// The client closed the connection before this request's answer was complete: counted,
+    /// with how long after the request's head it was noticed.
+    fn abandoned(&self) {
+        let stats = &self.st.stats;
+        Stats::bump(&stats.requests_abandoned);
+        let after = self.request_at.elapsed().as_millis();
+        stats
+            .last_abandoned_after_ms
+            .set(u64::try_from(after).unwrap_or(u64::MAX));
+    }
+
     /// `stall`: no answer at all; the connection stays open until the client closes it.
     async fn stall(&mut self) -> Next {
         Stats::bump(&self.st.stats.stalled);
@@ -503,7 +517,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         let head = loop {
             if !self.rbuf.is_empty() {
                 match http::parse_head(&self.rbuf, &mut self.hdrs) {
-                    HeadParse::Done(h) => break h,
+                    HeadParse::Done(h) => {
+                        self.request_at = Instant::now();
+                        break h;
+                    }
                     HeadParse::Partial => {}
                     HeadParse::Bad(status, why) => return self.bad_request(status, why).await,
                 }
@@ -982,6 +999,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         if p.delay_ms > 0 {
             let deadline = Instant::now() + Duration::from_millis(p.delay_ms);
             if self.pause_until(deadline).await.is_err() {
+                self.abandoned();
                 return Next::Drop;
             }
         }
@@ -1112,6 +1130,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Conn<S> {
         match next {
             Err(Gone) => {
                 stats.streams_aborted.set(stats.streams_aborted.get() + 1);
+                self.abandoned();
                 Next::Drop
             }
             Ok(next) => {
