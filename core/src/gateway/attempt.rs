@@ -25,6 +25,7 @@ use crate::gateway::translation::{self, RelayWith, Translation};
 use crate::limits::shard::Permit;
 use crate::openai::endpoint::Endpoint;
 use crate::openai::inspect::Inspection;
+use crate::sys::client::ClientSocket;
 use crate::upstream::health::{AttemptGuard, AttemptResult};
 
 /// What the walk over a request's candidates carries from one attempt to the next.
@@ -84,6 +85,7 @@ pub(crate) struct Sent<'s> {
 #[allow(clippy::too_many_arguments)] // one attempt's inputs, each used once
 pub(crate) async fn send<'s>(
     core: PerCore<'s>,
+    client: &ClientSocket,
     request: &Request<'_>,
     inspection: &Inspection,
     target: Target<'s>,
@@ -140,12 +142,15 @@ pub(crate) async fn send<'s>(
         }
     };
     let tail = request.body.get(built.tail_from..).unwrap_or_default();
+    // A client that leaves while this attempt waits for its answer cuts it.
+    let watch = forward::Watch::from_now(client);
     let (mut response, timings) = forward::send(
         core.io(),
         &target,
         upstream_request,
         tail,
         inspection.stream,
+        Some(watch),
     )
     .await;
     obs.forward = timings;
@@ -161,7 +166,8 @@ pub(crate) async fn send<'s>(
         Ok(response) => {
             let key_pool = target.cluster.credentials.len() > 1;
             let deadline = crate::sys::clock::recent() + target.first_byte_timeout;
-            fallback::judge_response(response, may_retry, key_pool, deadline, core.bufs).await
+            fallback::judge_response(response, may_retry, key_pool, deadline, core.bufs, watch)
+                .await
         }
     };
     let mut sent = Sent {
@@ -285,6 +291,22 @@ impl<'s> Sent<'s> {
                 core.health
                     .bench_credential(self.target.cluster_id, index, until);
             }
+        }
+    }
+
+    /// The client left while this attempt waited for its answer (the forward's wait, or
+    /// judging's read of a stream's first event): the attempt was cut.
+    pub(crate) fn client_left(&self) -> bool {
+        let left = |e: &GatewayError| e.kind == crate::gateway::error::ErrorKind::ClientLeft;
+        self.response.as_ref().err().is_some_and(left)
+            || self.judgement.broken.as_deref().is_some_and(left)
+    }
+
+    /// End an attempt the client left ([`Self::client_left`]): an upstream connection it still
+    /// holds (judging's read was cut) is shut down at once, not left to close when dropped.
+    pub(crate) fn cut(self) {
+        if let Ok(response) = self.response {
+            response.conn.abort();
         }
     }
 

@@ -84,6 +84,9 @@ pub(crate) enum ErrorKind {
     /// No target of the route has a context window that holds the prompt and the output asked
     /// for.
     ContextLengthExceeded,
+    /// The client left while an attempt waited for its answer: the attempt is cut, nothing is
+    /// written (499, as nginx logs a client that closed its request).
+    ClientLeft,
 }
 
 /// What one [`ErrorKind`] is on the wire.
@@ -130,7 +133,7 @@ const fn spec(
 impl ErrorKind {
     /// Every kind, in declaration order.
     #[cfg(test)]
-    pub(crate) const ALL: [ErrorKind; 27] = {
+    pub(crate) const ALL: [ErrorKind; 28] = {
         use ErrorKind::*;
         [
             MalformedHttp,
@@ -160,6 +163,7 @@ impl ErrorKind {
             ShuttingDown,
             UpstreamUnavailable,
             ContextLengthExceeded,
+            ClientLeft,
         ]
     };
 
@@ -201,6 +205,7 @@ impl ErrorKind {
             ShuttingDown      => spec(503, SERVER,     Some("server_shutting_down"),Gateway,  CLOSE, NOWHERE),
             UpstreamUnavailable => spec(503, SERVER,   Some("upstream_unavailable"),Gateway,  KEEP,  NOWHERE),
             ContextLengthExceeded => spec(400, INVALID, Some("context_length_exceeded"), Client, KEEP, NOWHERE),
+            ClientLeft        => spec(499, INVALID,    Some("client_closed_request"), Client,  CLOSE, NOWHERE),
         };
         row
     }
@@ -389,6 +394,14 @@ impl GatewayError {
     /// 503: this worker can take no more connections.
     pub(crate) fn overloaded(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Overloaded, message).with_retry_after(Some(1))
+    }
+
+    /// The client left while an attempt waited for its answer (see [`ErrorKind::ClientLeft`]).
+    pub(crate) fn client_left() -> Self {
+        Self::new(
+            ErrorKind::ClientLeft,
+            "the client closed the connection before the answer began",
+        )
     }
 
     /// 503: the request bodies this worker holds (and the translations it is building) would
@@ -664,6 +677,7 @@ mod tests {
                 ShuttingDown      => (503, "server_error",          Some("server_shutting_down"),false, true),
                 UpstreamUnavailable => (503, "server_error",        Some("upstream_unavailable"),false, false),
                 ContextLengthExceeded => (400, "invalid_request_error", Some("context_length_exceeded"), false, false),
+                ClientLeft        => (499, "invalid_request_error", Some("client_closed_request"), false, true),
             };
             let actual = (
                 kind.status(),
@@ -681,7 +695,7 @@ mod tests {
             }
         }
         // `ALL` holds every kind once, in declaration order.
-        assert_eq!(ErrorKind::ALL.len(), ContextLengthExceeded as usize + 1);
+        assert_eq!(ErrorKind::ALL.len(), ClientLeft as usize + 1);
         for (i, kind) in ErrorKind::ALL.iter().enumerate() {
             assert_eq!(*kind as usize, i);
         }

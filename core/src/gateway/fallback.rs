@@ -18,10 +18,10 @@ use crate::sys::clock::Mono;
 
 use crate::gateway::context::BufPool;
 use crate::gateway::error::{ErrorKind, GatewayError};
-use crate::gateway::forward::UpstreamResponse;
+use crate::gateway::forward::{read_answer, UpstreamResponse, Watch};
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::BodyFraming;
-use crate::sys::stream::{self, ReadOutcome};
+use crate::sys::stream::ReadOutcome;
 use crate::upstream::health::AttemptResult;
 
 /// Why a request moved on from a backend: the access log's `fallback_reason`.
@@ -121,6 +121,7 @@ pub(crate) async fn judge_response(
     key_pool: bool,
     deadline: Mono,
     bufs: &BufPool,
+    watch: Watch<'_>,
 ) -> Judgement {
     let head = &response.head;
     let status = head.status;
@@ -136,9 +137,15 @@ pub(crate) async fn judge_response(
         None if status == 200 && head.event_stream && may_retry() => {
             // A chunked body is decoded into a pooled buffer to be judged.
             let mut decoded = bufs.take();
-            let first = first_event(response, deadline, &mut decoded).await;
+            let first = first_event(response, deadline, &mut decoded, watch).await;
             bufs.give(decoded);
             return match first {
+                // Nothing learned of the backend, nothing to retry: the request is over.
+                FirstEvent::Failed(_, error) if error.kind == ErrorKind::ClientLeft => Judgement {
+                    retry: None,
+                    health: Some(AttemptResult::Unknown),
+                    broken: Some(Box::new(error)),
+                },
                 FirstEvent::Data { error: false } | FirstEvent::Unknown => Judgement::relay(),
                 FirstEvent::Data { error: true } => Judgement {
                     retry: Some(FallbackReason::FirstEventError),
@@ -248,7 +255,7 @@ async fn spend_limit(
         if body.len() >= wanted {
             return Ok(false);
         }
-        read_more(response, deadline).await?;
+        read_more(response, deadline, None).await?;
     }
 }
 
@@ -268,6 +275,7 @@ async fn first_event(
     response: &mut UpstreamResponse<'_>,
     deadline: Mono,
     decoded: &mut Vec<u8>,
+    watch: Watch<'_>,
 ) -> FirstEvent {
     let chunked = response.head.framing() == BodyFraming::Chunked;
     // A chunked body is judged on its decoded bytes: a chunk boundary may fall inside an event.
@@ -279,7 +287,7 @@ async fn first_event(
         if response.buf.len() - response.head.head_len >= MAX_JUDGED {
             return FirstEvent::Unknown;
         }
-        if let Err(error) = read_more(response, deadline).await {
+        if let Err(error) = read_more(response, deadline, Some(watch)).await {
             let reason = match error.kind {
                 ErrorKind::UpstreamTimeout => FallbackReason::Timeout,
                 _ => FallbackReason::Io,
@@ -294,14 +302,13 @@ async fn first_event(
 async fn read_more(
     response: &mut UpstreamResponse<'_>,
     deadline: Mono,
+    watch: Option<Watch<'_>>,
 ) -> Result<(), GatewayError> {
     use crate::gateway::error::UpstreamFault;
-    let limit = deadline.saturating_duration_since(crate::sys::clock::recent());
-    let conn = &mut response.conn;
-    let outcome = stream::read_spare(&mut response.buf, 4096, 16 * 1024, usize::MAX, limit, |b| {
-        conn.io.read(b)
-    })
-    .await;
+    let read = read_answer(&mut response.buf, deadline, &mut response.conn, watch).await;
+    let Some(outcome) = read else {
+        return Err(GatewayError::client_left());
+    };
     // Read afresh (the read may have finished without a wait, see forward::send).
     response.read_at = Some(crate::sys::clock::now());
     match outcome {

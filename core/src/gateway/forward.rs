@@ -25,8 +25,9 @@ use crate::http::response::{parse_response_head, ResponseHead};
 use crate::http::{is_hop_by_hop, named_by_connection, push_decimal, Name, NameSet};
 use crate::openai::anthropic::upstream::{chat_to_messages, RequestOptions};
 use crate::openai::inspect::{Inspection, StreamOptionsAt};
+use crate::sys::client::ClientSocket;
 use crate::sys::clock::{self, Mono};
-use crate::sys::stream::{self, ReadOutcome};
+use crate::sys::stream::{self, ReadOutcome, Watched};
 use crate::telemetry::metrics::InFlight;
 use crate::upstream::{connect, ConnectError, UpstreamConn};
 
@@ -433,6 +434,7 @@ pub(crate) async fn send<'w>(
     mut request: Vec<u8>,
     tail: &[u8],
     streamed: bool,
+    watch: Option<Watch<'_>>,
 ) -> (Result<UpstreamResponse<'w>, GatewayError>, ForwardTimings) {
     let timeouts = io.timeouts;
     let backend = io.metrics.labels.backend(target.backend.id);
@@ -489,8 +491,10 @@ pub(crate) async fn send<'w>(
         };
         let deadline = clock::recent() + target.first_byte_timeout;
         let in_flight = io.metrics.shard.upstream_in_flight(backend);
-        let (result, returned) =
-            attempt(io, conn, in_flight, request, tail, streamed, deadline).await;
+        let (result, returned) = attempt(
+            io, conn, in_flight, request, tail, streamed, deadline, watch,
+        )
+        .await;
         request = returned;
         match result {
             Ok(response) => {
@@ -514,6 +518,80 @@ pub(crate) async fn send<'w>(
     }
 }
 
+/// How long Sluice waits on the upstream without a word to the client before it watches the
+/// client for leaving — an attempt's wait for its answer ([`Watch`]), a relay's between
+/// outputs: longer than the gap between most streams' events, short for a person, and short
+/// enough that a client that leaves is cut from the upstream within the 100 ms the README
+/// promises, with room for the scheduling around it.
+pub(crate) const WATCH_AFTER: std::time::Duration = std::time::Duration::from_millis(75);
+
+/// The client an attempt is for, watched while the attempt waits for its answer (the head, a
+/// stream's first event): from `at` on — an answer that comes sooner costs no timer beyond
+/// its own wait's — the client leaving cuts the attempt ([`GatewayError::client_left`]).
+#[derive(Clone, Copy)]
+pub(crate) struct Watch<'c> {
+    pub(crate) client: &'c ClientSocket,
+    pub(crate) at: Mono,
+}
+
+impl<'c> Watch<'c> {
+    /// Watch `client` from [`WATCH_AFTER`] on.
+    pub(crate) fn from_now(client: &'c ClientSocket) -> Watch<'c> {
+        Watch {
+            client,
+            at: clock::recent() + WATCH_AFTER,
+        }
+    }
+
+    /// One read of the upstream's answer into `buf` until `deadline`, the client watched; `None`:
+    /// the client left first (the read dropped, and the connection's buffer with it).
+    pub(crate) async fn read(
+        self,
+        buf: &mut Vec<u8>,
+        deadline: Mono,
+        conn: &mut UpstreamConn,
+    ) -> Option<ReadOutcome> {
+        let left = || self.client.left(WATCH_AFTER);
+        let at = self.at;
+        match stream::read_spare_watched(
+            buf,
+            4096,
+            16 * 1024,
+            usize::MAX,
+            deadline,
+            at,
+            |b| conn.io.read(b),
+            left,
+        )
+        .await
+        {
+            Watched::Read(outcome) => Some(outcome),
+            Watched::Then => None,
+        }
+    }
+}
+
+/// One read of an upstream's answer into `buf` until `deadline`, its client watched when there
+/// is one to watch ([`Watch::read`]); `None`: the client left first.
+pub(crate) async fn read_answer(
+    buf: &mut Vec<u8>,
+    deadline: Mono,
+    conn: &mut UpstreamConn,
+    watch: Option<Watch<'_>>,
+) -> Option<ReadOutcome> {
+    match watch {
+        Some(watch) => watch.read(buf, deadline, conn).await,
+        None => {
+            let limit = deadline.saturating_duration_since(clock::recent());
+            Some(
+                stream::read_spare(buf, 4096, 16 * 1024, usize::MAX, limit, |b| conn.io.read(b))
+                    .await,
+            )
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // one exchange's parts, each used once
 async fn attempt<'w>(
     io: Io<'w>,
     mut conn: UpstreamConn,
@@ -522,6 +600,7 @@ async fn attempt<'w>(
     tail: &[u8],
     streamed: bool,
     deadline: Mono,
+    watch: Option<Watch<'_>>,
 ) -> (Result<UpstreamResponse<'w>, AttemptError>, Vec<u8>) {
     let reused = conn.reused;
     let timed_out = || AttemptError {
@@ -577,12 +656,18 @@ async fn attempt<'w>(
             }
         }
         let len = buf.len();
-        let limit = deadline.saturating_duration_since(clock::recent());
-        let error = match stream::read_spare(&mut buf, 4096, 16 * 1024, usize::MAX, limit, |b| {
-            conn.io.read(b)
-        })
-        .await
-        {
+        let Some(outcome) = read_answer(&mut buf, deadline, &mut conn, watch).await else {
+            conn.abort();
+            let error = GatewayError::client_left();
+            return (
+                Err(AttemptError {
+                    error,
+                    stale: false,
+                }),
+                request,
+            );
+        };
+        let error = match outcome {
             ReadOutcome::Data(_) => continue,
             ReadOutcome::TimedOut => {
                 conn.abort();

@@ -45,6 +45,7 @@ fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str 
     match error {
         Some(e) if e.kind == ErrorKind::ShuttingDown => "server_shutdown",
         Some(e) if e.kind == ErrorKind::UpstreamUnavailable => "upstream_unavailable",
+        Some(e) if e.kind == ErrorKind::ClientLeft => "client_abort",
         Some(e) => match e.origin() {
             Origin::Client => "client_error",
             Origin::Upstream => "upstream_error",

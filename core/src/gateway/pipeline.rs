@@ -349,20 +349,10 @@ async fn serve<'s>(
     // scope they would stay in this future, beside the relay's).
     let (relaying, mapped) = loop {
         obs.routed = Some((target.cluster_id, target.backend.id));
-        // A client that leaves while the upstream works on its request (before the answer
-        // begins) cuts the attempt: dropped, its upstream connection closes.
-        let tried = monoio::select! {
-            biased;
-            tried = attempt::send(
-                core, request, inspection, target, candidates, &mut walk, obs, provider,
-            ) => tried,
-            () = relay::client_gone(client, crate::sys::clock::recent()) => {
-                obs.end = Some(RelayEnd::ClientLeft);
-                obs.finished_at = Some(crate::sys::clock::Mono::now());
-                let left = Relayed { keep_alive: false, end: RelayEnd::ClientLeft };
-                return (Ok(left), target.mapped_model);
-            }
-        };
+        let tried = attempt::send(
+            core, client, request, inspection, target, candidates, &mut walk, obs, provider,
+        )
+        .await;
         let sent = match tried {
             Tried::Sent(sent) => sent,
             Tried::PassedOver { reason, last } => match candidates.next_fallback(model, reason) {
@@ -374,6 +364,19 @@ async fn serve<'s>(
             },
             Tried::Refused(e) => return (Err(e), target.mapped_model),
         };
+        // A client that left while the attempt waited for its answer cut it (its upstream
+        // connection closed): nothing is written to it, and it is logged as 499.
+        if sent.client_left() {
+            let mapped = sent.target.mapped_model;
+            sent.cut();
+            obs.end = Some(RelayEnd::ClientLeft);
+            obs.finished_at = Some(crate::sys::clock::Mono::now());
+            let left = Relayed {
+                keep_alive: false,
+                end: RelayEnd::ClientLeft,
+            };
+            return (Ok(left), mapped);
+        }
         if let Some((next, reason)) = walk.retry_target(core, &sent, candidates, model) {
             sent.abandon(core, obs, provider, reason);
             target = next;

@@ -32,7 +32,7 @@ use std::pin::pin;
 
 use crate::gateway::context::Io;
 use crate::gateway::error::{GatewayError, UpstreamFault};
-use crate::gateway::forward::UpstreamResponse;
+use crate::gateway::forward::{UpstreamResponse, WATCH_AFTER};
 use crate::gateway::record::{Observation, RelayEnd};
 use crate::http::chunked::{encode_chunk, ChunkedDecoder, LAST_CHUNK};
 use crate::http::pass::{starts_with_ignore_case, HeaderPass};
@@ -52,35 +52,9 @@ pub(crate) mod translate;
 use strip::UsageStrip;
 use translate::StreamTranslate;
 
-/// How long the relay goes without output to the client before it watches the client for
-/// leaving (see `read_upstream`): longer than the gap between most streams' events, short for
-/// a person, and short enough that a client that leaves is cut from the upstream within the
-/// 100 ms the README promises, with room for the scheduling around it.
-const WATCH_AFTER: std::time::Duration = std::time::Duration::from_millis(75);
-
 /// How often a TLS client whose watch woke on bytes of its session (an alert, say) is checked
 /// for a hang-up, while the relay waits on the upstream: within `WATCH_AFTER`, the promise.
 const TLS_HANGUP_CHECK: std::time::Duration = WATCH_AFTER;
-
-/// Resolves when the client has left — its connection closed or reset — while Sluice waits for
-/// the upstream's answer to begin (its head, a stream's first event); never resolves while the
-/// client is there. Nothing is armed until `WATCH_AFTER` has passed from `from` (an answer
-/// that comes sooner costs one timer), then it waits for the client's socket to turn readable:
-/// a close (noticed at once), or bytes — the next request pipelined, or on TLS an alert ahead
-/// of the FIN — after which it looks for the hang-up every `WATCH_AFTER` instead.
-pub(crate) async fn client_gone(client: &ClientSocket, from: clock::Mono) {
-    clock::sleep_until(from + WATCH_AFTER).await;
-    loop {
-        if client.is_tls() || client.has_bytes() {
-            clock::sleep(WATCH_AFTER).await;
-        } else if client.readable().await.is_err() {
-            return;
-        }
-        if client.peer_gone() {
-            return;
-        }
-    }
-}
 
 /// How the client asked for the response.
 #[derive(Debug, Clone, Copy)]

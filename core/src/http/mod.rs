@@ -33,6 +33,8 @@ pub(crate) fn reason(status: u16) -> &'static str {
         417 => "Expectation Failed",
         429 => "Too Many Requests",
         431 => "Request Header Fields Too Large",
+        // nginx's, for a client that closed its request (never written: the client is gone).
+        499 => "Client Closed Request",
         500 => "Internal Server Error",
         502 => "Bad Gateway",
         503 => "Service Unavailable",

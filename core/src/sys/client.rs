@@ -198,4 +198,21 @@ impl ClientSocket {
     pub(crate) fn has_bytes(&self) -> bool {
         sock::has_bytes(self.fd())
     }
+
+    /// Resolves when the client has left (closed or reset its connection); never while it is
+    /// there. Waits for the socket to turn readable — a close is noticed at once — unless bytes
+    /// already wait (the next request pipelined, or on TLS an alert ahead of the FIN): then it
+    /// looks for the hang-up every `poll_every`.
+    pub(crate) async fn left(&self, poll_every: Duration) {
+        loop {
+            if self.is_tls() || self.has_bytes() {
+                crate::sys::clock::sleep(poll_every).await;
+            } else if self.readable().await.is_err() {
+                return;
+            }
+            if self.peer_gone() {
+                return;
+            }
+        }
+    }
 }

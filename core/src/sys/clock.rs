@@ -106,6 +106,14 @@ pub(crate) fn timeout<F: Future>(limit: Duration, future: F) -> Timeout<F> {
     }
 }
 
+/// `future`, cut off at `deadline` (see [`timeout`]).
+pub(crate) fn timeout_until<F: Future>(deadline: Mono, future: F) -> Timeout<F> {
+    Timeout {
+        inner: future,
+        expiry: sleep_until(deadline),
+    }
+}
+
 /// Resolves `limit` after [`recent`]; see [`Sleep`].
 pub(crate) fn sleep(limit: Duration) -> Sleep {
     sleep_until(deadline(limit))
@@ -116,6 +124,17 @@ pub(crate) fn sleep_until(deadline: Mono) -> Sleep {
     Sleep {
         deadline,
         timer: Timer::Unset,
+    }
+}
+
+/// Resolves at `deadline`, within the sweeper's precision ([`SWEEP_GAP`](super::deadlines::
+/// SWEEP_GAP) late at most) however near it is: a slot in the worker's list of deadlines, not
+/// a runtime timer. For a short wait a task takes once and that nearly never comes due (the
+/// client's watch while an attempt waits for its answer); see [`deadlines`](super::deadlines).
+pub(crate) fn sleep_until_swept(deadline: Mono) -> Sleep {
+    Sleep {
+        deadline,
+        timer: Timer::UnsetShort,
     }
 }
 
@@ -160,6 +179,8 @@ impl Sleep {
 enum Timer {
     /// Nothing yet: not polled.
     Unset,
+    /// Nothing yet, and swept however short ([`sleep_until_swept`]).
+    UnsetShort,
     /// A slot in this worker's list of deadlines.
     Swept(Wait),
     /// The runtime's own timer: a short wait, or no sweeper runs on this thread (or it
@@ -180,12 +201,16 @@ impl Future for Sleep {
                     Standing::Orphaned => self.timer = Timer::Unset,
                 },
                 Timer::Runtime(timer) => return Pin::new(timer).poll(cx),
-                Timer::Unset => {
+                Timer::Unset | Timer::UnsetShort => {
                     let now = recent();
                     if deadline <= now {
                         return Poll::Ready(());
                     }
-                    self.timer = match deadlines::register(deadline, now, cx.waker()) {
+                    let registered = match self.timer {
+                        Timer::UnsetShort => deadlines::register_short(deadline, now, cx.waker()),
+                        _ => deadlines::register(deadline, now, cx.waker()),
+                    };
+                    self.timer = match registered {
                         Some(wait) => Timer::Swept(wait),
                         None => {
                             let at = monoio::time::Instant::from_std(deadline.to_instant());

@@ -24,11 +24,15 @@
 //! Their sweeps are rare: the waits of one kind share a limit, so a new deadline lies after
 //! those of its kind before it and lowers `due` only when a shorter kind arrives, and a sweep
 //! that finds nothing due comes about once per the shortest limit in use, plus one per real
-//! timeout. Shorter waits, which mostly do run out (a relay's 100 ms watch of the client comes
+//! timeout. Shorter waits, which mostly do run out (a relay's 75 ms watch of the client comes
 //! due on every quiet stream, ten thousand streams' watches fifty thousand times a second),
 //! keep runtime timers: swept, they would have the sweeper look at every slot every
-//! millisecond. And sweeps are at least [`SWEEP_GAP`] apart, so even a flood of timeouts (ten
-//! thousand slow clients' head waits) costs a bounded share of the core.
+//! millisecond — but for a short wait a request takes once and that nearly never comes due,
+//! which asks for a slot ([`register_short`], `clock::sleep_until_swept`): the client's watch
+//! while an attempt waits for its answer (75 ms; the answer nearly always comes first, and one
+//! that does not has the watch come due once). And sweeps are at least [`SWEEP_GAP`] apart, so
+//! even a flood of timeouts (ten thousand slow clients' head waits) costs a bounded share of
+//! the core.
 //!
 //! Precision: a swept wait ends within [`SWEEP_GAP`] after its deadline (the runtime timer's
 //! millisecond beside), never before. Threads with no sweeper (tests, the control thread)
@@ -123,10 +127,28 @@ pub(crate) enum Standing {
 /// task `waker` wakes; `None` on a thread with no sweeper, or for a wait shorter than
 /// [`SWEPT_FROM`].
 pub(crate) fn register(deadline: Mono, now: Mono, waker: &Waker) -> Option<Wait> {
+    register_from(deadline, now, waker, None)
+}
+
+/// [`register`] a wait of any length (a sweeper still has to run on this thread): for a short
+/// wait that nearly never comes due once per task, where a runtime timer would cost more than
+/// a slot (the client's watch while an attempt waits for its answer).
+pub(crate) fn register_short(deadline: Mono, now: Mono, waker: &Waker) -> Option<Wait> {
+    register_from(deadline, now, waker, Some(Duration::ZERO))
+}
+
+/// [`register`], with `swept_from` in place of the thread's.
+fn register_from(
+    deadline: Mono,
+    now: Mono,
+    waker: &Waker,
+    swept_from: Option<Duration>,
+) -> Option<Wait> {
     let (slot, sweeper) = DEADLINES
         .try_with(|d| {
             let mut d = d.try_borrow_mut().ok()?;
-            if !d.sweeping || deadline.saturating_duration_since(now) < d.swept_from {
+            let swept_from = swept_from.unwrap_or(d.swept_from);
+            if !d.sweeping || deadline.saturating_duration_since(now) < swept_from {
                 return None;
             }
             let entry = Slot {
@@ -453,6 +475,14 @@ mod tests {
             let mut long = Box::pin(clock::sleep(Duration::from_secs(5)));
             assert_eq!(poll_once(&mut long).await, Poll::Pending);
             assert_eq!(registered().0, 1, "swept");
+            // A short wait asked for as swept is swept, and still ends at its deadline.
+            let started = Instant::now();
+            let deadline = clock::recent() + Duration::from_millis(20);
+            let mut asked = Box::pin(clock::sleep_until_swept(deadline));
+            assert_eq!(poll_once(&mut asked).await, Poll::Pending);
+            assert_eq!(registered().0, 2, "swept however short");
+            asked.await;
+            assert!(started.elapsed() >= Duration::from_millis(15));
             short.await;
         });
     }

@@ -68,6 +68,75 @@ where
     }
 }
 
+/// What [`read_spare_watched`] ended with.
+pub(crate) enum Watched {
+    /// The read's outcome (its data, a close, a failure, or `deadline` passing).
+    Read(ReadOutcome),
+    /// The watch started at the checkpoint finished first; the read was dropped, and its buffer
+    /// with it.
+    Then,
+}
+
+/// [`read_spare`] until `deadline`, with a checkpoint: until `checkpoint` the read is all it
+/// waits on, with one timer at the checkpoint that is a slot in the worker's list of deadlines
+/// ([`clock::sleep_until_swept`]) — the only timer it takes when the data comes first; from
+/// the checkpoint on it races `then()` (made there: a watch of the client) and the deadline.
+/// The read is the same one throughout: its buffer is not lost at the checkpoint.
+#[allow(clippy::too_many_arguments)] // read_spare's, a deadline and the watch
+pub(crate) async fn read_spare_watched<R, F, T, TF>(
+    buf: &mut Vec<u8>,
+    min_spare: usize,
+    grow: usize,
+    max_read: usize,
+    deadline: clock::Mono,
+    checkpoint: clock::Mono,
+    read: R,
+    then: T,
+) -> Watched
+where
+    R: FnOnce(SliceMut<Vec<u8>>) -> F,
+    F: Future<Output = BufResult<usize, SliceMut<Vec<u8>>>>,
+    T: FnOnce() -> TF,
+    TF: Future<Output = ()>,
+{
+    if buf.capacity() - buf.len() < min_spare {
+        buf.reserve(grow);
+    }
+    let owned = std::mem::take(buf);
+    let len = owned.len();
+    let end = owned.capacity().min(len.saturating_add(max_read));
+    let mut op = std::pin::pin!(read(owned.slice_mut(len..end)));
+    let mut early = None;
+    if checkpoint < deadline {
+        let mut until = clock::sleep_until_swept(checkpoint);
+        early = std::future::poll_fn(|cx| match op.as_mut().poll(cx) {
+            std::task::Poll::Ready(done) => std::task::Poll::Ready(Some(done)),
+            std::task::Poll::Pending => std::pin::Pin::new(&mut until).poll(cx).map(|()| None),
+        })
+        .await;
+    }
+    let done = match early {
+        Some(done) => Some(done),
+        None => {
+            let watch = then();
+            monoio::select! {
+                biased;
+                done = clock::timeout_until(deadline, &mut op) => done.ok(),
+                () = watch => return Watched::Then,
+            }
+        }
+    };
+    let Some((res, slice)) = done else {
+        return Watched::Read(ReadOutcome::TimedOut);
+    };
+    *buf = slice.into_inner();
+    Watched::Read(match res {
+        Ok(0) => ReadOutcome::Closed,
+        Ok(n) => ReadOutcome::Data(n),
+        Err(e) => ReadOutcome::Failed(e),
+    })
+}
+
 /// Write all of `buf` to `stream` within `limit`. With `direct`, first straight to the socket
 /// ([`sock::send_now`]): when the kernel takes it all, as it does a small write, that is the
 /// whole write — no trip around the event loop, and no timer armed. Whatever it does not take
