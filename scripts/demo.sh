@@ -48,8 +48,8 @@ upstream=$(listening_addr "$tmp/mock.log" "mock-llm listening on" "${pids[-1]}")
 
 # A key for this run only: the config keeps its SHA-256, curl sends the key.
 key_out=$("$bin/sluice" key new)
-key=$(sed -n 's/^key: *//p' <<<"$key_out")
-key_sha=$(sed -n 's/^sha256: *//p' <<<"$key_out")
+key=$(sed -n 's/^# key[^:]*: *//p' <<<"$key_out")
+key_sha=$(sed -n 's/^sha256 = "\(.*\)"$/\1/p' <<<"$key_out")
 
 # The shipped config with free ports and the mock's address, plus the key (tier "pro").
 sed -e 's|^listen = "127.0.0.1:8080"|listen = "127.0.0.1:0"|' \

@@ -51,6 +51,7 @@ mod openai {
     pub(crate) mod tokens;
 }
 
+mod cli;
 mod config;
 mod limits;
 mod upstream;
@@ -101,6 +102,7 @@ mod runtime {
 // compiler reports what nothing uses.
 
 /// API keys are stored as SHA-256 digests (`sluice hash-key`).
+pub use cli::{describe_reload, post_reload, reload_target, ReloadTarget, ENV_PLACEHOLDER};
 pub use config::limits::{digest, hex};
 /// Configuration: parse and validate a config file into the snapshot a gateway runs on.
 pub use config::{load, load_with_warnings, ConfigError, Loaded, Snapshot};

@@ -1,83 +1,189 @@
-//! The `sluice` command: run the gateway, or check a config file.
+//! The `sluice` command: run the gateway, check a config, reload a running gateway, read its
+//! access log, make keys; `sluice --help` (or `sluice help COMMAND`) says how.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+use clap::{Args, CommandFactory, Parser, Subcommand};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-const USAGE: &str = "\
-usage:
-  sluice --config FILE          run the gateway (SIGHUP reloads FILE; SIGTERM drains, stops)
-  sluice --config FILE --takeover PATH
-                                upgrade in place: take the listening sockets over from the
-                                process serving at PATH (its server.takeover_socket), which
-                                then drains
-  sluice check --config FILE    validate a config file and exit (non-zero on errors)
-  sluice logs FILE... [--follow] print access-log files as JSON lines (--follow: keep
-                                reading the last file as it grows, across rotation)
-  sluice key hash [KEY]          print a key's SHA-256 for `[[keys]] sha256` (reads the key
-                                from stdin when not given, keeping it out of shell history)
-  sluice key new                print a new random key and its SHA-256
-  sluice --version";
+/// The `sluice` command line, defined once: parsing, each command's `--help`, the shell
+/// completions (`sluice completions SHELL`) and the man page (`sluice man`) all come from it.
+#[derive(Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "An LLM API gateway: OpenAI- and Anthropic-compatible, thread-per-core, io_uring",
+    long_about = "An LLM API gateway: OpenAI- and Anthropic-compatible, thread-per-core, \
+                  io_uring.\n\nWith no command, `sluice --config FILE` runs the gateway (as \
+                  `sluice run --config FILE`).",
+    after_help = EXIT_STATUS,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+const EXIT_STATUS: &str = "Exit status: 0 success; 1 failure (config errors, an unreadable file, \
+a rejected reload, the gateway stopping on an error); 2 a usage error (what was wrong is said).";
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway (the default: `sluice --config FILE` is the same)
+    #[command(after_help = EXIT_STATUS)]
+    Run(RunArgs),
+    /// Validate a config file: every error, with its key path and position; 0 when it is valid
+    #[command(after_help = EXIT_STATUS)]
+    Check(CheckArgs),
+    /// Reload the running gateway's config through its admin listener, and wait for the outcome
+    ///
+    /// Reads `admin.listen` and `admin.token_env` from FILE (the file the gateway runs on), sends
+    /// `POST /admin/reload` with the token, and prints the outcome: exit 0 when applied, 1 when
+    /// rejected (with every error) or when the gateway cannot be reached.
+    #[command(after_help = EXIT_STATUS)]
+    Reload(ReloadArgs),
+    /// Print access-log files as JSON lines
+    #[command(after_help = EXIT_STATUS)]
+    Logs(LogsArgs),
+    /// Make or hash an API key
+    #[command(subcommand)]
+    Key(KeyCommand),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
+    Completions {
+        /// The shell
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff): `sluice man > sluice.1; man ./sluice.1`
+    Man,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The config file (TOML); SIGHUP and `sluice reload` read it again
+    #[arg(short, long, value_name = "FILE", required = true)]
+    config: Option<PathBuf>,
+    /// Upgrade in place: take the listening sockets over from the process serving at PATH (its
+    /// `server.takeover_socket`), which then drains
+    #[arg(long, value_name = "PATH")]
+    takeover: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    /// The config file (TOML)
+    #[arg(short, long, value_name = "FILE")]
+    config: PathBuf,
+    /// Check everything but the environment: variables the config names need not be set (for CI,
+    /// without the production secrets); the variables it would read are listed
+    #[arg(long)]
+    no_env: bool,
+}
+
+#[derive(Args)]
+struct ReloadArgs {
+    /// The config file the gateway runs on (its `[admin]` says where to send the reload)
+    #[arg(short, long, value_name = "FILE")]
+    config: PathBuf,
+    /// How long to wait for the outcome, in seconds
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    timeout: u64,
+}
+
+#[derive(Args)]
+struct LogsArgs {
+    /// Access-log files (`access-w*.pb`), in order
+    #[arg(required = true, value_name = "FILE")]
+    files: Vec<PathBuf>,
+    /// Keep reading the last file as it grows, across rotation
+    #[arg(short, long)]
+    follow: bool,
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Print a key's SHA-256 for `[[keys]] sha256` (the key from stdin when not given, keeping it
+    /// out of shell history)
+    Hash {
+        /// The key
+        key: Option<String>,
+    },
+    /// Print a new random key and a `[[keys]]` block for it, ready to paste into the config
+    New {
+        /// The key's `id` in the block
+        #[arg(long, default_value = "my-key")]
+        id: String,
+    },
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (check, rest) = match args.first().map(String::as_str) {
-        Some("check") => (true, &args[1..]),
-        Some("logs") => return logs(&args[1..]),
-        Some("key") => return key(&args[1..]),
-        Some("--version" | "-V") => {
-            println!("sluice {}", env!("CARGO_PKG_VERSION"));
-            return ExitCode::SUCCESS;
+    let cli = Cli::parse();
+    match cli.command {
+        None => run(cli.run),
+        Some(Command::Run(args)) => run(args),
+        Some(Command::Check(args)) => check(&args),
+        Some(Command::Reload(args)) => reload(&args),
+        Some(Command::Logs(args)) => logs(&args),
+        Some(Command::Key(command)) => key(command),
+        Some(Command::Completions { shell }) => {
+            let mut cmd = Cli::command();
+            clap_complete::generate(shell, &mut cmd, "sluice", &mut std::io::stdout());
+            ExitCode::SUCCESS
         }
-        Some("--help" | "-h") => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
+        Some(Command::Man) => {
+            let page = clap_mangen::Man::new(Cli::command());
+            match page.render(&mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("sluice man: {e}");
+                    ExitCode::FAILURE
+                }
+            }
         }
-        _ => (false, &args[..]),
-    };
-    let is_config = |f: &String| f == "--config" || f == "-c";
-    let (path, takeover) = match rest {
-        [flag, path] if is_config(flag) => (path, None),
-        // Only for running: take the listening sockets over from the process serving there.
-        [flag, path, t, socket] | [t, socket, flag, path]
-            if !check && is_config(flag) && t == "--takeover" =>
-        {
-            (path, Some(std::path::PathBuf::from(socket)))
-        }
-        _ => {
-            eprintln!("{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
+    }
+}
+
+/// Read and validate `path`, saying every warning and error; `lookup` reads the environment.
+fn load(path: &Path, lookup: &dyn Fn(&str) -> Option<String>) -> Option<sluice::Snapshot> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("error: cannot read {path}: {e}");
-            return ExitCode::FAILURE;
+            eprintln!("error: cannot read {}: {e}", path.display());
+            return None;
         }
     };
-    let loaded = sluice::load_with_warnings(&text, &|k| std::env::var(k).ok());
+    let loaded = sluice::load_with_warnings(&text, lookup);
     // Warnings do not stop a check or a start, but are always said.
     for w in &loaded.warnings {
         eprintln!("warning: {w}");
     }
-    let snapshot = match loaded.snapshot {
-        Ok(s) => s,
+    match loaded.snapshot {
+        Ok(s) => Some(s),
         Err(errors) => {
             for e in &errors {
                 eprintln!("error: {e}");
             }
-            eprintln!("{path}: {} error(s)", errors.len());
-            return ExitCode::FAILURE;
+            eprintln!("{}: {} error(s)", path.display(), errors.len());
+            None
         }
-    };
-    if check {
-        println!("config ok");
-        return ExitCode::SUCCESS;
     }
+}
+
+fn run(args: RunArgs) -> ExitCode {
+    // `required = true` (with no command) makes clap refuse a missing --config.
+    let Some(path) = args.config else {
+        return ExitCode::from(2);
+    };
+    let Some(snapshot) = load(&path, &|k| std::env::var(k).ok()) else {
+        return ExitCode::FAILURE;
+    };
     // Reloads (SIGHUP, POST /admin/reload) read this same file again.
-    match sluice::run(snapshot, std::path::PathBuf::from(path), takeover) {
+    match sluice::run(snapshot, path, args.takeover) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sluice: {e}");
@@ -86,15 +192,52 @@ fn main() -> ExitCode {
     }
 }
 
-/// `sluice key hash [KEY]` / `sluice key new`.
-fn key(args: &[String]) -> ExitCode {
+/// `sluice check`: with `--no-env`, every variable the config names reads as a placeholder
+/// (a value of the form each use needs is not checked), and the names are listed.
+fn check(args: &CheckArgs) -> ExitCode {
+    let read = std::cell::RefCell::new(std::collections::BTreeSet::new());
+    let placeholder = |name: &str| {
+        read.borrow_mut().insert(name.to_owned());
+        Some(sluice::ENV_PLACEHOLDER.to_owned())
+    };
+    let real = |name: &str| std::env::var(name).ok();
+    let lookup: &dyn Fn(&str) -> Option<String> = if args.no_env { &placeholder } else { &real };
+    let valid = load(&args.config, lookup).is_some();
+    if args.no_env {
+        let names: Vec<String> = read.borrow().iter().cloned().collect();
+        if names.is_empty() {
+            println!("reads no environment variables");
+        } else {
+            println!(
+                "would read these environment variables: {}",
+                names.join(", ")
+            );
+        }
+    }
+    if valid {
+        println!(
+            "config ok{}",
+            if args.no_env {
+                " (environment not checked)"
+            } else {
+                ""
+            }
+        );
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// `sluice key hash [KEY]` / `sluice key new [--id ID]`.
+fn key(command: KeyCommand) -> ExitCode {
     use sluice::{digest, hex};
-    match args {
-        [cmd, key] if cmd == "hash" => {
+    match command {
+        KeyCommand::Hash { key: Some(key) } => {
             println!("{}", hex(&digest(key.as_bytes())));
             ExitCode::SUCCESS
         }
-        [cmd] if cmd == "hash" => {
+        KeyCommand::Hash { key: None } => {
             let mut line = String::new();
             if let Err(e) = std::io::stdin().read_line(&mut line) {
                 eprintln!("sluice key hash: reading stdin: {e}");
@@ -102,13 +245,13 @@ fn key(args: &[String]) -> ExitCode {
             }
             let key = line.trim_end_matches(['\r', '\n']);
             if key.is_empty() {
-                eprintln!("sluice key hash: no key on stdin");
+                eprintln!("sluice key hash: no key on stdin (give it, or pipe it in)");
                 return ExitCode::from(2);
             }
             println!("{}", hex(&digest(key.as_bytes())));
             ExitCode::SUCCESS
         }
-        [cmd] if cmd == "new" => {
+        KeyCommand::New { id } => {
             use ring::rand::SecureRandom as _;
             let mut bytes = [0u8; 20];
             if ring::rand::SystemRandom::new().fill(&mut bytes).is_err() {
@@ -119,44 +262,78 @@ fn key(args: &[String]) -> ExitCode {
             for b in bytes {
                 key.push_str(&format!("{b:02x}"));
             }
-            println!("key:    {key}");
-            println!("sha256: {}", hex(&digest(key.as_bytes())));
+            // The key goes to the client and is shown once; the block (its hash only) goes in
+            // the config.
+            println!("# key (give it to the client; it is not stored anywhere): {key}");
+            println!("[[keys]]");
+            println!("id = {}", toml_string(&id));
+            println!("sha256 = \"{}\"", hex(&digest(key.as_bytes())));
             ExitCode::SUCCESS
         }
-        _ => {
-            eprintln!("{USAGE}");
-            ExitCode::from(2)
+    }
+}
+
+/// `s` as a TOML basic string.
+fn toml_string(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() => out.push_str(&format!("\\u{:04X}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// `sluice reload --config FILE`: `POST /admin/reload` to the admin listener FILE names, with the
+/// token from the variable FILE's `admin.token_env` names; the outcome printed, 0 when applied.
+fn reload(args: &ReloadArgs) -> ExitCode {
+    let target = match std::fs::read_to_string(&args.config)
+        .map_err(|e| format!("cannot read {}: {e}", args.config.display()))
+        .and_then(|text| sluice::reload_target(&text))
+    {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("sluice reload: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let Ok(token) = std::env::var(&target.token_env) else {
+        eprintln!(
+            "sluice reload: {} (admin.token_env) is not set: the admin listener needs its token",
+            target.token_env
+        );
+        return ExitCode::FAILURE;
+    };
+    let timeout = std::time::Duration::from_secs(args.timeout.max(1));
+    match sluice::post_reload(target.addr, &token, timeout) {
+        Ok((status, body)) => {
+            let outcome = sluice::describe_reload(status, &body);
+            if status == 200 {
+                println!("{outcome}");
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("{outcome}");
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("sluice reload: {}: {e}", target.addr);
+            ExitCode::FAILURE
         }
     }
 }
 
 /// `sluice logs FILE... [--follow]`: decode access-log files to JSON lines on stdout.
-fn logs(args: &[String]) -> ExitCode {
+fn logs(args: &LogsArgs) -> ExitCode {
     use std::io::Write as _;
-    let mut follow = false;
-    let mut files = Vec::new();
-    for arg in args {
-        match arg.as_str() {
-            "--follow" | "-f" => follow = true,
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                return ExitCode::SUCCESS;
-            }
-            flag if flag.starts_with('-') => {
-                eprintln!("sluice logs: unknown option {flag}\n{USAGE}");
-                return ExitCode::from(2);
-            }
-            file => files.push(std::path::PathBuf::from(file)),
-        }
-    }
-    if files.is_empty() {
-        eprintln!("sluice logs: no FILE given\n{USAGE}");
-        return ExitCode::from(2);
-    }
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(64 << 10, stdout.lock());
     let mut warn = |e: &sluice::accesslog::LogError| eprintln!("sluice logs: warning: {e}");
-    let result = sluice::accesslog::dump(&files, follow, &mut out, &mut warn);
+    let result = sluice::accesslog::dump(&args.files, args.follow, &mut out, &mut warn);
     let flushed = out.flush();
     match (result, flushed) {
         (Err(sluice::accesslog::LogError::Write(e)), _) | (Ok(_), Err(e))

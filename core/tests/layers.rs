@@ -41,6 +41,8 @@ const RULES: &[(&str, &[&str])] = &[
     ),
     // The fuzz targets' bodies: the parsers of untrusted input, below the gateway.
     ("fuzzing", &["config", "http", "openai", "sys"]),
+    // What the `sluice` command needs beyond loading and running: nothing of a worker's.
+    ("cli", &[]),
 ];
 
 /// Which layer a file under `core/src` belongs to: its first path component (`lib.rs` and

@@ -79,8 +79,9 @@ fn production_config_passes_check_with_the_environment_it_documents() {
 fn systemd_unit_verifies() {
     let unit = conf("sluice.service");
     for line in [
+        "ExecStartPre=/usr/local/bin/sluice check --config /etc/sluice/sluice.toml",
         "ExecStart=/usr/local/bin/sluice --config /etc/sluice/sluice.toml",
-        "ExecReload=/bin/kill -HUP $MAINPID",
+        "ExecReload=/usr/local/bin/sluice reload --config /etc/sluice/sluice.toml",
         "KillSignal=SIGTERM",
         "Restart=on-failure",
         "User=sluice",

@@ -13,6 +13,7 @@ mod anthropic;
 mod anthropic_endpoint;
 mod auth;
 mod bench_kit;
+mod cli;
 mod deploy;
 mod dialects;
 mod fallback;
