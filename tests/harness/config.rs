@@ -269,6 +269,17 @@ impl Config {
         self
     }
 
+    /// Exactly `text` (a shipped config, edited by the test), nothing of [`Config::new`]'s.
+    pub fn from_text(text: &str) -> Config {
+        Config {
+            sections: BTreeMap::new(),
+            clusters: Vec::new(),
+            routes: Vec::new(),
+            env: Vec::new(),
+            raw: text.to_string(),
+        }
+    }
+
     /// An environment variable for the spawned sluice.
     pub fn env(mut self, key: &str, value: &str) -> Config {
         self.env.push((key.to_string(), value.to_string()));

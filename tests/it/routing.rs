@@ -606,6 +606,44 @@ fn the_example_key_is_valid_once_filled_in_and_refused_with_its_placeholder() {
     let (code, all) = check(format!("{head}{filled}{tail}"));
     assert_eq!(code, Some(0), "{all}\n{filled}");
     assert!(all.contains("config ok"), "{all}");
+    assert!(!all.contains("warning"), "{all}");
+
+    // Filled in, the example key serves the README's requests (gpt-4o-mini, whole and
+    // streamed) through the shipped config, on free ports, with a mock-llm upstream.
+    let mock = Mock::start(&[]);
+    let shipped = format!("{head}{filled}{tail}")
+        .replace("listen = \"127.0.0.1:8080\"", "listen = \"127.0.0.1:0\"")
+        .replace("listen = \"127.0.0.1:9090\"", "listen = \"127.0.0.1:0\"")
+        .replace("http://127.0.0.1:9000/v1", &mock.base_url());
+    let gw = Sluice::start(&Config::from_text(&shipped));
+    for stream in [false, true] {
+        let body = json!({"model": "gpt-4o-mini", "stream": stream,
+            "messages": [{"role": "user", "content": "hi"}]});
+        let r = gw.request(
+            &Req::post("/v1/chat/completions", &body.to_string())
+                .header("authorization", "Bearer sk-example"),
+        );
+        assert_eq!(r.status, 200, "stream {stream}: {}", r.dump());
+    }
+
+    // `check` warns of a key already expired and of a placeholder digest (all zeros).
+    let expired = filled.replace(
+        "# expires = 2030-01-01T00:00:00Z",
+        "expires = 2020-01-01T00:00:00Z #",
+    );
+    let (code, all) = check(format!("{head}{expired}{tail}"));
+    assert_eq!(code, Some(0), "{all}");
+    assert!(
+        all.contains("keys[0].expires") && all.contains("expired on 2020-01-01"),
+        "{all}"
+    );
+    let zeros = uncommented.replace("<the sha256 line of `sluice key new`>", &"0".repeat(64));
+    let (code, all) = check(format!("{head}{zeros}{tail}"));
+    assert_eq!(code, Some(0), "{all}");
+    assert!(
+        all.contains("keys[0].sha256") && all.contains("placeholder digest"),
+        "{all}"
+    );
 }
 
 #[test]

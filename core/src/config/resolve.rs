@@ -77,6 +77,7 @@ pub(super) fn validate(
     let keys_read =
         limits_read && keys.iter().all(Option::is_some) && policies.iter().all(Option::is_some);
     let limits = resolve_limits(keys, policies, &limits, limits_read, workers, env, &mut err);
+    key_warnings(&limits.keys, crate::sys::time::unix_secs(), warnings);
     let mut routes = resolve_routes(
         &routes,
         &clusters.by_name,
@@ -502,6 +503,37 @@ pub(super) fn resolve_limits(
             limits::resolve(&keys, &policies, raw, workers, env, err)
         }
         _ => limits::LimitsConfig::default(),
+    }
+}
+
+/// Keys that load but cannot be what was meant: one already expired (every request with it gets
+/// 401), or one whose digest is a placeholder (a single repeated hex digit, like all zeros: the
+/// SHA-256 of no key anyone holds).
+fn key_warnings(keys: &[limits::ApiKey], now_unix: u64, warnings: &mut Vec<ConfigError>) {
+    for (i, key) in keys.iter().enumerate() {
+        if let Some(expires) = key.expires.filter(|&e| e <= now_unix) {
+            let days = (expires / 86_400) as i64;
+            let (y, m) = limits::civil_year_month(days);
+            let d = days - limits::days_from_civil(y, m, 1) + 1;
+            warnings.push(ConfigError::new(
+                format!("keys[{i}].expires"),
+                format!(
+                    "key `{}` expired on {y:04}-{m:02}-{d:02}: every request with it gets 401",
+                    key.id
+                ),
+            ));
+        }
+        let first = key.digest[0];
+        if key.digest.iter().all(|&b| b == first) && (first >> 4) == (first & 0x0f) {
+            warnings.push(ConfigError::new(
+                format!("keys[{i}].sha256"),
+                format!(
+                    "key `{}` has a placeholder digest (one hex digit repeated): no key hashes to \
+                     it; put the sha256 of `sluice key new` here",
+                    key.id
+                ),
+            ));
+        }
     }
 }
 
