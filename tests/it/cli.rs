@@ -241,3 +241,34 @@ fn reload_applies_through_the_admin_listener_and_fails_loudly_when_rejected() {
         text(&out).1
     );
 }
+
+/// The first day II, item 8: with the connection cap left out (as the shipped config leaves
+/// it), a start fits the process's open-file limit and says nothing of it; a cap set above what
+/// the limit holds is warned of once, with the line that fixes it.
+#[test]
+fn the_connection_cap_fits_the_open_file_limit_unless_set_past_it() {
+    let mock = Mock::start(&[]);
+    let gw = Sluice::start(&Config::one_cluster(&mock).workers(2));
+    assert_eq!(gw.chat(&chat_body("gpt-4o")).status, 200);
+    let stderr = gw.stderr_text();
+    assert!(!stderr.contains("open-file limit"), "{stderr}");
+    drop(gw);
+
+    let past = Config::one_cluster(&mock).workers(2).set(
+        "server",
+        "max_connections_per_worker",
+        "1000000",
+    );
+    let gw = Sluice::start(&past);
+    let stderr = gw.stderr_text();
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("open-file limit"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    assert!(
+        warnings[0].contains("Fix: LimitNOFILE=")
+            && warnings[0].contains("server.max_connections_per_worker = "),
+        "{stderr}"
+    );
+}

@@ -114,7 +114,8 @@ pub(super) struct RawServer {
     pub(super) listen: String,
     pub(super) workers: usize,
     pub(super) pin_workers: bool,
-    pub(super) max_connections_per_worker: usize,
+    /// `None`: what the open-file limit holds ([`super::resolve::default_connections`]).
+    pub(super) max_connections_per_worker: Option<usize>,
     /// `None`: `max_connections_per_worker` (an HTTP/1.1 connection carries one request at a
     /// time, so that many can be in flight anyway).
     pub(super) max_requests_per_worker: Option<usize>,
@@ -132,7 +133,7 @@ impl Default for RawServer {
             listen: "127.0.0.1:8080".into(),
             workers: 0,
             pin_workers: true,
-            max_connections_per_worker: 16384,
+            max_connections_per_worker: None,
             max_requests_per_worker: None,
             max_body_memory_per_worker: 256 * 1024 * 1024,
             shutdown_grace_ms: 30_000,

@@ -64,11 +64,10 @@ pub(super) fn validate(
         }
     }
     let timeouts = resolve_timeouts(&timeouts, &mut err);
-    let client_connections = server
-        .as_ref()
-        .map_or(RawServer::default().max_connections_per_worker, |s| {
-            s.max_connections_per_worker
-        });
+    let client_connections = server.as_ref().map_or_else(
+        || default_connections(workers),
+        |s| s.max_connections_per_worker,
+    );
     let upstream = resolve_upstream(&upstream, client_connections, &mut err);
     let clusters = resolve_clusters(&clusters, env, &mut err, warnings);
     // Keys before routes: a route may be a key's or an entity's own.
@@ -188,6 +187,18 @@ pub(super) fn worker_count(raw: &RawServer) -> usize {
 /// stop (a second SIGTERM ends it at once anyway).
 pub(super) const MAX_SHUTDOWN_GRACE_MS: u64 = 3_600_000;
 
+/// `server.max_connections_per_worker` when the file sets none: as many as this process's
+/// open-file limit holds for `workers` workers — each proxied connection holds a client and an
+/// upstream socket, and 256 descriptors stay for listeners, Redis and log files — at most 16,384
+/// and at least 64. (`sluice check` sizes it with its own limit, which may not be the service's.)
+pub(super) fn default_connections(workers: usize) -> usize {
+    const MOST: u64 = 16_384;
+    let fits = crate::sys::sock::open_files_limit().map_or(MOST, |limit| {
+        limit.saturating_sub(256) / (2 * workers.max(1) as u64)
+    });
+    fits.clamp(64, MOST) as usize
+}
+
 /// `[server]`; `None` when `listen` is not an address.
 pub(super) fn resolve_server(
     raw: &RawServer,
@@ -207,13 +218,16 @@ pub(super) fn resolve_server(
     if raw.workers > 1024 {
         err("server.workers".into(), "must be at most 1024".into());
     }
+    let max_connections_per_worker = raw
+        .max_connections_per_worker
+        .unwrap_or_else(|| default_connections(workers));
     let max_requests_per_worker = raw
         .max_requests_per_worker
-        .unwrap_or(raw.max_connections_per_worker);
+        .unwrap_or(max_connections_per_worker);
     for (key, v) in [
         (
             "server.max_connections_per_worker",
-            raw.max_connections_per_worker,
+            max_connections_per_worker,
         ),
         ("server.max_requests_per_worker", max_requests_per_worker),
     ] {
@@ -239,7 +253,7 @@ pub(super) fn resolve_server(
         listen: listen?,
         workers,
         pin_workers: raw.pin_workers,
-        max_connections_per_worker: raw.max_connections_per_worker,
+        max_connections_per_worker,
         max_requests_per_worker,
         max_body_memory_per_worker: raw.max_body_memory_per_worker,
         shutdown_grace: Duration::from_millis(raw.shutdown_grace_ms),

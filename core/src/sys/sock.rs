@@ -288,6 +288,20 @@ pub(crate) fn reuseport_listener(
     Ok(socket.into())
 }
 
+/// The descriptors this process may hold: `RLIMIT_NOFILE`'s hard limit (the gateway raises its
+/// soft limit to it at start); `None` when it cannot be read, or is unlimited.
+pub(crate) fn open_files_limit() -> Option<u64> {
+    // SAFETY: getrlimit writes the struct it is given, a local one.
+    let lim = unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return None;
+        }
+        lim
+    };
+    (lim.rlim_max != libc::RLIM_INFINITY).then_some(lim.rlim_max)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
