@@ -313,18 +313,36 @@ fn the_log_and_metrics_name_the_caller() {
             .raw(&keys_toml()),
     );
     assert_eq!(chat_as(&gw, &[("x-api-key", ALICE)], "gpt-4o").status, 200);
-    assert_eq!(chat_as(&gw, &[("x-api-key", OFF)], "gpt-4o").status, 401);
+    // A disabled, an expired and an unknown key: one answer for the three, and the log tells
+    // them apart.
+    let disabled = chat_as(&gw, &[("x-api-key", OFF)], "gpt-4o");
+    let expired = chat_as(&gw, &[("x-api-key", OLD)], "gpt-4o");
+    let unknown = chat_as(&gw, &[("x-api-key", "sk-nobody-has-this")], "gpt-4o");
+    let missing = chat_as(&gw, &[], "gpt-4o");
+    for r in [&disabled, &expired, &unknown, &missing] {
+        assert_eq!(r.status, 401, "{}", r.dump());
+    }
+    assert_eq!(disabled.body, expired.body);
+    assert_eq!(disabled.body, unknown.body);
     assert_eq!(
         chat_as(&gw, &[("x-api-key", ALICE)], "mock-secret").status,
         403
     );
-    let records = wait_records(dir.path(), 3, Duration::from_secs(10));
+    let records = wait_records(dir.path(), 6, Duration::from_secs(10));
     let ok = records.iter().find(|r| r["status"] == 200).unwrap();
     assert_eq!(ok["key_id"], "alice");
     assert_eq!(ok["entity"], "team-a");
     assert_eq!(ok["tags"], serde_json::json!(["prod", "gold"]));
+    let reasons: Vec<&str> = records
+        .iter()
+        .filter(|r| r["status"] == 401)
+        .map(|r| r["auth_rejection_reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        reasons,
+        ["disabled_key", "expired_key", "unknown_key", "missing_key"]
+    );
     let denied = records.iter().find(|r| r["status"] == 401).unwrap();
-    assert_eq!(denied["auth_rejection_reason"], "invalid_api_key");
     assert_eq!(denied["key_id"], "");
     let forbidden = records.iter().find(|r| r["status"] == 403).unwrap();
     assert_eq!(forbidden["auth_rejection_reason"], "model_not_allowed");

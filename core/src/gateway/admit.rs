@@ -75,9 +75,7 @@ pub(crate) struct Rejection {
 
 impl Caller<'_> {
     pub(crate) fn auth_failed(&mut self, error: &GatewayError) {
-        if matches!(error.status(), 401 | 403) {
-            self.auth_failure = error.code();
-        }
+        self.auth_failure = error.kind.auth_rejection_reason();
     }
 
     pub(crate) fn refused(&mut self, metrics: MetricsView<'_>, refusal: Refusal) {

@@ -75,10 +75,10 @@ fn trim(v: &[u8]) -> &[u8] {
     &v[start..end.max(start)]
 }
 
-fn invalid_key() -> GatewayError {
+fn invalid_key(kind: ErrorKind) -> GatewayError {
     GatewayError::new(
-        ErrorKind::InvalidApiKey,
-        "Incorrect API key provided. You can find your API key with your gateway operator.",
+        kind,
+        "Incorrect API key provided. Ask the operator of this gateway for a valid key.",
     )
 }
 
@@ -176,7 +176,10 @@ pub(crate) fn authenticate<'s>(
         });
     match candidate.and_then(|i| Some((i, limits.keys.get(i)?))) {
         Some((index, key)) if matches & enabled & unexpired => Ok(Some(Principal { index, key })),
-        _ => Err(invalid_key()),
+        // One answer for all three; the kind tells the access log which it was.
+        Some(_) if matches && !enabled => Err(invalid_key(ErrorKind::DisabledApiKey)),
+        Some(_) if matches => Err(invalid_key(ErrorKind::ExpiredApiKey)),
+        _ => Err(invalid_key(ErrorKind::InvalidApiKey)),
     }
 }
 

@@ -45,8 +45,13 @@ pub(crate) enum ErrorKind {
     /// Well-framed, but the content is refused (bad JSON, a missing model, two keys).
     InvalidRequest,
     MissingApiKey,
-    /// Unknown, disabled or expired (the three answer alike).
+    /// No key has this digest. The three kinds of a key that does not open answer alike (the
+    /// client learns nothing); the access log tells them apart.
     InvalidApiKey,
+    /// A key with `enabled = false`.
+    DisabledApiKey,
+    /// A key past its `expires`.
+    ExpiredApiKey,
     /// The key may not be used from the client's address.
     SourceNotAllowed,
     /// The key may not use the requested model.
@@ -133,7 +138,7 @@ const fn spec(
 impl ErrorKind {
     /// Every kind, in declaration order.
     #[cfg(test)]
-    pub(crate) const ALL: [ErrorKind; 28] = {
+    pub(crate) const ALL: [ErrorKind; 30] = {
         use ErrorKind::*;
         [
             MalformedHttp,
@@ -145,6 +150,8 @@ impl ErrorKind {
             InvalidRequest,
             MissingApiKey,
             InvalidApiKey,
+            DisabledApiKey,
+            ExpiredApiKey,
             SourceNotAllowed,
             ModelNotAllowed,
             ModelNotFound,
@@ -187,6 +194,8 @@ impl ErrorKind {
             InvalidRequest    => spec(400, INVALID,    None,                        Client,   KEEP,  NOWHERE),
             MissingApiKey     => spec(401, INVALID,    Some("missing_api_key"),     Client,   KEEP,  NOWHERE),
             InvalidApiKey     => spec(401, INVALID,    Some("invalid_api_key"),     Client,   KEEP,  NOWHERE),
+            DisabledApiKey    => spec(401, INVALID,    Some("invalid_api_key"),     Client,   KEEP,  NOWHERE),
+            ExpiredApiKey     => spec(401, INVALID,    Some("invalid_api_key"),     Client,   KEEP,  NOWHERE),
             SourceNotAllowed  => spec(403, PERMISSION, Some("source_not_allowed"),  Client,   KEEP,  NOWHERE),
             ModelNotAllowed   => spec(403, PERMISSION, Some("model_not_allowed"),   Client,   KEEP,  NOWHERE),
             ModelNotFound     => spec(404, INVALID,    Some("model_not_found"),     Client,   KEEP,  NOWHERE),
@@ -238,6 +247,33 @@ impl ErrorKind {
     pub(crate) const fn retry_elsewhere(self) -> bool {
         self.spec().retry_elsewhere
     }
+
+    /// Why authentication or authorization refused, for the access log's
+    /// `auth_rejection_reason` (the client's answer may not tell them apart); `None` for any
+    /// other kind. [`ErrorKind::AUTH_REJECTION_REASONS`] lists every value.
+    pub(crate) const fn auth_rejection_reason(self) -> Option<&'static str> {
+        match self {
+            ErrorKind::MissingApiKey => Some("missing_key"),
+            ErrorKind::InvalidApiKey => Some("unknown_key"),
+            ErrorKind::DisabledApiKey => Some("disabled_key"),
+            ErrorKind::ExpiredApiKey => Some("expired_key"),
+            ErrorKind::SourceNotAllowed => Some("source_not_allowed"),
+            ErrorKind::ModelNotAllowed => Some("model_not_allowed"),
+            _ => None,
+        }
+    }
+
+    /// Every `auth_rejection_reason` (docs/accesslog.md and proto/accesslog.proto list exactly
+    /// these: a test holds them to it).
+    #[cfg(test)]
+    pub(crate) const AUTH_REJECTION_REASONS: [&'static str; 6] = [
+        "missing_key",
+        "unknown_key",
+        "disabled_key",
+        "expired_key",
+        "source_not_allowed",
+        "model_not_allowed",
+    ];
 
     /// The kind of an upstream failure, for metrics and the access log.
     pub(crate) const fn upstream_fault(self) -> Option<UpstreamFault> {
@@ -659,6 +695,8 @@ mod tests {
                 InvalidRequest    => (400, "invalid_request_error", None,                        false, false),
                 MissingApiKey     => (401, "invalid_request_error", Some("missing_api_key"),     false, false),
                 InvalidApiKey     => (401, "invalid_request_error", Some("invalid_api_key"),     false, false),
+                DisabledApiKey    => (401, "invalid_request_error", Some("invalid_api_key"),     false, false),
+                ExpiredApiKey     => (401, "invalid_request_error", Some("invalid_api_key"),     false, false),
                 SourceNotAllowed  => (403, "permission_error",      Some("source_not_allowed"),  false, false),
                 ModelNotAllowed   => (403, "permission_error",      Some("model_not_allowed"),   false, false),
                 ModelNotFound     => (404, "invalid_request_error", Some("model_not_found"),     false, false),

@@ -40,6 +40,22 @@ fn relayed_status(obs: &Observation) -> u16 {
     }
 }
 
+/// Every `error_class` the access log may carry, "" for none (docs/accesslog.md and
+/// proto/accesslog.proto list exactly these: a test holds them, and [`error_class`], to it).
+#[cfg(test)]
+pub(crate) const ERROR_CLASSES: [&str; 10] = [
+    "",
+    "client_error",
+    "gateway_overload",
+    "upstream_error",
+    "upstream_unavailable",
+    "upstream_status",
+    "upstream_abort",
+    "upstream_error_event",
+    "client_abort",
+    "server_shutdown",
+];
+
 /// What kind of failure a request ended in, for the access log (`error_class`).
 fn error_class(obs: &Observation, error: Option<&GatewayError>) -> &'static str {
     match error {
@@ -376,5 +392,112 @@ mod tests {
             write_peer(&mut out, peer);
             assert_eq!(out, peer.to_string());
         }
+    }
+}
+
+#[cfg(test)]
+mod documented_values {
+    #![allow(clippy::unwrap_used)]
+    //! The access log's enum-like fields against their documentation: every value the code can
+    //! write is documented, and nothing else is (The first day II, item 5).
+    use super::ERROR_CLASSES;
+    use crate::gateway::error::ErrorKind;
+    use std::collections::BTreeSet;
+
+    fn repo_file(path: &str) -> String {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        std::fs::read_to_string(root.join(path)).unwrap()
+    }
+
+    /// The `backticked` values of the table row for `field` in docs/accesslog.md (`""` is "").
+    fn documented(field: &str) -> BTreeSet<String> {
+        let docs = repo_file("docs/accesslog.md");
+        let row = docs
+            .lines()
+            .find(|l| l.contains(&format!("| `{field}` |")))
+            .unwrap_or_else(|| panic!("no row for {field}"));
+        let meaning = row.rsplit('|').nth(1).unwrap();
+        meaning
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .map(|v| {
+                if v == "\"\"" {
+                    String::new()
+                } else {
+                    v.to_owned()
+                }
+            })
+            .collect()
+    }
+
+    /// The "quoted" values in the proto comment right above `field`'s line ("" included).
+    fn in_proto(field: &str) -> BTreeSet<String> {
+        let proto = repo_file("proto/accesslog.proto");
+        let lines: Vec<&str> = proto.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.trim_start().starts_with(&format!("string {field} =")))
+            .unwrap();
+        let comment: String = lines[..at]
+            .iter()
+            .rev()
+            .take_while(|l| l.trim_start().starts_with("//"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        comment
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The string literals in the body of `fn name` in `source`.
+    fn literals_of(source: &str, name: &str) -> BTreeSet<String> {
+        let start = source.find(&format!("fn {name}(")).unwrap();
+        let body = &source[start..];
+        let end = body.find("\n}\n").unwrap();
+        body[..end]
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn error_classes_are_documented_as_written() {
+        let code: BTreeSet<String> = ERROR_CLASSES.iter().map(|s| s.to_string()).collect();
+        assert_eq!(documented("error_class"), code, "docs/accesslog.md");
+        assert_eq!(in_proto("error_class"), code, "proto/accesslog.proto");
+        let written = literals_of(include_str!("observe.rs"), "error_class");
+        assert_eq!(written, code, "what error_class writes");
+    }
+
+    #[test]
+    fn auth_rejection_reasons_are_documented_as_written() {
+        let code: BTreeSet<String> = ErrorKind::AUTH_REJECTION_REASONS
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let written: BTreeSet<String> = ErrorKind::ALL
+            .iter()
+            .filter_map(|k| k.auth_rejection_reason())
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(written, code);
+        let mut with_none = code.clone();
+        with_none.insert(String::new());
+        assert_eq!(
+            documented("auth_rejection_reason"),
+            with_none,
+            "docs/accesslog.md"
+        );
+        assert_eq!(
+            in_proto("auth_rejection_reason"),
+            with_none,
+            "proto/accesslog.proto"
+        );
     }
 }
