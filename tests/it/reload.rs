@@ -143,11 +143,25 @@ fn an_invalid_config_is_rejected_with_its_errors_and_the_old_one_keeps_serving()
         "{errors:?}"
     );
     assert_eq!(body["config_sha256"].as_str().unwrap().len(), 64);
+    // A config file that is gone: rejected as unreadable, with no digest to name.
+    std::fs::remove_file(&gw.config_path).unwrap();
+    let r = gw.admin_reload(Some(TOKEN));
+    assert_eq!(r.status, 500, "{}", r.dump());
+    assert!(r.json()["config_sha256"].is_null(), "{}", r.dump());
+    assert!(
+        gw.wait_stderr(
+            Duration::from_secs(5),
+            "reload rejected (config file unreadable)"
+        ),
+        "{}",
+        gw.stderr_text()
+    );
+    gw.rewrite_config(&broken);
     // Service unchanged.
     assert_eq!(chat_as(&gw, ALICE, "gpt-4o").status, 200);
     assert_eq!(chat_as(&gw, ALICE, "gpt-x").status, 404);
     let m = gw.metrics();
-    assert_eq!(reloads(&m, "rejected"), 1.0);
+    assert_eq!(reloads(&m, "rejected"), 2.0);
     assert_eq!(reloads(&m, "applied"), 0.0);
     assert_eq!(
         m.get("sluice_config_last_reload_successful", &[]),

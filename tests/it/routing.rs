@@ -485,7 +485,7 @@ colour = "red"
     assert_eq!(
         lines[..3],
         [
-            r#"error: server.workers (line 3, column 11): invalid type: string "two", expected usize"#,
+            r#"error: server.workers (line 3, column 11): invalid type: string "two", expected a whole number ≥ 0"#,
             "error: clusters.main.backends[0].base_url (line 6, column 27): \
              `ftp://127.0.0.1:1/v1` must start with http:// or https://",
             "error: routes[0].colour (line 11, column 1): unknown field `colour`, expected one of \

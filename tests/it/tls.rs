@@ -213,6 +213,8 @@ fn bad_certificate_files_are_config_errors() {
     for (certs, expect) in [
         (vec![(&missing, &b_key)], "cannot read"),
         (vec![(&a_cert, &b_key)], "tls.certificates[0]"),
+        // Said plainly, not as rustls's `KeyMismatch`.
+        (vec![(&a_cert, &b_key)], "is not the certificate's"),
     ] {
         let out = Sluice::check(&Config::one_cluster(&mock).raw(&tls_config(&certs)));
         let text = String::from_utf8_lossy(&out.stderr).into_owned();

@@ -529,7 +529,9 @@ mod tests {
         let errs = load(&text, &|_| None).unwrap_err();
         assert_eq!(
             errs.iter().map(ToString::to_string).collect::<Vec<_>>(),
-            [r#"server.workers (line 2, column 11): invalid type: string "two", expected usize"#]
+            [
+                r#"server.workers (line 2, column 11): invalid type: string "two", expected a whole number ≥ 0"#
+            ]
         );
     }
 

@@ -77,6 +77,33 @@ pub(super) fn read_sections(
 /// so a section with a typo still has its other keys read and checked: a left-out key takes its
 /// default. `None` when the value cannot be read even so (a required key missing or wrong).
 /// (From toml_edit's value, not `toml::Value`: that one hands datetimes over as strings.)
+/// A serde message with Rust's type names said plainly: "expected usize" → "expected a whole
+/// number ≥ 0", "expected f64" → "expected a number", and so on.
+fn plain_types(message: &str) -> String {
+    let mut out = message.to_string();
+    for (rust, plain) in [
+        ("expected usize", "expected a whole number ≥ 0"),
+        ("expected u64", "expected a whole number ≥ 0"),
+        ("expected u32", "expected a whole number ≥ 0"),
+        ("expected u16", "expected a whole number ≥ 0"),
+        ("expected u8", "expected a whole number ≥ 0"),
+        ("expected i64", "expected a whole number"),
+        ("expected i32", "expected a whole number"),
+        ("expected f64", "expected a number"),
+        ("expected f32", "expected a number"),
+    ] {
+        if let Some(at) = out.find(rust) {
+            // Whole words only: `expected u8` must not match `expected u80…`.
+            let end = at + rust.len();
+            if !out[end..].starts_with(|c: char| c.is_ascii_alphanumeric()) {
+                out.replace_range(at..end, plain);
+                break;
+            }
+        }
+    }
+    out
+}
+
 pub(super) fn read<T: serde::de::DeserializeOwned>(
     mut value: toml_edit::Value,
     path: &str,
@@ -111,7 +138,7 @@ pub(super) fn read<T: serde::de::DeserializeOwned>(
                 }
             }
         }
-        let message = e.into_inner().message().to_string();
+        let message = plain_types(e.into_inner().message());
         // An unknown key is pointed at itself; anything else at its value.
         let anchor = if message.starts_with("unknown field") {
             Anchor::Key

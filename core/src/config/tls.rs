@@ -273,8 +273,15 @@ fn load_certified_key(
         .map_err(|e| format!("`{}` is not a usable certificate: {e}", c.cert.display()))?;
     let key = PrivateKeyDer::from_pem_file(&c.key)
         .map_err(|e| format!("no private key read from `{}`: {e}", c.key.display()))?;
-    let key = CertifiedKey::from_der(chain, key, provider)
-        .map_err(|e| format!("`{}` and `{}`: {e}", c.cert.display(), c.key.display()))?;
+    let key = CertifiedKey::from_der(chain, key, provider).map_err(|e| match e {
+        rustls::Error::InconsistentKeys(_) => format!(
+            "the key in `{}` is not the certificate's in `{}` (they were not made together: \
+             check that the files are a pair)",
+            c.key.display(),
+            c.cert.display()
+        ),
+        e => format!("`{}` and `{}`: {e}", c.cert.display(), c.key.display()),
+    })?;
     Ok(key)
 }
 

@@ -247,7 +247,16 @@ pub fn run(
         }
     }
     if driver == Driver::Legacy {
-        eprintln!("sluice: io_uring unavailable or disabled; running on the epoll (legacy) driver");
+        if std::env::var_os("MONOIO_FORCE_LEGACY_DRIVER").is_some() {
+            eprintln!(
+                "sluice: running on the epoll (legacy) driver, as MONOIO_FORCE_LEGACY_DRIVER asks"
+            );
+        } else {
+            eprintln!(
+                "sluice: io_uring is unavailable (kernel older than 5.x, or blocked by seccomp or \
+                 io_uring_disabled); running on the epoll (legacy) driver"
+            );
+        }
     }
     ready.store(true, Ordering::Release);
     // Written whole, with one call: `eprintln!` with arguments writes each piece with a syscall
@@ -492,9 +501,14 @@ impl Control {
             }
             Err(rejected) => {
                 self.hub.record_reload(false, now_s);
+                // A file that could not be read has no digest to name.
+                let which = if rejected.sha256.is_empty() {
+                    "config file unreadable".to_owned()
+                } else {
+                    format!("config sha256 {}", rejected.sha256)
+                };
                 eprintln!(
-                    "sluice: reload rejected (config sha256 {}): {} error(s); the running config stays",
-                    rejected.sha256,
+                    "sluice: reload rejected ({which}): {} error(s); the running config stays",
                     rejected.errors.len()
                 );
                 for e in &rejected.errors {
@@ -502,7 +516,7 @@ impl Control {
                 }
                 let body = serde_json::json!({
                     "status": "rejected",
-                    "config_sha256": rejected.sha256,
+                    "config_sha256": (!rejected.sha256.is_empty()).then_some(&rejected.sha256),
                     "errors": rejected.errors,
                 });
                 (rejected.status, body)
