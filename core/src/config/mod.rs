@@ -521,6 +521,19 @@ mod tests {
             ),
             "{e}"
         );
+        // The nearest allowed name is said, for a key and for a table.
+        assert!(e.to_string().ends_with("; did you mean `listen`?"), "{e}");
+        let errs = load(&format!("[limit]\nbackend = \"local\"\n{CLUSTER}"), &|_| {
+            None
+        })
+        .unwrap_err();
+        assert!(
+            errs[0].to_string().ends_with("; did you mean `limits`?"),
+            "{errs:#?}"
+        );
+        // Nothing near: nothing suggested.
+        let errs = load(&format!("[zzzzzzzz]\nx = 1\n{CLUSTER}"), &|_| None).unwrap_err();
+        assert!(!errs[0].to_string().contains("did you mean"), "{errs:#?}");
     }
 
     #[test]

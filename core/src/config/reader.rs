@@ -46,7 +46,9 @@ pub(super) fn read_sections(
                 let expected = SECTIONS.map(|s| format!("`{s}`")).join(", ");
                 errors.push(ConfigError {
                     position: src.position(&path, Anchor::Key),
-                    message: format!("unknown field `{name}`, expected one of {expected}"),
+                    message: did_you_mean(format!(
+                        "unknown field `{name}`, expected one of {expected}"
+                    )),
                     path,
                 });
                 Some(())
@@ -104,6 +106,46 @@ fn plain_types(message: &str) -> String {
     out
 }
 
+/// serde's "unknown field `limit`, expected one of `…`, `limits`" with the nearest allowed name
+/// said: "…; did you mean `limits`?" (one at most two edits away, or one the name starts or ends).
+fn did_you_mean(message: String) -> String {
+    let Some(rest) = message.strip_prefix("unknown field `") else {
+        return message;
+    };
+    let Some((unknown, allowed)) = rest.split_once('`') else {
+        return message;
+    };
+    let nearest = allowed
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(|name| (edits(unknown, name), name))
+        .filter(|&(d, name)| d <= 2 || name.starts_with(unknown) || unknown.starts_with(name))
+        .min();
+    match nearest {
+        Some((_, name)) => format!("{message}; did you mean `{name}`?"),
+        None => message,
+    }
+}
+
+/// Levenshtein distance between two short names.
+fn edits(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (above + 1)
+                .min(row[j] + 1)
+                .min(diagonal + usize::from(ca != cb));
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
 pub(super) fn read<T: serde::de::DeserializeOwned>(
     mut value: toml_edit::Value,
     path: &str,
@@ -138,7 +180,7 @@ pub(super) fn read<T: serde::de::DeserializeOwned>(
                 }
             }
         }
-        let message = plain_types(e.into_inner().message());
+        let message = did_you_mean(plain_types(e.into_inner().message()));
         // An unknown key is pointed at itself; anything else at its value.
         let anchor = if message.starts_with("unknown field") {
             Anchor::Key
