@@ -147,3 +147,42 @@ fn systemd_unit_verifies() {
         "systemd-analyze verify has something to say:\n{all}"
     );
 }
+
+/// The Dockerfile (README "Installing"; no Docker daemon on the test machine, so the image is
+/// not built here): a release build of the locked tree, run as an unprivileged user, the API
+/// and admin ports exposed, a health check on `/healthz`, the shipped config as the default.
+#[test]
+fn the_dockerfile_runs_sluice_unprivileged_with_a_health_check() {
+    let file = std::fs::read_to_string(workspace_root().join("Dockerfile")).unwrap();
+    let lines: Vec<&str> = file.lines().map(str::trim).collect();
+    let has = |line: &str| lines.iter().any(|l| l.starts_with(line));
+    assert!(
+        has("RUN cargo build --release --locked -p sluice"),
+        "{file}"
+    );
+    assert!(has("USER sluice"), "not run as root: {file}");
+    // The user is switched to after everything that needs root.
+    let user_at = lines.iter().position(|l| l.starts_with("USER ")).unwrap();
+    assert!(
+        lines[user_at..].iter().all(|l| !l.starts_with("RUN ")),
+        "{file}"
+    );
+    assert!(has("EXPOSE 8080 9090"), "{file}");
+    assert!(
+        file.contains("HEALTHCHECK") && file.contains("/healthz"),
+        "{file}"
+    );
+    assert!(
+        has("CMD [\"--config\", \"/etc/sluice/sluice.toml\"]"),
+        "{file}"
+    );
+    // The shipped config it defaults to listens where EXPOSE says.
+    let shipped = std::fs::read_to_string(workspace_root().join("conf/sluice.toml")).unwrap();
+    assert!(shipped.contains("listen = \"127.0.0.1:8080\""));
+    assert!(shipped.contains("listen = \"127.0.0.1:9090\""));
+    let ignore = std::fs::read_to_string(workspace_root().join(".dockerignore")).unwrap();
+    assert!(
+        ignore.lines().any(|l| l == "target"),
+        "the build context skips target/"
+    );
+}

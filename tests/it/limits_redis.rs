@@ -213,8 +213,7 @@ fn rpm_600_under_a_5000_request_burst_from_3_processes() {
 /// Issue #12 item 7: a burst that straddles a window edge. Fixed windows admitted the limit
 /// just before the edge and the limit again just after it (measured: 1,200 for an RPM of 600).
 /// Three processes share a limit of 60 per 4 s window; twelve clients send as fast as they can
-/// from 300 ms before an edge to 300 ms after it. The sliding window's documented bound (README
-/// "How limits behave") for a span of D ms: 60 × (1 + D / 4000) + 5 × 3 cores × 1 request.
+/// from 300 ms before an edge to 300 ms after it. The sliding window's documented bound (docs/limits.md) for a span of D ms: 60 × (1 + D / 4000) + 5 × 3 cores × 1 request.
 #[test]
 fn a_burst_across_a_window_edge_stays_within_the_sliding_bound_across_3_processes() {
     const LIMIT: u64 = 60;

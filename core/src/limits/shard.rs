@@ -21,8 +21,7 @@
 //! [`super::sync::Slide`]). They may also admit one request *on credit* per sync interval when
 //! the last global view still showed headroom; that is their only overshoot, bounded by
 //! 2 × (cores across all nodes) × (largest single reservation) per window, and across an edge
-//! any span of D ≤ W admits at most L × (1 + D / W) + 5 × C × R — see README "How limits
-//! behave".
+//! any span of D ≤ W admits at most L × (1 + D / W) + 5 × C × R — see docs/limits.md.
 //!
 //! ## Outages
 //! While the ledger is unreachable a core spends what it holds, and with `on_backend_down =
@@ -1851,8 +1850,7 @@ mod tests {
 
     /// Issue #12 item 7: a burst that straddles a window edge. Fixed windows admitted the
     /// limit just before the edge and the limit again just after it (2 × L in 300 ms); the
-    /// sliding window admits at most L × (1 + D / W) + 5 × C × R in any span of D ≤ W (README
-    /// "How limits behave"). Half the requests admitted before the edge are still in flight
+    /// sliding window admits at most L × (1 + D / W) + 5 × C × R in any span of D ≤ W (docs/limits.md). Half the requests admitted before the edge are still in flight
     /// after it: their leases, not yet their spend, must count.
     #[test]
     fn a_burst_across_a_window_edge_stays_within_the_sliding_bound() {
