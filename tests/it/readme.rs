@@ -1,4 +1,5 @@
-//! The README works as written (issue #11): every fenced code block in README.md carries a
+//! The README works as written (issue #11): every fenced code block in README.md (and in
+//! docs/routing.md, the reference moved out of it) carries a
 //! `<!-- readme-test: … -->` marker on the line before it saying how it is checked, and the
 //! checks run the blocks against the shipped `conf/sluice.toml`:
 //!
@@ -33,8 +34,14 @@ struct Block {
     text: String,
 }
 
+/// README.md, then the pages its blocks moved to (docs/routing.md): checked as one text, in that
+/// order (a block's line numbers count from README.md's first line).
 fn readme() -> String {
-    std::fs::read_to_string(workspace_root().join("README.md")).expect("README.md")
+    let mut text = std::fs::read_to_string(workspace_root().join("README.md")).expect("README.md");
+    let moved = workspace_root().join("docs/routing.md");
+    text.push('\n');
+    text.push_str(&std::fs::read_to_string(moved).expect("docs/routing.md"));
+    text
 }
 
 /// Every fenced block with the marker on the line before its opening fence ("" when none).
