@@ -534,6 +534,17 @@ mod tests {
         // Nothing near: nothing suggested.
         let errs = load(&format!("[zzzzzzzz]\nx = 1\n{CLUSTER}"), &|_| None).unwrap_err();
         assert!(!errs[0].to_string().contains("did you mean"), "{errs:#?}");
+        // A misspelled section is one error: what needs the section it meant is not reported
+        // as well (no "at least one cluster", no "no cluster named" for the routes).
+        let typo = "[cluster.main]\nbackends = [{ base_url = \"http://127.0.0.1:9/v1\" }]\n\
+                    [[routes]]\nmodel = \"m\"\ncluster = \"main\"\n";
+        let errs = load(typo, &|_| None).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:#?}");
+        assert!(errs[0].to_string().ends_with("did you mean `clusters`?"));
+        let typo = "[clusters.main]\nbackends = [{ base_url = \"http://127.0.0.1:9/v1\" }]\n\
+                    [[route]]\nmodel = \"m\"\ncluster = \"main\"\n";
+        let errs = load(typo, &|_| None).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:#?}");
     }
 
     #[test]

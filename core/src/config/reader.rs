@@ -43,6 +43,12 @@ pub(super) fn read_sections(
             "policies" => read_list(value, "policies", src, errors).map(|v| raw.policies = v),
             _ => {
                 let path = key_segment(&name);
+                // A misspelled section (`[cluster.x]` for `[clusters.x]`): the one meant counts
+                // as not read, so what depends on it (routes naming its clusters, "at least
+                // one cluster") is not reported as well — one error for one typo.
+                if let Some(meant) = nearest(&name, SECTIONS.iter().copied()) {
+                    raw.failed.insert(meant);
+                }
                 let expected = SECTIONS.map(|s| format!("`{s}`")).join(", ");
                 errors.push(ConfigError {
                     position: src.position(&path, Anchor::Key),
@@ -115,17 +121,19 @@ fn did_you_mean(message: String) -> String {
     let Some((unknown, allowed)) = rest.split_once('`') else {
         return message;
     };
-    let nearest = allowed
-        .split('`')
-        .skip(1)
-        .step_by(2)
-        .map(|name| (edits(unknown, name), name))
-        .filter(|&(d, name)| d <= 2 || name.starts_with(unknown) || unknown.starts_with(name))
-        .min();
-    match nearest {
-        Some((_, name)) => format!("{message}; did you mean `{name}`?"),
+    match nearest(unknown, allowed.split('`').skip(1).step_by(2)) {
+        Some(name) => format!("{message}; did you mean `{name}`?"),
         None => message,
     }
+}
+
+/// The allowed name nearest `unknown`: at most two edits away, or one it starts or ends.
+fn nearest<'a>(unknown: &str, allowed: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    allowed
+        .map(|name| (edits(unknown, name), name))
+        .filter(|&(d, name)| d <= 2 || name.starts_with(unknown) || unknown.starts_with(name))
+        .min()
+        .map(|(_, name)| name)
 }
 
 /// Levenshtein distance between two short names.

@@ -69,7 +69,24 @@ pub(super) fn validate(
         |s| s.max_connections_per_worker,
     );
     let upstream = resolve_upstream(&upstream, client_connections, &mut err);
-    let clusters = resolve_clusters(&clusters, env, &mut err, warnings);
+    // A section that could not be read, or was misspelled (`[cluster.x]`: see the reader), is
+    // reported once, by its own error: the checks that need it say nothing of its absence.
+    let clusters_read = !failed.contains("clusters");
+    let routes_read = !failed.contains("routes");
+    let echo = move |path: &str, message: &str| {
+        (!clusters_read && (path == "clusters" || message.starts_with("no cluster named")))
+            || (!routes_read && path == "routes")
+    };
+    let clusters = resolve_clusters(
+        &clusters,
+        env,
+        &mut |path, message| {
+            if !echo(&path, &message) {
+                err(path, message);
+            }
+        },
+        warnings,
+    );
     // Keys before routes: a route may be a key's or an entity's own.
     let limits_read = !failed.contains("limits");
     // Route scopes are checked against the keys only when every key could be read.
@@ -82,7 +99,11 @@ pub(super) fn validate(
         &clusters.by_name,
         timeouts.upstream_first_byte,
         keys_read.then_some(&limits),
-        &mut err,
+        &mut |path, message| {
+            if !echo(&path, &message) {
+                err(path, message);
+            }
+        },
     );
     let body_wants = sticky::body_wants(routes.iter_mut().filter_map(|r| r.sticky.as_mut()));
     let routing = routing::resolve_routing(&routing, &mut err);
