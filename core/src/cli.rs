@@ -1,17 +1,10 @@
-//! What the `sluice` command needs of the library beyond running and loading: the placeholder
-//! `check --no-env` reads every variable as, and `sluice reload`'s exchange with a running
-//! gateway's admin listener. Runs in the command's own process, never on a worker; blocking I/O
+//! What the `sluice` command needs of the library beyond running and loading: `sluice reload`'s
+//! exchange with a running gateway's admin listener. Runs in the command's own process, never on a worker; blocking I/O
 //! is fine here.
 
 use std::io::{Read as _, Write as _};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::time::Duration;
-
-/// What `sluice check --no-env` reads every environment variable as: 64 hex digits, a value of
-/// the form every use of a variable takes (a credential, a password, the admin token of at
-/// least 16 characters, a sticky key of 32 bytes in hex).
-pub const ENV_PLACEHOLDER: &str =
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 
 /// Where `sluice reload` sends the reload, and the variable holding its token.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,9 +30,7 @@ pub fn reload_target(config_text: &str) -> Result<ReloadTarget, String> {
         .get("listen")
         .and_then(toml::Value::as_str)
         .ok_or("[admin] has no listen address")?;
-    let mut addr: SocketAddr = listen
-        .parse()
-        .map_err(|_| format!("admin.listen `{listen}` is not an address like 127.0.0.1:9090"))?;
+    let mut addr = resolve_listen(listen)?;
     if addr.ip().is_unspecified() {
         addr.set_ip(match addr.ip() {
             IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -56,6 +47,24 @@ pub fn reload_target(config_text: &str) -> Result<ReloadTarget, String> {
     })
 }
 
+/// `admin.listen` as an address: an IP literal, or a name resolved as the config resolves it (a
+/// loopback address preferred).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the sluice command's own process, not a worker: a blocking lookup is fine here"
+)]
+fn resolve_listen(listen: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs as _;
+    let not = || format!("admin.listen `{listen}` is not an address like 127.0.0.1:9090");
+    let addrs: Vec<SocketAddr> = listen.to_socket_addrs().map_err(|_| not())?.collect();
+    addrs
+        .iter()
+        .find(|a| a.ip().is_loopback())
+        .or_else(|| addrs.first())
+        .copied()
+        .ok_or_else(not)
+}
+
 /// `POST /admin/reload` to `addr` with `token`, waiting up to `timeout` for the answer: its
 /// status and body.
 pub fn post_reload(
@@ -63,6 +72,10 @@ pub fn post_reload(
     token: &str,
     timeout: Duration,
 ) -> std::io::Result<(u16, String)> {
+    let token = token.trim();
+    if token.contains(['\r', '\n']) {
+        return Err(std::io::Error::other("the admin token holds a line break"));
+    }
     let mut conn = TcpStream::connect_timeout(&addr, timeout)?;
     conn.set_read_timeout(Some(timeout))?;
     conn.set_write_timeout(Some(timeout))?;
@@ -72,7 +85,15 @@ pub fn post_reload(
          Content-Length: 0\r\nConnection: close\r\n\r\n"
     )?;
     let mut answer = Vec::new();
-    conn.read_to_end(&mut answer)?;
+    conn.read_to_end(&mut answer).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            std::io::Error::other(format!(
+                "no answer within {} s; the reload may still apply (the journal says)",
+                timeout.as_secs()
+            ))
+        }
+        _ => e,
+    })?;
     let text = String::from_utf8_lossy(&answer);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head
@@ -89,7 +110,7 @@ pub fn describe_reload(status: u16, body: &str) -> String {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(body) else {
         return format!("the admin listener answered {status}: {}", body.trim());
     };
-    let sha = v["config_sha256"].as_str().unwrap_or("?");
+    let sha = v["config_sha256"].as_str().unwrap_or("unreadable file");
     let list = |key: &str, label: &str, out: &mut String| {
         for item in v[key].as_array().into_iter().flatten() {
             out.push_str(&format!(

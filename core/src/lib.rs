@@ -102,10 +102,10 @@ mod runtime {
 // compiler reports what nothing uses.
 
 /// API keys are stored as SHA-256 digests (`sluice hash-key`).
-pub use cli::{describe_reload, post_reload, reload_target, ReloadTarget, ENV_PLACEHOLDER};
+pub use cli::{describe_reload, post_reload, reload_target, ReloadTarget};
 pub use config::limits::{digest, hex};
 /// Configuration: parse and validate a config file into the snapshot a gateway runs on.
-pub use config::{load, load_with_warnings, ConfigError, Loaded, Snapshot};
+pub use config::{load, load_with_warnings, ConfigError, Loaded, Snapshot, ENV_PLACEHOLDER};
 /// Run the gateway on a snapshot (threads, listeners, admin), or one worker's parts of it.
 pub use runtime::{conn::serve, server::run, worker::Worker};
 /// The metrics hub and the families it exposes.

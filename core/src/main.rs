@@ -45,7 +45,8 @@ enum Command {
     ///
     /// Reads `admin.listen` and `admin.token_env` from FILE (the file the gateway runs on), sends
     /// `POST /admin/reload` with the token, and prints the outcome: exit 0 when applied, 1 when
-    /// rejected (with every error) or when the gateway cannot be reached.
+    /// rejected (with every error) or when the gateway cannot be reached. Those two settings
+    /// take effect only at a restart: after changing either, restart instead of reloading.
     #[command(after_help = EXIT_STATUS)]
     Reload(ReloadArgs),
     /// Print access-log files as JSON lines
@@ -131,19 +132,33 @@ fn main() -> ExitCode {
         Some(Command::Logs(args)) => logs(&args),
         Some(Command::Key(command)) => key(command),
         Some(Command::Completions { shell }) => {
-            let mut cmd = Cli::command();
-            clap_complete::generate(shell, &mut cmd, "sluice", &mut std::io::stdout());
-            ExitCode::SUCCESS
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "sluice", &mut script);
+            print(&script)
         }
         Some(Command::Man) => {
-            let page = clap_mangen::Man::new(Cli::command());
-            match page.render(&mut std::io::stdout()) {
-                Ok(()) => ExitCode::SUCCESS,
+            let mut page = Vec::new();
+            match clap_mangen::Man::new(Cli::command()).render(&mut page) {
+                Ok(()) => print(&page),
                 Err(e) => {
                     eprintln!("sluice man: {e}");
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+/// Write `text` to stdout: a reader that stopped early (`| head`) is no failure, a full disk is.
+fn print(text: &[u8]) -> ExitCode {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice: writing output: {e}");
+            ExitCode::FAILURE
         }
     }
 }
@@ -264,11 +279,13 @@ fn key(command: KeyCommand) -> ExitCode {
             }
             // The key goes to the client and is shown once; the block (its hash only) goes in
             // the config.
-            println!("# key (give it to the client; it is not stored anywhere): {key}");
-            println!("[[keys]]");
-            println!("id = {}", toml_string(&id));
-            println!("sha256 = \"{}\"", hex(&digest(key.as_bytes())));
-            ExitCode::SUCCESS
+            let block = format!(
+                "# key (give it to the client; it is not stored anywhere): {key}\n[[keys]]\n\
+                 id = {}\nsha256 = \"{}\"\n",
+                toml_string(&id),
+                hex(&digest(key.as_bytes()))
+            );
+            print(block.as_bytes())
         }
     }
 }

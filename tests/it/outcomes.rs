@@ -241,3 +241,26 @@ fn every_ending_is_billed_by_one_rule_and_logged_as_the_client_got_it() {
         ledger_spent(&redis)
     );
 }
+
+/// A client that pipelines its next request and then half-closes (its FIN after both) is still
+/// waiting for its answers: the watch does not take the FIN for leaving, and both are served.
+#[test]
+fn a_half_closed_client_with_a_pipelined_request_is_served_not_cut() {
+    let redis = Redis::start();
+    let mock = Mock::start(&[]);
+    let log = TempDir::new("outcomes-pipelined");
+    let gw = gateway(&mock, &redis, &log);
+    let slow = request(false, &[("x-mock-delay-ms", "300")]);
+    let quick = request(false, &[]);
+    let mut c = gw.conn();
+    c.set_timeout(Duration::from_secs(10));
+    let mut both = slow.build();
+    both.extend_from_slice(&quick.build());
+    c.send(&both);
+    c.shutdown_write();
+    for _ in 0..2 {
+        let r = c.read_response();
+        assert_eq!(r.status, 200, "{}", r.dump());
+    }
+    assert_eq!(mock.stat("requests_abandoned"), 0);
+}

@@ -43,6 +43,13 @@ pub use snapshot::*;
 
 pub(crate) use crate::http::HttpLimits;
 
+/// What `sluice check --no-env` reads every environment variable as: 64 hex digits, a value of
+/// the form every use of a variable takes (a credential, a password, the admin token of at
+/// least 16 characters, a sticky key of 32 bytes in hex). Checks that compare a variable with
+/// another value (a Redis password also in its URL) let it pass.
+pub const ENV_PLACEHOLDER: &str =
+    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
 use std::fmt;
 
 /// One problem found in a config file, with the dotted path of the key it concerns (`server.listen`,
@@ -545,6 +552,23 @@ mod tests {
                     [[route]]\nmodel = \"m\"\ncluster = \"main\"\n";
         let errs = load(typo, &|_| None).unwrap_err();
         assert_eq!(errs.len(), 1, "{errs:#?}");
+        // Beside a [clusters] that is there, nothing is hidden: a route to a cluster that is
+        // nowhere is still reported.
+        let both = "[clusters.a]\nbackends = [{ base_url = \"http://127.0.0.1:9/v1\" }]\n\
+                    [cluster.b]\nbackends = [{ base_url = \"http://127.0.0.1:9/v1\" }]\n\
+                    [[routes]]\nmodel = \"m\"\ncluster = \"zzz\"\n";
+        let errs = load(both, &|_| None).unwrap_err();
+        assert_eq!(errs.len(), 2, "{errs:#?}");
+        assert!(
+            errs[1].to_string().contains("no cluster named `zzz`"),
+            "{errs:#?}"
+        );
+        // A misspelled [limits] does not stop the keys being checked.
+        let keys = format!(
+            "[limit]\nbackend = \"local\"\n[[keys]]\nid = \"k\"\nsha256 = \"nothex\"\n{CLUSTER}"
+        );
+        let errs = load(&keys, &|_| None).unwrap_err();
+        assert!(errs.iter().any(|e| e.path == "keys[0].sha256"), "{errs:#?}");
     }
 
     #[test]

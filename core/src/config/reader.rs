@@ -16,6 +16,7 @@ pub(super) fn read_sections(
     errors: &mut Vec<ConfigError>,
 ) -> RawConfig {
     let mut raw = RawConfig::default();
+    let present: Vec<String> = table.iter().map(|(name, _)| name.to_string()).collect();
     for (name, item) in table {
         let name = name.to_string();
         // A `[table]` as an inline table, an `[[array]]` as an array: one kind of value to read.
@@ -43,10 +44,13 @@ pub(super) fn read_sections(
             "policies" => read_list(value, "policies", src, errors).map(|v| raw.policies = v),
             _ => {
                 let path = key_segment(&name);
-                // A misspelled section (`[cluster.x]` for `[clusters.x]`): the one meant counts
-                // as not read, so what depends on it (routes naming its clusters, "at least
-                // one cluster") is not reported as well — one error for one typo.
-                if let Some(meant) = nearest(&name, SECTIONS.iter().copied()) {
+                // A misspelled `[clusters]` or `[[routes]]` the file lacks (`[cluster.x]`): the
+                // one meant counts as not read, so its absence ("at least one cluster", routes
+                // naming its clusters) is not reported as well — one error for one typo. Only
+                // those two: marking another section unread would skip checks it still gets.
+                if let Some(meant) = nearest(&name, ["clusters", "routes"].into_iter())
+                    .filter(|meant| !present.iter().any(|p| p == meant))
+                {
                     raw.failed.insert(meant);
                 }
                 let expected = SECTIONS.map(|s| format!("`{s}`")).join(", ");

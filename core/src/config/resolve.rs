@@ -71,8 +71,10 @@ pub(super) fn validate(
     let upstream = resolve_upstream(&upstream, client_connections, &mut err);
     // A section that could not be read, or was misspelled (`[cluster.x]`: see the reader), is
     // reported once, by its own error: the checks that need it say nothing of its absence.
-    let clusters_read = !failed.contains("clusters");
-    let routes_read = !failed.contains("routes");
+    // Only when nothing of the section was read: one bad entry beside good ones keeps every
+    // check (a route naming a cluster that is nowhere is still reported).
+    let clusters_read = !failed.contains("clusters") || !clusters.is_empty();
+    let routes_read = !failed.contains("routes") || !routes.is_empty();
     let echo = move |path: &str, message: &str| {
         (!clusters_read && (path == "clusters" || message.starts_with("no cluster named")))
             || (!routes_read && path == "routes")
@@ -211,13 +213,13 @@ pub(super) const MAX_SHUTDOWN_GRACE_MS: u64 = 3_600_000;
 /// `server.max_connections_per_worker` when the file sets none: as many as this process's
 /// open-file limit holds for `workers` workers — each proxied connection holds a client and an
 /// upstream socket, and 256 descriptors stay for listeners, Redis and log files — at most 16,384
-/// and at least 64. (`sluice check` sizes it with its own limit, which may not be the service's.)
+/// and at least 1. (`sluice check` sizes it with its own limit, which may not be the service's.)
 pub(super) fn default_connections(workers: usize) -> usize {
     const MOST: u64 = 16_384;
     let fits = crate::sys::sock::open_files_limit().map_or(MOST, |limit| {
         limit.saturating_sub(256) / (2 * workers.max(1) as u64)
     });
-    fits.clamp(64, MOST) as usize
+    fits.clamp(1, MOST) as usize
 }
 
 /// `[server]`; `None` when `listen` is not an address.

@@ -142,15 +142,14 @@ pub(crate) async fn send<'s>(
         }
     };
     let tail = request.body.get(built.tail_from..).unwrap_or_default();
-    // A client that leaves while this attempt waits for its answer cuts it.
-    let watch = forward::Watch::from_now(client);
+    let watch = watch_for(request, client);
     let (mut response, timings) = forward::send(
         core.io(),
         &target,
         upstream_request,
         tail,
         inspection.stream,
-        Some(watch),
+        watch,
     )
     .await;
     obs.forward = timings;
@@ -182,6 +181,14 @@ pub(crate) async fn send<'s>(
     };
     sent.record_judgement(core);
     Tried::Sent(sent)
+}
+
+/// Whose leaving cuts the attempt while it waits for its answer: the client, unless it
+/// pipelined its next request (bytes past this one already read) — such a client may half-close
+/// and still wait for its answers, so its FIN says nothing, and it is not watched.
+fn watch_for<'c>(request: &Request<'_>, client: &'c ClientSocket) -> Option<forward::Watch<'c>> {
+    let pipelined = request.buf.len() > request.head.head_len + request.body.len();
+    (!pipelined).then(|| forward::Watch::from_now(client))
 }
 
 /// The attempt counted in its backend's health (`Some(None)`: the backend is untracked), or

@@ -11,8 +11,9 @@
 //! the first one that is not itself a trusted proxy is the client; if every one is trusted, the
 //! farthest is. An item that is not an address (`unknown`, a name, garbage) ends the reading:
 //! the last address read — a trusted proxy's — is the client, so a client cannot hide behind
-//! junk. An address from the header has port 0. The header is still withheld from the upstream
-//! (`forward::is_withheld`) and Sluice adds none of its own.
+//! junk. An address from the header has port 0. The standard forwarding headers are still
+//! withheld from the upstream (`forward::is_withheld`) and Sluice adds none of its own; a
+//! custom `real_ip_header` (`CF-Connecting-IP`, say) is forwarded like any other client header.
 
 use std::net::{IpAddr, SocketAddr};
 

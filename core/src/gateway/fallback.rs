@@ -121,7 +121,7 @@ pub(crate) async fn judge_response(
     key_pool: bool,
     deadline: Mono,
     bufs: &BufPool,
-    watch: Watch<'_>,
+    watch: Option<Watch<'_>>,
 ) -> Judgement {
     let head = &response.head;
     let status = head.status;
@@ -275,7 +275,7 @@ async fn first_event(
     response: &mut UpstreamResponse<'_>,
     deadline: Mono,
     decoded: &mut Vec<u8>,
-    watch: Watch<'_>,
+    watch: Option<Watch<'_>>,
 ) -> FirstEvent {
     let chunked = response.head.framing() == BodyFraming::Chunked;
     // A chunked body is judged on its decoded bytes: a chunk boundary may fall inside an event.
@@ -287,7 +287,7 @@ async fn first_event(
         if response.buf.len() - response.head.head_len >= MAX_JUDGED {
             return FirstEvent::Unknown;
         }
-        if let Err(error) = read_more(response, deadline, Some(watch)).await {
+        if let Err(error) = read_more(response, deadline, watch).await {
             let reason = match error.kind {
                 ErrorKind::UpstreamTimeout => FallbackReason::Timeout,
                 _ => FallbackReason::Io,

@@ -26,11 +26,12 @@
 //! ## Outages
 //! While the ledger is unreachable a core spends what it holds, and with `on_backend_down =
 //! "allow"` rate budgets go on within the core's share (limit / cores). Concurrency takes the
-//! held lease and the share as one allowance ([`LimiterShard::outage_slots`]): within both while
-//! the lease is live in the ledger, the share alone after. Back from an outage, a concurrency
-//! budget asks no more than its share for twice the time every core needs to find the ledger
-//! (`rejoined_at`), and [`LimiterShard::apply`] keeps no more of a grant than the ledger can
-//! back (a floor it had to accept past the limit admits nothing new).
+//! held lease and the share as one allowance ([`LimiterShard::outage_slots`]): within both
+//! while the lease is live in the ledger, the share alone after. Back from any outage (the
+//! ledger may have restarted empty, or lost the leases of cores serving on shares), a
+//! concurrency budget asks no more than its share for twice the time every core needs to find
+//! the ledger (`rejoined_at`), and [`LimiterShard::apply`] keeps no more of a grant than the
+//! ledger can back (a floor it had to accept past the limit admits nothing new).
 
 use std::collections::HashMap;
 use std::task::Waker;
@@ -1048,14 +1049,16 @@ impl LimiterShard {
 
     /// A concurrency budget while the ledger is unreachable and the policy is to serve on local
     /// shares. The held lease and the share are one allowance, not two: while this core's
-    /// lease is live in the ledger (where every other core counts it), its slots stay within
-    /// that lease and its share; once the lease has lapsed, within its share. So the slots in
-    /// use on all cores never pass the limit while leases last, nor the cores' shares together
-    /// (`nodes × workers × ⌈limit / (nodes × workers)⌉`) after. A budget the ledger never
-    /// granted this core anything for has nothing live there: its share.
+    /// leases are live in the ledger (where every other core counts them), its slots stay
+    /// within its lease — nothing, for a budget it holds none of — and within its share, so
+    /// that what it admitted meanwhile still fits its share when the leases lapse; after that,
+    /// within its share. So the slots in use never pass the limit while leases last, nor the
+    /// cores' shares together (`nodes × workers × ⌈limit / (nodes × workers)⌉`) after. Before
+    /// any exchange ever succeeded this core holds nothing anywhere: its share. (The price: a
+    /// core holding more than its share admits no more than that while an exchange fails.)
     fn outage_slots(&self, b: &Budget, cost: u64, lease_valid: bool) -> Result<(), RefusalKind> {
         let share = b.limit.div_ceil(self.down_share).max(1);
-        let cap = if lease_valid && b.view.is_some() {
+        let cap = if self.last_ok_sent.is_some() && lease_valid {
             share.min(b.granted)
         } else {
             share
@@ -1155,6 +1158,8 @@ impl LimiterShard {
     ) {
         match result {
             Ok(states) => {
+                // Back from an outage: the ledger may not know the slots the other cores hold
+                // (it restarted empty, or their leases lapsed while they served on shares).
                 if !self.backend_ok {
                     self.rejoined_at = Some(sent_at);
                 }

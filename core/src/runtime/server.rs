@@ -1183,7 +1183,7 @@ fn warn_if_fd_limit_low(limit: Option<u64>, snapshot: &Snapshot) {
             .min(server.max_connections_per_worker as u64);
     let needed = (server.workers as u64) * per_worker + 256;
     if limit < needed {
-        let fits = limit.saturating_sub(256) / (2 * server.workers.max(1) as u64);
+        let fits = (limit.saturating_sub(256) / (2 * server.workers.max(1) as u64)).max(1);
         eprintln!(
             "sluice: warning: the open-file limit ({limit}) is below the {needed} descriptors \
              that {} workers x {} client connections and their upstream connections can hold; \

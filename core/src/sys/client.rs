@@ -206,6 +206,10 @@ impl ClientSocket {
     pub(crate) async fn left(&self, poll_every: Duration) {
         loop {
             if self.is_tls() || self.has_bytes() {
+                // Looked at once at once: a TLS client gone before the watch began is seen now.
+                if self.peer_gone() {
+                    return;
+                }
                 crate::sys::clock::sleep(poll_every).await;
             } else if self.readable().await.is_err() {
                 return;

@@ -121,7 +121,9 @@ fn redis_credentials(
             );
             return (username, url.password.clone());
         }
-        (Some(in_url), Some((var, Some(value)))) if *in_url != value => {
+        (Some(in_url), Some((var, Some(value))))
+            if *in_url != value && value != crate::config::ENV_PLACEHOLDER =>
+        {
             err(
                 "limits.redis.password_env".into(),
                 format!(

@@ -283,14 +283,17 @@ fn resolve_keys(
         check_unique_id(&rk.id, i, &mut ids, &path, err, |prev| {
             format!("`{}` is already used by keys[{prev}]", rk.id)
         });
-        let digest = parse_digest(&rk.sha256.to_ascii_lowercase()).unwrap_or_else(|| {
+        let parsed = parse_digest(&rk.sha256.to_ascii_lowercase());
+        if parsed.is_none() {
             err(
                 format!("{path}.sha256"),
                 "must be 64 hex digits (`sluice key hash` prints it)".into(),
             );
-            [0; 32]
-        });
-        if let Some(prev) = by_digest.insert(digest, i) {
+        }
+        // A digest that is not one stands for no key: the hash of its text (never a placeholder
+        // pattern, so no warning echoes the error; a config with it does not load anyway).
+        let digest = parsed.unwrap_or_else(|| super::digest(rk.sha256.as_bytes()));
+        if let Some(prev) = by_digest.insert(digest, i).filter(|_| parsed.is_some()) {
             err(
                 format!("{path}.sha256"),
                 format!("the same key as keys[{prev}]"),

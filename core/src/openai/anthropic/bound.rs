@@ -143,7 +143,11 @@ impl Scan {
             }
         }
         self.arguments_value = false;
-        self.arguments_key = self.arguments && literal == b"\"arguments\"";
+        // The key as the translator sees it, decoded: `"argu\u006dents"` is `arguments` too.
+        self.arguments_key = self.arguments
+            && (literal == b"\"arguments\""
+                || (memchr(b'\\', literal).is_some()
+                    && serde_json::from_slice::<String>(literal).is_ok_and(|k| k == "arguments")));
         self.after_separator = false;
     }
 }
@@ -242,6 +246,8 @@ mod tests {
             // `"arguments"` as a value, or an arguments value that is not a string.
             (r#"["arguments", "[1, 2]"]"#, true, 1, 3),
             (r#"{"arguments": {"x": 1}}"#, true, 2, 5),
+            // An escaped key is the same key to the translator, so it is counted the same.
+            (r#"{"argu\u006dents": "{\"x\": [1, 2]}"}"#, true, 3, 8),
             // Cut short, or not JSON: counted as far as it goes, never a panic.
             (r#"{"a": "unterminated \"#, false, 1, 3),
             (r#"{"a": "x\"#, true, 1, 3),
