@@ -49,22 +49,33 @@ where
     R: FnOnce(SliceMut<Vec<u8>>) -> F,
     F: Future<Output = BufResult<usize, SliceMut<Vec<u8>>>>,
 {
+    match clock::timeout(limit, read(spare(buf, min_spare, grow, max_read))).await {
+        Ok((res, slice)) => {
+            *buf = slice.into_inner();
+            outcome(res)
+        }
+        Err(_) => ReadOutcome::TimedOut,
+    }
+}
+
+/// `buf`'s spare capacity (at least `min_spare`, growing it by `grow` when short, at most
+/// `max_read`), taken out of it for one read: the read gives the buffer back.
+fn spare(buf: &mut Vec<u8>, min_spare: usize, grow: usize, max_read: usize) -> SliceMut<Vec<u8>> {
     if buf.capacity() - buf.len() < min_spare {
         buf.reserve(grow);
     }
     let owned = std::mem::take(buf);
     let len = owned.len();
     let end = owned.capacity().min(len.saturating_add(max_read));
-    match clock::timeout(limit, read(owned.slice_mut(len..end))).await {
-        Ok((res, slice)) => {
-            *buf = slice.into_inner();
-            match res {
-                Ok(0) => ReadOutcome::Closed,
-                Ok(n) => ReadOutcome::Data(n),
-                Err(e) => ReadOutcome::Failed(e),
-            }
-        }
-        Err(_) => ReadOutcome::TimedOut,
+    owned.slice_mut(len..end)
+}
+
+/// A finished read's result as a [`ReadOutcome`].
+fn outcome(res: io::Result<usize>) -> ReadOutcome {
+    match res {
+        Ok(0) => ReadOutcome::Closed,
+        Ok(n) => ReadOutcome::Data(n),
+        Err(e) => ReadOutcome::Failed(e),
     }
 }
 
@@ -99,13 +110,7 @@ where
     T: FnOnce() -> TF,
     TF: Future<Output = ()>,
 {
-    if buf.capacity() - buf.len() < min_spare {
-        buf.reserve(grow);
-    }
-    let owned = std::mem::take(buf);
-    let len = owned.len();
-    let end = owned.capacity().min(len.saturating_add(max_read));
-    let mut op = std::pin::pin!(read(owned.slice_mut(len..end)));
+    let mut op = std::pin::pin!(read(spare(buf, min_spare, grow, max_read)));
     let mut early = None;
     if checkpoint < deadline {
         let mut until = clock::sleep_until_swept(checkpoint);
@@ -130,11 +135,7 @@ where
         return Watched::Read(ReadOutcome::TimedOut);
     };
     *buf = slice.into_inner();
-    Watched::Read(match res {
-        Ok(0) => ReadOutcome::Closed,
-        Ok(n) => ReadOutcome::Data(n),
-        Err(e) => ReadOutcome::Failed(e),
-    })
+    Watched::Read(outcome(res))
 }
 
 /// Write all of `buf` to `stream` within `limit`. With `direct`, first straight to the socket
