@@ -42,6 +42,7 @@ use resolve::*;
 pub use snapshot::*;
 
 pub(crate) use crate::http::HttpLimits;
+pub(crate) use resolve::{connections_fitting, RESERVED_DESCRIPTORS};
 
 /// What `sluice check --no-env` reads every environment variable as: 64 hex digits, a value of
 /// the form every use of a variable takes (a credential, a password, the admin token of at

@@ -210,16 +210,24 @@ pub(super) fn worker_count(raw: &RawServer) -> usize {
 /// stop (a second SIGTERM ends it at once anyway).
 pub(super) const MAX_SHUTDOWN_GRACE_MS: u64 = 3_600_000;
 
-/// `server.max_connections_per_worker` when the file sets none: as many as this process's
-/// open-file limit holds for `workers` workers — each proxied connection holds a client and an
-/// upstream socket, and 256 descriptors stay for listeners, Redis and log files — at most 16,384
-/// and at least 1. (`sluice check` sizes it with its own limit, which may not be the service's.)
+/// Descriptors kept beside the client and upstream connections: listeners, Redis, log files.
+pub(crate) const RESERVED_DESCRIPTORS: u64 = 256;
+
+/// The client connections per worker an open-file `limit` holds for `workers` workers: each
+/// proxied connection holds a client and an upstream socket, beside
+/// [`RESERVED_DESCRIPTORS`]. At least 1.
+pub(crate) fn connections_fitting(limit: u64, workers: usize) -> u64 {
+    (limit.saturating_sub(RESERVED_DESCRIPTORS) / (2 * workers.max(1) as u64)).max(1)
+}
+
+/// `server.max_connections_per_worker` when the file sets none: what this process's open-file
+/// limit holds ([`connections_fitting`]), at most 16,384. (`sluice check` sizes it with its own
+/// limit, which may not be the service's.)
 pub(super) fn default_connections(workers: usize) -> usize {
     const MOST: u64 = 16_384;
-    let fits = crate::sys::sock::open_files_limit().map_or(MOST, |limit| {
-        limit.saturating_sub(256) / (2 * workers.max(1) as u64)
-    });
-    fits.clamp(1, MOST) as usize
+    crate::sys::sock::open_files_limit()
+        .map_or(MOST, |limit| connections_fitting(limit, workers))
+        .min(MOST) as usize
 }
 
 /// `[server]`; `None` when `listen` is not an address.

@@ -184,6 +184,12 @@ impl Budget {
         others + self.spent + self.reserved + self.free(true).max(0) as u64
     }
 
+    /// This core's part of the limit while the ledger is away: the limit over `down_share`
+    /// cores, rounded up, at least 1.
+    fn outage_share(&self, down_share: u64) -> u64 {
+        self.limit.div_ceil(down_share).max(1)
+    }
+
     fn free(&self, lease_valid: bool) -> i64 {
         if !lease_valid {
             return 0;
@@ -1022,7 +1028,7 @@ impl LimiterShard {
             let plan = kind == KIND_PLAN;
             if self.down_allow && !plan {
                 // This core's use of the budget (a window's or the slots) within its share.
-                let share = b.limit.div_ceil(self.down_share).max(1);
+                let share = b.outage_share(self.down_share);
                 if b.spent + b.reserved + cost <= share {
                     return Ok(());
                 }
@@ -1057,7 +1063,7 @@ impl LimiterShard {
     /// any exchange ever succeeded this core holds nothing anywhere: its share. (The price: a
     /// core holding more than its share admits no more than that while an exchange fails.)
     fn outage_slots(&self, b: &Budget, cost: u64, lease_valid: bool) -> Result<(), RefusalKind> {
-        let share = b.limit.div_ceil(self.down_share).max(1);
+        let share = b.outage_share(self.down_share);
         let cap = if self.last_ok_sent.is_some() && lease_valid {
             share.min(b.granted)
         } else {
@@ -1313,13 +1319,12 @@ fn prepare_budget(
     } else {
         (2 * b.recent_use + b.demand).max(min_slice).min(b.limit)
     };
-    let share = b.limit.div_ceil(down_share);
     let target_free = if rejoining {
         // Concurrency just back from an outage: the other cores may still be serving on their
         // shares, slots the ledger may have forgotten; this core asks no more than its share.
-        target_free.min(share.max(1).saturating_sub(b.reserved))
+        target_free.min(b.outage_share(down_share).saturating_sub(b.reserved))
     } else if b.strict {
-        target_free.min(share.max(b.demand))
+        target_free.min(b.limit.div_ceil(down_share).max(b.demand))
     } else {
         target_free
     };

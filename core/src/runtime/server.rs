@@ -112,7 +112,7 @@ pub fn run(
     let signals = block_control_signals()?;
     let (events_tx, events_rx) = mpsc::channel::<ControlEvent>();
     spawn_signal_thread(signals, events_tx.clone())?;
-    warn_if_fd_limit_low(raise_fd_limit(), &snapshot);
+    warn_if_fd_limit_low(crate::sys::sock::raise_open_files_limit(), &snapshot);
     if snapshot.limits.settle_tokenizer == crate::config::limits::SettleTokenizer::Tiktoken {
         // Building the BPE tables takes a while: do it before serving, not on a request.
         for encoding in [
@@ -1149,28 +1149,6 @@ fn pin_to_core(core: usize) {
     }
 }
 
-/// Each connection is a file descriptor: lift the soft limit to the hard one. Returns the limit
-/// in force (`None`: unknown).
-fn raise_fd_limit() -> Option<u64> {
-    // SAFETY: plain getrlimit / setrlimit on a local struct.
-    unsafe {
-        let mut lim: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-            return None;
-        }
-        if lim.rlim_cur < lim.rlim_max {
-            let raised = libc::rlimit {
-                rlim_cur: lim.rlim_max,
-                rlim_max: lim.rlim_max,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-                lim = raised;
-            }
-        }
-        Some(lim.rlim_cur)
-    }
-}
-
 /// Tell the operator, once at start, when the open-file limit is below what the configured
 /// connections need: each proxied request holds a client and an upstream socket, so a full
 /// worker needs about twice `max_connections_per_worker` (plus listeners, Redis, log files).
@@ -1181,9 +1159,9 @@ fn warn_if_fd_limit_low(limit: Option<u64>, snapshot: &Snapshot) {
     let per_worker = server.max_connections_per_worker as u64
         + (snapshot.upstream.max_connections_per_backend as u64)
             .min(server.max_connections_per_worker as u64);
-    let needed = (server.workers as u64) * per_worker + 256;
+    let needed = (server.workers as u64) * per_worker + crate::config::RESERVED_DESCRIPTORS;
     if limit < needed {
-        let fits = (limit.saturating_sub(256) / (2 * server.workers.max(1) as u64)).max(1);
+        let fits = crate::config::connections_fitting(limit, server.workers);
         eprintln!(
             "sluice: warning: the open-file limit ({limit}) is below the {needed} descriptors \
              that {} workers x {} client connections and their upstream connections can hold; \

@@ -100,10 +100,7 @@ pub(crate) fn since_epoch() -> Duration {
 /// `future`, cut off `limit` after [`recent`]: monoio's own `timeout` reads the clock for
 /// every wait. The timer is made only if `future` has to wait (see [`Sleep`]).
 pub(crate) fn timeout<F: Future>(limit: Duration, future: F) -> Timeout<F> {
-    Timeout {
-        inner: future,
-        expiry: sleep(limit),
-    }
+    timeout_until(deadline(limit), future)
 }
 
 /// `future`, cut off at `deadline` (see [`timeout`]).

@@ -291,15 +291,34 @@ pub(crate) fn reuseport_listener(
 /// The descriptors this process may hold: `RLIMIT_NOFILE`'s hard limit (the gateway raises its
 /// soft limit to it at start); `None` when it cannot be read, or is unlimited.
 pub(crate) fn open_files_limit() -> Option<u64> {
-    // SAFETY: getrlimit writes the struct it is given, a local one.
-    let lim = unsafe {
-        let mut lim: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-            return None;
-        }
-        lim
-    };
+    let lim = nofile()?;
     (lim.rlim_max != libc::RLIM_INFINITY).then_some(lim.rlim_max)
+}
+
+/// Each connection is a file descriptor: lift the soft open-file limit to the hard one.
+/// Returns the limit in force (`None`: unknown).
+pub(crate) fn raise_open_files_limit() -> Option<u64> {
+    let lim = nofile()?;
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit reads the struct it is given, a local one.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            return Some(raised.rlim_cur);
+        }
+    }
+    Some(lim.rlim_cur)
+}
+
+/// `RLIMIT_NOFILE`, soft and hard.
+fn nofile() -> Option<libc::rlimit> {
+    // SAFETY: getrlimit writes the struct it is given, a local one.
+    unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        (libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0).then_some(lim)
+    }
 }
 
 #[cfg(test)]

@@ -216,6 +216,12 @@ mod tests {
         vec![item; n].join(",")
     }
 
+    /// An object of `n` members, each a one-member object: a map node per few bytes.
+    fn wide_object(n: usize) -> String {
+        let members: Vec<String> = (0..n).map(|i| format!(r#""k{i}":{{"a":1}}"#)).collect();
+        format!("{{{}}}", members.join(","))
+    }
+
     #[test]
     fn counting_stops_past_the_most_asked_for() {
         let body = format!("[{}]", repeat("1", 1_000));
@@ -278,15 +284,7 @@ mod tests {
         vec![
             wrap(turn(&format!("[{}]", repeat(block, 20_000))), ""),
             wrap(repeat(&turn(r#""x""#), 20_000), ""),
-            wrap(
-                tool_use(&format!("{{{}}}", {
-                    let members: Vec<String> = (0..10_000)
-                        .map(|i| format!(r#""k{i}":{{"a":1}}"#))
-                        .collect();
-                    members.join(",")
-                })),
-                "",
-            ),
+            wrap(tool_use(&wide_object(10_000)), ""),
             wrap(
                 tool_use(&format!(r#"{{"a":[{}]}}"#, repeat("0", 40_000))),
                 "",
@@ -329,15 +327,7 @@ mod tests {
             wrap(user(&format!("[{}]", repeat(part, 20_000))), ""),
             wrap(repeat(&user(r#""x""#), 20_000), ""),
             wrap(call(&format!(r#"{{"a":[{}]}}"#, repeat("0", 40_000))), ""),
-            wrap(
-                call(&format!("{{{}}}", {
-                    let members: Vec<String> = (0..10_000)
-                        .map(|i| format!(r#""k{i}":{{"a":1}}"#))
-                        .collect();
-                    members.join(",")
-                })),
-                "",
-            ),
+            wrap(call(&wide_object(10_000)), ""),
             wrap(
                 user(r#""x""#),
                 &format!(
