@@ -79,6 +79,7 @@ mod gateway {
     pub(crate) mod models;
     pub(crate) mod observe;
     pub(crate) mod pipeline;
+    pub(crate) mod queue;
     pub(crate) mod record;
     pub(crate) mod relay;
     pub(crate) mod route;

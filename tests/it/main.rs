@@ -34,6 +34,7 @@ mod process;
 mod readme;
 mod reload;
 mod routing;
+mod saturation;
 mod shedding;
 mod shutdown;
 mod snapshot_swap;

@@ -33,6 +33,7 @@ mod resolve;
 mod resolve_clusters;
 mod resolve_routes;
 pub(crate) mod routing;
+pub(crate) mod saturation;
 mod snapshot;
 pub(crate) mod sticky;
 pub(crate) mod tls;

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use super::{dialect, limits, routing, sticky, tls};
+use super::{dialect, limits, routing, saturation, sticky, tls};
 
 /// The whole file, read section by section (see [`read_sections`]) so that every section's errors
 /// are reported, not just the first. A key that could not be read is left out (at its default);
@@ -24,6 +24,7 @@ pub(super) struct RawConfig {
     pub(super) routes: Vec<Option<RawRoute>>,
     pub(super) routing: routing::RawRouting,
     pub(super) sticky: sticky::RawSticky,
+    pub(super) saturation: Option<saturation::RawSaturation>,
     pub(super) admin: Option<RawAdmin>,
     pub(super) tls: Option<tls::RawTls>,
     pub(super) access_log: Option<RawAccessLog>,
@@ -37,7 +38,7 @@ pub(super) struct RawConfig {
 }
 
 /// The top-level sections, in the order the example config has them.
-pub(super) const SECTIONS: [&str; 15] = [
+pub(super) const SECTIONS: [&str; 16] = [
     "server",
     "tls",
     "http",
@@ -47,6 +48,7 @@ pub(super) const SECTIONS: [&str; 15] = [
     "routes",
     "routing",
     "sticky",
+    "saturation",
     "admin",
     "access_log",
     "pricing",
@@ -315,6 +317,8 @@ pub(super) struct RawRoute {
     /// Only for the keys of these entities: ahead of the global routes, after a key's own.
     #[serde(default)]
     pub(super) entities: Vec<String>,
+    /// The priority class of this route's requests (`[saturation]`), unless their key names one.
+    pub(super) class: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -349,4 +353,6 @@ pub(super) struct RawTarget {
     /// Requests this process sends the target's backends at once before each counts as fully
     /// loaded (for the load-aware strategies).
     pub(super) max_in_flight: Option<u32>,
+    /// With `[saturation]`: a backend whose scraped waiting queue holds this many is full.
+    pub(super) max_waiting: Option<u32>,
 }

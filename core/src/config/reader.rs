@@ -33,6 +33,9 @@ pub(super) fn read_sections(
             "routing" => read(value, "routing", src, errors).map(|v| raw.routing = v),
             "sticky" => read(value, "sticky", src, errors).map(|v| raw.sticky = v),
             "admin" => read(value, "admin", src, errors).map(|v| raw.admin = Some(v)),
+            "saturation" => {
+                read(value, "saturation", src, errors).map(|v| raw.saturation = Some(v))
+            }
             "tls" => read(value, "tls", src, errors).map(|v| raw.tls = Some(v)),
             "access_log" => {
                 read(value, "access_log", src, errors).map(|v| raw.access_log = Some(v))

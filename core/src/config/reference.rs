@@ -25,6 +25,7 @@ use super::raw::{
     RawRoute, RawServer, RawTarget, RawTimeouts, RawUpstream, SECTIONS,
 };
 use super::routing::{RawProbe, RawRouting};
+use super::saturation::{RawClass, RawSaturation};
 use super::sticky::{RawPrefix, RawSticky, RawStickyKey, RawStickyRule};
 use super::tls::{RawCertificate, RawTls};
 
@@ -100,6 +101,12 @@ fn sections() -> Vec<Section> {
             Some(("routes[].sticky", "prefix")),
         ),
         section::<RawRouting>("[routing]", "{}", None),
+        section::<RawSaturation>("[saturation]", "{}", None),
+        section::<RawClass>(
+            "saturation.classes[]",
+            r#"{ name = "a" }"#,
+            Some(("[saturation]", "classes")),
+        ),
         section::<RawSticky>("[sticky]", "{}", None),
         section::<RawStickyKey>(
             "sticky.keys[]",
@@ -309,6 +316,7 @@ mod tests {
             include_str!("tls.rs"),
             include_str!("routing.rs"),
             include_str!("sticky.rs"),
+            include_str!("saturation.rs"),
             include_str!("dialect.rs"),
         ];
         let raw_structs: BTreeSet<&str> = sources

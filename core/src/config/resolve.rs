@@ -17,7 +17,7 @@ use super::resolve_routes::resolve_routes;
 use super::snapshot::{
     AccessLogSettings, Price, RealIp, ServerConfig, Snapshot, Timeouts, UpstreamLimits,
 };
-use super::{limits, routing, sticky, tls, ConfigError, HttpLimits};
+use super::{limits, routing, saturation, sticky, tls, ConfigError, HttpLimits};
 
 /// Check what was read and build the snapshot (`None` when something needed is missing; every
 /// problem is in `errors`). Each section has its resolver, run in file order so that errors at
@@ -37,6 +37,7 @@ pub(super) fn validate(
         routes,
         routing,
         sticky,
+        saturation,
         admin,
         tls,
         access_log,
@@ -175,6 +176,8 @@ pub(super) fn validate(
         );
     }
 
+    let saturation = resolve_saturation_against(saturation.as_ref(), &limits, &routes, &mut err);
+
     if !errors.is_empty() || !failed.is_empty() {
         return None;
     }
@@ -195,7 +198,51 @@ pub(super) fn validate(
         access_log,
         prices,
         limits: Arc::new(limits),
+        saturation,
     })
+}
+
+/// `[saturation]`, with the classes keys and routes name; a class named with no
+/// `[saturation]` to define it is an error.
+fn resolve_saturation_against(
+    raw: Option<&saturation::RawSaturation>,
+    limits: &limits::LimitsConfig,
+    routes: &[super::snapshot::Route],
+    err: &mut dyn FnMut(String, String),
+) -> Option<Arc<saturation::Saturation>> {
+    let keys: Vec<_> = limits
+        .keys
+        .iter()
+        .map(|k| (k.id.as_str(), k.class.as_deref(), k.queue_weight))
+        .collect();
+    let route_classes: Vec<_> = routes
+        .iter()
+        .map(|r| (r.pattern.source(), r.class.as_deref()))
+        .collect();
+    let Some(raw) = raw else {
+        if let Some(i) = keys.iter().position(|k| k.1.is_some()) {
+            err(
+                format!("keys[{i}].class"),
+                "priority classes are defined in [saturation], which is missing".into(),
+            );
+        }
+        if let Some((pattern, _)) = route_classes.iter().find(|r| r.1.is_some()) {
+            err(
+                "routes".into(),
+                format!(
+                    "the route for `{pattern}` names a class: priority classes are defined \
+                     in [saturation], which is missing"
+                ),
+            );
+        }
+        return None;
+    };
+    Some(Arc::new(saturation::resolve_saturation(
+        raw,
+        &keys,
+        &route_classes,
+        err,
+    )))
 }
 
 /// `server.workers`, with 0 meaning one per core.

@@ -150,6 +150,7 @@ pub(super) fn resolve_route(
                     weight: 1,
                     context_window: None,
                     max_in_flight: None,
+                    max_waiting: None,
                 }],
                 strategy: routing::Strategy::default(),
                 when: None,
@@ -225,6 +226,12 @@ pub(super) fn resolve_route(
                     "must be at least 1".into(),
                 );
             }
+            if rt.max_waiting == Some(0) {
+                err(
+                    format!("{target_path}.max_waiting"),
+                    "must be at least 1".into(),
+                );
+            }
             if rt.max_in_flight == Some(0) {
                 err(
                     format!("{target_path}.max_in_flight"),
@@ -238,6 +245,7 @@ pub(super) fn resolve_route(
                     weight: rt.weight.max(1),
                     context_window: rt.context_window,
                     max_in_flight: rt.max_in_flight,
+                    max_waiting: rt.max_waiting,
                 }),
                 // Not readable: its error is reported.
                 Some(None) => complete = false,
@@ -270,5 +278,6 @@ pub(super) fn resolve_route(
         sticky,
         models: rr.models.clone(),
         scope: RouteScope::Global,
+        class: rr.class.clone(),
     })
 }

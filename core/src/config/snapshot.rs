@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{dialect, limits, routing, sticky, tls, HttpLimits};
+use super::{dialect, limits, routing, saturation, sticky, tls, HttpLimits};
 use crate::openai::meter::Usage;
 
 /// The validated, immutable configuration every worker runs on. Each worker gets its own
@@ -44,6 +44,9 @@ pub struct Snapshot {
     /// API keys, quota plans, limit policies and the sync backend. Shared, not copied, by the
     /// workers: a key table can be large.
     pub(crate) limits: Arc<limits::LimitsConfig>,
+    /// `[saturation]`: caps and the wait queue (`None`: `max_in_flight` is only a load
+    /// signal, and nothing waits).
+    pub(crate) saturation: Option<Arc<saturation::Saturation>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -209,6 +212,8 @@ pub(crate) struct Route {
     pub(crate) models: Vec<String>,
     /// Whose requests it serves.
     pub(crate) scope: RouteScope,
+    /// The priority class it names (resolved in [`Snapshot::saturation`]).
+    pub(crate) class: Option<String>,
 }
 
 /// Whose requests a route serves: a key's own routes come first, then its entity's, then the
@@ -263,6 +268,8 @@ pub(crate) struct RouteTarget {
     pub(crate) weight: u32,
     pub(crate) context_window: Option<u64>,
     pub(crate) max_in_flight: Option<u32>,
+    /// With `[saturation]`: the backend is full while its scraped queue holds this many.
+    pub(crate) max_waiting: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -125,12 +125,7 @@ pub(crate) async fn send<'s>(
     }
     let settings = &core.snapshot.routing;
     let Some(guard) = begin(core, &target) else {
-        // Never sent: its provider reservation goes back untouched.
-        core.limiter.borrow_mut().release(provider);
-        return Tried::PassedOver {
-            reason: None,
-            last: GatewayError::upstream_unavailable(model, 1),
-        };
+        return not_begun(core, &target, model, provider);
     };
     let mut upstream_request = core.bufs.take();
     let built = match translation.build(&mut upstream_request, core, request, inspection, &target) {
@@ -183,6 +178,28 @@ pub(crate) async fn send<'s>(
     Tried::Sent(sent)
 }
 
+/// An attempt its backend would not take (another request holds its half-open probe, or it is
+/// at its cap): passed over, its provider reservation given back untouched. At its cap
+/// (another request took the last place first), the request may wait for room.
+fn not_begun<'s>(
+    core: PerCore<'s>,
+    target: &Target<'s>,
+    model: &str,
+    provider: &mut Permit,
+) -> Tried<'s> {
+    core.limiter.borrow_mut().release(provider);
+    let full = target
+        .cap
+        .zip(target.health)
+        .is_some_and(|(cap, h)| h.load.in_flight() >= cap);
+    let last = if full {
+        GatewayError::saturated(model)
+    } else {
+        GatewayError::upstream_unavailable(model, 1)
+    };
+    Tried::PassedOver { reason: None, last }
+}
+
 /// Whose leaving cuts the attempt while it waits for its answer: the client, unless it
 /// pipelined its next request (bytes past this one already read) — such a client may half-close
 /// and still wait for its answers, so its FIN says nothing, and it is not watched.
@@ -196,7 +213,11 @@ fn watch_for<'c>(request: &Request<'_>, client: &'c ClientSocket) -> Option<forw
 fn begin<'s>(core: PerCore<'s>, target: &Target<'s>) -> Option<Option<AttemptGuard<'s>>> {
     match target.health {
         Some(h) => h
-            .begin(crate::sys::time::mono_ms(), &core.snapshot.routing)
+            .begin(
+                crate::sys::time::mono_ms(),
+                &core.snapshot.routing,
+                target.cap,
+            )
             .map(Some),
         None => Some(None),
     }

@@ -272,6 +272,9 @@ pub struct PerCore<'w> {
     pub(crate) drain: &'w Drain,
     /// The `/v1/models` body of the request's snapshot, for keys without lists of their own.
     pub(crate) models_body: &'w [u8],
+    /// The worker's wait queues (`[saturation]`), and its index among the process's workers.
+    pub(crate) queues: &'w crate::gateway::queue::WaitQueues,
+    pub(crate) worker: usize,
 }
 
 impl<'w> PerCore<'w> {
@@ -308,6 +311,7 @@ pub(crate) mod testing {
         observations: ObservationPool,
         log: LogSink,
         drain: Drain,
+        queues: crate::gateway::queue::WaitQueues,
     }
 
     impl OwnedCore {
@@ -327,6 +331,7 @@ pub(crate) mod testing {
                 observations: ObservationPool::default(),
                 log: LogSink::new(None, 0),
                 drain: Drain::default(),
+                queues: crate::gateway::queue::WaitQueues::default(),
                 snapshot,
             }
         }
@@ -349,6 +354,8 @@ pub(crate) mod testing {
                 log: &self.log,
                 drain: &self.drain,
                 models_body: b"",
+                queues: &self.queues,
+                worker: 0,
             }
         }
 

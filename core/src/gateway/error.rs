@@ -92,6 +92,16 @@ pub(crate) enum ErrorKind {
     /// The client left while an attempt waited for its answer: the attempt is cut, nothing is
     /// written (499, as nginx logs a client that closed its request).
     ClientLeft,
+    /// Every backend that could take the request is at its cap (`[saturation]`) and the
+    /// request may not wait (its wait is 0).
+    BackendsFull,
+    /// The wait queue is at its bound and holds nothing of a lower class to shed.
+    QueueFull,
+    /// The request waited its class's (or its header's) longest and no backend had room.
+    QueueTimeout,
+    /// Shed: dropped from the queue for a higher class's request, or refused while a higher
+    /// class waits.
+    Shed,
 }
 
 /// What one [`ErrorKind`] is on the wire.
@@ -138,7 +148,7 @@ const fn spec(
 impl ErrorKind {
     /// Every kind, in declaration order.
     #[cfg(test)]
-    pub(crate) const ALL: [ErrorKind; 30] = {
+    pub(crate) const ALL: [ErrorKind; 34] = {
         use ErrorKind::*;
         [
             MalformedHttp,
@@ -171,6 +181,10 @@ impl ErrorKind {
             UpstreamUnavailable,
             ContextLengthExceeded,
             ClientLeft,
+            BackendsFull,
+            QueueFull,
+            QueueTimeout,
+            Shed,
         ]
     };
 
@@ -215,6 +229,10 @@ impl ErrorKind {
             UpstreamUnavailable => spec(503, SERVER,   Some("upstream_unavailable"),Gateway,  KEEP,  NOWHERE),
             ContextLengthExceeded => spec(400, INVALID, Some("context_length_exceeded"), Client, KEEP, NOWHERE),
             ClientLeft        => spec(499, INVALID,    Some("client_closed_request"), Client,  CLOSE, NOWHERE),
+            BackendsFull      => spec(503, SERVER,     Some("backends_full"),       Gateway,  KEEP,  NOWHERE),
+            QueueFull         => spec(503, SERVER,     Some("queue_full"),          Gateway,  KEEP,  NOWHERE),
+            QueueTimeout      => spec(503, SERVER,     Some("queue_timeout"),       Gateway,  KEEP,  NOWHERE),
+            Shed              => spec(503, SERVER,     Some("request_shed"),        Gateway,  KEEP,  NOWHERE),
         };
         row
     }
@@ -402,6 +420,20 @@ impl GatewayError {
         );
         e.retry_after = Some(u32::try_from(retry_after_secs).unwrap_or(u32::MAX));
         e
+    }
+
+    /// Every backend that could take a request for `model` is at its cap. Only the route
+    /// phase makes one: the pipeline queues the request ([`crate::gateway::queue`]) and
+    /// answers it only when the request may not wait.
+    pub(crate) fn saturated(model: &str) -> Self {
+        Self::new(
+            ErrorKind::BackendsFull,
+            format!(
+                "Every upstream for the model `{}` is at capacity; retry shortly.",
+                truncate(model, 128)
+            ),
+        )
+        .with_retry_after(Some(1))
     }
 
     /// The request needs `needed` tokens of context; the largest window routed to holds
@@ -716,6 +748,10 @@ mod tests {
                 UpstreamUnavailable => (503, "server_error",        Some("upstream_unavailable"),false, false),
                 ContextLengthExceeded => (400, "invalid_request_error", Some("context_length_exceeded"), false, false),
                 ClientLeft        => (499, "invalid_request_error", Some("client_closed_request"), false, true),
+                BackendsFull      => (503, "server_error",          Some("backends_full"),       false, false),
+                QueueFull         => (503, "server_error",          Some("queue_full"),          false, false),
+                QueueTimeout      => (503, "server_error",          Some("queue_timeout"),       false, false),
+                Shed              => (503, "server_error",          Some("request_shed"),        false, false),
             };
             let actual = (
                 kind.status(),
@@ -733,7 +769,7 @@ mod tests {
             }
         }
         // `ALL` holds every kind once, in declaration order.
-        assert_eq!(ErrorKind::ALL.len(), ClientLeft as usize + 1);
+        assert_eq!(ErrorKind::ALL.len(), Shed as usize + 1);
         for (i, kind) in ErrorKind::ALL.iter().enumerate() {
             assert_eq!(*kind as usize, i);
         }

@@ -8,19 +8,21 @@
 //! sent to the client yet (errors after the response started are the relay's to end); `proxy`
 //! otherwise returns whether the client connection can be kept.
 
+use crate::config::saturation::Saturation;
 use crate::gateway::admit::{Admission, Caller};
 use crate::gateway::attempt::{self, Tried, Walk};
 use crate::gateway::auth::Principal;
 use crate::gateway::context::{PerCore, Request};
-use crate::gateway::error::GatewayError;
+use crate::gateway::error::{ErrorKind, GatewayError};
 use crate::gateway::record::{Estimator, Observation, Outcome, RelayEnd};
 use crate::gateway::relay::{self, Relayed};
 use crate::gateway::route::{Candidates, Target};
 use crate::gateway::translation::RelayWith;
-use crate::gateway::{admit, auth, observe, route, sticky, translation};
+use crate::gateway::{admit, auth, observe, queue, route, sticky, translation};
 use crate::limits::shard::Permit;
 use crate::openai::inspect::Inspection;
 use crate::sys::client::ClientSocket;
+use crate::upstream::board::QueueBoard;
 
 /// Proof that a request's head was authenticated: only [`authenticate_head`] makes one, and
 /// [`proxy`] takes one, so no path can proxy a request nobody authenticated.
@@ -95,46 +97,47 @@ pub(crate) async fn proxy<'s>(
     let mut provider = Permit::default();
     let (mut result, mapped, admission) =
         match route_request(core, request, inspection, &mut caller, &mut obs) {
-            Err(e) => charge_refused(core, &mut caller, &mut obs, e).await,
-            Ok(mut candidates) => {
+            // Every backend is full: admitted like any request, it then waits for room.
+            Err(e) if e.kind != ErrorKind::BackendsFull => {
+                charge_refused(core, &mut caller, &mut obs, e).await
+            }
+            routed => {
                 match admit_routed(core, request, inspection, &mut caller).await {
                     Err(e) => (Err(e), None, None),
                     // Forward and relay, on the admission's reservation: to the candidates in
                     // turn while a failure leaves the client untouched and another backend may
-                    // do better.
+                    // do better — at once, or once the request's turn in the queue comes.
                     Ok(admission) => {
                         admission.rate_headers().write(&mut obs.rate_headers);
                         // An answer's usage is read only for something that uses it (a
                         // provider's token limits may still ask, in `serve`).
                         obs.usage_wanted =
                             core.snapshot.usage_observed() || admission.spends_tokens();
-                        let (served, mapped) = serve(
-                            core,
-                            client,
-                            request,
-                            inspection,
-                            &mut candidates,
-                            &mut obs,
-                            &mut provider,
-                        )
-                        .await;
+                        let (c, r, o, p) = (&mut *client, request, &mut obs, &mut provider);
+                        let served = match routed {
+                            Ok(mut candidates) if !others_wait(core, &candidates) => {
+                                serve(core, c, r, inspection, &mut candidates, o, p).await
+                            }
+                            _ => (Err(GatewayError::saturated("")), None),
+                        };
+                        // Full (or others wait for room already): the request waits its turn.
+                        let (c, r, o, p, who) = (client, request, o, p, caller.principal);
+                        let (served, mapped) = match served {
+                            (Err(e), _) if e.kind == ErrorKind::BackendsFull => {
+                                queued(core, c, r, inspection, who, o, p).await
+                            }
+                            served => served,
+                        };
                         (served, mapped, Some(admission))
                     }
                 }
             }
         };
+    // A slot this request held is free: the worker's best waiters look for room now.
+    core.queues.slot_freed();
 
     // Observe: usage, cost and timings of what happened, whatever happened.
-    let estimator =
-        Estimator::configured(&core.snapshot.limits, mapped.unwrap_or(&inspection.model));
-    let outcome = obs.outcome(
-        core.snapshot,
-        &inspection.model,
-        mapped,
-        request.body,
-        estimator,
-        result.is_ok(),
-    );
+    let outcome = outcome_of(core, request, inspection, &mut obs, mapped, result.is_ok());
 
     // The backend's latency, for the strategies that weigh it.
     let answered = (200..300).contains(&obs.status) && result.is_ok();
@@ -154,6 +157,7 @@ pub(crate) async fn proxy<'s>(
     }
 
     // Metrics and the access-log record.
+    let error = result.as_ref().err();
     observe::emit(
         core.snapshot,
         core.metrics,
@@ -162,14 +166,33 @@ pub(crate) async fn proxy<'s>(
         inspection,
         &obs,
         &outcome,
-        result.as_ref().err(),
+        error,
         &caller,
     );
+    give_back(core, obs);
+    result.map(|relayed| relayed.keep_alive)
+}
+
+/// What a request came to — usage, cost, timings — from its observation.
+fn outcome_of<'m>(
+    core: PerCore<'_>,
+    request: &Request<'_>,
+    inspection: &'m Inspection,
+    obs: &mut Observation,
+    mapped: Option<&'m str>,
+    ok: bool,
+) -> Outcome<'m> {
+    let model = &inspection.model;
+    let estimator = Estimator::configured(&core.snapshot.limits, mapped.unwrap_or(model));
+    obs.outcome(core.snapshot, model, mapped, request.body, estimator, ok)
+}
+
+/// A request's observation state, and the read buffer it kept, back to the worker's pools.
+fn give_back(core: PerCore<'_>, mut obs: Box<Observation>) {
     if let Some(read) = obs.take_kept_read() {
         core.bufs.give(read);
     }
     core.observations.give(obs);
-    result.map(|relayed| relayed.keep_alive)
 }
 
 /// Settle a request's reservations on what it is billed (the outcome's usage: see
@@ -229,24 +252,37 @@ pub(crate) fn route_request<'s>(
         .inspect_err(|e| caller.auth_failed(e))?;
 
     // Route: the targets to try in order — cluster, backend and the model name the upstream
-    // sees — among the backends available now (a fast 503 when none is).
+    // sees — among the backends available now (a fast 503 when none is; `backends_full` when
+    // they are only full, and the request may wait).
+    let candidates = candidates(core, request, inspection, principal)?;
+    let primary = candidates.primary();
+    obs.routed = Some((primary.cluster_id, primary.backend.id));
+    Ok(candidates)
+}
+
+/// The route phase for an inspected, authorized request: its [`Candidates`], or the error.
+fn candidates<'s>(
+    core: PerCore<'s>,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    principal: Option<Principal<'s>>,
+) -> Result<Candidates<'s>, GatewayError> {
     // For a target's context window: the admission's own prompt estimate plus the cap.
     let needed_tokens = || {
         crate::openai::tokens::estimate_tokens(request.body) + inspection.max_tokens.unwrap_or(0)
     };
     // For a sticky route: the session id, the affinity cookie and the prompt prefix's hash.
-    let inspected = &*inspection;
     let session_of = |rule: &crate::config::sticky::StickyRule, route: &str| {
         sticky::session(
             rule,
             route,
             &core.snapshot.sticky_keys,
             request,
-            inspected,
+            inspection,
             crate::sys::time::unix_secs(),
         )
     };
-    let candidates = route::route(
+    route::route(
         core.snapshot,
         core.health,
         &inspection.model,
@@ -254,10 +290,164 @@ pub(crate) fn route_request<'s>(
         &needed_tokens,
         &session_of,
         core.rng,
+    )
+}
+
+/// With `[saturation]`: requests already wait for the route's backends somewhere in the
+/// process, so a new one takes its turn in the queue rather than a slot that frees under them.
+fn others_wait(core: PerCore<'_>, candidates: &Candidates<'_>) -> bool {
+    core.snapshot.saturation.is_some()
+        && core
+            .health
+            .board()
+            .and_then(|b| b.route(candidates.route_index))
+            .is_some_and(|r| r.best() != crate::upstream::board::NOBODY)
+}
+
+/// Wait in the route's queue for room, then serve as [`serve`] does: see
+/// [`queue`](crate::gateway::queue). The request is answered `backends_full` when it may not
+/// wait (a wait of 0), and the queue's own errors when the wait ends without a turn.
+async fn queued<'s>(
+    core: PerCore<'s>,
+    client: &mut ClientSocket,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    principal: Option<Principal<'s>>,
+    obs: &mut Observation,
+    provider: &mut Permit,
+) -> (Result<Relayed, GatewayError>, Option<&'s str>) {
+    let model = inspection.model.as_str();
+    let (ask, saturation, board) = match wait_ask(core, request, inspection, principal) {
+        Ok(Some(ask)) => ask,
+        Ok(None) => return (Err(GatewayError::saturated(model)), None),
+        Err(e) => return (Err(e), None),
+    };
+    obs.queue_class = Some(ask.class);
+    let addr = std::ptr::from_ref(board) as usize;
+    let route = board.route(ask.route);
+    let Some(route) = route else {
+        return (Err(GatewayError::saturated(model)), None);
+    };
+    let joined = queue::join(core.queues, route, addr, core.worker, saturation, &ask);
+    let mut place = match joined {
+        Ok(place) => place,
+        Err(e) => return (Err(e), None),
+    };
+    loop {
+        let turn = place.turn(client, &|| core.drain.draining()).await;
+        obs.queued =
+            Some(crate::sys::clock::Mono::now().saturating_duration_since(place.joined_at));
+        if let Err(why) = turn {
+            return (Err(place.error(why)), None);
+        }
+        let mut candidates = match candidates(core, request, inspection, principal) {
+            Ok(c) => c,
+            Err(e) if e.kind == ErrorKind::BackendsFull => {
+                place.missed();
+                continue;
+            }
+            Err(e) => return (Err(e), None),
+        };
+        place.step_out();
+        let primary = candidates.primary();
+        obs.routed = Some((primary.cluster_id, primary.backend.id));
+        let served = serve(
+            core,
+            client,
+            request,
+            inspection,
+            &mut candidates,
+            obs,
+            provider,
+        )
+        .await;
+        match served {
+            // Another worker's request took the last place first: back in line, rank kept.
+            (Err(e), _) if e.kind == ErrorKind::BackendsFull => place.step_back(),
+            served => return served,
+        }
+    }
+}
+
+/// What a request waits with — its class (its key's, else its route's, else the default; a
+/// header may lower it), its longest wait (the class's; a header may shorten it), its key's
+/// flow and weight and its cost — with the `[saturation]` settings and the board. `None`: it
+/// may not wait (0 ms). A header naming no class, or a wait that is not a number, is a 400.
+#[allow(clippy::type_complexity)] // the ask and the two things it was read against
+fn wait_ask<'s>(
+    core: PerCore<'s>,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    principal: Option<Principal<'s>>,
+) -> Result<Option<(queue::Ask, &'s Saturation, &'s QueueBoard)>, GatewayError> {
+    let model = inspection.model.as_str();
+    let (Some(saturation), Some(board)) =
+        (core.snapshot.saturation.as_deref(), core.health.board())
+    else {
+        return Err(GatewayError::saturated(model));
+    };
+    let key = principal.map(|p| p.index);
+    let route = route::route_index(
+        core.snapshot,
+        model,
+        principal.map(|p| (p.index, p.key.entity)),
     )?;
-    let primary = candidates.primary();
-    obs.routed = Some((primary.cluster_id, primary.backend.id));
-    Ok(candidates)
+    let mut class = saturation.class_of(key, route);
+    if let Some(name) = header(request, &saturation.priority_header) {
+        let asked = saturation.class_named(name).ok_or_else(|| {
+            GatewayError::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "The {} header names no priority class this gateway has.",
+                    saturation.priority_header
+                ),
+            )
+        })?;
+        // Lower only: a client cannot raise its own class.
+        class = class.max(asked);
+    }
+    let mut max_wait = saturation.classes[usize::from(class)].max_wait;
+    if let Some(ms) = header(request, &saturation.max_wait_header) {
+        let ms: u64 = ms.parse().map_err(|_| {
+            GatewayError::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "The {} header is a whole number of milliseconds.",
+                    saturation.max_wait_header
+                ),
+            )
+        })?;
+        max_wait = max_wait.min(std::time::Duration::from_millis(ms));
+    }
+    if max_wait.is_zero() {
+        return Ok(None);
+    }
+    let cost = if saturation.fair_by_tokens {
+        crate::openai::tokens::estimate_tokens(request.body) + inspection.max_tokens.unwrap_or(0)
+    } else {
+        1
+    };
+    let ask = queue::Ask {
+        route,
+        class,
+        flow: board.flow(key),
+        weight: key.map_or(1, |k| saturation.key_weight.get(k).copied().unwrap_or(1)),
+        cost,
+        max_wait,
+    };
+    Ok(Some((ask, saturation, board)))
+}
+
+/// A request header's value (the first of its name), trimmed; `None` when absent or not UTF-8.
+fn header<'r>(request: &Request<'r>, name: &str) -> Option<&'r str> {
+    let buf = request.buf;
+    request
+        .head
+        .headers
+        .iter()
+        .find(|h| h.name(buf).eq_ignore_ascii_case(name.as_bytes()))
+        .and_then(|h| std::str::from_utf8(h.value(buf)).ok())
+        .map(str::trim)
 }
 
 /// Admit a routed request: a reservation under every policy and quota plan that applies (waits

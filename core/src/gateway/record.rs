@@ -189,6 +189,10 @@ pub(crate) struct Observation {
     pub(crate) end: Option<RelayEnd>,
     /// The cluster and backend of the last attempt, once routed.
     pub(crate) routed: Option<(usize, usize)>,
+    /// With `[saturation]`, for a request that waited: its priority class, and how long it
+    /// was queued (so far).
+    pub(crate) queue_class: Option<u8>,
+    pub(crate) queued: Option<Duration>,
     /// Attempts that moved on to another backend, and why the last one did.
     pub(crate) fallbacks: u32,
     pub(crate) fallback_reason: &'static str,
@@ -229,6 +233,8 @@ impl Default for Observation {
             bytes_out: 0,
             end: None,
             routed: None,
+            queue_class: None,
+            queued: None,
             fallbacks: 0,
             fallback_reason: "",
             sticky_id_hash: 0,
@@ -337,6 +343,8 @@ impl Observation {
         self.bytes_out = 0;
         self.end = None;
         self.routed = None;
+        self.queue_class = None;
+        self.queued = None;
         self.fallbacks = 0;
         self.fallback_reason = "";
         self.sticky_id_hash = 0;

@@ -46,6 +46,9 @@ pub(crate) struct Target<'s> {
     pub(crate) credential: Option<(usize, &'s Credential)>,
     /// How long the attempt waits for the response head (its group's `first_byte_timeout_ms`).
     pub(crate) first_byte_timeout: std::time::Duration,
+    /// With `[saturation]`: the most requests the process may have in flight to the backend
+    /// (the target's `max_in_flight`), claimed when the attempt begins.
+    pub(crate) cap: Option<u32>,
 }
 
 impl<'s> Target<'s> {
@@ -110,6 +113,8 @@ pub(crate) struct Candidates<'s> {
     snapshot: &'s Snapshot,
     health: &'s HealthTable,
     route: &'s Route,
+    /// The route's place in `snapshot.routes` (its wait queue's, with `[saturation]`).
+    pub(crate) route_index: usize,
     rng: &'s Cell<u64>,
     /// When availability is judged ([`mono_ms`](crate::sys::time::mono_ms)).
     now: u64,
@@ -203,7 +208,11 @@ impl<'s> Candidates<'s> {
             let fits = group.targets[t]
                 .context_window
                 .is_none_or(|w| w >= self.needed_tokens);
-            if fits && target.health.is_none_or(|h| available(h, self.now)) {
+            let roomy = || {
+                self.snapshot.saturation.is_none()
+                    || !full(&group.targets[t], target.health, self.now, self.snapshot)
+            };
+            if fits && target.health.is_none_or(|h| available(h, self.now)) && roomy() {
                 self.tried[self.tried_len] = pair;
                 self.tried_len += 1;
                 return Some(target);
@@ -254,6 +263,9 @@ fn make_target<'s>(
         health: health.get(backend.id),
         credential,
         first_byte_timeout: group.first_byte_timeout,
+        cap: route_target
+            .max_in_flight
+            .filter(|_| snapshot.saturation.is_some()),
     }
 }
 
@@ -289,6 +301,31 @@ impl Walk {
             }
         }
     }
+}
+
+/// With `[saturation]`: the backend has no room for one more of the target's requests — its
+/// requests in flight from this process at the target's `max_in_flight`, or its scraped
+/// waiting queue (fresh) at the target's `max_waiting`.
+fn full(
+    target: &RouteTarget,
+    health: Option<&BackendHealth>,
+    now: u64,
+    snapshot: &Snapshot,
+) -> bool {
+    let Some(h) = health else {
+        return false;
+    };
+    let at_cap = target
+        .max_in_flight
+        .is_some_and(|cap| h.load.in_flight() >= cap);
+    let queued = || {
+        target.max_waiting.is_some_and(|max| {
+            h.load
+                .queue(now, snapshot.routing.queue_stale_ms)
+                .is_some_and(|(waiting, _, _)| waiting >= max)
+        })
+    };
+    at_cap || queued()
 }
 
 fn available(health: &BackendHealth, now: u64) -> bool {
@@ -339,7 +376,12 @@ impl<'s> Picker<'s, '_> {
                 || t.max_in_flight.is_some()
                 || self.snapshot.clusters[t.cluster].queue_metrics
         });
-        let picked = if filtered {
+        // With `[saturation]` a full backend is no choice at all: the request waits instead.
+        let picked = if self.snapshot.saturation.is_some() {
+            let room = |o: &Choice<'_>| !full(o.target, o.health, self.now, self.snapshot);
+            self.pick(group, &|o| fits(o) && roomy(o) && room(o))
+                .or_else(|| self.pick(group, &|o| fits(o) && room(o)))?
+        } else if filtered {
             self.pick(group, &|o| fits(o) && roomy(o))
                 .or_else(|| self.pick(group, &fits))?
         } else {
@@ -621,11 +663,8 @@ pub(crate) fn route<'s>(
     session_of: &dyn Fn(&StickyRule, &str) -> Session,
     rng: &'s Cell<u64>,
 ) -> Result<Candidates<'s>, GatewayError> {
-    let route = snapshot
-        .routes
-        .iter()
-        .find(|r| r.pattern.matches(model) && r.scope.serves(caller))
-        .ok_or_else(|| GatewayError::model_not_found(model))?;
+    let route_index = route_index(snapshot, model, caller)?;
+    let route = &snapshot.routes[route_index];
     let now = crate::sys::time::mono_ms();
     // Estimated only for a route with a context window to fit in.
     let sized = route
@@ -691,6 +730,7 @@ pub(crate) fn route<'s>(
             snapshot,
             health,
             route,
+            route_index,
             rng,
             now,
             needed_tokens,
@@ -711,6 +751,20 @@ pub(crate) fn route<'s>(
         needed_tokens,
         now,
     ))
+}
+
+/// Which of the snapshot's routes serves `model` for `caller`: the first that matches (they are
+/// stored most specific first), or 404.
+pub(crate) fn route_index(
+    snapshot: &Snapshot,
+    model: &str,
+    caller: Option<(KeyIdx, Option<usize>)>,
+) -> Result<usize, GatewayError> {
+    snapshot
+        .routes
+        .iter()
+        .position(|r| r.pattern.matches(model) && r.scope.serves(caller))
+        .ok_or_else(|| GatewayError::model_not_found(model))
 }
 
 /// The backend a session is pinned to: by its cookie, else by its id in the pin table.
@@ -758,7 +812,28 @@ fn nothing_could_take_it(
     if largest < needed_tokens {
         return GatewayError::context_length_exceeded(needed_tokens, largest);
     }
+    if snapshot.saturation.is_some() && any_full(snapshot, health, route, needed_tokens, now) {
+        return GatewayError::saturated(model);
+    }
     GatewayError::upstream_unavailable(model, retry_after_secs(snapshot, health, route, now))
+}
+
+/// Whether some backend of the route that is up and fits the request is only full: then the
+/// request may wait for room.
+fn any_full(
+    snapshot: &Snapshot,
+    health: &HealthTable,
+    route: &Route,
+    needed_tokens: u64,
+    now: u64,
+) -> bool {
+    route.groups.iter().flat_map(|g| &g.targets).any(|t| {
+        t.context_window.is_none_or(|w| w >= needed_tokens)
+            && snapshot.clusters[t.cluster].backends.iter().any(|b| {
+                let h = health.get(b.id);
+                h.is_some_and(|h| available(h, now)) && full(t, h, now, snapshot)
+            })
+    })
 }
 
 /// Bounded load (consistent hashing with bounded loads, Mirrokni et al.): a backend with
@@ -1265,7 +1340,7 @@ mod tests {
                 next_random(&rng)
             };
             let chosen = by_prefix(s, h, &rng, key);
-            guards.push(h.get(chosen).unwrap().begin(now, &s.routing).unwrap());
+            guards.push(h.get(chosen).unwrap().begin(now, &s.routing, None).unwrap());
             let in_flight: [u64; 3] =
                 std::array::from_fn(|b| u64::from(h.get(b).unwrap().load.in_flight()));
             check(chosen, in_flight, in_flight.iter().sum());

@@ -179,6 +179,7 @@ pub fn run(
     let workers = snapshot.server.workers;
     // One health table for every worker: what one learns of a backend, all act on.
     let health = Arc::new(crate::upstream::health::HealthTable::build(&snapshot, None));
+    set_queue_metrics(&hub, &snapshot, &health);
     let scraper = crate::runtime::scrape::Scraper::start(&snapshot, &health)?;
     let fleet = crate::runtime::fleet::Fleet::start(&snapshot, &health)?;
     let listeners = worker_listeners(workers, addr, tls_addr, inherited)?;
@@ -574,6 +575,7 @@ impl Control {
             &snapshot,
             Some(&self.health),
         ));
+        set_queue_metrics(&self.hub, &snapshot, &health);
         let (done_tx, done_rx) = mpsc::channel();
         let mut sent = 0;
         let mut logs = access_logs.map(Vec::into_iter);
@@ -1171,4 +1173,15 @@ fn warn_if_fd_limit_low(limit: Option<u64>, snapshot: &Snapshot) {
             server.workers, server.max_connections_per_worker
         );
     }
+}
+
+/// The wait queue's families in every scrape from now on, from `health`'s board (none without
+/// `[saturation]`).
+fn set_queue_metrics(
+    hub: &MetricsHub,
+    snapshot: &Snapshot,
+    health: &Arc<crate::upstream::health::HealthTable>,
+) {
+    let metrics = crate::gateway::queue::QueueMetrics::new(snapshot, health);
+    hub.set_appendix(metrics.map(|m| Arc::new(m) as Arc<dyn crate::telemetry::metrics::Appendix>));
 }

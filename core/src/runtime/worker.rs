@@ -82,6 +82,8 @@ pub struct Worker {
     /// Open client connections, marked while they wait for a request (so a drain can close
     /// those at once). Registered once per connection; a request only flips its mark.
     pub(crate) clients: RefCell<crate::sys::sock::SocketSet>,
+    /// Requests waiting for a backend with room (`[saturation]`).
+    pub(crate) queues: crate::gateway::queue::WaitQueues,
 }
 
 /// Smallest read buffer of a connection; grows as a request needs, shrinks back after it.
@@ -246,6 +248,7 @@ impl Worker {
             log: LogSink::new(access_log, id),
             limiter: RefCell::new(limiter),
             drain: Drain::default(),
+            queues: crate::gateway::queue::WaitQueues::default(),
             stop: Stop::default(),
             clients: RefCell::default(),
         }
@@ -325,6 +328,8 @@ impl Worker {
             log: &self.log,
             drain: &self.drain,
             models_body: &generation.models_body,
+            queues: &self.queues,
+            worker: self.id,
         }
     }
 }

@@ -415,7 +415,10 @@ impl LabelNames {
 const QUOTA_POLICY: &str = "quota";
 
 /// A backend's `backend` label: `cluster/host[:port]`.
-fn backend_label(cluster: &crate::config::Cluster, backend: &crate::config::Backend) -> String {
+pub(crate) fn backend_label(
+    cluster: &crate::config::Cluster,
+    backend: &crate::config::Backend,
+) -> String {
     format!("{}/{}", cluster.name, backend.host_header)
 }
 
@@ -1043,6 +1046,15 @@ pub struct MetricsHub {
     reloads: ReloadStats,
     /// Registered shards' slots; the outer lock is taken only to register and to list them.
     slots: Mutex<Vec<Arc<Mutex<Slot>>>>,
+    /// Families another layer keeps (the wait queue's node-wide counters), written after the
+    /// hub's own; replaced by the control thread on a reload, read by a scrape.
+    appendix: Mutex<Option<Arc<dyn Appendix>>>,
+}
+
+/// Families whose values live outside the shards (in atomics shared by the workers), written
+/// whole — `# HELP`, `# TYPE` and samples — at the end of a scrape.
+pub(crate) trait Appendix: Send + Sync + std::fmt::Debug {
+    fn render(&self, out: &mut String);
 }
 
 impl MetricsHub {
@@ -1098,6 +1110,7 @@ impl MetricsHub {
             layout,
             reloads: ReloadStats::default(),
             slots: Mutex::new(Vec::new()),
+            appendix: Mutex::new(None),
         })
     }
 
@@ -1164,6 +1177,19 @@ impl MetricsHub {
             w.header(family.name, family.kind.as_str(), family.help);
             scrape.write_family(&mut w, family);
         }
+        let appendix = self
+            .appendix
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(a) = appendix {
+            a.render(out);
+        }
+    }
+
+    /// Write `appendix`'s families at the end of every scrape from now on (`None`: none).
+    pub(crate) fn set_appendix(&self, appendix: Option<Arc<dyn Appendix>>) {
+        *self.appendix.lock().unwrap_or_else(PoisonError::into_inner) = appendix;
     }
 }
 

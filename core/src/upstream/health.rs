@@ -23,6 +23,7 @@ use std::sync::Arc;
 use crate::config::routing::{BreakerSettings, RoutingSettings};
 use crate::config::{BackendId, Snapshot};
 use crate::upstream::affinity::PinTable;
+use crate::upstream::board::QueueBoard;
 
 /// What one attempt tells of its backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -269,9 +270,15 @@ impl BackendHealth {
     }
 
     /// Claim the attempt about to be sent: the probe, when half-open (`None`: another request
-    /// took it first, try elsewhere). Counts the request in the retry budget's window, and in
+    /// took it first, try elsewhere), and a place under `cap` requests in flight from the whole
+    /// process (`None`: it is full). Counts the request in the retry budget's window, and in
     /// flight while the guard lives.
-    pub(crate) fn begin(&self, now: u64, settings: &RoutingSettings) -> Option<AttemptGuard<'_>> {
+    pub(crate) fn begin(
+        &self,
+        now: u64,
+        settings: &RoutingSettings,
+        cap: Option<u32>,
+    ) -> Option<AttemptGuard<'_>> {
         let probe = match self.availability(now) {
             Availability::Available => false,
             Availability::Probe => {
@@ -282,9 +289,25 @@ impl BackendHealth {
             }
             Availability::Out { .. } => return None,
         };
+        let counted = match cap {
+            None => {
+                self.load.in_flight.fetch_add(1, Relaxed);
+                true
+            }
+            Some(cap) => self
+                .load
+                .in_flight
+                .fetch_update(Relaxed, Relaxed, |n| (n < cap).then_some(n + 1))
+                .is_ok(),
+        };
+        if !counted {
+            if probe {
+                self.probe_out.store(false, Relaxed);
+            }
+            return None;
+        }
         self.roll_window(now, settings);
         self.window_requests.fetch_add(1, Relaxed);
-        self.load.in_flight.fetch_add(1, Relaxed);
         Some(AttemptGuard {
             health: self,
             probe,
@@ -493,6 +516,8 @@ pub(crate) struct HealthTable {
     /// [`mono_ms`](crate::sys::time::mono_ms) time (0: not).
     credentials: Vec<Vec<Arc<AtomicU64>>>,
     credential_keys: Vec<Vec<String>>,
+    /// The wait queue's node-wide board (with `[saturation]`).
+    board: Option<QueueBoard>,
 }
 
 impl HealthTable {
@@ -518,6 +543,19 @@ impl HealthTable {
             pins,
             credentials: Vec::with_capacity(snapshot.clusters.len()),
             credential_keys: Vec::with_capacity(snapshot.clusters.len()),
+            board: snapshot.saturation.as_ref().map(|s| {
+                QueueBoard::new(
+                    snapshot
+                        .routes
+                        .iter()
+                        .map(|r| r.pattern.source().to_string())
+                        .collect(),
+                    snapshot.server.workers,
+                    snapshot.limits.keys.len(),
+                    s.classes.len(),
+                    previous.and_then(|p| p.board.as_ref()),
+                )
+            }),
         };
         let kept_credentials: HashMap<&str, &Arc<AtomicU64>> = previous
             .map(|p| {
@@ -601,6 +639,11 @@ impl HealthTable {
         self.pins.as_deref()
     }
 
+    /// The wait queue's node-wide board (`None` without `[saturation]`).
+    pub(crate) fn board(&self) -> Option<&QueueBoard> {
+        self.board.as_ref()
+    }
+
     /// The backend's health, to keep beyond the table (the queue scraper's).
     pub(crate) fn shared(&self, id: BackendId) -> Option<Arc<BackendHealth>> {
         self.backends.get(id).map(Arc::clone)
@@ -646,7 +689,9 @@ mod tests {
         let t = 100;
         // Two failures, then an answer: the count starts over.
         for _ in 0..2 {
-            h.begin(t, &s).unwrap().record(AttemptResult::Failed, t, &s);
+            h.begin(t, &s, None)
+                .unwrap()
+                .record(AttemptResult::Failed, t, &s);
         }
         h.record(AttemptResult::Answered, t, &s);
         for _ in 0..2 {
@@ -655,21 +700,21 @@ mod tests {
         assert_eq!(h.availability(t), Availability::Available);
         h.record(AttemptResult::Failed, t, &s);
         assert_eq!(h.availability(t), Availability::Out { until: t + 1_000 });
-        assert!(h.begin(t + 999, &s).is_none());
+        assert!(h.begin(t + 999, &s, None).is_none());
 
         // Half-open: one probe; the next request is kept out while it runs.
         assert_eq!(h.availability(t + 1_000), Availability::Probe);
-        let mut probe = h.begin(t + 1_000, &s).unwrap();
+        let mut probe = h.begin(t + 1_000, &s, None).unwrap();
         assert!(matches!(
             h.availability(t + 1_000),
             Availability::Out { .. }
         ));
-        assert!(h.begin(t + 1_000, &s).is_none());
+        assert!(h.begin(t + 1_000, &s, None).is_none());
         // An attempt that started before the breaker opened ends now: counted, but it neither
         // closes nor re-opens the breaker, nor frees the probe.
         h.record(AttemptResult::Answered, t + 1_000, &s);
         h.record(AttemptResult::Failed, t + 1_000, &s);
-        assert!(h.begin(t + 1_000, &s).is_none());
+        assert!(h.begin(t + 1_000, &s, None).is_none());
         assert_eq!(h.state_code(t + 1_000), 2);
         // The probe fails: open twice as long.
         probe.record(AttemptResult::Failed, t + 1_000, &s);
@@ -679,7 +724,7 @@ mod tests {
             Availability::Out { until: t + 3_000 }
         );
         // Then capped at max_open_ms.
-        h.begin(t + 3_000, &s)
+        h.begin(t + 3_000, &s, None)
             .unwrap()
             .record(AttemptResult::Failed, t + 3_000, &s);
         assert_eq!(
@@ -688,13 +733,13 @@ mod tests {
         );
 
         // A probe whose request went away (dropped unrecorded) frees the probe.
-        drop(h.begin(t + 6_000, &s).unwrap());
+        drop(h.begin(t + 6_000, &s, None).unwrap());
         // Two successful probes close it.
-        h.begin(t + 6_000, &s)
+        h.begin(t + 6_000, &s, None)
             .unwrap()
             .record(AttemptResult::Answered, t + 6_000, &s);
         assert_eq!(h.state_code(t + 6_000), 2, "one success: still half-open");
-        h.begin(t + 6_000, &s)
+        h.begin(t + 6_000, &s, None)
             .unwrap()
             .record(AttemptResult::Answered, t + 6_000, &s);
         assert_eq!(h.availability(t + 6_000), Availability::Available);
@@ -746,7 +791,7 @@ mod tests {
         assert_eq!(h.state_code(10), 2, "half-open: a request decides");
         assert_eq!(h.availability(10), Availability::Probe);
         // The request that probes fails: open again, for twice as long (the back-off stands).
-        let mut probe = h.begin(10, &s).unwrap();
+        let mut probe = h.begin(10, &s, None).unwrap();
         probe.record(AttemptResult::Failed, 10, &s);
         drop(probe);
         assert_eq!(h.open_until.load(Relaxed), 10 + 2 * s.breaker.open_ms);
@@ -755,7 +800,7 @@ mod tests {
             h.probed(true, 20, &s, 100);
         }
         for _ in 0..s.breaker.successes {
-            let mut probe = h.begin(20, &s).unwrap();
+            let mut probe = h.begin(20, &s, None).unwrap();
             probe.record(AttemptResult::Answered, 20, &s);
         }
         assert_eq!(h.state_code(20), 0);
@@ -829,12 +874,23 @@ mod tests {
         assert_eq!(l.ttft_us(0), Some(130.0));
 
         // In flight while the guards live; load over max_in_flight.
-        let a = h.begin(1, &s).unwrap();
-        let b = h.begin(1, &s).unwrap();
+        let a = h.begin(1, &s, None).unwrap();
+        let b = h.begin(1, &s, None).unwrap();
         assert_eq!(l.in_flight(), 2);
         assert_eq!(l.load(1, 5_000, Some(4)), 0.5);
         drop((a, b));
         assert_eq!(l.in_flight(), 0);
+
+        // A cap: the third claim under a cap of 2 is refused, and counts nothing; a freed
+        // place is taken again.
+        let a = h.begin(1, &s, Some(2)).unwrap();
+        let b = h.begin(1, &s, Some(2)).unwrap();
+        assert!(h.begin(1, &s, Some(2)).is_none());
+        assert_eq!(l.in_flight(), 2);
+        drop(a);
+        let c = h.begin(1, &s, Some(2)).unwrap();
+        assert_eq!(l.in_flight(), 2);
+        drop((b, c));
 
         // A fresh scrape: its KV use, and 1 once it queues; stale after stale_ms.
         l.scraped(0, 3, 0.4, 100);
@@ -852,7 +908,7 @@ mod tests {
         let s = settings();
         let h = BackendHealth::default();
         for _ in 0..20 {
-            assert!(h.begin(5, &s).is_some());
+            assert!(h.begin(5, &s, None).is_some());
         }
         // 25% of 20 requests.
         let allowed = (0..20).filter(|_| h.allow_retry(5, &s)).count();

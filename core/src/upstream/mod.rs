@@ -13,6 +13,7 @@
 //! whose grace ran out.
 
 pub(crate) mod affinity;
+pub(crate) mod board;
 pub(crate) mod health;
 
 use std::cell::{Cell, RefCell};

@@ -23,6 +23,15 @@ pub(crate) struct RawKey {
     pub(super) source_subnets: Vec<String>,
     #[serde(default)]
     pub(super) plans: Vec<RawPlan>,
+    /// The priority class of this key's requests (`[saturation]`).
+    pub(super) class: Option<String>,
+    /// This key's weight in its class's fair share (`[saturation]`).
+    #[serde(default = "one")]
+    pub(super) queue_weight: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 fn yes() -> bool {

@@ -349,6 +349,8 @@ fn resolve_key(
         subnets,
         plans,
         policies: policies_of(rk, policies),
+        class: rk.class.clone(),
+        queue_weight: rk.queue_weight,
     }
 }
 

@@ -126,6 +126,9 @@ pub(crate) struct ApiKey {
     /// Policies whose key / entity / tag filters match this key (models are checked per
     /// request).
     pub(crate) policies: Vec<PolicyIdx>,
+    /// The priority class named (resolved against `[saturation]`'s classes there).
+    pub(crate) class: Option<String>,
+    pub(crate) queue_weight: u32,
 }
 
 impl ApiKey {
