@@ -489,7 +489,7 @@ colour = "red"
             "error: clusters.main.backends[0].base_url (line 6, column 27): \
              `ftp://127.0.0.1:1/v1` must start with http:// or https://",
             "error: routes[0].colour (line 11, column 1): unknown field `colour`, expected one of \
-             `model`, `cluster`, `groups`, `sticky`, `models`, `keys`, `entities`",
+             `model`, `cluster`, `groups`, `sticky`, `models`, `keys`, `entities`, `class`",
         ],
         "{stderr}"
     );

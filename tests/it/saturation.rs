@@ -162,8 +162,14 @@ fn a_freed_slot_goes_to_the_oldest_waiter_of_the_highest_class_and_a_header_cann
 /// Where the mock counted the request that this answers (its id is `chatcmpl-mock-N`): the
 /// order requests reached the backend in, whenever their clients got to read the answers.
 fn arrival(r: &Response) -> u64 {
-    let id = r.json()["id"].as_str().map(str::to_string).unwrap_or_default();
-    id.rsplit('-').next().and_then(|n| n.parse().ok()).unwrap_or(u64::MAX)
+    let id = r.json()["id"]
+        .as_str()
+        .map(str::to_string)
+        .unwrap_or_default();
+    id.rsplit('-')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(u64::MAX)
 }
 
 /// A request to queue: its key, its tag, its extra headers.
@@ -302,9 +308,10 @@ fn a_full_queue_sheds_the_lower_sheddable_class_first() {
 fn a_stop_answers_queued_requests_at_once_while_the_one_in_flight_finishes() {
     let mock = Mock::start(&[]);
     let config = config(&mock, 1, 2, "").raw("");
-    let text = config
-        .to_toml()
-        .replace("pin_workers = false", "pin_workers = false\nshutdown_grace_ms = 10000");
+    let text = config.to_toml().replace(
+        "pin_workers = false",
+        "pin_workers = false\nshutdown_grace_ms = 10000",
+    );
     let mut gw = Sluice::start(&Config::from_text(&text));
     let (tx, rx) = mpsc::channel();
     let holder = send(&gw, chat(INTERACTIVE, 1_500, &[]), "holder", &tx);
