@@ -16,8 +16,8 @@ on (`[saturation]`, the target's `max_in_flight = CAP`), and with the flood and 
 requests' latency p50 / p99 (the mock answers whole, after its service time: the latency is the
 time to the first byte) and how many each key got through.
 
-fairness: two keys in one class, key A with 8 clients in a closed loop, key B with 2 (offered
-4:1; both always have requests waiting). Counts each key's completions over DURATION s and
+fairness: two keys in one class, key A with 4 x CAP clients in a closed loop, key B with CAP
+(offered 4:1; each alone could fill the backend, so both always have requests waiting). Counts each key's completions over DURATION s and
 prints the shares and Jain's index; then the same with A's queue_weight = 3.
 
 Sluice runs on core 0 with two workers; the mock and the clients on core 1.
@@ -176,8 +176,8 @@ def fairness():
         m, s, port = up(True, weight)
         until = time.time() + DURATION
         counts = {}
-        ts = closed_loop(port, KEYS["a"], 8, until, counts, "a")
-        ts += closed_loop(port, KEYS["b"], 2, until, counts, "b")
+        ts = closed_loop(port, KEYS["a"], 4 * CAP, until, counts, "a")
+        ts += closed_loop(port, KEYS["b"], CAP, until, counts, "b")
         for t in ts:
             t.join()
         down(s, m)
