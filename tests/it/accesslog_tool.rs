@@ -85,6 +85,17 @@ fn records() -> Vec<AccessRecord> {
                 "status_429".into()
             },
             cache_write_tokens: 64 * (i % 2),
+            queued_us: 250 * i,
+            priority_class: if i % 2 == 0 {
+                "batch".into()
+            } else {
+                String::new()
+            },
+            queue_outcome: if i % 2 == 0 {
+                "expired".into()
+            } else {
+                String::new()
+            },
         });
     }
     v
@@ -134,6 +145,9 @@ fn expected_json(r: &AccessRecord) -> Value {
         "worker_id": r.worker_id,
         "fallback_reason": r.fallback_reason,
         "cache_write_tokens": r.cache_write_tokens,
+        "queued_us": r.queued_us,
+        "priority_class": r.priority_class,
+        "queue_outcome": r.queue_outcome,
     })
 }
 

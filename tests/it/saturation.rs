@@ -191,7 +191,12 @@ fn wait_until(mut cond: impl FnMut() -> bool) {
 #[test]
 fn a_wait_past_its_deadline_is_answered_503_queue_timeout_with_retry_after() {
     let mock = Mock::start(&[]);
-    let gw = Sluice::start(&config(&mock, 1, 2, ""));
+    let log = TempDir::new("saturation-expiry");
+    let gw = Sluice::start(
+        &config(&mock, 1, 2, "")
+            .access_log(log.path())
+            .access_log_opt("flush_interval_ms", 50),
+    );
     let (tx, rx) = mpsc::channel();
     let holder = send(&gw, chat(INTERACTIVE, 3_000, &[]), "holder", &tx);
     wait_until(|| mock.stat("active_requests") == 1);
@@ -225,6 +230,20 @@ fn a_wait_past_its_deadline_is_answered_503_queue_timeout_with_retry_after() {
         m.sum("sluice_queue_total", &[("outcome", "expired")]) >= 1.0
     });
     assert_eq!(m.sum("sluice_queue_total", &[("outcome", "expired")]), 1.0);
+    // The access log: the expired wait (its class, how long, how it ended), the holder that
+    // never waited.
+    let records = wait_records(log.path(), 5, Duration::from_secs(10));
+    let expired: Vec<_> = records.iter().filter(|r| r["status"] == 503).collect();
+    let waited = expired
+        .iter()
+        .find(|r| r["queue_outcome"] == "expired")
+        .expect("the expired wait is logged");
+    assert_eq!(waited["priority_class"], "interactive", "{waited}");
+    let queued_us = waited["queued_us"].as_u64().unwrap();
+    assert!((300_000..10_000_000).contains(&queued_us), "{waited}");
+    let holder = records.iter().find(|r| r["status"] == 200).unwrap();
+    assert_eq!(holder["queue_outcome"], "", "{holder}");
+    assert_eq!(holder["queued_us"], 0, "{holder}");
 }
 
 #[test]
@@ -375,4 +394,42 @@ fn queued_bodies_stay_within_the_workers_body_memory() {
     assert_eq!(served + refused, answers.len());
     assert!(refused >= 3, "{refused} refused");
     assert_eq!(mock.stat("requests") as usize, 1 + served);
+}
+
+#[test]
+fn a_reload_keeps_waiting_requests_in_their_queue_and_they_are_served() {
+    let mock = Mock::start(&[]);
+    let config = config(&mock, 1, 2, "");
+    let gw = Sluice::start(&config);
+    let (tx, rx) = mpsc::channel();
+    let holder = send(&gw, chat(INTERACTIVE, 1_500, &[]), "holder", &tx);
+    wait_until(|| mock.stat("active_requests") == 1);
+    let waiting = send(&gw, chat(BATCH, 0, &[]), "waiting", &tx);
+    wait_queued(&gw, 1.0);
+    // The same gateway, the batch class's wait shorter: a new snapshot, a new queue.
+    gw.rewrite_config_text(&config.to_toml().replace(
+        r#"{ name = "batch", max_wait_ms = 20000"#,
+        r#"{ name = "batch", max_wait_ms = 15000"#,
+    ));
+    gw.signal(libc::SIGHUP);
+    let m = gw.wait_metrics(Duration::from_secs(10), |m| {
+        m.sum("sluice_config_reloads_total", &[("outcome", "applied")]) >= 1.0
+    });
+    assert_eq!(
+        m.sum("sluice_config_reloads_total", &[("outcome", "applied")]),
+        1.0
+    );
+    // A request of the new snapshot waits in the new snapshot's queue; both are served, one at
+    // a time (the cap holds across the two queues: it is the backend's).
+    let after = send(&gw, chat(BATCH, 0, &[]), "after", &tx);
+    holder.join().unwrap();
+    waiting.join().unwrap();
+    after.join().unwrap();
+    let answers: Vec<_> = rx.try_iter().collect();
+    assert_eq!(answers.len(), 3);
+    for (tag, r, _) in &answers {
+        assert_eq!(r.status, 200, "{tag}: {}", r.dump());
+    }
+    assert_eq!(mock.stat("max_active_requests"), 1);
+    assert_eq!(mock.stat("requests"), 3);
 }

@@ -266,8 +266,19 @@ impl Finished<'_, '_> {
             worker_id: sink.worker_id as u32,
             fallback_reason: obs.fallback_reason,
             cache_write_tokens: u.cache_write_tokens,
+            queued_us: obs.queued.map_or(0, |d| d.as_micros() as u64),
+            priority_class: class_name(snapshot, obs.queue_class),
+            queue_outcome: obs.queue_outcome,
         });
     }
+}
+
+/// The name of the priority class a request waited in ("" when it did not wait).
+fn class_name(snapshot: &Snapshot, class: Option<u8>) -> &str {
+    let classes = snapshot.saturation.as_ref().map(|s| s.classes.as_slice());
+    class
+        .and_then(|c| classes?.get(usize::from(c)))
+        .map_or("", |c| c.name.as_str())
 }
 
 /// The cluster, mapped model and backend (host) names of where the request went, or empty.

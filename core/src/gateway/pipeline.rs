@@ -331,12 +331,16 @@ async fn queued<'s>(
     let joined = queue::join(core.queues, route, addr, core.worker, saturation, &ask);
     let mut place = match joined {
         Ok(place) => place,
-        Err(e) => return (Err(e), None),
+        Err(e) => {
+            obs.queue_outcome = queue::refusal_outcome(&e);
+            return (Err(e), None);
+        }
     };
     loop {
         let turn = place.turn(client, &|| core.drain.draining()).await;
         obs.queued =
             Some(crate::sys::clock::Mono::now().saturating_duration_since(place.joined_at));
+        obs.queue_outcome = place.outcome();
         if let Err(why) = turn {
             return (Err(place.error(why)), None);
         }

@@ -265,6 +265,14 @@ pub(crate) fn join<'q>(
     })
 }
 
+/// The `sluice_queue_total` outcome of a request [`join`] refused.
+pub(crate) fn refusal_outcome(e: &GatewayError) -> &'static str {
+    match e.kind {
+        ErrorKind::Shed => QueueOutcome::Shed.label(),
+        _ => QueueOutcome::Full.label(),
+    }
+}
+
 /// The worker's queue is full: shed the worst waiter of a sheddable class below `rank`'s
 /// (any route). `false`: there is none.
 fn shed_one_below(queues: &WaitQueues, saturation: &Saturation, rank: u64) -> bool {
@@ -375,6 +383,11 @@ impl<'q> Place<'q> {
             (shed, q.best == self.rank)
         })
         .unwrap_or((true, false))
+    }
+
+    /// How the wait ended, as `sluice_queue_total` and the access log name it.
+    pub(crate) fn outcome(&self) -> &'static str {
+        self.outcome.label()
     }
 
     /// The turn found no room (another took the slot): wait for the next.

@@ -193,6 +193,8 @@ pub(crate) struct Observation {
     /// was queued (so far).
     pub(crate) queue_class: Option<u8>,
     pub(crate) queued: Option<Duration>,
+    /// How the wait ended (a `sluice_queue_total` outcome label; "" when it did not wait).
+    pub(crate) queue_outcome: &'static str,
     /// Attempts that moved on to another backend, and why the last one did.
     pub(crate) fallbacks: u32,
     pub(crate) fallback_reason: &'static str,
@@ -235,6 +237,7 @@ impl Default for Observation {
             routed: None,
             queue_class: None,
             queued: None,
+            queue_outcome: "",
             fallbacks: 0,
             fallback_reason: "",
             sticky_id_hash: 0,
@@ -345,6 +348,7 @@ impl Observation {
         self.routed = None;
         self.queue_class = None;
         self.queued = None;
+        self.queue_outcome = "";
         self.fallbacks = 0;
         self.fallback_reason = "";
         self.sticky_id_hash = 0;

@@ -980,6 +980,9 @@ mod tests {
             worker_id: 3,
             fallback_reason: String::new(),
             cache_write_tokens: 256,
+            queued_us: 1_500 * i,
+            priority_class: "interactive".into(),
+            queue_outcome: "dispatched".into(),
         }
     }
 
@@ -1062,7 +1065,7 @@ mod tests {
         );
         assert!(
             line.trim_end()
-                .ends_with(r#""worker_id":3,"fallback_reason":"","cache_write_tokens":256}"#),
+                .ends_with(r#""cache_write_tokens":256,"queued_us":0,"priority_class":"interactive","queue_outcome":"dispatched"}"#),
             "{line}"
         );
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();

@@ -69,6 +69,9 @@ pub(crate) struct RecordView<'a> {
     pub(crate) worker_id: u32,
     pub(crate) fallback_reason: &'a str,
     pub(crate) cache_write_tokens: u64,
+    pub(crate) queued_us: u64,
+    pub(crate) priority_class: &'a str,
+    pub(crate) queue_outcome: &'a str,
 }
 
 /// The enum's proto name, or its number when this build does not know it.
@@ -134,6 +137,9 @@ impl<'a> RecordView<'a> {
             worker_id,
             fallback_reason,
             cache_write_tokens,
+            queued_us,
+            priority_class,
+            queue_outcome,
         } = rec;
         RecordView {
             time_unix_us: *time_unix_us,
@@ -172,6 +178,9 @@ impl<'a> RecordView<'a> {
             worker_id: *worker_id,
             fallback_reason,
             cache_write_tokens: *cache_write_tokens,
+            queued_us: *queued_us,
+            priority_class,
+            queue_outcome,
         }
     }
 
@@ -300,6 +309,9 @@ impl<'a> RecordView<'a> {
         w.uint(34, u64::from(self.worker_id));
         w.string(35, self.fallback_reason);
         w.uint(36, self.cache_write_tokens);
+        w.uint(37, self.queued_us);
+        w.string(38, self.priority_class);
+        w.string(39, self.queue_outcome);
     }
 }
 
@@ -456,6 +468,9 @@ mod tests {
                 worker_id: self.number() as u32,
                 fallback_reason: self.text(),
                 cache_write_tokens: self.number(),
+                queued_us: self.number(),
+                priority_class: self.text(),
+                queue_outcome: self.text(),
             }
         }
     }
