@@ -1069,7 +1069,7 @@ mod tests {
             "{line}"
         );
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(v.as_object().unwrap().len(), 36);
+        assert_eq!(v.as_object().unwrap().len(), 39);
         assert_eq!(v["tags"], serde_json::json!(["a\"b"]));
         assert_eq!(v["cost"].as_f64(), Some(0.00725));
         // Defaults are written too, and an enum number this build does not know stays a number.
@@ -1081,7 +1081,7 @@ mod tests {
         };
         write_json_line(&unknown, &mut out).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v.as_object().unwrap().len(), 36);
+        assert_eq!(v.as_object().unwrap().len(), 39);
         assert_eq!(v["usage_source"], 9);
         assert!(v["cost"].is_null(), "{v}");
         assert_eq!(v["path"], "");

@@ -84,7 +84,7 @@ fn usage_source_name<S: Serializer>(value: &i32, s: S) -> Result<S::Ok, S::Error
 
 /// The schema's fields, and the most bytes one takes besides a string's own: a two-byte key
 /// and a ten-byte varint (or a string's length).
-const FIELDS: usize = 36;
+const FIELDS: usize = 39;
 const FIELD: usize = 12;
 
 /// The room [`RecordView::encode_length_delimited`] makes in the batch beyond the strings' and
@@ -253,6 +253,8 @@ impl<'a> RecordView<'a> {
             self.auth_rejection_reason,
             self.error_class,
             self.fallback_reason,
+            self.priority_class,
+            self.queue_outcome,
         ];
         let tags: usize = self.tags.iter().map(|t| FIELD + t.len()).sum();
         FIELDS * FIELD + tags + strings.iter().map(|s| s.len()).sum::<usize>()
