@@ -226,6 +226,12 @@ fn resolve_saturation_against(
                 "priority classes are defined in [saturation], which is missing".into(),
             );
         }
+        if let Some(i) = limits.policies.iter().position(|p| p.queue_wait.is_some()) {
+            err(
+                format!("policies[{i}].on_limit"),
+                "\"queue\" waits in a priority class: it needs [saturation]".into(),
+            );
+        }
         if let Some((pattern, _)) = route_classes.iter().find(|r| r.1.is_some()) {
             err(
                 "routes".into(),

@@ -94,6 +94,31 @@ pub(crate) async fn admit(
     inspection: &Inspection,
     body: &[u8],
 ) -> Result<Admission, Rejection> {
+    admit_try(limiter, metrics, cfg, principal, inspection, body, true).await
+}
+
+/// [`admit`] once more, for a request waiting for room under an `on_limit = "queue"` policy:
+/// the policies it matches were counted on its first try, not again.
+pub(crate) async fn admit_again(
+    limiter: &RefCell<LimiterShard>,
+    metrics: MetricsView<'_>,
+    cfg: &LimitsConfig,
+    principal: Option<Principal<'_>>,
+    inspection: &Inspection,
+    body: &[u8],
+) -> Result<Admission, Rejection> {
+    admit_try(limiter, metrics, cfg, principal, inspection, body, false).await
+}
+
+async fn admit_try(
+    limiter: &RefCell<LimiterShard>,
+    metrics: MetricsView<'_>,
+    cfg: &LimitsConfig,
+    principal: Option<Principal<'_>>,
+    inspection: &Inspection,
+    body: &[u8],
+    first: bool,
+) -> Result<Admission, Rejection> {
     let mut permit = Permit::default();
     if !limits_apply(cfg, principal) {
         return Ok(Admission { permit });
@@ -105,7 +130,7 @@ pub(crate) async fn admit(
         max_tokens: inspection.max_tokens,
         n: inspection.n,
     };
-    let result = reserve(limiter, metrics, cfg, &ask, &mut permit).await;
+    let result = reserve(limiter, first.then_some(metrics), cfg, &ask, &mut permit).await;
     admitted(result, permit)
 }
 
@@ -130,7 +155,7 @@ pub(crate) async fn charge_refused(
         max_tokens: Some(0),
         n: None,
     };
-    let result = reserve(limiter, metrics, cfg, &ask, &mut permit).await;
+    let result = reserve(limiter, Some(metrics), cfg, &ask, &mut permit).await;
     admitted(result, permit)
 }
 
@@ -154,13 +179,15 @@ fn admitted(result: Result<(), Refusal>, permit: Permit) -> Result<Admission, Re
 /// Ask the shard for every reservation `ask` needs, waiting at most `lease_wait` for a lease.
 async fn reserve(
     limiter: &RefCell<LimiterShard>,
-    metrics: MetricsView<'_>,
+    metrics: Option<MetricsView<'_>>,
     cfg: &LimitsConfig,
     ask: &Ask<'_>,
     permit: &mut Permit,
 ) -> Result<(), Refusal> {
     let mut matched = |policy: usize, dimension: LimitDimension| {
-        metrics.limiter_match(metrics.labels.policy(Some(policy)), dimension);
+        if let Some(metrics) = metrics {
+            metrics.limiter_match(metrics.labels.policy(Some(policy)), dimension);
+        }
     };
     let first = limiter
         .borrow_mut()

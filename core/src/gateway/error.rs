@@ -102,6 +102,9 @@ pub(crate) enum ErrorKind {
     /// Shed: dropped from the queue for a higher class's request, or refused while a higher
     /// class waits.
     Shed,
+    /// Over an `on_limit = "queue"` policy, the request waited as long as it could and the
+    /// limit still had no room.
+    LimitWaitTimeout,
 }
 
 /// What one [`ErrorKind`] is on the wire.
@@ -148,7 +151,7 @@ const fn spec(
 impl ErrorKind {
     /// Every kind, in declaration order.
     #[cfg(test)]
-    pub(crate) const ALL: [ErrorKind; 34] = {
+    pub(crate) const ALL: [ErrorKind; 35] = {
         use ErrorKind::*;
         [
             MalformedHttp,
@@ -185,6 +188,7 @@ impl ErrorKind {
             QueueFull,
             QueueTimeout,
             Shed,
+            LimitWaitTimeout,
         ]
     };
 
@@ -233,6 +237,7 @@ impl ErrorKind {
             QueueFull         => spec(503, SERVER,     Some("queue_full"),          Gateway,  KEEP,  NOWHERE),
             QueueTimeout      => spec(503, SERVER,     Some("queue_timeout"),       Gateway,  KEEP,  NOWHERE),
             Shed              => spec(503, SERVER,     Some("request_shed"),        Gateway,  KEEP,  NOWHERE),
+            LimitWaitTimeout  => spec(429, RATE_LIMIT, Some("rate_limit_queue_timeout"), Client, KEEP, NOWHERE),
         };
         row
     }
@@ -752,6 +757,7 @@ mod tests {
                 QueueFull         => (503, "server_error",          Some("queue_full"),          false, false),
                 QueueTimeout      => (503, "server_error",          Some("queue_timeout"),       false, false),
                 Shed              => (503, "server_error",          Some("request_shed"),        false, false),
+                LimitWaitTimeout  => (429, "rate_limit_error",      Some("rate_limit_queue_timeout"), false, false),
             };
             let actual = (
                 kind.status(),
@@ -769,7 +775,7 @@ mod tests {
             }
         }
         // `ALL` holds every kind once, in declaration order.
-        assert_eq!(ErrorKind::ALL.len(), Shed as usize + 1);
+        assert_eq!(ErrorKind::ALL.len(), LimitWaitTimeout as usize + 1);
         for (i, kind) in ErrorKind::ALL.iter().enumerate() {
             assert_eq!(*kind as usize, i);
         }

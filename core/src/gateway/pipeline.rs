@@ -102,7 +102,8 @@ pub(crate) async fn proxy<'s>(
                 charge_refused(core, &mut caller, &mut obs, e).await
             }
             routed => {
-                match admit_routed(core, request, inspection, &mut caller).await {
+                let (c, r, o) = (&*client, request, &mut obs);
+                match admit_waiting(core, c, r, inspection, &mut caller, o).await {
                     Err(e) => (Err(e), None, None),
                     // Forward and relay, on the admission's reservation: to the candidates in
                     // turn while a failure leaves the client untouched and another backend may
@@ -456,23 +457,156 @@ fn header<'r>(request: &Request<'r>, name: &str) -> Option<&'r str> {
 
 /// Admit a routed request: a reservation under every policy and quota plan that applies (waits
 /// at most one sync for a lease), or the refusal to answer with (nothing was sent upstream).
+/// What [`admit_waiting`] does first; without the wait an `on_limit = "queue"` policy adds (the
+/// unit tests' and the benchmark fixture's way in).
+#[cfg(any(test, feature = "bench"))]
 pub(crate) async fn admit_routed<'s>(
     core: PerCore<'s>,
     request: &Request<'_>,
     inspection: &Inspection,
     caller: &mut Caller<'s>,
 ) -> Result<Admission, GatewayError> {
+    let admitted = admit_first(core, request, inspection, caller.principal).await;
+    admitted.map_err(|rejection| limit_error(core, caller, rejection))
+}
+
+/// The first admission of a request (see [`admit_routed`]).
+async fn admit_first<'s>(
+    core: PerCore<'s>,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    principal: Option<Principal<'s>>,
+) -> Result<Admission, admit::Rejection> {
     let limits = &*core.snapshot.limits;
-    let admitted = admit::admit(
+    admit::admit(
         core.limiter,
         core.metrics,
         limits,
-        caller.principal,
+        principal,
         inspection,
         request.body,
     )
-    .await;
-    admitted.map_err(|rejection| limit_error(core, caller, rejection))
+    .await
+}
+
+/// Admit as [`admit_routed`] does; a request an `on_limit = "queue"` policy refused waits for
+/// room ([`queue::limit`]) and tries again, up to its wait. Answers the policy's 429 with code
+/// `rate_limit_queue_timeout` when the wait ends without room, 499 when the client leaves, 503
+/// when the worker stops.
+async fn admit_waiting<'s>(
+    core: PerCore<'s>,
+    client: &ClientSocket,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    caller: &mut Caller<'s>,
+    obs: &mut Observation,
+) -> Result<Admission, GatewayError> {
+    let (limits, body, principal) = (&*core.snapshot.limits, request.body, caller.principal);
+    let mut last = match admit_first(core, request, inspection, principal).await {
+        Ok(admission) => return Ok(admission),
+        Err(rejection) => rejection,
+    };
+    let Some(mut place) = limit_place(core, request, inspection, principal, &last)? else {
+        return Err(limit_error(core, caller, last));
+    };
+    loop {
+        let turn = place.turn(client, &|| core.drain.draining()).await;
+        obs.queued =
+            Some(crate::sys::clock::Mono::now().saturating_duration_since(place.joined_at));
+        obs.queue_outcome = place.outcome();
+        if let Err(why) = turn {
+            let mut e = match why {
+                queue::WaitEnd::Expired => limit_error(core, caller, last),
+                _ => place_error(why),
+            };
+            if why == queue::WaitEnd::Expired {
+                e.kind = ErrorKind::LimitWaitTimeout;
+            }
+            return Err(e);
+        }
+        let again = admit::admit_again(
+            core.limiter,
+            core.metrics,
+            limits,
+            principal,
+            inspection,
+            body,
+        );
+        match again.await {
+            Ok(admission) => {
+                place.admitted();
+                return Ok(admission);
+            }
+            Err(rejection) if queue_wait(limits, &rejection).is_some() => {
+                last = rejection;
+                place.missed();
+            }
+            Err(rejection) => return Err(limit_error(core, caller, rejection)),
+        }
+    }
+}
+
+/// The `on_limit = "queue"` wait of the policy that refused, if it has one.
+fn queue_wait(
+    limits: &crate::config::limits::LimitsConfig,
+    rejection: &admit::Rejection,
+) -> Option<std::time::Duration> {
+    limits.policies.get(rejection.refusal.policy?)?.queue_wait
+}
+
+/// A place among the requests waiting for room under the policy that refused (`None`: it is
+/// not an `on_limit = "queue"` policy, the request may not wait, or the worker's queues are
+/// full — answered as the policy would). A priority header naming no class is a 400.
+fn limit_place<'s>(
+    core: PerCore<'s>,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    principal: Option<Principal<'s>>,
+    rejection: &admit::Rejection,
+) -> Result<Option<queue::limit::LimitPlace<'s>>, GatewayError> {
+    let limits = &*core.snapshot.limits;
+    let (Some(policy), Some(wait)) = (rejection.refusal.policy, queue_wait(limits, rejection))
+    else {
+        return Ok(None);
+    };
+    let Some((ask, saturation, board)) = wait_ask(core, request, inspection, principal)? else {
+        return Ok(None);
+    };
+    use crate::config::limits::Per;
+    let subject = match limits.policies[policy].per {
+        Per::Global => 0,
+        Per::Key => principal.map_or(0, |p| p.index as u64 + 1),
+        Per::Entity => principal
+            .and_then(|p| p.key.entity)
+            .map_or(0, |e| e as u64 + 1),
+        Per::Model => crate::upstream::health::identity_hash(&inspection.model),
+    };
+    let stats = board.route(ask.route).map(|r| &*r.stats);
+    let max_queued = saturation.max_queued_per_worker;
+    let max_wait = ask.max_wait.min(wait);
+    let place = queue::limit::join(
+        core.queues,
+        stats,
+        max_queued,
+        (policy, subject),
+        ask.class,
+        max_wait,
+    );
+    Ok(place)
+}
+
+/// The answer to a wait that ended without room, for the ends every wait shares.
+fn place_error(why: queue::WaitEnd) -> GatewayError {
+    match why {
+        queue::WaitEnd::ClientLeft => GatewayError::new(
+            ErrorKind::ClientLeft,
+            "The client closed the connection while the request waited.",
+        ),
+        _ => GatewayError::new(
+            ErrorKind::ShuttingDown,
+            "The gateway is shutting down; the request waited and was not sent. Retry.",
+        ),
+    }
 }
 
 /// The answer to a request its limits refused: the limit's error with its rate headers, and

@@ -42,9 +42,14 @@ const LEFT_POLL: Duration = Duration::from_millis(75);
 pub(crate) struct WaitQueues {
     queues: RefCell<Vec<LocalQueue>>,
     next_id: Cell<u64>,
-    /// Waiters on this worker, in every queue (shed ones not counted).
+    /// Waiters on this worker, in every queue (shed ones not counted), and for room under a
+    /// key's limits ([`limit`]).
     waiting: Cell<usize>,
+    /// Requests waiting for room under an `on_limit = "queue"` policy (see [`limit`]).
+    limit: RefCell<Vec<limit::LimitEntry>>,
 }
+
+pub(crate) mod limit;
 
 struct LocalQueue {
     /// The board's address: which snapshot's queue this is.
@@ -120,6 +125,7 @@ impl WaitQueues {
         for q in self.queues.borrow_mut().iter_mut() {
             q.nudge_best();
         }
+        limit::nudge_heads(&mut self.limit.borrow_mut());
     }
 
     /// Wake every waiter (the worker drains: each answers).
@@ -128,6 +134,9 @@ impl WaitQueues {
             for e in &mut q.entries {
                 e.nudge();
             }
+        }
+        for e in self.limit.borrow_mut().iter_mut() {
+            e.nudge();
         }
     }
 }

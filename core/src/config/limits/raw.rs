@@ -88,6 +88,19 @@ pub(crate) struct RawPolicy {
     pub(super) tokens_burst: Option<u64>,
     pub(super) max_concurrency: Option<u64>,
     pub(super) reserve: Option<RawReserve>,
+    /// `"refuse"` (429 at once) or `"queue"` (wait for room, up to `max_queue_wait_ms`).
+    #[serde(default = "refuse")]
+    pub(super) on_limit: String,
+    #[serde(default = "default_queue_wait")]
+    pub(super) max_queue_wait_ms: u64,
+}
+
+fn refuse() -> String {
+    "refuse".into()
+}
+
+fn default_queue_wait() -> u64 {
+    10_000
 }
 
 fn global() -> String {

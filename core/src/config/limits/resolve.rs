@@ -237,6 +237,23 @@ fn resolve_policy(
             "must be at least 1".into(),
         );
     }
+    let queue_wait = match rp.on_limit.as_str() {
+        "refuse" => None,
+        "queue" => Some(Duration::from_millis(rp.max_queue_wait_ms.min(3_600_000))),
+        other => {
+            err(
+                format!("{path}.on_limit"),
+                format!("`{other}` is neither \"refuse\" nor \"queue\""),
+            );
+            None
+        }
+    };
+    if rp.max_queue_wait_ms > 3_600_000 {
+        err(
+            format!("{path}.max_queue_wait_ms"),
+            "at most 3600000 (an hour)".into(),
+        );
+    }
     if requests.is_none() && tokens.is_none() && rp.max_concurrency.is_none() {
         err(
             path.to_string(),
@@ -255,6 +272,7 @@ fn resolve_policy(
         tokens,
         concurrency: rp.max_concurrency,
         reserve: resolve_reserve(rp.reserve, reserve, &format!("{path}.reserve"), err),
+        queue_wait,
     }
 }
 

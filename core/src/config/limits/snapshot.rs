@@ -252,6 +252,9 @@ pub(crate) struct Policy {
     pub(crate) tokens: Option<RateLimit>,
     pub(crate) concurrency: Option<u64>,
     pub(crate) reserve: Reserve,
+    /// `on_limit = "queue"`: how long a request over this policy waits for room (`None`:
+    /// refused at once).
+    pub(crate) queue_wait: Option<Duration>,
 }
 
 impl Policy {
