@@ -693,3 +693,67 @@ impl crate::telemetry::metrics::Appendix for QueueMetrics {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::telemetry::metrics::tests::parse_strict;
+    use crate::telemetry::metrics::{Appendix, QUEUE_FAMILIES};
+
+    /// The appendix writes exactly the families `QUEUE_FAMILIES` names (the dashboard and alert
+    /// checks go by that list), as valid exposition, with the board's numbers.
+    #[test]
+    fn the_metrics_appendix_writes_the_listed_families_from_the_board() {
+        let snapshot = crate::config::load(
+            r#"
+            [clusters.vllm]
+            backends = [{ base_url = "http://127.0.0.1:9/v1" }]
+            [[routes]]
+            model = "*"
+            groups = [{ targets = [{ cluster = "vllm", max_in_flight = 3 }] }]
+            [saturation]
+            classes = [{ name = "interactive" }, { name = "batch" }]
+            "#,
+            &|_| None,
+        )
+        .unwrap();
+        let health =
+            std::sync::Arc::new(crate::upstream::health::HealthTable::build(&snapshot, None));
+        let stats = &health.board().unwrap().route(0).unwrap().stats;
+        stats.joined(1);
+        stats.joined(1);
+        stats.left(1);
+        stats.ended(1, QueueOutcome::Expired, Duration::from_millis(700));
+        let _held = health
+            .get(0)
+            .unwrap()
+            .begin(1, &snapshot.routing, Some(3))
+            .unwrap();
+        let metrics = QueueMetrics::new(&snapshot, &health).unwrap();
+        let mut out = String::new();
+        metrics.render(&mut out);
+        let e = parse_strict(&out).unwrap_or_else(|err| panic!("{err}\n{out}"));
+        let families: Vec<(&str, &str)> = e
+            .families
+            .iter()
+            .map(|(n, k)| (n.as_str(), k.as_str()))
+            .collect();
+        let listed: Vec<(&str, &str)> = QUEUE_FAMILIES
+            .iter()
+            .map(|(n, k)| (*n, k.as_str()))
+            .collect();
+        assert_eq!(families, listed);
+        let batch = [("route", "*"), ("class", "batch")];
+        assert_eq!(e.get("sluice_queue_depth", &batch), Some(1.0));
+        let expired = [("route", "*"), ("class", "batch"), ("outcome", "expired")];
+        assert_eq!(e.get("sluice_queue_total", &expired), Some(1.0));
+        assert_eq!(e.get("sluice_queue_wait_seconds_count", &batch), Some(1.0));
+        assert_eq!(e.get("sluice_queue_wait_seconds_sum", &batch), Some(0.7));
+        let le = [("route", "*"), ("class", "batch"), ("le", "0.5")];
+        assert_eq!(e.get("sluice_queue_wait_seconds_bucket", &le), Some(0.0));
+        let backend = [("backend", "vllm/127.0.0.1:9")];
+        assert_eq!(e.get("sluice_backend_in_flight", &backend), Some(1.0));
+        assert_eq!(e.get("sluice_backend_in_flight_cap", &backend), Some(3.0));
+    }
+}

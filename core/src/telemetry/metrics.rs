@@ -1051,6 +1051,17 @@ pub struct MetricsHub {
     appendix: Mutex<Option<Arc<dyn Appendix>>>,
 }
 
+/// The families the wait queue's appendix writes (`gateway::queue::QueueMetrics`, with
+/// `[saturation]`): named here so the dashboard and alert checks know them; a gateway test holds
+/// the appendix's output to this list.
+pub(crate) const QUEUE_FAMILIES: [(&str, Kind); 5] = [
+    ("sluice_queue_depth", Kind::Gauge),
+    ("sluice_queue_total", Kind::Counter),
+    ("sluice_queue_wait_seconds", Kind::Histogram),
+    ("sluice_backend_in_flight", Kind::Gauge),
+    ("sluice_backend_in_flight_cap", Kind::Gauge),
+];
+
 /// Families whose values live outside the shards (in atomics shared by the workers), written
 /// whole — `# HELP`, `# TYPE` and samples — at the end of a scrape.
 pub(crate) trait Appendix: Send + Sync + std::fmt::Debug {
@@ -3047,13 +3058,17 @@ for fam in text_string_to_metric_families(text):
     /// Every sample name the module can emit.
     fn emitted_names() -> Vec<String> {
         let mut names = Vec::new();
-        for f in FAMILIES {
-            if f.kind == Kind::Histogram {
+        let all = FAMILIES
+            .iter()
+            .map(|f| (f.name, f.kind))
+            .chain(QUEUE_FAMILIES);
+        for (name, kind) in all {
+            if kind == Kind::Histogram {
                 for suffix in ["_bucket", "_sum", "_count"] {
-                    names.push(format!("{}{suffix}", f.name));
+                    names.push(format!("{name}{suffix}"));
                 }
             } else {
-                names.push(f.name.to_string());
+                names.push(name.to_string());
             }
         }
         names
@@ -3145,7 +3160,8 @@ for v in dash.get("templating", {}).get("list", []):
         }
         assert!(exprs >= 10, "only {exprs} expressions");
         // The brief's panels: every family except the hub's own bookkeeping is on the dashboard.
-        for family in FAMILIES.iter().map(|f| f.name) {
+        let queue = QUEUE_FAMILIES.iter().map(|(name, _)| *name);
+        for family in FAMILIES.iter().map(|f| f.name).chain(queue) {
             if family.starts_with("sluice_metrics_") {
                 continue;
             }
