@@ -34,7 +34,9 @@
 # also "sluice-ai": API keys, three policies on a redis-server it starts, metrics and the
 # access log), BASE_BIN (adds "<config>-base" runs of that binary), SLUICE_BIN (the build to
 # measure, when not this tree's: to compare two saved builds, one change at a time), TOP (25),
-# KEEP (a directory to keep the callgrind files in, for callgrind_annotate).
+# KEEP (a directory to keep the callgrind files in, for callgrind_annotate), SATURATION (1: the
+# measured build's runs — not BASE_BIN's — get `[saturation]` and a `max_in_flight` cap on the
+# route that the load never reaches: the wait queue configured but idle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LC_ALL=C
@@ -85,6 +87,11 @@ measure() {
       ;;
     *) echo "callgrind_proxy.sh: unknown config $config (sluice, sluice-ai)" >&2; exit 1 ;;
   esac
+  if [ "${SATURATION:-}" = 1 ] && [ "$bin" != "${BASE_BIN:-}" ]; then
+    sed -i 's/^cluster = "mock"$/groups = [{ targets = [{ cluster = "mock", max_in_flight = 100000 }] }]/' \
+      "$TMP/$config.toml"
+    printf '[saturation]\nclasses = [{ name = "interactive" }, { name = "batch" }]\n' >>"$TMP/$config.toml"
+  fi
   : >"$TMP/proxy.log"
   MONOIO_FORCE_LEGACY_DRIVER=1 valgrind --tool=callgrind --callgrind-out-file="$out" \
     "$bin" --config "$TMP/$config.toml" >"$TMP/proxy.log" 2>&1 &

@@ -14,7 +14,9 @@ capacity). Three runs of DURATION s (default 15): interactive alone, with the fl
 on (`[saturation]`, the target's `max_in_flight = CAP`), and with the flood and queueing off
 (today's behaviour: everything goes to the backend, whose FIFO decides). Prints the interactive
 requests' latency p50 / p99 (the mock answers whole, after its service time: the latency is the
-time to the first byte) and how many each key got through.
+time to the first byte), how many each key got through and, with queueing, how many requests
+went out of the queue and how many of those left while a better waiter waited on the other
+worker (`sluice_queue_inversions_total`).
 
 fairness: two keys in one class, key A with 4 x CAP clients in a closed loop, key B with CAP
 (offered 4:1; each alone could fill the backend, so both always have requests waiting). Counts each key's completions over DURATION s and
@@ -57,7 +59,7 @@ def sha(key):
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def config(listen, mock, queueing, weight_a=1):
+def config(listen, mock, queueing, weight_a=1, admin=None):
     keys = "".join(f'''
 [[keys]]
 id = "{name}"
@@ -71,11 +73,12 @@ classes = [{ name = "interactive", max_wait_ms = 60000 }, { name = "batch", max_
 max_queued_per_worker = 4096
 ''' if queueing else ""
     cap = f", max_in_flight = {CAP}" if queueing else ""
+    admin_section = f'[admin]\nlisten = "127.0.0.1:{admin}"\n' if admin else ""
     return f'''[server]
 listen = "127.0.0.1:{listen}"
 workers = 2
 pin_workers = false
-[upstream]
+{admin_section}[upstream]
 max_connections_per_backend = 512
 [clusters.vllm]
 backends = [{{ base_url = "http://127.0.0.1:{mock}/v1" }}]
@@ -86,15 +89,33 @@ groups = [{{ targets = [{{ cluster = "vllm"{cap} }}] }}]
 
 
 def up(queueing, weight_a=1):
-    mport, sport = free_port(), free_port()
+    mport, sport, aport = free_port(), free_port(), free_port()
     m = start([f"{BIN}/mock-llm", "--listen", f"127.0.0.1:{mport}", "--max-running", str(CAP)], 1,
               stdout=subprocess.DEVNULL)
     assert wait_port(mport)
     path = f"/tmp/saturation-bench-{os.getpid()}.toml"
-    open(path, "w").write(config(sport, mport, queueing, weight_a))
+    open(path, "w").write(config(sport, mport, queueing, weight_a, aport))
     s = start([f"{BIN}/sluice", "--config", path], 0, stderr=subprocess.DEVNULL)
     assert wait_port(sport), "sluice did not start"
+    global ADMIN
+    ADMIN = aport
     return m, s, sport
+
+
+ADMIN = None
+
+
+def scrape(name, **labels):
+    """The sum of a family's samples whose labels include `labels`, from Sluice's /metrics."""
+    c = http.client.HTTPConnection("127.0.0.1", ADMIN, timeout=5)
+    c.request("GET", "/metrics")
+    total = 0.0
+    for line in c.getresponse().read().decode().splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def down(*ps):
@@ -166,9 +187,13 @@ def priority():
         threads += open_loop(port, KEYS["interactive"], capacity / 2, until, lat)
         for t in threads:
             t.join()
+        inv = scrape("sluice_queue_inversions_total")
+        sent = scrape("sluice_queue_total", outcome="dispatched")
         down(s, m)
         print(f"{label:22} interactive n={len(lat):4} p50={pct(lat, .5):7.1f} ms "
-              f"p99={pct(lat, .99):7.1f} ms   batch done={counts.get('batch', 0)}")
+              f"p99={pct(lat, .99):7.1f} ms   batch done={counts.get('batch', 0)}"
+              + (f"   dispatched from the queue={sent:.0f}, cross-worker inversions={inv:.0f}"
+                 if queueing else ""))
 
 
 def fairness():

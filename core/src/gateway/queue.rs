@@ -407,6 +407,11 @@ impl<'q> Place<'q> {
     /// The request's turn found room: it leaves the queue (the next waiter is the best) and
     /// goes out; the class's fair-share clock moves to its rank.
     pub(crate) fn step_out(&mut self) {
+        // A better waiter published elsewhere since this one's turn came: the two decided
+        // within the same moment (counted, for the bound the module doc states).
+        if self.board.best_elsewhere(self.worker) < self.rank {
+            self.board.stats.inverted(self.class);
+        }
         self.board.dispatched(self.rank);
         let now = Mono::now();
         queue_of(self.queues, self.board_addr, self.route, |q| {
@@ -644,6 +649,17 @@ impl crate::telemetry::metrics::Appendix for QueueMetrics {
                     label(out, "outcome", outcome.label());
                     let _ = writeln!(out, "}} {}", stats.outcome(c, o));
                 }
+            }
+        }
+        out.push_str(
+            "# HELP sluice_queue_inversions_total Requests dispatched while a better waiter \
+             (a higher class, or ahead in its fair share) waited on another worker.\n\
+             # TYPE sluice_queue_inversions_total counter\n",
+        );
+        for (route, stats) in board.stats() {
+            for (c, class) in self.classes.iter().enumerate() {
+                series(out, "sluice_queue_inversions_total", route, class);
+                let _ = writeln!(out, "}} {}", stats.inversions(c));
             }
         }
         out.push_str(

@@ -1054,9 +1054,11 @@ pub struct MetricsHub {
 /// The families the wait queue's appendix writes (`gateway::queue::QueueMetrics`, with
 /// `[saturation]`): named here so the dashboard and alert checks know them; a gateway test holds
 /// the appendix's output to this list.
-pub(crate) const QUEUE_FAMILIES: [(&str, Kind); 5] = [
+#[cfg(test)]
+pub(crate) const QUEUE_FAMILIES: [(&str, Kind); 6] = [
     ("sluice_queue_depth", Kind::Gauge),
     ("sluice_queue_total", Kind::Counter),
+    ("sluice_queue_inversions_total", Kind::Counter),
     ("sluice_queue_wait_seconds", Kind::Histogram),
     ("sluice_backend_in_flight", Kind::Gauge),
     ("sluice_backend_in_flight_cap", Kind::Gauge),

@@ -100,6 +100,9 @@ pub(crate) struct QueueStats {
     wait_buckets: Box<[AtomicU64]>,
     /// Per class: the waits' total, ns.
     wait_sum_ns: Box<[AtomicU64]>,
+    /// Per class: requests dispatched while another worker published a better waiter (the
+    /// two decided within the same moment; see the module doc).
+    inversions: Box<[AtomicU64]>,
 }
 
 impl QueueStats {
@@ -111,6 +114,7 @@ impl QueueStats {
             outcomes: atomics(classes * QueueOutcome::ALL.len()),
             wait_buckets: atomics(classes * (WAIT_BUCKETS_MS.len() + 1)),
             wait_sum_ns: atomics(classes),
+            inversions: atomics(classes),
         }
     }
 
@@ -149,6 +153,17 @@ impl QueueStats {
         if let Some(n) = self.wait_sum_ns.get(c) {
             n.fetch_add(waited.as_nanos() as u64, Relaxed);
         }
+    }
+
+    /// A request of `class` was dispatched while a better one waited on another worker.
+    pub(crate) fn inverted(&self, class: u8) {
+        if let Some(n) = self.inversions.get(usize::from(class)) {
+            n.fetch_add(1, Relaxed);
+        }
+    }
+
+    pub(crate) fn inversions(&self, class: usize) -> u64 {
+        self.inversions.get(class).map_or(0, |d| d.load(Relaxed))
     }
 
     pub(crate) fn depth(&self, class: usize) -> u64 {
