@@ -553,3 +553,107 @@ key_prefix = "sat"
     );
     assert_eq!(mock.stat("requests"), 8);
 }
+
+#[test]
+fn a_backend_whose_scraped_queue_is_at_max_waiting_is_full_until_it_drains() {
+    let mock = Mock::start(&[]);
+    let text = config(&mock, 100, 2, "")
+        .to_toml()
+        .replace("backends = [{", "queue_metrics = true\nbackends = [{")
+        .replace(
+            "max_in_flight = 100 }",
+            "max_in_flight = 100, max_waiting = 3 }",
+        )
+        + "\n[routing]\nscrape_interval_ms = 50\nqueue_stale_ms = 2000\n";
+    let gw = Sluice::start(&Config::from_text(&text));
+    // The backend says 5 requests wait in its own queue: full for this route.
+    mock.set_queue(serde_json::json!({"waiting": 5}));
+    // Once a scrape has read it, a request that may not wait is answered `backends_full`.
+    let no_wait = [("x-sluice-max-wait-ms", "0")];
+    let mut served_before = 0;
+    wait_until(|| {
+        let r = gw.request(&chat(INTERACTIVE, 0, &no_wait));
+        served_before += u64::from(r.status == 200);
+        r.status == 503 && r.json()["error"]["code"] == "backends_full"
+    });
+    let (tx, rx) = mpsc::channel();
+    let waiter = send(&gw, chat(INTERACTIVE, 0, &[]), "waiter", &tx);
+    wait_queued(&gw, 1.0);
+    assert_eq!(
+        mock.stat("chat_requests"),
+        served_before,
+        "sent to a backend that said it was full"
+    );
+    // Its queue drains (back to the real counts: none waiting): the request goes.
+    mock.set_queue(serde_json::Value::Null);
+    waiter.join().unwrap();
+    let (_, r, _) = rx.recv().unwrap();
+    assert_eq!(r.status, 200, "{}", r.dump());
+    assert_eq!(mock.stat("chat_requests"), served_before + 1);
+}
+
+#[test]
+fn keys_of_one_class_take_turns_instead_of_first_come_first_served() {
+    let mock = Mock::start(&[]);
+    let text = config(&mock, 1, 1, "").to_toml()
+        + &format!(
+            "\n[[keys]]\nid = \"other-batch\"\nsha256 = \"{}\"\nclass = \"batch\"\n",
+            key_hash(OTHER_BATCH)
+        );
+    let gw = Sluice::start(&Config::from_text(&text));
+    let (tx, rx) = mpsc::channel();
+    let mut threads = vec![send(&gw, chat(INTERACTIVE, 1_000, &[]), "holder", &tx)];
+    wait_until(|| mock.stat("active_requests") == 1);
+    // One batch key queues four, then another batch key one: the second key's request goes
+    // second, not fifth.
+    let tags = ["a-1", "a-2", "a-3", "a-4"];
+    for (i, tag) in tags.iter().enumerate() {
+        threads.push(send(&gw, chat(BATCH, 100, &[]), tag, &tx));
+        wait_queued(&gw, (i + 1) as f64);
+    }
+    threads.push(send(&gw, chat(OTHER_BATCH, 100, &[]), "b-1", &tx));
+    wait_queued(&gw, 5.0);
+    for t in threads {
+        t.join().unwrap();
+    }
+    let mut answers: Vec<_> = rx.try_iter().collect();
+    answers.sort_by_key(|(_, r, _)| arrival(r));
+    let order: Vec<_> = answers.iter().map(|(t, _, _)| *t).collect();
+    assert_eq!(order, ["holder", "a-1", "b-1", "a-2", "a-3", "a-4"]);
+}
+
+const OTHER_BATCH: &str = "sk-sat-other-batch";
+
+#[test]
+fn a_class_refused_while_a_higher_one_waits_is_answered_at_once() {
+    let mock = Mock::start(&[]);
+    let text = config(&mock, 1, 2, "").to_toml().replace(
+        r#"{ name = "batch", max_wait_ms = 20000, sheddable = true }"#,
+        r#"{ name = "batch", max_wait_ms = 20000, refuse_while_higher_waits = true }"#,
+    );
+    let gw = Sluice::start(&Config::from_text(&text));
+    let (tx, rx) = mpsc::channel();
+    let holder = send(&gw, chat(INTERACTIVE, 1_500, &[]), "holder", &tx);
+    wait_until(|| mock.stat("active_requests") == 1);
+    // Nothing higher waits: a batch request queues.
+    let batch = send(&gw, chat(BATCH, 0, &[]), "batch", &tx);
+    wait_queued(&gw, 1.0);
+    let interactive = send(&gw, chat(INTERACTIVE, 0, &[]), "interactive", &tx);
+    wait_queued(&gw, 2.0);
+    // An interactive one waits now: the next batch request is refused without waiting.
+    let started = Instant::now();
+    let r = gw.request(&chat(BATCH, 0, &[]));
+    assert_eq!(r.status, 503, "{}", r.dump());
+    assert_eq!(r.json()["error"]["code"], "request_shed");
+    assert!(started.elapsed() < Duration::from_secs(10), "it waited");
+    for t in [holder, batch, interactive] {
+        t.join().unwrap();
+    }
+    let mut answers: Vec<_> = rx.try_iter().collect();
+    answers.sort_by_key(|(_, r, _)| arrival(r));
+    let order: Vec<_> = answers.iter().map(|(t, r, _)| (*t, r.status)).collect();
+    assert_eq!(
+        order,
+        [("holder", 200), ("interactive", 200), ("batch", 200)]
+    );
+}

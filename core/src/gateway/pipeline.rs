@@ -95,15 +95,34 @@ pub(crate) async fn proxy<'s>(
     // targets stay where routing made them (a `Candidates` is ~550 bytes: passed on through
     // the admission's future and a tuple, it was copied five times).
     let mut provider = Permit::default();
-    let (mut result, mapped, admission) =
+    let (result, mapped, admission) =
         match route_request(core, request, inspection, &mut caller, &mut obs) {
             // Every backend is full: admitted like any request, it then waits for room.
             Err(e) if e.kind != ErrorKind::BackendsFull => {
                 charge_refused(core, &mut caller, &mut obs, e).await
             }
             routed => {
-                let (c, r, o) = (&*client, request, &mut obs);
-                match admit_waiting(core, c, r, inspection, &mut caller, o).await {
+                // Waiting for room under a limit, and for a backend below, are futures of their
+                // own, boxed: only a request that waits pays for them (held in this future,
+                // they made every request's state larger, and its copies dearer).
+                let admitted = match admit_first(core, request, inspection, caller.principal).await
+                {
+                    Ok(admission) => Ok(admission),
+                    Err(refused) => {
+                        let (c, r, o) = (&*client, request, &mut obs);
+                        Box::pin(admit_waiting(
+                            core,
+                            c,
+                            r,
+                            inspection,
+                            &mut caller,
+                            o,
+                            refused,
+                        ))
+                        .await
+                    }
+                };
+                match admitted {
                     Err(e) => (Err(e), None, None),
                     // Forward and relay, on the admission's reservation: to the candidates in
                     // turn while a failure leaves the client untouched and another backend may
@@ -125,7 +144,7 @@ pub(crate) async fn proxy<'s>(
                         let (c, r, o, p, who) = (client, request, o, p, caller.principal);
                         let (served, mapped) = match served {
                             (Err(e), _) if e.kind == ErrorKind::BackendsFull => {
-                                queued(core, c, r, inspection, who, o, p).await
+                                Box::pin(queued(core, c, r, inspection, who, o, p)).await
                             }
                             served => served,
                         };
@@ -136,9 +155,45 @@ pub(crate) async fn proxy<'s>(
         };
     // A slot this request held is free: the worker's best waiters look for room now.
     core.queues.slot_freed();
+    let ended = Ended {
+        mapped,
+        admission,
+        provider,
+    };
+    finish(core, request, inspection, obs, &caller, result, ended)
+}
 
+/// What a request's serving left to settle: the model name the last attempt's upstream saw,
+/// the admission, the provider's reservation.
+struct Ended<'s> {
+    mapped: Option<&'s str>,
+    admission: Option<Admission>,
+    provider: Permit,
+}
+
+/// The end of every proxied request, whatever happened: observe its outcome, feed its
+/// backend's latency, settle its reservations exactly once, emit its metrics and access-log
+/// record, and give its observation state back. Returns whether the connection is kept (or the
+/// error to answer with, its rate headers added).
+fn finish<'s>(
+    core: PerCore<'s>,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    mut obs: Box<Observation>,
+    caller: &Caller<'s>,
+    mut result: Result<Relayed, GatewayError>,
+    ended: Ended<'s>,
+) -> Result<bool, GatewayError> {
+    let Ended {
+        mapped,
+        admission,
+        mut provider,
+    } = ended;
     // Observe: usage, cost and timings of what happened, whatever happened.
-    let outcome = outcome_of(core, request, inspection, &mut obs, mapped, result.is_ok());
+    let model = &inspection.model;
+    let estimator = Estimator::configured(&core.snapshot.limits, mapped.unwrap_or(model));
+    let ok = result.is_ok();
+    let outcome = obs.outcome(core.snapshot, model, mapped, request.body, estimator, ok);
 
     // The backend's latency, for the strategies that weigh it.
     let answered = (200..300).contains(&obs.status) && result.is_ok();
@@ -168,24 +223,10 @@ pub(crate) async fn proxy<'s>(
         &obs,
         &outcome,
         error,
-        &caller,
+        caller,
     );
     give_back(core, obs);
     result.map(|relayed| relayed.keep_alive)
-}
-
-/// What a request came to — usage, cost, timings — from its observation.
-fn outcome_of<'m>(
-    core: PerCore<'_>,
-    request: &Request<'_>,
-    inspection: &'m Inspection,
-    obs: &mut Observation,
-    mapped: Option<&'m str>,
-    ok: bool,
-) -> Outcome<'m> {
-    let model = &inspection.model;
-    let estimator = Estimator::configured(&core.snapshot.limits, mapped.unwrap_or(model));
-    obs.outcome(core.snapshot, model, mapped, request.body, estimator, ok)
 }
 
 /// A request's observation state, and the read buffer it kept, back to the worker's pools.
@@ -489,10 +530,10 @@ async fn admit_first<'s>(
     .await
 }
 
-/// Admit as [`admit_routed`] does; a request an `on_limit = "queue"` policy refused waits for
-/// room ([`queue::limit`]) and tries again, up to its wait. Answers the policy's 429 with code
-/// `rate_limit_queue_timeout` when the wait ends without room, 499 when the client leaves, 503
-/// when the worker stops.
+/// After [`admit_first`] refused: the refusal's answer, or — when an `on_limit = "queue"` policy
+/// refused — a wait for room ([`queue::limit`]) with admission tried again, up to the wait.
+/// Answers the policy's 429 with code `rate_limit_queue_timeout` when the wait ends without
+/// room, 499 when the client leaves, 503 when the worker stops.
 async fn admit_waiting<'s>(
     core: PerCore<'s>,
     client: &ClientSocket,
@@ -500,12 +541,10 @@ async fn admit_waiting<'s>(
     inspection: &Inspection,
     caller: &mut Caller<'s>,
     obs: &mut Observation,
+    refused: admit::Rejection,
 ) -> Result<Admission, GatewayError> {
     let (limits, body, principal) = (&*core.snapshot.limits, request.body, caller.principal);
-    let mut last = match admit_first(core, request, inspection, principal).await {
-        Ok(admission) => return Ok(admission),
-        Err(rejection) => rejection,
-    };
+    let mut last = refused;
     let Some(mut place) = limit_place(core, request, inspection, principal, &last)? else {
         return Err(limit_error(core, caller, last));
     };
