@@ -85,32 +85,10 @@ impl Caller<'_> {
 }
 
 /// Reserve for one request whose body is `body` (its prompt tokens are estimated from it, only
-/// when some limit applies).
+/// when some limit applies). `first`: the request's first try, whose matched policies are
+/// counted (`sluice_limiter_matches_total`); a request waiting for room under an
+/// `on_limit = "queue"` policy tries again with `false`.
 pub(crate) async fn admit(
-    limiter: &RefCell<LimiterShard>,
-    metrics: MetricsView<'_>,
-    cfg: &LimitsConfig,
-    principal: Option<Principal<'_>>,
-    inspection: &Inspection,
-    body: &[u8],
-) -> Result<Admission, Rejection> {
-    admit_try(limiter, metrics, cfg, principal, inspection, body, true).await
-}
-
-/// [`admit`] once more, for a request waiting for room under an `on_limit = "queue"` policy:
-/// the policies it matches were counted on its first try, not again.
-pub(crate) async fn admit_again(
-    limiter: &RefCell<LimiterShard>,
-    metrics: MetricsView<'_>,
-    cfg: &LimitsConfig,
-    principal: Option<Principal<'_>>,
-    inspection: &Inspection,
-    body: &[u8],
-) -> Result<Admission, Rejection> {
-    admit_try(limiter, metrics, cfg, principal, inspection, body, false).await
-}
-
-async fn admit_try(
     limiter: &RefCell<LimiterShard>,
     metrics: MetricsView<'_>,
     cfg: &LimitsConfig,

@@ -83,6 +83,9 @@ impl BufPool {
 pub(crate) struct Load {
     active_requests: Cell<usize>,
     body_bytes: Cell<usize>,
+    /// Requests waiting for room (`[saturation]`): here, not in [`PerCore`], which every phase
+    /// is handed by value (each field there is copied into every phase's call and future).
+    pub(crate) queues: crate::gateway::queue::WaitQueues,
 }
 
 impl Load {
@@ -123,6 +126,14 @@ impl Load {
             load: self,
             held: 0,
             cap,
+        }
+    }
+
+    /// The load of worker `worker` (its index among the process's workers).
+    pub(crate) fn for_worker(worker: usize) -> Load {
+        Load {
+            queues: crate::gateway::queue::WaitQueues::for_worker(worker),
+            ..Load::default()
         }
     }
 
@@ -272,9 +283,6 @@ pub struct PerCore<'w> {
     pub(crate) drain: &'w Drain,
     /// The `/v1/models` body of the request's snapshot, for keys without lists of their own.
     pub(crate) models_body: &'w [u8],
-    /// The worker's wait queues (`[saturation]`), and its index among the process's workers.
-    pub(crate) queues: &'w crate::gateway::queue::WaitQueues,
-    pub(crate) worker: usize,
 }
 
 impl<'w> PerCore<'w> {
@@ -311,7 +319,6 @@ pub(crate) mod testing {
         observations: ObservationPool,
         log: LogSink,
         drain: Drain,
-        queues: crate::gateway::queue::WaitQueues,
     }
 
     impl OwnedCore {
@@ -331,7 +338,6 @@ pub(crate) mod testing {
                 observations: ObservationPool::default(),
                 log: LogSink::new(None, 0),
                 drain: Drain::default(),
-                queues: crate::gateway::queue::WaitQueues::default(),
                 snapshot,
             }
         }
@@ -354,8 +360,6 @@ pub(crate) mod testing {
                 log: &self.log,
                 drain: &self.drain,
                 models_body: b"",
-                queues: &self.queues,
-                worker: 0,
             }
         }
 

@@ -97,64 +97,49 @@ pub(crate) async fn proxy<'s>(
     let mut provider = Permit::default();
     let (result, mapped, admission) =
         match route_request(core, request, inspection, &mut caller, &mut obs) {
-            // Every backend is full: admitted like any request, it then waits for room.
-            Err(e) if e.kind != ErrorKind::BackendsFull => {
-                charge_refused(core, &mut caller, &mut obs, e).await
+            // Every backend is full: admitted like any request, it then waits for room. Waiting
+            // — for room under a limit, or for a backend — is a future of its own, boxed: only a
+            // request that waits carries it (held in this one, it made every request's state
+            // larger, and its copies dearer).
+            Err(e) if e.kind == ErrorKind::BackendsFull => {
+                let (c, o, p, who) = (client, &mut obs, &mut provider, &mut caller);
+                boxed(|| wait_then_serve(core, c, request, inspection, who, o, p, None)).await
             }
-            routed => {
-                // Waiting for room under a limit, and for a backend below, are futures of their
-                // own, boxed: only a request that waits pays for them (held in this future,
-                // they made every request's state larger, and its copies dearer).
-                let admitted = match admit_first(core, request, inspection, caller.principal).await
-                {
-                    Ok(admission) => Ok(admission),
-                    Err(refused) => {
-                        let (c, r, o) = (&*client, request, &mut obs);
-                        Box::pin(admit_waiting(
-                            core,
-                            c,
-                            r,
-                            inspection,
-                            &mut caller,
-                            o,
-                            refused,
-                        ))
-                        .await
-                    }
-                };
-                match admitted {
-                    Err(e) => (Err(e), None, None),
+            Err(e) => charge_refused(core, &mut caller, &mut obs, e).await,
+            Ok(mut candidates) => {
+                match admit_first(core, request, inspection, caller.principal).await {
                     // Forward and relay, on the admission's reservation: to the candidates in
                     // turn while a failure leaves the client untouched and another backend may
                     // do better — at once, or once the request's turn in the queue comes.
                     Ok(admission) => {
-                        admission.rate_headers().write(&mut obs.rate_headers);
-                        // An answer's usage is read only for something that uses it (a
-                        // provider's token limits may still ask, in `serve`).
-                        obs.usage_wanted =
-                            core.snapshot.usage_observed() || admission.spends_tokens();
+                        admitted(core, &admission, &mut obs);
                         let (c, r, o, p) = (&mut *client, request, &mut obs, &mut provider);
-                        let served = match routed {
-                            Ok(mut candidates) if !others_wait(core, &candidates) => {
-                                serve(core, c, r, inspection, &mut candidates, o, p).await
-                            }
-                            _ => (Err(GatewayError::saturated("")), None),
+                        let served = if others_wait(core, &candidates) {
+                            (Err(GatewayError::saturated("")), None)
+                        } else {
+                            serve(core, c, r, inspection, &mut candidates, o, p).await
                         };
                         // Full (or others wait for room already): the request waits its turn.
                         let (c, r, o, p, who) = (client, request, o, p, caller.principal);
                         let (served, mapped) = match served {
                             (Err(e), _) if e.kind == ErrorKind::BackendsFull => {
-                                Box::pin(queued(core, c, r, inspection, who, o, p)).await
+                                boxed(|| queued(core, c, r, inspection, who, o, p)).await
                             }
                             served => served,
                         };
                         (served, mapped, Some(admission))
                     }
+                    Err(refused) => {
+                        let (c, o, p, who) = (client, &mut obs, &mut provider, &mut caller);
+                        let after = Some((refused, &mut candidates));
+                        boxed(|| wait_then_serve(core, c, request, inspection, who, o, p, after))
+                            .await
+                    }
                 }
             }
         };
     // A slot this request held is free: the worker's best waiters look for room now.
-    core.queues.slot_freed();
+    core.load.queues.slot_freed();
     let ended = Ended {
         mapped,
         admission,
@@ -303,6 +288,7 @@ pub(crate) fn route_request<'s>(
 }
 
 /// The route phase for an inspected, authorized request: its [`Candidates`], or the error.
+#[inline]
 fn candidates<'s>(
     core: PerCore<'s>,
     request: &Request<'_>,
@@ -370,7 +356,8 @@ async fn queued<'s>(
     let Some(route) = route else {
         return (Err(GatewayError::saturated(model)), None);
     };
-    let joined = queue::join(core.queues, route, addr, core.worker, saturation, &ask);
+    let queues = &core.load.queues;
+    let joined = queue::join(queues, route, addr, queues.worker(), saturation, &ask);
     let mut place = match joined {
         Ok(place) => place,
         Err(e) => {
@@ -496,6 +483,75 @@ fn header<'r>(request: &Request<'r>, name: &str) -> Option<&'r str> {
         .map(str::trim)
 }
 
+/// The future `make` makes, on the heap. Made here, not in the caller: a future built in an
+/// async fn's body is a local of it, and the compiler keeps room for it in that fn's own future
+/// (and copies it) even when it is only moved into a box.
+fn boxed<F: std::future::Future>(make: impl FnOnce() -> F) -> std::pin::Pin<Box<F>> {
+    Box::pin(make())
+}
+
+/// An admitted request's rate headers go into its answer, and its answer's usage is read only
+/// for something that uses it (a provider's token limits may still ask, in `serve`).
+fn admitted(core: PerCore<'_>, admission: &Admission, obs: &mut Observation) {
+    admission.rate_headers().write(&mut obs.rate_headers);
+    obs.usage_wanted = core.snapshot.usage_observed() || admission.spends_tokens();
+}
+
+/// The rest of a request that waits — for room under an `on_limit = "queue"` policy
+/// ([`admit_waiting`]), for a backend with room ([`queued`]), or both — as [`serve`] would have
+/// served it: admitted (`refused`: its first admission's refusal, with the candidates routing
+/// found; `None`: every backend was full, and it is admitted here), then sent at once when its
+/// candidates have room and nobody waits for them, else queued. Returns what [`proxy`]'s
+/// serving does: the result, the model the upstream saw, the admission to settle.
+#[allow(clippy::too_many_arguments)] // proxy's serving, each argument as it passes them
+async fn wait_then_serve<'s>(
+    core: PerCore<'s>,
+    client: &mut ClientSocket,
+    request: &Request<'_>,
+    inspection: &Inspection,
+    caller: &mut Caller<'s>,
+    obs: &mut Observation,
+    provider: &mut Permit,
+    refused: Option<(admit::Rejection, &mut Candidates<'s>)>,
+) -> (
+    Result<Relayed, GatewayError>,
+    Option<&'s str>,
+    Option<Admission>,
+) {
+    let (refusal, candidates) = match refused {
+        Some((rejection, candidates)) => (Some(rejection), Some(candidates)),
+        None => (None, None),
+    };
+    let first = match refusal {
+        Some(rejection) => Err(rejection),
+        None => admit_first(core, request, inspection, caller.principal).await,
+    };
+    let admission = match first {
+        Ok(admission) => admission,
+        Err(rejection) => {
+            match admit_waiting(core, client, request, inspection, caller, obs, rejection).await {
+                Ok(admission) => admission,
+                Err(e) => return (Err(e), None, None),
+            }
+        }
+    };
+    admitted(core, &admission, obs);
+    let served = match candidates {
+        Some(candidates) if !others_wait(core, candidates) => {
+            serve(core, client, request, inspection, candidates, obs, provider).await
+        }
+        _ => (Err(GatewayError::saturated("")), None),
+    };
+    let (served, mapped) = match served {
+        (Err(e), _) if e.kind == ErrorKind::BackendsFull => {
+            let who = caller.principal;
+            queued(core, client, request, inspection, who, obs, provider).await
+        }
+        served => served,
+    };
+    (served, mapped, Some(admission))
+}
+
 /// Admit a routed request: a reservation under every policy and quota plan that applies (waits
 /// at most one sync for a lease), or the refusal to answer with (nothing was sent upstream).
 /// What [`admit_waiting`] does first; without the wait an `on_limit = "queue"` policy adds (the
@@ -526,6 +582,7 @@ async fn admit_first<'s>(
         principal,
         inspection,
         request.body,
+        true,
     )
     .await
 }
@@ -563,13 +620,14 @@ async fn admit_waiting<'s>(
             }
             return Err(e);
         }
-        let again = admit::admit_again(
+        let again = admit::admit(
             core.limiter,
             core.metrics,
             limits,
             principal,
             inspection,
             body,
+            false,
         );
         match again.await {
             Ok(admission) => {
@@ -624,7 +682,7 @@ fn limit_place<'s>(
     let max_queued = saturation.max_queued_per_worker;
     let max_wait = ask.max_wait.min(wait);
     let place = queue::limit::join(
-        core.queues,
+        &core.load.queues,
         stats,
         max_queued,
         (policy, subject),

@@ -47,6 +47,8 @@ pub(crate) struct WaitQueues {
     waiting: Cell<usize>,
     /// Requests waiting for room under an `on_limit = "queue"` policy (see [`limit`]).
     limit: RefCell<Vec<limit::LimitEntry>>,
+    /// This worker's index among the process's workers (its slot on the boards).
+    worker: Cell<usize>,
 }
 
 pub(crate) mod limit;
@@ -116,6 +118,17 @@ pub(crate) struct Place<'q> {
 }
 
 impl WaitQueues {
+    /// The queues of worker `worker`.
+    pub(crate) fn for_worker(worker: usize) -> WaitQueues {
+        let queues = WaitQueues::default();
+        queues.worker.set(worker);
+        queues
+    }
+
+    pub(crate) fn worker(&self) -> usize {
+        self.worker.get()
+    }
+
     /// A request on this worker ended (its slot, if it held one, is free): each queue's best
     /// waiter looks for room now rather than at its next poll.
     pub(crate) fn slot_freed(&self) {

@@ -82,8 +82,6 @@ pub struct Worker {
     /// Open client connections, marked while they wait for a request (so a drain can close
     /// those at once). Registered once per connection; a request only flips its mark.
     pub(crate) clients: RefCell<crate::sys::sock::SocketSet>,
-    /// Requests waiting for a backend with room (`[saturation]`).
-    pub(crate) queues: crate::gateway::queue::WaitQueues,
 }
 
 /// Smallest read buffer of a connection; grows as a request needs, shrinks back after it.
@@ -241,14 +239,13 @@ impl Worker {
             bufs: BufPool::new(16 * 1024, 256),
             read_bufs: BufPool::new(MIN_READ_BUF, 128),
             connections: Cell::new(0),
-            load: Load::default(),
+            load: Load::for_worker(id),
             observations: ObservationPool::default(),
             metrics: MetricsShard::new(&hub),
             hub,
             log: LogSink::new(access_log, id),
             limiter: RefCell::new(limiter),
             drain: Drain::default(),
-            queues: crate::gateway::queue::WaitQueues::default(),
             stop: Stop::default(),
             clients: RefCell::default(),
         }
@@ -328,8 +325,6 @@ impl Worker {
             log: &self.log,
             drain: &self.drain,
             models_body: &generation.models_body,
-            queues: &self.queues,
-            worker: self.id,
         }
     }
 }
