@@ -36,7 +36,8 @@
 # measure, when not this tree's: to compare two saved builds, one change at a time), TOP (25),
 # KEEP (a directory to keep the callgrind files in, for callgrind_annotate), SATURATION (1: the
 # measured build's runs — not BASE_BIN's — get `[saturation]` and a `max_in_flight` cap on the
-# route that the load never reaches: the wait queue configured but idle).
+# route that the load never reaches: the wait queue configured but idle; SATURATION_CAP sets
+# that cap — below CONNS, most requests wait in the queue for one of its places).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LC_ALL=C
@@ -88,9 +89,12 @@ measure() {
     *) echo "callgrind_proxy.sh: unknown config $config (sluice, sluice-ai)" >&2; exit 1 ;;
   esac
   if [ "${SATURATION:-}" = 1 ] && [ "$bin" != "${BASE_BIN:-}" ]; then
-    sed -i 's/^cluster = "mock"$/groups = [{ targets = [{ cluster = "mock", max_in_flight = 100000 }] }]/' \
+    sed -i "s/^cluster = \"mock\"\$/groups = [{ targets = [{ cluster = \"mock\", max_in_flight = ${SATURATION_CAP:-100000} }] }]/" \
       "$TMP/$config.toml"
     printf '[saturation]\nclasses = [{ name = "interactive" }, { name = "batch" }]\n' >>"$TMP/$config.toml"
+    # The plain config has no admin listener: one, to count the requests that waited.
+    grep -q '^\[admin\]' "$TMP/$config.toml" ||
+      printf '[admin]\nlisten = "127.0.0.1:0"\n' >>"$TMP/$config.toml"
   fi
   : >"$TMP/proxy.log"
   MONOIO_FORCE_LEGACY_DRIVER=1 valgrind --tool=callgrind --callgrind-out-file="$out" \
@@ -109,6 +113,13 @@ measure() {
     ! grep -q 'Non-2xx' "$TMP/wrk.txt" || { cat "$TMP/wrk.txt" >&2; exit 1; }
   fi
   after=$(mock_stat requests)
+  if [ "${SATURATION:-}" = 1 ] && [ "$bin" != "${BASE_BIN:-}" ]; then
+    local admin
+    admin=$(grep -o 'admin listening on [0-9.]*:[0-9]*' "$TMP/proxy.log" | sed 's/.*://')
+    QUEUED=$(curl -s "http://127.0.0.1:$admin/metrics" |
+      awk '/^sluice_queue_total\{.*outcome="dispatched"/ { n += $2 } END { print n + 0 }')
+    echo "$config: $QUEUED requests went out of the wait queue" >&2
+  fi
   kill -TERM "$vg"
   wait "$vg" || true
   SERVED=$((after - before))

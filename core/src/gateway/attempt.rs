@@ -193,7 +193,7 @@ fn not_begun<'s>(
         .zip(target.health)
         .is_some_and(|(cap, h)| h.load.in_flight() >= cap);
     let last = if full {
-        GatewayError::saturated(model)
+        GatewayError::saturated()
     } else {
         GatewayError::upstream_unavailable(model, 1)
     };

@@ -430,13 +430,12 @@ impl GatewayError {
     /// Every backend that could take a request for `model` is at its cap. Only the route
     /// phase makes one: the pipeline queues the request ([`crate::gateway::queue`]) and
     /// answers it only when the request may not wait.
-    pub(crate) fn saturated(model: &str) -> Self {
+    /// No model name in the message: a waiting request's turn may find every backend full
+    /// again, and each try makes one of these (most never reach a client).
+    pub(crate) fn saturated() -> Self {
         Self::new(
             ErrorKind::BackendsFull,
-            format!(
-                "Every upstream for the model `{}` is at capacity; retry shortly.",
-                truncate(model, 128)
-            ),
+            "Every upstream for this model is at capacity; retry shortly.",
         )
         .with_retry_after(Some(1))
     }

@@ -115,7 +115,7 @@ pub(crate) async fn proxy<'s>(
                         admitted(core, &admission, &mut obs);
                         let (c, r, o, p) = (&mut *client, request, &mut obs, &mut provider);
                         let served = if others_wait(core, &candidates) {
-                            (Err(GatewayError::saturated("")), None)
+                            (Err(GatewayError::saturated()), None)
                         } else {
                             serve(core, c, r, inspection, &mut candidates, o, p).await
                         };
@@ -344,17 +344,16 @@ async fn queued<'s>(
     obs: &mut Observation,
     provider: &mut Permit,
 ) -> (Result<Relayed, GatewayError>, Option<&'s str>) {
-    let model = inspection.model.as_str();
     let (ask, saturation, board) = match wait_ask(core, request, inspection, principal) {
         Ok(Some(ask)) => ask,
-        Ok(None) => return (Err(GatewayError::saturated(model)), None),
+        Ok(None) => return (Err(GatewayError::saturated()), None),
         Err(e) => return (Err(e), None),
     };
     obs.queue_class = Some(ask.class);
     let addr = std::ptr::from_ref(board) as usize;
     let route = board.route(ask.route);
     let Some(route) = route else {
-        return (Err(GatewayError::saturated(model)), None);
+        return (Err(GatewayError::saturated()), None);
     };
     let queues = &core.load.queues;
     let joined = queue::join(queues, route, addr, queues.worker(), saturation, &ask);
@@ -417,7 +416,7 @@ fn wait_ask<'s>(
     let (Some(saturation), Some(board)) =
         (core.snapshot.saturation.as_deref(), core.health.board())
     else {
-        return Err(GatewayError::saturated(model));
+        return Err(GatewayError::saturated());
     };
     let key = principal.map(|p| p.index);
     let route = route::route_index(
@@ -540,7 +539,7 @@ async fn wait_then_serve<'s>(
         Some(candidates) if !others_wait(core, candidates) => {
             serve(core, client, request, inspection, candidates, obs, provider).await
         }
-        _ => (Err(GatewayError::saturated("")), None),
+        _ => (Err(GatewayError::saturated()), None),
     };
     let (served, mapped) = match served {
         (Err(e), _) if e.kind == ErrorKind::BackendsFull => {

@@ -813,7 +813,7 @@ fn nothing_could_take_it(
         return GatewayError::context_length_exceeded(needed_tokens, largest);
     }
     if snapshot.saturation.is_some() && any_full(snapshot, health, route, needed_tokens, now) {
-        return GatewayError::saturated(model);
+        return GatewayError::saturated();
     }
     GatewayError::upstream_unavailable(model, retry_after_secs(snapshot, health, route, now))
 }
