@@ -113,20 +113,11 @@ pub(crate) async fn proxy<'s>(
                     // do better — at once, or once the request's turn in the queue comes.
                     Ok(admission) => {
                         admitted(core, &admission, &mut obs);
-                        let (c, r, o, p) = (&mut *client, request, &mut obs, &mut provider);
-                        let served = if others_wait(core, &candidates) {
-                            (Err(GatewayError::saturated()), None)
-                        } else {
-                            serve(core, c, r, inspection, &mut candidates, o, p).await
-                        };
-                        // Full (or others wait for room already): the request waits its turn.
-                        let (c, r, o, p, who) = (client, request, o, p, caller.principal);
-                        let (served, mapped) = match served {
-                            (Err(e), _) if e.kind == ErrorKind::BackendsFull => {
-                                boxed(|| queued(core, c, r, inspection, who, o, p)).await
-                            }
-                            served => served,
-                        };
+                        let on_full = OnFull::Wait(caller.principal);
+                        let (c, o, p) = (client, &mut obs, &mut provider);
+                        let (served, mapped) =
+                            serve(core, c, request, inspection, &mut candidates, o, p, on_full)
+                                .await;
                         (served, mapped, Some(admission))
                     }
                     Err(refused) => {
@@ -284,6 +275,11 @@ pub(crate) fn route_request<'s>(
     let candidates = candidates(core, request, inspection, principal)?;
     let primary = candidates.primary();
     obs.routed = Some((primary.cluster_id, primary.backend.id));
+    // Requests already wait for these backends: this one takes its turn behind them rather
+    // than a slot that frees under them.
+    if others_wait(core, &candidates) {
+        return Err(GatewayError::saturated());
+    }
     Ok(candidates)
 }
 
@@ -391,6 +387,7 @@ async fn queued<'s>(
             &mut candidates,
             obs,
             provider,
+            OnFull::Answer,
         )
         .await;
         match served {
@@ -438,7 +435,11 @@ fn wait_ask<'s>(
         // Lower only: a client cannot raise its own class.
         class = class.max(asked);
     }
-    let mut max_wait = saturation.classes[usize::from(class)].max_wait;
+    let class_wait = saturation
+        .classes
+        .get(usize::from(class))
+        .map(|c| c.max_wait);
+    let mut max_wait = class_wait.unwrap_or_default();
     if let Some(ms) = header(request, &saturation.max_wait_header) {
         let ms: u64 = ms.parse().map_err(|_| {
             GatewayError::new(
@@ -480,6 +481,34 @@ fn header<'r>(request: &Request<'r>, name: &str) -> Option<&'r str> {
         .find(|h| h.name(buf).eq_ignore_ascii_case(name.as_bytes()))
         .and_then(|h| std::str::from_utf8(h.value(buf)).ok())
         .map(str::trim)
+}
+
+/// What [`serve`] does when every candidate turns out full as it claims one.
+#[derive(Clone, Copy)]
+enum OnFull<'s> {
+    /// Wait in the route's queue ([`queued`]), as this principal.
+    Wait(Option<Principal<'s>>),
+    /// Answer `backends_full`: the caller is the queue, and waits on itself.
+    Answer,
+}
+
+/// [`queued`] as a boxed trait object: [`serve`] awaits it and it awaits `serve`, so one of
+/// the two must not hold the other's future in its own.
+#[allow(clippy::type_complexity)] // the future's output is serve's
+fn queued_dyn<'a, 's: 'a>(
+    core: PerCore<'s>,
+    client: &'a mut ClientSocket,
+    request: &'a Request<'a>,
+    inspection: &'a Inspection,
+    principal: Option<Principal<'s>>,
+    obs: &'a mut Observation,
+    provider: &'a mut Permit,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = (Result<Relayed, GatewayError>, Option<&'s str>)> + 'a>,
+> {
+    Box::pin(queued(
+        core, client, request, inspection, principal, obs, provider,
+    ))
 }
 
 /// The future `make` makes, on the heap. Made here, not in the caller: a future built in an
@@ -537,7 +566,11 @@ async fn wait_then_serve<'s>(
     admitted(core, &admission, obs);
     let served = match candidates {
         Some(candidates) if !others_wait(core, candidates) => {
-            serve(core, client, request, inspection, candidates, obs, provider).await
+            let on_full = OnFull::Answer;
+            serve(
+                core, client, request, inspection, candidates, obs, provider, on_full,
+            )
+            .await
         }
         _ => (Err(GatewayError::saturated()), None),
     };
@@ -669,7 +702,10 @@ fn limit_place<'s>(
         return Ok(None);
     };
     use crate::config::limits::Per;
-    let subject = match limits.policies[policy].per {
+    let Some(per) = limits.policies.get(policy).map(|p| p.per) else {
+        return Ok(None);
+    };
+    let subject = match per {
         Per::Global => 0,
         Per::Key => principal.map_or(0, |p| p.index as u64 + 1),
         Per::Entity => principal
@@ -753,7 +789,9 @@ async fn charge_refused<'s>(
 /// with when nothing reached the client; and the model name the last attempt's upstream saw.
 /// Each try is one [`attempt`]; a retry is charged to the failed backend's retry budget and
 /// bounded by `routing.max_attempts`. `provider` holds the reservation on the limits of the
-/// target that was sent the request last (settled by the caller with the usage).
+/// target that was sent the request last (settled by the caller with the usage). `on_full`: what
+/// happens when every candidate turns out full as the request claims one.
+#[allow(clippy::too_many_arguments)] // the request's parts and where its outcome goes, as proxy has them
 async fn serve<'s>(
     core: PerCore<'s>,
     client: &mut ClientSocket,
@@ -764,6 +802,7 @@ async fn serve<'s>(
     candidates: &mut Candidates<'s>,
     obs: &mut Observation,
     provider: &mut Permit,
+    on_full: OnFull<'s>,
 ) -> (Result<Relayed, GatewayError>, Option<&'s str>) {
     let model = inspection.model.as_str();
     let mut walk = Walk::default();
@@ -784,7 +823,16 @@ async fn serve<'s>(
                     target = next;
                     continue;
                 }
-                None => return (Err(last), None),
+                // Every candidate full — another worker's request took the last place between
+                // routing and the claim — the request waits its turn, when it may.
+                None => match on_full {
+                    OnFull::Wait(who) if last.kind == ErrorKind::BackendsFull => {
+                        let waits =
+                            queued_dyn(core, client, request, inspection, who, obs, provider);
+                        return waits.await;
+                    }
+                    _ => return (Err(last), None),
+                },
             },
             Tried::Refused(e) => return (Err(e), target.mapped_model),
         };
