@@ -37,7 +37,9 @@
 # KEEP (a directory to keep the callgrind files in, for callgrind_annotate), SATURATION (1: the
 # measured build's runs — not BASE_BIN's — get `[saturation]` and a `max_in_flight` cap on the
 # route that the load never reaches: the wait queue configured but idle; SATURATION_CAP sets
-# that cap — below CONNS, most requests wait in the queue for one of its places).
+# that cap — below CONNS, most requests wait in the queue for one of its places), QUEUE_COUNT
+# (1, with SATURATION=1: an admin listener, and the count of requests that went through the
+# queue; the listener turns on metering the answers' usage, so compare runs that both have it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LC_ALL=C
@@ -93,8 +95,9 @@ measure() {
       "$TMP/$config.toml"
     printf '[saturation]\nclasses = [{ name = "interactive" }, { name = "batch" }]\n' >>"$TMP/$config.toml"
     # The plain config has no admin listener: one, to count the requests that waited.
-    grep -q '^\[admin\]' "$TMP/$config.toml" ||
+    if [ "${QUEUE_COUNT:-}" = 1 ] && ! grep -q '^\[admin\]' "$TMP/$config.toml"; then
       printf '[admin]\nlisten = "127.0.0.1:0"\n' >>"$TMP/$config.toml"
+    fi
   fi
   : >"$TMP/proxy.log"
   MONOIO_FORCE_LEGACY_DRIVER=1 valgrind --tool=callgrind --callgrind-out-file="$out" \
@@ -113,7 +116,7 @@ measure() {
     ! grep -q 'Non-2xx' "$TMP/wrk.txt" || { cat "$TMP/wrk.txt" >&2; exit 1; }
   fi
   after=$(mock_stat requests)
-  if [ "${SATURATION:-}" = 1 ] && [ "$bin" != "${BASE_BIN:-}" ]; then
+  if [ "${QUEUE_COUNT:-}" = 1 ] && [ "$bin" != "${BASE_BIN:-}" ]; then
     local admin
     admin=$(grep -o 'admin listening on [0-9.]*:[0-9]*' "$TMP/proxy.log" | sed 's/.*://')
     QUEUED=$(curl -s "http://127.0.0.1:$admin/metrics" |
