@@ -422,7 +422,7 @@ fn wait_ask<'s>(
         principal.map(|p| (p.index, p.key.entity)),
     )?;
     let mut class = saturation.class_of(key, route);
-    if let Some(name) = header(request, &saturation.priority_header) {
+    if let Some(name) = sticky::header(request, &saturation.priority_header) {
         let asked = saturation.class_named(name).ok_or_else(|| {
             GatewayError::new(
                 ErrorKind::InvalidRequest,
@@ -440,7 +440,7 @@ fn wait_ask<'s>(
         .get(usize::from(class))
         .map(|c| c.max_wait);
     let mut max_wait = class_wait.unwrap_or_default();
-    if let Some(ms) = header(request, &saturation.max_wait_header) {
+    if let Some(ms) = sticky::header(request, &saturation.max_wait_header) {
         let ms: u64 = ms.parse().map_err(|_| {
             GatewayError::new(
                 ErrorKind::InvalidRequest,
@@ -469,18 +469,6 @@ fn wait_ask<'s>(
         max_wait,
     };
     Ok(Some((ask, saturation, board)))
-}
-
-/// A request header's value (the first of its name), trimmed; `None` when absent or not UTF-8.
-fn header<'r>(request: &Request<'r>, name: &str) -> Option<&'r str> {
-    let buf = request.buf;
-    request
-        .head
-        .headers
-        .iter()
-        .find(|h| h.name(buf).eq_ignore_ascii_case(name.as_bytes()))
-        .and_then(|h| std::str::from_utf8(h.value(buf)).ok())
-        .map(str::trim)
 }
 
 /// What [`serve`] does when every candidate turns out full as it claims one.

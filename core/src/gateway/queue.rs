@@ -155,6 +155,18 @@ impl WaitQueues {
 }
 
 impl LocalQueue {
+    /// A waiter joins (or rejoins, rank kept).
+    fn push(&mut self, id: u64, rank: u64) {
+        self.entries.push(Entry {
+            id,
+            rank,
+            shed: false,
+            nudged: false,
+            waker: None,
+        });
+        self.refresh_best();
+    }
+
     fn refresh_best(&mut self) {
         self.best = self
             .entries
@@ -257,14 +269,7 @@ pub(crate) fn join<'q>(
         }
     };
     let q = &mut all[at];
-    q.entries.push(Entry {
-        id,
-        rank,
-        shed: false,
-        nudged: false,
-        waker: None,
-    });
-    q.refresh_best();
+    q.push(id, rank);
     board.publish(worker, q.best);
     board.stats.joined(ask.class);
     let joined_at = Mono::now();
@@ -450,14 +455,7 @@ impl<'q> Place<'q> {
         }
         let (id, rank) = (self.id, self.rank);
         let best = queue_of(self.queues, self.board_addr, self.route, |q| {
-            q.entries.push(Entry {
-                id,
-                rank,
-                shed: false,
-                nudged: false,
-                waker: None,
-            });
-            q.refresh_best();
+            q.push(id, rank);
             q.best
         });
         if let Some(best) = best {

@@ -107,7 +107,8 @@ fn source_value<'a>(
     (!value.is_empty()).then_some(value)
 }
 
-fn header<'r>(request: &Request<'r>, name: &str) -> Option<&'r str> {
+/// A request header's value (the first of its name), trimmed; `None` when absent or not UTF-8.
+pub(crate) fn header<'r>(request: &Request<'r>, name: &str) -> Option<&'r str> {
     let buf = request.buf;
     request
         .head
