@@ -595,9 +595,11 @@ fn a_backend_whose_scraped_queue_is_at_max_waiting_is_full_until_it_drains() {
 #[test]
 fn keys_of_one_class_take_turns_instead_of_first_come_first_served() {
     let mock = Mock::start(&[]);
-    let text = config(&mock, 1, 1, "").to_toml()
+    // The second key is batch by its entity's class (the default class is interactive).
+    let saturation = "default_class = \"interactive\"\nentities = { \"evals\" = \"batch\" }";
+    let text = config(&mock, 1, 1, saturation).to_toml()
         + &format!(
-            "\n[[keys]]\nid = \"other-batch\"\nsha256 = \"{}\"\nclass = \"batch\"\n",
+            "\n[[keys]]\nid = \"other-batch\"\nsha256 = \"{}\"\nentity = \"evals\"\n",
             key_hash(OTHER_BATCH)
         );
     let gw = Sluice::start(&Config::from_text(&text));

@@ -246,6 +246,7 @@ fn resolve_saturation_against(
     Some(Arc::new(saturation::resolve_saturation(
         raw,
         &keys,
+        &limits.entities,
         &route_classes,
         err,
     )))

@@ -4,6 +4,7 @@
 //! validated here, once; used by the route phase (a target's `max_in_flight` becomes a cap)
 //! and the wait queue (`gateway::queue`).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -30,6 +31,9 @@ pub(super) struct RawSaturation {
     /// How often the best waiter of a worker looks for a slot another worker freed.
     #[serde(default = "default_poll_ms")]
     poll_ms: u64,
+    /// The class of each named entity's keys (those that name none themselves).
+    #[serde(default)]
+    entities: BTreeMap<String, String>,
 }
 
 /// `saturation.classes[]`.
@@ -101,15 +105,19 @@ pub(crate) struct Saturation {
     pub(crate) poll: Duration,
     /// Per key index: the class its `class` names, and its `queue_weight`.
     pub(crate) key_class: Vec<Option<u8>>,
+    /// Per entity index (`LimitsConfig::entities`): the class `entities` gives it.
+    pub(crate) entity_class: Vec<Option<u8>>,
     pub(crate) key_weight: Vec<u32>,
     /// Per route index (as stored: most specific first): the class its `class` names.
     pub(crate) route_class: Vec<Option<u8>>,
 }
 
 impl Saturation {
-    /// The class a request gets from its key, else its route, else the default.
-    pub(crate) fn class_of(&self, key: Option<usize>, route: usize) -> u8 {
+    /// The class a request gets from its key, else its key's entity, else its route, else the
+    /// default.
+    pub(crate) fn class_of(&self, key: Option<usize>, entity: Option<usize>, route: usize) -> u8 {
         key.and_then(|k| self.key_class.get(k).copied().flatten())
+            .or_else(|| entity.and_then(|e| self.entity_class.get(e).copied().flatten()))
             .or_else(|| self.route_class.get(route).copied().flatten())
             .unwrap_or(self.default_class)
     }
@@ -123,11 +131,13 @@ impl Saturation {
     }
 }
 
-/// Check `[saturation]`; `keys` are each key's `(id, class, queue_weight)` and `routes` each
-/// stored route's `(pattern, class)`.
+/// Check `[saturation]`; `keys` are each key's `(id, class, queue_weight)`, `entities` the
+/// keys' entities (sorted, as `LimitsConfig::entities`) and `routes` each stored route's
+/// `(pattern, class)`.
 pub(super) fn resolve_saturation(
     raw: &RawSaturation,
     keys: &[(&str, Option<&str>, u32)],
+    entities: &[String],
     routes: &[(&str, Option<&str>)],
     err: &mut dyn FnMut(String, String),
 ) -> Saturation {
@@ -196,6 +206,21 @@ pub(super) fn resolve_saturation(
         }
         key_weight.push((*weight).clamp(1, MAX_QUEUE_WEIGHT));
     }
+    let mut entity_class = vec![None; entities.len()];
+    for (entity, class) in &raw.entities {
+        let path = format!("saturation.entities.{entity}");
+        let Ok(at) = entities.binary_search(entity) else {
+            err(path, format!("no key has the entity `{entity}`"));
+            continue;
+        };
+        match named(class) {
+            Some(c) => entity_class[at] = Some(c),
+            None => err(
+                path,
+                format!("no class named `{class}` in saturation.classes"),
+            ),
+        }
+    }
     let route_class = routes
         .iter()
         .map(|(pattern, class)| {
@@ -224,6 +249,7 @@ pub(super) fn resolve_saturation(
         poll: Duration::from_millis(raw.poll_ms.clamp(1, 1_000)),
         key_class,
         key_weight,
+        entity_class,
         route_class,
     }
 }
@@ -272,4 +298,73 @@ fn is_token(s: &str) -> bool {
         && s.len() <= 64
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    const KEYS: &str = r#"
+        [clusters.c]
+        backends = [{ base_url = "http://127.0.0.1:9/v1" }]
+        [[routes]]
+        model = "batch-*"
+        cluster = "c"
+        class = "batch"
+        [[routes]]
+        model = "*"
+        cluster = "c"
+        [[keys]]
+        id = "own"
+        sha256 = "0000000000000000000000000000000000000000000000000000000000000001"
+        entity = "evals"
+        class = "interactive"
+        [[keys]]
+        id = "by-entity"
+        sha256 = "0000000000000000000000000000000000000000000000000000000000000002"
+        entity = "evals"
+        [[keys]]
+        id = "plain"
+        sha256 = "0000000000000000000000000000000000000000000000000000000000000003"
+    "#;
+
+    /// A key's own class, else its entity's, else its route's, else the default.
+    #[test]
+    fn a_class_comes_from_the_key_then_the_entity_then_the_route() {
+        let text = format!(
+            r#"{KEYS}
+            [saturation]
+            classes = [{{ name = "interactive" }}, {{ name = "standard" }}, {{ name = "batch" }}]
+            default_class = "standard"
+            entities = {{ "evals" = "batch" }}
+            "#
+        );
+        let s = crate::config::load(&text, &|_| None).unwrap();
+        let sat = s.saturation.as_ref().unwrap();
+        let evals = s.limits.entities.binary_search(&"evals".to_string()).ok();
+        let (batch_route, any_route) = (0, 1);
+        assert_eq!(sat.class_of(Some(0), evals, any_route), 0, "the key's own");
+        assert_eq!(sat.class_of(Some(1), evals, any_route), 2, "its entity's");
+        assert_eq!(sat.class_of(Some(2), None, batch_route), 2, "the route's");
+        assert_eq!(sat.class_of(Some(2), None, any_route), 1, "the default");
+        assert_eq!(sat.class_of(None, None, any_route), 1);
+    }
+
+    #[test]
+    fn an_entity_no_key_has_or_a_class_not_defined_is_an_error() {
+        let text = format!(
+            r#"{KEYS}
+            [saturation]
+            classes = [{{ name = "interactive" }}]
+            entities = {{ "nobody" = "interactive", "evals" = "urgent" }}
+            "#
+        );
+        let errors = crate::config::load(&text, &|_| None).unwrap_err();
+        let e: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        let e = e.join("\n");
+        assert!(e.contains("saturation.entities.nobody"), "{e}");
+        assert!(e.contains("no key has the entity `nobody`"), "{e}");
+        assert!(e.contains("saturation.entities.evals"), "{e}");
+        assert!(e.contains("no class named `urgent`"), "{e}");
+    }
 }

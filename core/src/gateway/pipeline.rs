@@ -421,7 +421,8 @@ fn wait_ask<'s>(
         model,
         principal.map(|p| (p.index, p.key.entity)),
     )?;
-    let mut class = saturation.class_of(key, route);
+    let entity = principal.and_then(|p| p.key.entity);
+    let mut class = saturation.class_of(key, entity, route);
     if let Some(name) = sticky::header(request, &saturation.priority_header) {
         let asked = saturation.class_named(name).ok_or_else(|| {
             GatewayError::new(
