@@ -293,7 +293,8 @@ fn candidates<'s>(
 ) -> Result<Candidates<'s>, GatewayError> {
     // For a target's context window: the admission's own prompt estimate plus the cap.
     let needed_tokens = || {
-        crate::openai::tokens::estimate_tokens(request.body) + inspection.max_tokens.unwrap_or(0)
+        crate::openai::tokens::estimate_tokens(request.body)
+            .saturating_add(inspection.max_tokens.unwrap_or(0))
     };
     // For a sticky route: the session id, the affinity cookie and the prompt prefix's hash.
     let session_of = |rule: &crate::config::sticky::StickyRule, route: &str| {
@@ -457,7 +458,8 @@ fn wait_ask<'s>(
         return Ok(None);
     }
     let cost = if saturation.fair_by_tokens {
-        crate::openai::tokens::estimate_tokens(request.body) + inspection.max_tokens.unwrap_or(0)
+        crate::openai::tokens::estimate_tokens(request.body)
+            .saturating_add(inspection.max_tokens.unwrap_or(0))
     } else {
         1
     };

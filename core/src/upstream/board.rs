@@ -28,6 +28,10 @@ const TAG_BITS: u32 = 56;
 const TAG_MAX: u64 = (1 << TAG_BITS) - 1;
 /// A cost of 1 (one request, or one token) at weight 1 advances a tag by this much.
 pub(crate) const TAG_UNIT: u64 = 1 << 16;
+/// The most one request may cost (a million tokens, past any context window): a client's
+/// `max_tokens` is its own to choose, and an unbounded cost would push the class's clock to the
+/// end of its range at once, after which every rank in the class ties.
+const MAX_COST: u64 = 1 << 20;
 
 /// One route's queue, node-wide.
 #[derive(Debug)]
@@ -244,7 +248,7 @@ impl RouteBoard {
     /// under start-time fair queueing (see the module doc), the flow's finish moved past it.
     pub(crate) fn rank(&self, flow: usize, class: u8, cost: u64, weight: u32) -> u64 {
         let c = usize::from(class).min(self.classes.saturating_sub(1));
-        let step = cost.max(1).saturating_mul(TAG_UNIT) / u64::from(weight.max(1));
+        let step = cost.clamp(1, MAX_COST) * TAG_UNIT / u64::from(weight.max(1));
         let now = self.virtual_time.get(c).map_or(0, |v| v.load(Relaxed));
         let start = match self.finish.get(flow * self.classes + c) {
             Some(finish) => {
