@@ -363,9 +363,7 @@ async fn queued<'s>(
     };
     loop {
         let turn = place.turn(client, &|| core.drain.draining()).await;
-        obs.queued =
-            Some(crate::sys::clock::Mono::now().saturating_duration_since(place.joined_at));
-        obs.queue_outcome = place.outcome();
+        obs.waited(place.joined_at, place.outcome());
         if let Err(why) = turn {
             return (Err(place.error(why)), None);
         }
@@ -399,9 +397,9 @@ async fn queued<'s>(
     }
 }
 
-/// What a request waits with — its class (its key's, else its route's, else the default; a
-/// header may lower it), its longest wait (the class's; a header may shorten it), its key's
-/// flow and weight and its cost — with the `[saturation]` settings and the board. `None`: it
+/// What a request waits with — its class (its key's, else its entity's, else its route's, else
+/// the default; a header may lower it), its longest wait (the class's; a header may shorten
+/// it), its key's flow and weight and its cost — with the `[saturation]` settings and the board. `None`: it
 /// may not wait (0 ms). A header naming no class, or a wait that is not a number, is a 400.
 #[allow(clippy::type_complexity)] // the ask and the two things it was read against
 fn wait_ask<'s>(
@@ -630,18 +628,16 @@ async fn admit_waiting<'s>(
     };
     loop {
         let turn = place.turn(client, &|| core.drain.draining()).await;
-        obs.queued =
-            Some(crate::sys::clock::Mono::now().saturating_duration_since(place.joined_at));
-        obs.queue_outcome = place.outcome();
+        obs.waited(place.joined_at, place.outcome());
         if let Err(why) = turn {
-            let mut e = match why {
-                queue::WaitEnd::Expired => limit_error(core, caller, last),
-                _ => place_error(why),
-            };
-            if why == queue::WaitEnd::Expired {
-                e.kind = ErrorKind::LimitWaitTimeout;
-            }
-            return Err(e);
+            return Err(match why {
+                // The policy's 429, rate headers and all, as the wait's own kind.
+                queue::WaitEnd::Expired => GatewayError {
+                    kind: ErrorKind::LimitWaitTimeout,
+                    ..limit_error(core, caller, last)
+                },
+                _ => why.left_error(),
+            });
         }
         let again = admit::admit(
             core.limiter,
@@ -716,20 +712,6 @@ fn limit_place<'s>(
         max_wait,
     );
     Ok(place)
-}
-
-/// The answer to a wait that ended without room, for the ends every wait shares.
-fn place_error(why: queue::WaitEnd) -> GatewayError {
-    match why {
-        queue::WaitEnd::ClientLeft => GatewayError::new(
-            ErrorKind::ClientLeft,
-            "The client closed the connection while the request waited.",
-        ),
-        _ => GatewayError::new(
-            ErrorKind::ShuttingDown,
-            "The gateway is shutting down; the request waited and was not sent. Retry.",
-        ),
-    }
 }
 
 /// The answer to a request its limits refused: the limit's error with its rate headers, and

@@ -83,6 +83,33 @@ pub(crate) enum WaitEnd {
     Shutdown,
 }
 
+impl WaitEnd {
+    /// As `sluice_queue_total` and the access log count it.
+    pub(crate) fn outcome(self) -> QueueOutcome {
+        match self {
+            WaitEnd::Expired => QueueOutcome::Expired,
+            WaitEnd::Shed => QueueOutcome::Shed,
+            WaitEnd::ClientLeft => QueueOutcome::ClientLeft,
+            WaitEnd::Shutdown => QueueOutcome::Shutdown,
+        }
+    }
+
+    /// The answer to a wait the client ended (499), or the worker's stop (503): the same
+    /// whatever the request waited for (a deadline or a shed is each wait's own to answer).
+    pub(crate) fn left_error(self) -> GatewayError {
+        match self {
+            WaitEnd::ClientLeft => GatewayError::new(
+                ErrorKind::ClientLeft,
+                "The client closed the connection while the request waited.",
+            ),
+            _ => GatewayError::new(
+                ErrorKind::ShuttingDown,
+                "The gateway is shutting down; the request waited and was not sent. Retry.",
+            ),
+        }
+    }
+}
+
 /// What a request waits with: its rank, and until when.
 pub(crate) struct Ask {
     pub(crate) route: usize,
@@ -352,12 +379,7 @@ impl<'q> Place<'q> {
     ) -> Result<(), WaitEnd> {
         let turn = self.wait_turn(client, draining).await;
         if let Err(why) = turn {
-            self.outcome = match why {
-                WaitEnd::Expired => QueueOutcome::Expired,
-                WaitEnd::Shed => QueueOutcome::Shed,
-                WaitEnd::ClientLeft => QueueOutcome::ClientLeft,
-                WaitEnd::Shutdown => QueueOutcome::Shutdown,
-            };
+            self.outcome = why.outcome();
             self.waited = Some(Mono::now().saturating_duration_since(self.joined_at));
             self.leave();
         }
@@ -470,32 +492,23 @@ impl<'q> Place<'q> {
 
     /// The answer to a wait that ended with `why`.
     pub(crate) fn error(&self, why: WaitEnd) -> GatewayError {
-        let retry = queue_of(self.queues, self.board_addr, self.route, |q| {
-            q.retry_after()
-        });
-        let retry = Some(retry.unwrap_or(1));
-        match why {
-            WaitEnd::Expired => GatewayError::new(
+        let (kind, message) = match why {
+            WaitEnd::Expired => (
                 ErrorKind::QueueTimeout,
                 "Every upstream for this model stayed at capacity for as long as this request \
                  could wait; retry later.",
-            )
-            .with_retry_after(retry),
-            WaitEnd::Shed => GatewayError::new(
+            ),
+            WaitEnd::Shed => (
                 ErrorKind::Shed,
                 "This request was dropped from the wait queue for a request of a higher \
                  priority class; retry later.",
-            )
-            .with_retry_after(retry),
-            WaitEnd::ClientLeft => GatewayError::new(
-                ErrorKind::ClientLeft,
-                "The client closed the connection while the request waited.",
             ),
-            WaitEnd::Shutdown => GatewayError::new(
-                ErrorKind::ShuttingDown,
-                "The gateway is shutting down; the request waited and was not sent. Retry.",
-            ),
-        }
+            WaitEnd::ClientLeft | WaitEnd::Shutdown => return why.left_error(),
+        };
+        let retry = queue_of(self.queues, self.board_addr, self.route, |q| {
+            q.retry_after()
+        });
+        GatewayError::new(kind, message).with_retry_after(Some(retry.unwrap_or(1)))
     }
 
     fn leave(&mut self) {

@@ -408,6 +408,13 @@ impl Observation {
         self.json_from = from.min(self.json.len());
     }
 
+    /// The request has waited since `joined` (`[saturation]`), its wait now `outcome` (a
+    /// `sluice_queue_total` outcome label).
+    pub(crate) fn waited(&mut self, joined: Mono, outcome: &'static str) {
+        self.queued = Some(Mono::now().saturating_duration_since(joined));
+        self.queue_outcome = outcome;
+    }
+
     /// The read buffer [`Self::keep_body_read`] took, for the pool it came from (`None`: the
     /// body, if any, was copied into this observation's own buffer). A pooled observation so
     /// holds no read buffer, and the pool lends it again.

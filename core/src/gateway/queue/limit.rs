@@ -154,11 +154,7 @@ impl LimitPlace<'_> {
                 () = &mut left => break WaitEnd::ClientLeft,
             }
         };
-        self.outcome = match end {
-            WaitEnd::Expired => QueueOutcome::Expired,
-            WaitEnd::ClientLeft => QueueOutcome::ClientLeft,
-            WaitEnd::Shed | WaitEnd::Shutdown => QueueOutcome::Shutdown,
-        };
+        self.outcome = end.outcome();
         Err(end)
     }
 
